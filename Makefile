@@ -1,0 +1,29 @@
+# Every target sets up .venv by itself: torch is pinned first (a local CPU build), then the package.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.headwise-installed
+TORCH   ?= torch==2.13.0
+JOBS    ?= 2
+
+.PHONY: demo test bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/headwise tour
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -n $(JOBS) --dist loadgroup -q
+
+bench: $(STAMP)
+	$(PY) -m headwise.bench
+
+bench-quick: $(STAMP)
+	$(PY) -m headwise.bench --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,44 @@
+"""headwise: multi-head attention in which the single head is a first-class object.
+
+``import headwise`` needs only torch; :mod:`headwise.interop`, :mod:`headwise.viz` and the other optional
+parts load on first use.
+
+Example:
+    >>> import torch, headwise
+    >>> attn = headwise.MultiHeadAttention(d_model=32, n_heads=4)
+    >>> attn(torch.randn(2, 3, 32)).shape
+    torch.Size([2, 3, 32])
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import functional, masks
+from .attention import MultiHeadAttention
+from .config import AttentionConfig
+from .head import AttentionHead
+from .kv_cache import KVCache
+from .rotary import RotaryEmbedding
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionConfig",
+    "AttentionHead",
+    "MultiHeadAttention",
+    "KVCache",
+    "RotaryEmbedding",
+    "functional",
+    "masks",
+]
+
+# Optional parts, imported on first attribute access so that `import headwise` needs only torch.
+_LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "bench", "cli", "presets"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'headwise' has no attribute {name!r}")

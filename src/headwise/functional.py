@@ -1,0 +1,196 @@
+"""The functional core: splitting and merging heads, and the attention math itself.
+
+Everything here is a pure function of tensors (no modules, no parameters), so it can be read against the
+formula line by line. The modules in :mod:`headwise.attention` and :mod:`headwise.head` only hold weights
+and call these.
+
+Shapes (one glossary for the whole package):
+    b: batch, s / s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
+    d: model width (d_model), d_h: head width (d_head), g = h // h_kv: query heads per K/V head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .masks import causal_mask, combine_masks
+
+__all__ = [
+    "split_heads",
+    "merge_heads",
+    "eager_attention",
+    "sdpa_attention",
+    "attention",
+]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Expose the head axis of a packed projection: a view, never a copy.
+
+    The packed width ``h * d_h`` is reinterpreted as ``(h, d_h)`` (head ``i`` owns features
+    ``i * d_h .. (i + 1) * d_h - 1``), then heads move in front of the sequence so each head's
+    ``(s, d_h)`` block is what the kernels see.
+
+    Shapes:
+        x: (b, s, h * d_h) -> (b, h, s, d_h)
+
+    Example:
+        >>> x = torch.arange(2 * 3 * 8.).reshape(2, 3, 8)
+        >>> y = split_heads(x, 2)
+        >>> y.shape, y.data_ptr() == x.data_ptr()
+        (torch.Size([2, 2, 3, 4]), True)
+        >>> torch.equal(y[1, 1, 2], x[1, 2, 4:8])      # head 1 of token 2 is features 4..7
+        True
+    """
+    b, s, width = x.shape
+    if width % n_heads:
+        raise ValueError(f"cannot split width {width} into n_heads={n_heads} equal heads")
+    return x.view(b, s, n_heads, width // n_heads).transpose(1, 2)  # (b, h, s, d_h)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`split_heads`: transpose back, then flatten heads into features.
+
+    Flattening ``(b, h, s, d_h)`` without the transpose gives the right shape and the wrong tensor
+    (token and head coordinates get mixed); this is the classic bug, so it lives in one place.
+
+    Shapes:
+        x: (b, h, s, d_h) -> (b, s, h * d_h)
+
+    Example:
+        >>> x = torch.randn(2, 3, 8)
+        >>> torch.equal(merge_heads(split_heads(x, 2)), x)
+        True
+    """
+    b, h, s, d_h = x.shape
+    return x.transpose(1, 2).reshape(b, s, h * d_h)  # (b, s, h * d_h)
+
+
+def _causal_as_mask(mask: torch.Tensor | None, s_q: int, s_kv: int, device: torch.device) -> torch.Tensor | None:
+    return combine_masks(mask, causal_mask(s_q, s_kv, device=device))
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+    scale: float | None = None, dropout_p: float = 0.0, causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention that materialises every head's softmax: ``softmax(Q K^T * scale + mask) V``.
+
+    Under GQA query head ``i`` reads K/V head ``i // g``; the g query heads of a group are folded into
+    one matrix so K and V are never repeated in memory. Half-precision inputs are computed in float32
+    (scores of large inputs overflow float16). A row that may read nothing gets zero weights and a zero
+    context. ``causal`` is bottom-right aligned (see :mod:`headwise.masks`).
+
+    Shapes:
+        q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h); mask: broadcastable to (b, h, s_q, s_kv)
+        -> context (b, h, s_q, d_h), weights (b, h, s_q, s_kv)
+
+    Example:
+        >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+        >>> out, w = eager_attention(q, k, v)
+        >>> out.shape, w.shape, bool(torch.allclose(w.sum(-1), torch.ones(1, 4, 3)))
+        (torch.Size([1, 4, 3, 8]), torch.Size([1, 4, 3, 5]), True)
+    """
+    b, h, s_q, d_h = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    g = h // h_kv
+    scale = d_h ** -0.5 if scale is None else scale
+    out_dtype = q.dtype
+    if q.dtype in _LOW_PRECISION:
+        q, k, v = q.float(), k.float(), v.float()
+    if causal:
+        mask = _causal_as_mask(mask, s_q, s_kv, q.device)
+    q_grouped = q.reshape(b, h_kv, g * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries stacked
+    scores = (q_grouped @ k.transpose(-2, -1)).mul_(scale).view(b, h, s_q, s_kv)  # (b, h, s_q, s_kv)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    weights = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        # A fully blocked row is all -inf; softmax would give 0/0. Zero is the only answer that
+        # adds nothing to the residual stream, and it keeps NaN from genuinely bad inputs visible.
+        weights = weights.masked_fill((scores == float("-inf")).all(-1, keepdim=True), 0.0)
+    probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p > 0 else weights
+    out = probs.view(b, h_kv, g * s_q, s_kv) @ v  # (b, h_kv, g * s_q, d_h)
+    return out.view(b, h, s_q, d_h).to(out_dtype), weights.to(out_dtype)  # (b, h, s_q, d_h)
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+    scale: float | None = None, dropout_p: float = 0.0, causal: bool = False,
+) -> tuple[torch.Tensor, None]:
+    """Fused attention through ``F.scaled_dot_product_attention``: never materialises probabilities
+    when no mask is given, uses native GQA (no repeated K/V), and the kernel's own causal path.
+
+    SDPA's ``is_causal`` is top-left aligned, so it is used only when ``s_q == s_kv`` (where both
+    alignments agree); a single query reads every key and needs no mask; any other causal case gets an
+    explicit bottom-right mask.
+
+    Shapes:
+        q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h) -> context (b, h, s_q, d_h), None
+
+    Example:
+        >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+        >>> a, _ = sdpa_attention(q, k, v, causal=True)
+        >>> b, _ = eager_attention(q, k, v, causal=True)
+        >>> torch.testing.assert_close(a, b)
+    """
+    s_q, s_kv = q.shape[-2], k.shape[-2]
+    is_causal = False
+    if causal and s_q > 1:  # bottom-right: a single query reads every key, so needs no mask
+        if mask is None and s_q == s_kv:
+            is_causal = True
+        else:
+            mask = _causal_as_mask(mask, s_q, s_kv, q.device)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out, None
+
+
+_BACKENDS = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+    scale: float | None = None, dropout_p: float = 0.0, causal: bool = False, backend: str = "sdpa",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run one backend, with the edge cases every backend must agree on handled once here.
+
+    Empty queries or keys give an empty or zero context (and zero weights) instead of a kernel error.
+
+    Shapes:
+        q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h) -> (b, h, s_q, d_h), weights (b, h, s_q, s_kv) or None
+
+    Example:
+        >>> q = torch.randn(2, 4, 0, 8); k = v = torch.randn(2, 4, 5, 8)
+        >>> attention(q, k, v)[0].shape
+        torch.Size([2, 4, 0, 8])
+    """
+    try:
+        fn = _BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}") from None
+    b, h, s_q, d_h = q.shape
+    s_kv = k.shape[-2]
+    if s_q == 0 or s_kv == 0 or b == 0:
+        out = q.new_zeros(b, h, s_q, v.shape[-1])
+        weights = q.new_zeros(b, h, s_q, s_kv) if backend == "eager" else None
+        return out, weights
+    return fn(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, causal=causal)
+
+
+def available_backends() -> list[str]:
+    """Names accepted by ``backend=``.
+
+    Example:
+        >>> available_backends()
+        ['eager', 'sdpa']
+    """
+    return sorted(_BACKENDS)

@@ -1,0 +1,261 @@
+"""One attention head as an object: its own W_Q, W_K, W_V slices, its own softmax, its own context.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
+    d: model width (d_model), d_h: head width (d_head).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from torch import nn
+
+from . import functional as hwf
+from ._checks import check_input
+from .masks import validate_mask
+
+if TYPE_CHECKING:
+    from .attention import MultiHeadAttention
+    from .rotary import RotaryEmbedding
+
+__all__ = ["AttentionHead"]
+
+_WEIGHTS = ("w_q", "w_k", "w_v")
+_BIASES = ("b_q", "b_k", "b_v")
+
+
+class AttentionHead(nn.Module):
+    """A single attention head: ``softmax((x W_Q)(c W_K)^T * scale) (c W_V)``, shape ``(s_q, d_head)``.
+
+    Two kinds exist. ``attn.head(i)`` is a *view*: its weights are slices of the layer's packed
+    parameters (no copy), so writing to them changes the layer and gradients flow into the layer; it
+    owns no parameters of its own. ``AttentionHead(w_q, w_k, w_v, ...)`` is *standalone* and owns its
+    weights as parameters; :meth:`MultiHeadAttention.from_heads` packs such heads into a layer.
+
+    Under GQA/MQA a view head owns its W_Q slice and *shares* W_K/W_V with the other query heads of its
+    group (``kv_index``); changing its ``w_k`` changes every head of the group.
+
+    A head always runs the eager reference math (it exists to be inspected), without dropout. It takes
+    the layer's masks: a per-head mask ``(b, h, s_q, s_kv)`` is reduced to this head's slice.
+
+    Shapes:
+        w_q: (d, d_h); w_k: (kdim, d_h); w_v: (vdim, d_h); b_*: (d_h,) or None; w_o: (d_h, d) (view heads)
+        x: (b, s_q, d) or (s_q, d) -> (b, s_q, d_h) or (s_q, d_h); weights (b, s_q, s_kv)
+
+    Example:
+        >>> head = AttentionHead(torch.randn(16, 4), torch.randn(16, 4), torch.randn(16, 4))
+        >>> z, w = head(torch.randn(2, 5, 16), return_weights=True)
+        >>> z.shape, w.shape
+        (torch.Size([2, 5, 4]), torch.Size([2, 5, 5]))
+    """
+
+    def __init__(self, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, b_q: torch.Tensor | None = None,
+                 b_k: torch.Tensor | None = None, b_v: torch.Tensor | None = None, *, scale: float | None = None,
+                 rotary: "RotaryEmbedding | None" = None) -> None:
+        super().__init__()
+        for name, t in zip(_WEIGHTS, (w_q, w_k, w_v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a 2-D tensor (d_in, d_head), got {got}")
+        d_head = w_q.shape[1]
+        if w_k.shape[1] != d_head or w_v.shape[1] != d_head:
+            raise ValueError(f"w_q, w_k, w_v must share d_head; got {tuple(w_q.shape)}, {tuple(w_k.shape)}, "
+                             f"{tuple(w_v.shape)}")
+        if not (b_q is None) == (b_k is None) == (b_v is None):
+            raise ValueError("pass all three biases b_q, b_k, b_v or none")
+        for name, b in zip(_BIASES, (b_q, b_k, b_v)):
+            if b is not None and tuple(b.shape) != (d_head,):
+                raise ValueError(f"{name} must have shape (d_head={d_head},), got {tuple(b.shape)}")
+        self._parent: MultiHeadAttention | None = None
+        self.index = 0
+        self._n_kv_heads: int | None = None
+        self.kv_index = 0
+        for name, t in zip(_WEIGHTS + _BIASES, (w_q, w_k, w_v, b_q, b_k, b_v)):
+            self.register_parameter("_" + name, None if t is None else nn.Parameter(t.detach().clone()))
+        self.scale = d_head ** -0.5 if scale is None else float(scale)
+        self.rotary = rotary
+
+    @classmethod
+    def _view_of(cls, attn: "MultiHeadAttention", index: int) -> "AttentionHead":
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        # Not a registered submodule: the head is a window onto the layer, not its owner.
+        object.__setattr__(self, "_parent", attn)
+        self.index = index
+        self._n_kv_heads = attn.n_kv_heads
+        self.kv_index = attn.config.kv_head_of(index)
+        self.scale = attn.config.scale
+        object.__setattr__(self, "rotary", attn.rotary)
+        return self
+
+    # -- weights: own parameters, or views of the layer's ----------------------------------------------
+    def _slice(self, which: str) -> slice:
+        d_h = self._parent.d_head
+        i = self.index if which == "q" else self.kv_index
+        return slice(i * d_h, (i + 1) * d_h)
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        if self._parent is None:
+            return getattr(self, "_" + name)
+        which = name[-1]
+        proj = getattr(self._parent, f"{which}_proj")
+        if name.startswith("w_"):
+            return proj.weight[self._slice(which)].T  # (d_in, d_h), a view of the packed weight
+        return None if proj.bias is None else proj.bias[self._slice(which)]  # (d_h,)
+
+    def _set(self, name: str, value: torch.Tensor) -> None:
+        target = self._get(name)
+        if target is None:
+            raise ValueError(f"{name} does not exist on this head (the layer has no bias)")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{name} must have shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+
+    w_q = property(lambda self: self._get("w_q"), lambda self, v: self._set("w_q", v),
+                   doc="W_Q^h, (d_model, d_head): this head's queries are ``x @ w_q``.")
+    w_k = property(lambda self: self._get("w_k"), lambda self, v: self._set("w_k", v),
+                   doc="W_K^h, (kdim, d_head); shared by the heads of a K/V group.")
+    w_v = property(lambda self: self._get("w_v"), lambda self, v: self._set("w_v", v),
+                   doc="W_V^h, (vdim, d_head); shared by the heads of a K/V group.")
+    b_q = property(lambda self: self._get("b_q"), lambda self, v: self._set("b_q", v))
+    b_k = property(lambda self: self._get("b_k"), lambda self, v: self._set("b_k", v))
+    b_v = property(lambda self: self._get("b_v"), lambda self, v: self._set("b_v", v))
+
+    @property
+    def w_o(self) -> torch.Tensor:
+        """This head's rows of W_O, (d_head, d_model): the head adds ``head(x) @ w_o`` to the layer's output.
+
+        Only view heads have one (a standalone head has no layer yet).
+        """
+        if self._parent is None:
+            raise AttributeError("a standalone head has no W_O; take heads from a layer with attn.head(i)")
+        return self._parent.out_proj.weight[:, self._slice("q")].T  # (d_h, d)
+
+    @property
+    def d_model(self) -> int:
+        return self.w_q.shape[0]
+
+    @property
+    def d_head(self) -> int:
+        return self.w_q.shape[1]
+
+    @property
+    def is_view(self) -> bool:
+        """True for heads taken from a layer (weights are views of its parameters)."""
+        return self._parent is not None
+
+    # -- the head's own computation -----------------------------------------------------------------
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """This head's Q, K, V. Shapes: x (b, s_q, d), context (b, s_kv, d) -> (b, s_q, d_h), (b, s_kv, d_h) x2."""
+        src = x if context is None else context
+        q, k, v = x @ self.w_q, src @ self.w_k, src @ self.w_v
+        if self.b_q is not None:
+            q, k, v = q + self.b_q, k + self.b_k, v + self.b_v
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+                causal: bool = False, positions: torch.Tensor | None = None,
+                return_weights: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This head's context vectors, computed alone.
+
+        Shapes:
+            x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); mask: broadcastable to (b, h, s_q, s_kv)
+            -> (b, s_q, d_h) [, weights (b, s_q, s_kv)]
+        """
+        w_q = self.w_q
+        x = check_input("x", x, w_q.shape[0], "d_model", w_q.dtype, w_q.device)
+        batched = x.dim() == 3
+        if context is not None:
+            context = check_input("context", context, self.w_k.shape[0], "kdim", w_q.dtype, w_q.device,
+                                  batched=batched)
+        if not batched:
+            x = x.unsqueeze(0)
+            context = None if context is None else context.unsqueeze(0)
+        if context is not None and context.shape[0] != x.shape[0]:
+            raise ValueError(f"batch mismatch: x has b={x.shape[0]}, context has b={context.shape[0]}")
+        q, k, v = (t.unsqueeze(1) for t in self.project(x, context))  # (b, 1, s, d_h)
+        if self.rotary is not None and context is None:
+            pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
+            q, k = self.rotary.rotate(q, k, pos)
+        if mask is not None:
+            if mask.dim() == 4 and mask.shape[1] > 1:
+                mask = mask[:, self.index:self.index + 1]  # this head's row of a per-head mask
+            mask = validate_mask(mask, (q.shape[0], 1, q.shape[2], k.shape[2]), q.dtype, q.device)
+        out, weights = hwf.attention(q, k, v, mask=mask, scale=self.scale, causal=causal, backend="eager")
+        out, weights = out[:, 0], weights[:, 0]  # (b, s_q, d_h), (b, s_q, s_kv)
+        if not batched:
+            out, weights = out[0], weights[0]
+        return (out, weights) if return_weights else out
+
+    def detach_copy(self) -> "AttentionHead":
+        """A standalone head with copies of this head's weights (independent of the layer)."""
+        return AttentionHead(self.w_q, self.w_k, self.w_v, self.b_q, self.b_k, self.b_v, scale=self.scale,
+                             rotary=self.rotary)
+
+    def extra_repr(self) -> str:
+        where = f"view of head {self.index} (kv head {self.kv_index})" if self.is_view else "standalone"
+        return f"d_model={self.d_model}, d_head={self.d_head}, {where}"
+
+
+def pack_heads(cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_kv_heads: int | None,
+               backend: str) -> "MultiHeadAttention":
+    """Implementation of :meth:`MultiHeadAttention.from_heads`."""
+    from .config import AttentionConfig
+
+    heads = list(heads)
+    if not heads or not all(isinstance(h, AttentionHead) for h in heads):
+        raise TypeError("from_heads needs a non-empty sequence of AttentionHead")
+    if not isinstance(out_proj, nn.Linear):
+        raise TypeError(f"out_proj must be an nn.Linear, got {type(out_proj).__name__}")
+    first = heads[0]
+    d_model, d_head = first.d_model, first.d_head
+    kdim, vdim = first.w_k.shape[0], first.w_v.shape[0]
+    has_bias = first.b_q is not None
+    for i, h in enumerate(heads):
+        shapes = (h.w_q.shape, h.w_k.shape, h.w_v.shape)
+        if shapes != (first.w_q.shape, first.w_k.shape, first.w_v.shape):
+            raise ValueError(f"head {i} has weight shapes {[tuple(s) for s in shapes]}, head 0 has "
+                             f"{[tuple(first.w_q.shape), tuple(first.w_k.shape), tuple(first.w_v.shape)]}")
+        if (h.b_q is not None) != has_bias or h.w_q.dtype != first.w_q.dtype or h.scale != first.scale:
+            raise ValueError(f"head {i} differs from head 0 in bias presence, dtype or scale")
+    n = len(heads)
+    if n_kv_heads is None:
+        recorded = {h._n_kv_heads for h in heads}
+        n_kv_heads = recorded.pop() if len(recorded) == 1 and None not in recorded else n
+    if n % n_kv_heads:
+        raise ValueError(f"n_kv_heads={n_kv_heads} does not divide the {n} heads given")
+    group = n // n_kv_heads
+    for g in range(n_kv_heads):
+        ref = heads[g * group]
+        for j in range(g * group + 1, (g + 1) * group):
+            for name in ("w_k", "w_v", "b_k", "b_v"):
+                a, b = getattr(ref, name), getattr(heads[j], name)
+                if a is not None and not torch.equal(a, b):
+                    raise ValueError(
+                        f"heads {g * group} and {j} share K/V head {g} (n_kv_heads={n_kv_heads}) but their "
+                        f"{name} differ; pass n_kv_heads={n} to keep separate K/V heads"
+                    )
+    expected = (d_model, n * d_head)
+    if tuple(out_proj.weight.shape) != expected:
+        raise ValueError(f"out_proj must map h * d_head = {n * d_head} -> d_model = {d_model} (weight "
+                         f"{expected}), got weight {tuple(out_proj.weight.shape)}")
+    cfg = AttentionConfig(d_model=d_model, n_heads=n, n_kv_heads=n_kv_heads, d_head=d_head, bias=has_bias,
+                          out_bias=out_proj.bias is not None, kdim=kdim, vdim=vdim, scale=first.scale)
+    w = first.w_q
+    attn = cls.from_config(cfg, rotary=first.rotary, backend=backend, device=w.device, dtype=w.dtype)
+    kv_heads = [heads[g * group] for g in range(n_kv_heads)]
+    with torch.no_grad():
+        attn.q_proj.weight.copy_(torch.cat([h.w_q.T for h in heads]))
+        attn.k_proj.weight.copy_(torch.cat([h.w_k.T for h in kv_heads]))
+        attn.v_proj.weight.copy_(torch.cat([h.w_v.T for h in kv_heads]))
+        attn.out_proj.weight.copy_(out_proj.weight)
+        if has_bias:
+            attn.q_proj.bias.copy_(torch.cat([h.b_q for h in heads]))
+            attn.k_proj.bias.copy_(torch.cat([h.b_k for h in kv_heads]))
+            attn.v_proj.bias.copy_(torch.cat([h.b_v for h in kv_heads]))
+        if out_proj.bias is not None:
+            attn.out_proj.bias.copy_(out_proj.bias)
+    return attn

@@ -1,0 +1,108 @@
+"""A preallocated key/value cache for autoregressive decoding.
+
+It stores only the ``n_kv_heads`` K/V heads (GQA and MQA shrink it by ``n_heads / n_kv_heads``), in
+buffers allocated once, so decoding never reallocates or copies what is already cached. Every write is
+validated before anything is touched: a write that fails leaves the cache exactly as it was.
+
+Shapes:
+    b: batch, h_kv: key/value heads, s: new tokens, d_h: head width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["KVCache"]
+
+
+class KVCache(nn.Module):
+    """Key/value buffers of one attention layer.
+
+    Memory: ``2 * b * max_len * n_kv_heads * d_head * itemsize`` bytes (:attr:`nbytes`).
+
+    Shapes:
+        keys, values: (b, h_kv, max_len, d_h); the filled prefix is ``[:, :, :length]``.
+
+    Example:
+        >>> cache = KVCache(batch_size=2, max_len=16, n_kv_heads=4, d_head=8)
+        >>> cache.nbytes == 2 * 2 * 16 * 4 * 8 * 4
+        True
+        >>> k, v = cache.update(torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8))
+        >>> k.shape, cache.length
+        (torch.Size([2, 4, 3, 8]), 3)
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __init__(self, batch_size: int, max_len: int, n_kv_heads: int, d_head: int, *,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        for name, value in (("batch_size", batch_size), ("max_len", max_len), ("n_kv_heads", n_kv_heads),
+                            ("d_head", d_head)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        dtype = dtype or torch.get_default_dtype()
+        shape = (batch_size, n_kv_heads, max_len, d_head)
+        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.batch_size, self.max_len, self.n_kv_heads, self.d_head = batch_size, max_len, n_kv_heads, d_head
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Number of positions written so far (the next write starts here)."""
+        return self._length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the key and value buffers."""
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers are kept; stale values are never read)."""
+        self._length = 0
+
+    def check_update(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise, without writing, if ``k``/``v`` cannot be appended."""
+        expected = (self.batch_size, self.n_kv_heads, k.shape[-2] if k.dim() == 4 else -1, self.d_head)
+        for name, t in (("keys", k), ("values", v)):
+            if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (expected[0], expected[1], expected[3]):
+                raise ValueError(
+                    f"cache {name} must have shape (b={self.batch_size}, h_kv={self.n_kv_heads}, s, "
+                    f"d_h={self.d_head}), got {tuple(t.shape)}"
+                )
+            if t.dtype != self.keys.dtype:
+                raise TypeError(f"cache holds {self.keys.dtype}, got {name} of dtype {t.dtype}")
+            if t.device != self.keys.device:
+                raise ValueError(f"cache is on {self.keys.device}, got {name} on {t.device}")
+        if k.shape[-2] != v.shape[-2]:
+            raise ValueError(f"keys and values must have the same length, got {k.shape[-2]} and {v.shape[-2]}")
+        if self._length + k.shape[-2] > self.max_len:
+            raise ValueError(
+                f"cache overflow: {self._length} cached + {k.shape[-2]} new > max_len={self.max_len}; "
+                f"allocate a larger cache or reset() it"
+            )
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new keys/values; return views of everything cached so far (no copy).
+
+        Shapes:
+            k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each
+        """
+        self.check_update(k, v)
+        start, end = self._length, self._length + k.shape[-2]
+        with torch.no_grad():
+            self.keys[:, :, start:end].copy_(k)
+            self.values[:, :, start:end].copy_(v)
+        self._length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]  # (b, h_kv, length, d_h)
+
+    def extra_repr(self) -> str:
+        return (f"batch_size={self.batch_size}, max_len={self.max_len}, n_kv_heads={self.n_kv_heads}, "
+                f"d_head={self.d_head}, length={self._length}, dtype={self.keys.dtype}")

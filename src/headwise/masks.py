@@ -1,0 +1,203 @@
+"""Masks: which key positions each query (of each head) may read.
+
+One convention everywhere in headwise: a **bool mask is True where attention is allowed**; a floating
+mask is **added to the scores** (0 = allowed, ``-inf`` = blocked). Both broadcast to ``(b, h, s_q, s_kv)``.
+This is SDPA's convention and the opposite of ``nn.MultiheadAttention``'s ``key_padding_mask``
+(True = ignore); :func:`padding_mask` takes lengths or a keep-mask so the polarity is never guessed.
+
+Causal masks come in two alignments, and they differ only when ``s_q != s_kv``:
+
+* ``"bottom_right"`` (headwise's default, and what decoding needs): query ``i`` sits at absolute position
+  ``s_kv - s_q + i`` and reads keys ``0 .. s_kv - s_q + i``. A single new token reads the whole cache.
+* ``"top_left"``: query ``i`` reads keys ``0 .. i`` (what ``F.scaled_dot_product_attention(is_causal=True)``
+  does when ``s_q != s_kv``).
+
+A query row that may read no key at all yields a zero context and zero weights, never NaN.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "causal_mask",
+    "padding_mask",
+    "sliding_window_mask",
+    "combine_masks",
+    "validate_mask",
+    "ALIGNMENTS",
+]
+
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def _check_align(align: str) -> None:
+    if align not in ALIGNMENTS:
+        raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+
+
+def _check_len(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def causal_mask(
+    s_q: int, s_kv: int | None = None, *, align: str = "bottom_right", device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Bool causal mask, True where query ``i`` may read key ``j``.
+
+    Shapes:
+        returns (s_q, s_kv), broadcastable to (b, h, s_q, s_kv).
+
+    Example:
+        >>> causal_mask(2, 3).int().tolist()          # bottom-right: the 2 queries are positions 1, 2
+        [[1, 1, 0], [1, 1, 1]]
+        >>> causal_mask(2, 3, align="top_left").int().tolist()
+        [[1, 0, 0], [1, 1, 0]]
+    """
+    s_kv = s_q if s_kv is None else s_kv
+    _check_len("s_q", s_q)
+    _check_len("s_kv", s_kv)
+    _check_align(align)
+    offset = s_kv - s_q if align == "bottom_right" else 0
+    i = torch.arange(s_q, device=device).unsqueeze(-1)
+    j = torch.arange(s_kv, device=device)
+    return j <= i + offset
+
+
+def sliding_window_mask(
+    s_q: int, s_kv: int | None = None, *, window: int, align: str = "bottom_right",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Causal mask that also forgets keys more than ``window - 1`` positions back (Mistral-style).
+
+    Query at absolute position p reads keys ``p - window + 1 .. p``.
+
+    Shapes:
+        returns (s_q, s_kv) bool.
+
+    Example:
+        >>> sliding_window_mask(4, window=2).int().tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    """
+    s_kv = s_q if s_kv is None else s_kv
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    allowed = causal_mask(s_q, s_kv, align=align, device=device)
+    offset = s_kv - s_q if align == "bottom_right" else 0
+    i = torch.arange(s_q, device=device).unsqueeze(-1) + offset
+    j = torch.arange(s_kv, device=device)
+    return allowed & (j > i - window)
+
+
+def padding_mask(
+    keep: torch.Tensor | None = None, *, lengths: torch.Tensor | list[int] | None = None,
+    s_kv: int | None = None, left: bool = False,
+) -> torch.Tensor:
+    """Key padding mask shaped to broadcast over heads and queries, True = real token.
+
+    Pass either ``keep`` (bool ``(b, s_kv)``, True = real token; Hugging Face's ``attention_mask``
+    as bool) or ``lengths`` with ``s_kv`` (padding on the right, or on the left with ``left=True``).
+    To convert ``nn.MultiheadAttention``'s ``key_padding_mask`` (True = ignore), pass ``keep=~kpm``.
+
+    Shapes:
+        keep: (b, s_kv) -> returns (b, 1, 1, s_kv).
+
+    Example:
+        >>> padding_mask(lengths=[2, 3], s_kv=3)[:, 0, 0].int().tolist()
+        [[1, 1, 0], [1, 1, 1]]
+        >>> padding_mask(lengths=[2], s_kv=3, left=True)[:, 0, 0].int().tolist()
+        [[0, 1, 1]]
+    """
+    if (keep is None) == (lengths is None):
+        raise ValueError("pass exactly one of keep= (bool (b, s_kv)) or lengths= (with s_kv=)")
+    if keep is not None:
+        if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.dim() != 2:
+            got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+            raise TypeError(f"keep must be a bool tensor of shape (b, s_kv), got {got}")
+        return keep[:, None, None, :]  # (b, 1, 1, s_kv)
+    lengths_t = torch.as_tensor(lengths)
+    if lengths_t.dim() != 1 or lengths_t.dtype.is_floating_point or lengths_t.dtype == torch.bool:
+        raise TypeError(f"lengths must be a 1-D integer sequence (b,), got {tuple(lengths_t.shape)} {lengths_t.dtype}")
+    if s_kv is None:
+        s_kv = int(lengths_t.max()) if lengths_t.numel() else 0
+    if lengths_t.numel() and (int(lengths_t.min()) < 0 or int(lengths_t.max()) > s_kv):
+        raise ValueError(f"lengths must lie in [0, s_kv={s_kv}], got {lengths_t.tolist()}")
+    j = torch.arange(s_kv, device=lengths_t.device)
+    keep_t = j >= (s_kv - lengths_t[:, None]) if left else j < lengths_t[:, None]
+    return keep_t[:, None, None, :]  # (b, 1, 1, s_kv)
+
+
+def combine_masks(*masks: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """Intersect masks: a position is allowed only if every mask allows it.
+
+    Bool masks are and-ed; if any mask is floating, the result is an additive mask (bool masks become
+    ``0 / -inf``) of ``dtype`` (default: the first floating mask's dtype). ``None`` entries are skipped.
+
+    Shapes:
+        each mask broadcastable to (b, h, s_q, s_kv); returns their broadcast shape.
+
+    Example:
+        >>> a = causal_mask(3)
+        >>> b = padding_mask(lengths=[2], s_kv=3)
+        >>> combine_masks(a, b)[0, 0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [1, 1, 0]]
+    """
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    for m in present:
+        _check_dtype(m)
+    floats = [m for m in present if m.dtype.is_floating_point]
+    if not floats:
+        out = present[0]
+        for m in present[1:]:
+            out = out & m
+        return out
+    dtype = dtype or floats[0].dtype
+    out = None
+    for m in present:
+        add = _to_additive(m, dtype)
+        out = add if out is None else out + add
+    return out
+
+
+def _to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _check_dtype(mask: torch.Tensor) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor (bool: True = may attend; or floating: added to scores), "
+                        f"got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(f"mask must be bool (True = may attend) or floating (added to the scores), got {mask.dtype}")
+
+
+def validate_mask(mask: torch.Tensor, target: tuple[int, int, int, int], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """Check that ``mask`` broadcasts to ``target = (b, h, s_q, s_kv)``; return it ready for a kernel.
+
+    Floating masks are cast to the query dtype (SDPA requires it); bool masks pass unchanged.
+
+    Shapes:
+        mask: broadcastable to (b, h, s_q, s_kv).
+    """
+    _check_dtype(mask)
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device}, but the inputs are on {device}")
+    shape = tuple(mask.shape)
+    ok = len(shape) <= 4 and all(m in (1, t) for m, t in zip(reversed(shape), reversed(target)))
+    if not ok:
+        raise ValueError(
+            f"mask of shape {shape} does not broadcast to (b, h, s_q, s_kv) = {tuple(target)}; "
+            f"use (s_q, s_kv), (b, 1, s_q, s_kv), (b, 1, 1, s_kv) or (b, h, s_q, s_kv)"
+        )
+    if mask.dtype.is_floating_point and mask.dtype != dtype:
+        mask = mask.to(dtype)
+    return mask

@@ -1,0 +1,104 @@
+"""Rotary position embeddings (RoPE), Hugging Face's half-rotation convention.
+
+The head width is split in two halves ``(x1, x2)``; feature pair ``(x1[i], x2[i])`` is rotated by angle
+``position * inv_freq[i]`` with ``inv_freq[i] = base ** (-2i / rotary_dim)``. Applied to Q and K of every
+head separately, after the head split, so it never mixes heads.
+
+Shapes:
+    b: batch, h: heads, s: sequence, d_h: head width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["RotaryEmbedding", "rotate_half", "apply_rotary"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` on the last axis.
+
+    Example:
+        >>> rotate_half(torch.tensor([1., 2., 3., 4.])).tolist()
+        [-3.0, -4.0, 1.0, 2.0]
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` features of each head; the rest pass through.
+
+    Shapes:
+        x: (b, h, s, d_h); cos, sin: (b, 1, s, r) or (1, 1, s, r) with r <= d_h even -> (b, h, s, d_h)
+    """
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary embedding for one layer's heads; pass it as ``MultiHeadAttention(..., rotary=...)``.
+
+    Args:
+        d_head: head width the rotation applies to.
+        base: the theta of the frequencies (10000 for Llama-2, 500000 for Llama-3).
+        rotary_dim: rotate only the first ``rotary_dim`` features of each head (default: all).
+        inv_freq: explicit inverse frequencies ``(rotary_dim // 2,)``, for scaled variants (e.g. Llama-3's
+            rope scaling) computed elsewhere; overrides ``base``.
+        attention_scaling: multiplies cos and sin (used by some scaled-RoPE variants; 1.0 otherwise).
+
+    Shapes:
+        positions: (s,) or (b, s) int -> cos, sin: (b or 1, 1, s, rotary_dim), float32
+
+    Example:
+        >>> rope = RotaryEmbedding(8)
+        >>> q = torch.randn(1, 2, 3, 8)
+        >>> cos, sin = rope(torch.arange(3))
+        >>> q_rot = apply_rotary(q, cos, sin)
+        >>> torch.testing.assert_close(q_rot.norm(dim=-1), q.norm(dim=-1))   # a rotation keeps norms
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, d_head: int, *, base: float = 10000.0, rotary_dim: int | None = None,
+                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        rotary_dim = d_head if rotary_dim is None else rotary_dim
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d_head:
+            raise ValueError(f"rotary_dim must be even and in (0, d_head={d_head}], got {rotary_dim}")
+        if inv_freq is None:
+            if not base > 0:
+                raise ValueError(f"base must be positive, got {base}")
+            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        elif tuple(inv_freq.shape) != (rotary_dim // 2,):
+            raise ValueError(f"inv_freq must have shape ({rotary_dim // 2},), got {tuple(inv_freq.shape)}")
+        self.d_head, self.rotary_dim, self.base = d_head, rotary_dim, base
+        self.attention_scaling = float(attention_scaling)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)  # (1, s)
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (b, s, r / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (b, s, r)
+        cos = (emb.cos() * self.attention_scaling)[:, None]  # (b, 1, s, r)
+        sin = (emb.sin() * self.attention_scaling)[:, None]  # (b, 1, s, r)
+        return cos, sin
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate Q and K at their positions, computing in float32 and returning the input dtype
+        (as Hugging Face does).
+
+        Shapes:
+            q: (b, h, s, d_h); k: (b, h_kv, s, d_h); positions: (s,) or (b, s)
+        """
+        cos, sin = self(positions)
+        return (apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)),
+                apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype)))
+
+    def extra_repr(self) -> str:
+        return f"d_head={self.d_head}, rotary_dim={self.rotary_dim}, base={self.base}"
