@@ -1,0 +1,31 @@
+"""Conversions between headwise and other attention implementations, one file per source format.
+
+* :mod:`headwise.interop.torch_mha`: ``torch.nn.MultiheadAttention`` (``from_torch`` / ``to_torch``).
+* :mod:`headwise.interop.hf`: Hugging Face BERT, GPT-2 and Llama-family attention (``patch`` / ``unpatch`` /
+  ``from_hf`` / ``to_hf`` / ``layers``); needs the optional ``transformers`` package.
+
+Names are resolved on first use, so importing this package imports neither peer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "from_torch": "torch_mha",
+    "to_torch": "torch_mha",
+    "patch": "hf",
+    "unpatch": "hf",
+    "from_hf": "hf",
+    "to_hf": "hf",
+    "layers": "hf",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'headwise.interop' has no attribute {name!r}")
