@@ -11,15 +11,18 @@ Shapes:
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 __all__ = ["KVCache"]
 
 
-class KVCache(nn.Module):
+class KVCache:
     """Key/value buffers of one attention layer.
 
     Memory: ``2 * b * max_len * n_kv_heads * d_head * itemsize`` bytes (:attr:`nbytes`).
+
+    A plain object rather than an ``nn.Module`` on purpose: ``torch.compile`` treats integer attributes of
+    modules as constants, so a module's ``length`` would recompile the decode step at every position;
+    a plain attribute becomes a dynamic size after the first recompile, and one graph serves all positions.
 
     Shapes:
         keys, values: (b, h_kv, max_len, d_h); the filled prefix is ``[:, :, :length]``.
@@ -38,15 +41,14 @@ class KVCache(nn.Module):
 
     def __init__(self, batch_size: int, max_len: int, n_kv_heads: int, d_head: int, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
-        super().__init__()
         for name, value in (("batch_size", batch_size), ("max_len", max_len), ("n_kv_heads", n_kv_heads),
                             ("d_head", d_head)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         dtype = dtype or torch.get_default_dtype()
         shape = (batch_size, n_kv_heads, max_len, d_head)
-        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.batch_size, self.max_len, self.n_kv_heads, self.d_head = batch_size, max_len, n_kv_heads, d_head
         self._length = 0
 
@@ -103,6 +105,6 @@ class KVCache(nn.Module):
         self._length = end
         return self.keys[:, :, :end], self.values[:, :, :end]  # (b, h_kv, length, d_h)
 
-    def extra_repr(self) -> str:
-        return (f"batch_size={self.batch_size}, max_len={self.max_len}, n_kv_heads={self.n_kv_heads}, "
-                f"d_head={self.d_head}, length={self._length}, dtype={self.keys.dtype}")
+    def __repr__(self) -> str:
+        return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, n_kv_heads={self.n_kv_heads}, "
+                f"d_head={self.d_head}, length={self._length}, dtype={self.keys.dtype})")
