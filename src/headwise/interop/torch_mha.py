@@ -1,0 +1,203 @@
+"""Conversions between ``torch.nn.MultiheadAttention`` and headwise's :class:`MultiHeadAttention`.
+
+``nn.MultiheadAttention`` stores W_Q, W_K, W_V either packed in one ``in_proj_weight`` ``(3d, d)`` (when
+``kdim == vdim == embed_dim``) or as three separate matrices ``q_proj_weight`` ``(d, d)``,
+``k_proj_weight`` ``(d, kdim)``, ``v_proj_weight`` ``(d, vdim)``; the biases are always packed in
+``in_proj_bias`` ``(3d,)``. headwise keeps one ``nn.Linear`` per projection; both store weights as
+``(out, in)``, so the conversion is a row split of ``in_proj_weight`` and nothing is transposed.
+
+Calling conventions differ in three places, all handled by :func:`torch_masks_to_headwise`:
+
+* ``key_padding_mask`` (bool): True = **ignore** the key; headwise bool masks are True = **may attend**.
+* ``attn_mask`` (bool): True = **not allowed**; again the opposite of headwise. Float masks are added to the
+  scores in both libraries. A 3-D ``attn_mask`` ``(b * h, s_q, s_kv)`` becomes ``(b, h, s_q, s_kv)``.
+* ``is_causal=True`` is only a hint that ``attn_mask`` is the causal mask; headwise's ``causal=True`` is
+  the same mask when ``s_q == s_kv`` (headwise aligns causal masks bottom-right when ``s_q != s_kv``).
+
+The layer returned by :func:`from_torch` is always batch-first: transpose ``(s, b, d)`` inputs of a
+``batch_first=False`` module to ``(b, s, d)``. It returns per-head weights ``(b, h, s_q, s_kv)``; torch's
+``average_attn_weights=True`` is their mean over heads, ``weights.mean(1)``.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: heads, d: model width (``embed_dim``),
+    d_h: head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..attention import MultiHeadAttention
+from ..config import AttentionConfig
+from ..masks import combine_masks, padding_mask
+
+__all__ = ["from_torch", "to_torch", "torch_masks_to_headwise"]
+
+
+def from_torch(m: nn.MultiheadAttention, *, backend: str = "sdpa") -> MultiHeadAttention:
+    """A headwise layer with ``m``'s weights (copied), biases, dropout, kdim/vdim, dtype and device.
+
+    The result is batch-first whatever ``m.batch_first`` is, and in ``m``'s train/eval mode.
+    ``add_bias_kv`` and ``add_zero_attn`` have no headwise equivalent and raise ``ValueError``.
+
+    Shapes:
+        in_proj_weight (3d, d) -> q_proj, k_proj, v_proj weights (d, d) each;
+        or q_proj_weight (d, d), k_proj_weight (d, kdim), v_proj_weight (d, vdim);
+        in_proj_bias (3d,) -> three (d,) biases; out_proj (d, d) -> out_proj.
+        Calls: attn(x) (b, s, d) -> (b, s, d); attn(q, key=k, value=v) with k (b, s_kv, kdim), v (b, s_kv, vdim).
+
+    Example:
+        >>> m = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+        >>> attn = from_torch(m)
+        >>> x = torch.randn(2, 5, 16)
+        >>> torch.testing.assert_close(attn(x), m(x, x, x, need_weights=False)[0])
+    """
+    if not isinstance(m, nn.MultiheadAttention):
+        raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
+    unsupported = []
+    if m.bias_k is not None or m.bias_v is not None:
+        unsupported.append("add_bias_kv=True (learned bias_k/bias_v appended as an extra key/value)")
+    if m.add_zero_attn:
+        unsupported.append("add_zero_attn=True (an extra all-zero key/value)")
+    if unsupported:
+        raise ValueError("headwise does not model these nn.MultiheadAttention features: "
+                         + "; ".join(unsupported) + ". Rebuild the module without them to convert it.")
+    d, h = m.embed_dim, m.num_heads
+    has_bias = m.in_proj_bias is not None
+    config = AttentionConfig(d_model=d, n_heads=h, bias=has_bias, out_bias=m.out_proj.bias is not None,
+                             dropout=float(m.dropout), kdim=m.kdim, vdim=m.vdim)
+    if m._qkv_same_embed_dim:
+        w = m.in_proj_weight
+        w_q, w_k, w_v = w[:d], w[d:2 * d], w[2 * d:]
+    else:
+        w_q, w_k, w_v = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+    attn = MultiHeadAttention.from_config(config, backend=backend, device=w_q.device, dtype=w_q.dtype)
+    with torch.no_grad():
+        for proj, weight in ((attn.q_proj, w_q), (attn.k_proj, w_k), (attn.v_proj, w_v)):
+            proj.weight.copy_(weight)
+        if has_bias:
+            b = m.in_proj_bias
+            for proj, bias in ((attn.q_proj, b[:d]), (attn.k_proj, b[d:2 * d]), (attn.v_proj, b[2 * d:])):
+                proj.bias.copy_(bias)
+        attn.out_proj.weight.copy_(m.out_proj.weight)
+        if m.out_proj.bias is not None:
+            attn.out_proj.bias.copy_(m.out_proj.bias)
+    attn.train(m.training)
+    return attn
+
+
+def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
+    """An ``nn.MultiheadAttention`` with ``attn``'s weights (copied), dtype, device and train/eval mode.
+
+    Packed ``in_proj_weight`` when ``kdim == vdim == d_model``, else separate ``q/k/v_proj_weight``
+    (torch decides the layout from kdim/vdim). Layers torch cannot express raise ``ValueError``:
+    GQA/MQA, ``n_heads * d_head != d_model``, ``out_bias != bias``, a non-default scale, rotary.
+
+    Shapes:
+        q_proj, k_proj, v_proj weights (d, d), (d, kdim), (d, vdim) -> in_proj_weight (3d, d) or
+        q_proj_weight, k_proj_weight, v_proj_weight; biases -> in_proj_bias (3d,).
+
+    Example:
+        >>> attn = MultiHeadAttention(d_model=16, n_heads=4)
+        >>> m = to_torch(attn)
+        >>> m.in_proj_weight.shape, m.batch_first
+        (torch.Size([48, 16]), True)
+        >>> bool(torch.equal(m.in_proj_weight[16:32], attn.k_proj.weight))
+        True
+    """
+    if not isinstance(attn, MultiHeadAttention):
+        raise TypeError(f"to_torch expects a headwise MultiHeadAttention, got {type(attn).__name__}")
+    cfg = attn.config
+    problems = []
+    if cfg.n_kv_heads != cfg.n_heads:
+        problems.append(f"{cfg.kind} (n_kv_heads={cfg.n_kv_heads} != n_heads={cfg.n_heads}); "
+                        "nn.MultiheadAttention has one K/V head per query head")
+    if cfg.inner_dim != cfg.d_model:
+        problems.append(f"n_heads * d_head = {cfg.n_heads} * {cfg.d_head} = {cfg.inner_dim} != d_model={cfg.d_model}; "
+                        "nn.MultiheadAttention needs d_head = d_model / n_heads")
+    if cfg.out_bias != cfg.bias:
+        problems.append(f"out_bias={cfg.out_bias} != bias={cfg.bias}; nn.MultiheadAttention has one bias flag")
+    if not math.isclose(cfg.scale, cfg.d_head ** -0.5, rel_tol=1e-12):
+        problems.append(f"scale={cfg.scale} != 1/sqrt(d_head)={cfg.d_head ** -0.5}; nn.MultiheadAttention "
+                        "always scales by 1/sqrt(d_head)")
+    if attn.rotary is not None:
+        problems.append("rotary position embeddings; nn.MultiheadAttention has none")
+    if problems:
+        raise ValueError("cannot express this layer as nn.MultiheadAttention: " + "; ".join(problems))
+    w = attn.q_proj.weight
+    m = nn.MultiheadAttention(cfg.d_model, cfg.n_heads, dropout=cfg.dropout, bias=cfg.bias, kdim=cfg.kdim,
+                              vdim=cfg.vdim, batch_first=batch_first, device=w.device, dtype=w.dtype)
+    d = cfg.d_model
+    with torch.no_grad():
+        if m._qkv_same_embed_dim:
+            m.in_proj_weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        else:
+            m.q_proj_weight.copy_(attn.q_proj.weight)
+            m.k_proj_weight.copy_(attn.k_proj.weight)
+            m.v_proj_weight.copy_(attn.v_proj.weight)
+        if cfg.bias:
+            m.in_proj_bias[:d].copy_(attn.q_proj.bias)
+            m.in_proj_bias[d:2 * d].copy_(attn.k_proj.bias)
+            m.in_proj_bias[2 * d:].copy_(attn.v_proj.bias)
+            m.out_proj.bias.copy_(attn.out_proj.bias)
+        m.out_proj.weight.copy_(attn.out_proj.weight)
+    m.train(attn.training)
+    return m
+
+
+def torch_masks_to_headwise(
+    attn_mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None, *,
+    n_heads: int | None = None,
+) -> torch.Tensor | None:
+    """Turn ``nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask`` into one headwise mask.
+
+    Bool masks flip polarity (torch: True = blocked / ignored; headwise: True = may attend); float masks
+    are additive in both and pass through. Two bool masks give a bool mask; any float mask gives an
+    additive one (blocked = ``-inf``), as torch merges them. A 3-D ``attn_mask`` ``(b * h, s_q, s_kv)``
+    needs ``n_heads``. ``is_causal`` needs no conversion: pass ``causal=True`` to headwise instead of the
+    causal ``attn_mask`` (identical when ``s_q == s_kv``).
+
+    Shapes:
+        attn_mask: (s_q, s_kv) or (b * h, s_q, s_kv); key_padding_mask: (b, s_kv) or (s_kv,) (unbatched)
+        -> broadcastable to (b, h, s_q, s_kv), or None when both are None
+
+    Example:
+        >>> kpm = torch.tensor([[False, False, True]])            # torch: ignore key 2
+        >>> causal = torch.ones(3, 3, dtype=torch.bool).triu(1)    # torch: True = not allowed
+        >>> torch_masks_to_headwise(causal, kpm)[0, 0].int().tolist()
+        [[1, 0, 0], [1, 1, 0], [1, 1, 0]]
+    """
+    masks = []
+    if attn_mask is not None:
+        _check_mask("attn_mask", attn_mask)
+        if attn_mask.dim() == 3:
+            if n_heads is None:
+                raise ValueError(f"a 3-D attn_mask {tuple(attn_mask.shape)} is (b * h, s_q, s_kv): pass n_heads=")
+            if attn_mask.shape[0] % n_heads:
+                raise ValueError(f"attn_mask has {attn_mask.shape[0]} rows in dim 0, not a multiple of "
+                                 f"n_heads={n_heads} (expected (b * h, s_q, s_kv))")
+            attn_mask = attn_mask.reshape(-1, n_heads, *attn_mask.shape[1:])  # (b, h, s_q, s_kv)
+        elif attn_mask.dim() != 2:
+            raise ValueError(f"attn_mask must be (s_q, s_kv) or (b * h, s_q, s_kv), got {tuple(attn_mask.shape)}")
+        masks.append(~attn_mask if attn_mask.dtype == torch.bool else attn_mask)
+    if key_padding_mask is not None:
+        _check_mask("key_padding_mask", key_padding_mask)
+        if key_padding_mask.dim() == 1:
+            key_padding_mask = key_padding_mask.unsqueeze(0)  # unbatched: (1, s_kv)
+        if key_padding_mask.dim() != 2:
+            raise ValueError(f"key_padding_mask must be (b, s_kv) or (s_kv,), got {tuple(key_padding_mask.shape)}")
+        if key_padding_mask.dtype == torch.bool:
+            masks.append(padding_mask(keep=~key_padding_mask))  # (b, 1, 1, s_kv)
+        else:
+            masks.append(key_padding_mask[:, None, None, :])  # (b, 1, 1, s_kv)
+    return combine_masks(*masks)
+
+
+def _check_mask(name: str, mask: object) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(f"{name} must be bool or floating, got {mask.dtype}")

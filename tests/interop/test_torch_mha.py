@@ -1,0 +1,246 @@
+"""headwise <-> torch.nn.MultiheadAttention: same outputs, same weights, explicit mask conversions.
+
+The peer is PyTorch's own nn.MultiheadAttention; every comparison is on whole tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from headwise import AttentionConfig, MultiHeadAttention, RotaryEmbedding
+from headwise.interop import from_torch, to_torch
+from headwise.interop.torch_mha import torch_masks_to_headwise
+
+DTYPES = [torch.float32, torch.float64]
+
+
+def _randomize(m: nn.Module) -> nn.Module:
+    # torch initialises in_proj_bias and out_proj.bias to zero; random biases make the bias mapping testable.
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def _mha(d=16, h=4, *, dtype=torch.float32, batch_first=True, bias=True, kdim=None, vdim=None, dropout=0.0):
+    m = nn.MultiheadAttention(d, h, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first, dropout=dropout,
+                              dtype=dtype)
+    return _randomize(m).eval()
+
+
+def _weights(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in m.state_dict().items()}
+
+
+def _assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert wa[k].dtype == wb[k].dtype, k
+        assert torch.equal(wa[k], wb[k]), k
+
+
+# -- outputs ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_self_attention_with_padding_equals_torch(dtype, batch_first, bias):
+    m = _mha(dtype=dtype, batch_first=batch_first, bias=bias)
+    attn = from_torch(m)
+    assert attn.config.bias is bias and attn.q_proj.weight.dtype == dtype
+    x = torch.randn(3, 6, 16, dtype=dtype)  # (b, s, d)
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    kpm[2, :2] = True  # left padding
+    xt = x if batch_first else x.transpose(0, 1)
+    ref, _ = m(xt, xt, xt, key_padding_mask=kpm, need_weights=False)
+    ref = ref if batch_first else ref.transpose(0, 1)
+    out = attn(x, mask=torch_masks_to_headwise(key_padding_mask=kpm))
+    torch.testing.assert_close(out, ref)
+    # the same through the core helper the docs name
+    from headwise.masks import padding_mask
+
+    torch.testing.assert_close(attn(x, mask=padding_mask(keep=~kpm)), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bool_attn_mask_polarity_is_converted(dtype):
+    m = _mha(dtype=dtype)
+    attn = from_torch(m)
+    x = torch.randn(2, 5, 16, dtype=dtype)
+    blocked = torch.rand(5, 5) < 0.4  # torch: True = NOT allowed
+    blocked.fill_diagonal_(False)  # every row keeps one key (torch gives NaN for empty rows)
+    ref, _ = m(x, x, x, attn_mask=blocked, need_weights=False)
+    converted = torch_masks_to_headwise(blocked)
+    assert converted.dtype == torch.bool
+    assert torch.equal(converted, ~blocked)  # headwise: True = may attend
+    torch.testing.assert_close(attn(x, mask=converted), ref)
+    # passing torch's mask unconverted is a different (wrong) layer: the conversion matters
+    assert not torch.allclose(attn(x, mask=blocked | torch.eye(5, dtype=torch.bool)), ref)
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float_attn_mask_and_3d_per_head_mask(dtype):
+    m = _mha(dtype=dtype)
+    attn = from_torch(m)
+    x = torch.randn(2, 5, 16, dtype=dtype)
+    add = torch.randn(5, 5, dtype=dtype)
+    add[0, 3] = float("-inf")
+    ref, _ = m(x, x, x, attn_mask=add, need_weights=False)
+    torch.testing.assert_close(attn(x, mask=torch_masks_to_headwise(add)), ref)
+    per_head = torch.randn(2 * 4, 5, 5, dtype=dtype)  # (b * h, s_q, s_kv), torch's batch-major order
+    kpm = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    ref3, _ = m(x, x, x, attn_mask=per_head, key_padding_mask=kpm, need_weights=False)
+    mask = torch_masks_to_headwise(per_head, kpm, n_heads=4)
+    assert mask.shape == (2, 4, 5, 5) and mask.dtype == dtype
+    torch.testing.assert_close(attn(x, mask=mask), ref3)
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_is_causal_equals_headwise_causal(dtype, with_padding):
+    m = _mha(dtype=dtype)
+    attn = from_torch(m)
+    x = torch.randn(2, 6, 16, dtype=dtype)
+    causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=dtype)
+    kpm = torch.tensor([[False] * 6, [False] * 4 + [True] * 2]) if with_padding else None
+    ref, _ = m(x, x, x, attn_mask=causal, is_causal=True, key_padding_mask=kpm, need_weights=False)
+    mask = torch_masks_to_headwise(key_padding_mask=kpm)
+    torch.testing.assert_close(attn(x, mask=mask, causal=True), ref)
+    torch.testing.assert_close(attn(x, mask=torch_masks_to_headwise(causal, kpm)), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kdim,vdim", [(16, 16), (10, 10), (10, 7)])
+def test_cross_attention_with_kdim_vdim(dtype, kdim, vdim):
+    m = _mha(dtype=dtype, kdim=kdim, vdim=vdim)
+    assert m._qkv_same_embed_dim == (kdim == vdim == 16)
+    attn = from_torch(m)
+    assert (attn.config.kdim, attn.config.vdim) == (kdim, vdim)
+    q = torch.randn(2, 4, 16, dtype=dtype)
+    k, v = torch.randn(2, 7, kdim, dtype=dtype), torch.randn(2, 7, vdim, dtype=dtype)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[0, 5:] = True
+    ref, ref_w = m(q, k, v, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
+    out, w = attn(q, key=k, value=v, mask=torch_masks_to_headwise(key_padding_mask=kpm), return_weights=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(w, ref_w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("average", [True, False])
+def test_need_weights_average_and_per_head(dtype, average):
+    m = _mha(dtype=dtype)
+    attn = from_torch(m)
+    x = torch.randn(2, 5, 16, dtype=dtype)
+    kpm = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    ref, ref_w = m(x, x, x, key_padding_mask=kpm, need_weights=True, average_attn_weights=average)
+    out, w = attn(x, mask=torch_masks_to_headwise(key_padding_mask=kpm), return_weights=True)
+    assert w.shape == (2, 4, 5, 5)  # headwise: per head, never averaged
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(w.mean(1) if average else w, ref_w)
+
+
+def test_inference_fast_path_equals_headwise():
+    # eval + no_grad + batch-first self-attention takes torch's fused native path, a different kernel
+    m = _mha(dtype=torch.float32)
+    attn = from_torch(m)
+    x = torch.randn(2, 6, 16)
+    kpm = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    with torch.no_grad():
+        ref, _ = m(x, x, x, key_padding_mask=kpm, need_weights=False)
+        out = attn(x, mask=torch_masks_to_headwise(key_padding_mask=kpm))
+    torch.testing.assert_close(out, ref)
+
+
+def test_train_mode_with_zero_dropout_and_gradients_match():
+    m = _mha(dtype=torch.float64).train()
+    attn = from_torch(m)
+    assert attn.training
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    ref, _ = m(x, x, x, need_weights=False)
+    out = attn(x)
+    torch.testing.assert_close(out, ref)
+    ref.square().sum().backward()
+    out.square().sum().backward()
+    torch.testing.assert_close(attn.q_proj.weight.grad, m.in_proj_weight.grad[:16])
+    torch.testing.assert_close(attn.v_proj.weight.grad, m.in_proj_weight.grad[32:])
+    torch.testing.assert_close(attn.out_proj.weight.grad, m.out_proj.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_unbatched_input(dtype, batch_first):
+    m = _mha(dtype=dtype, batch_first=batch_first)
+    attn = from_torch(m)
+    x = torch.randn(5, 16, dtype=dtype)  # (s, d): batch_first does not apply
+    kpm = torch.tensor([False, False, False, True, False])
+    ref, ref_w = m(x, x, x, key_padding_mask=kpm, average_attn_weights=False)
+    out, w = attn(x, mask=torch_masks_to_headwise(key_padding_mask=kpm), return_weights=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(w, ref_w)
+
+
+# -- what cannot be converted ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,named", [({"add_bias_kv": True}, "add_bias_kv"),
+                                          ({"add_zero_attn": True}, "add_zero_attn")])
+def test_unmodelled_features_raise_naming_them(kwargs, named):
+    m = nn.MultiheadAttention(16, 4, **kwargs)
+    with pytest.raises(ValueError, match=named):
+        from_torch(m)
+
+
+@pytest.mark.parametrize("make,named", [
+    (lambda: MultiHeadAttention(16, 4, n_kv_heads=2), "GQA"),
+    (lambda: MultiHeadAttention(16, 4, n_kv_heads=1), "MQA"),
+    (lambda: MultiHeadAttention(16, 4, d_head=8), "d_head"),
+    (lambda: MultiHeadAttention.from_config(AttentionConfig(16, 4, out_bias=False)), "out_bias"),
+    (lambda: MultiHeadAttention.from_config(AttentionConfig(16, 4, scale=0.1)), "scale"),
+    (lambda: MultiHeadAttention(16, 4, rotary=RotaryEmbedding(4)), "rotary"),
+])
+def test_to_torch_refuses_what_torch_cannot_express(make, named):
+    with pytest.raises(ValueError, match=named):
+        to_torch(make())
+
+
+def test_wrong_types_raise():
+    with pytest.raises(TypeError, match="MultiheadAttention"):
+        from_torch(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="MultiHeadAttention"):
+        to_torch(nn.MultiheadAttention(8, 2))
+    with pytest.raises(ValueError, match="n_heads"):
+        torch_masks_to_headwise(torch.zeros(8, 3, 3, dtype=torch.bool))
+
+
+# -- round trips ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kw", [{}, {"bias": False}, {"kdim": 10, "vdim": 7}, {"kdim": 5, "vdim": 5, "bias": False},
+                                {"batch_first": False, "dropout": 0.1}])
+def test_torch_round_trip_is_exact(dtype, kw):
+    m = _mha(dtype=dtype, **kw)
+    back = to_torch(from_torch(m), batch_first=m.batch_first)
+    assert back._qkv_same_embed_dim == m._qkv_same_embed_dim
+    assert (back.kdim, back.vdim, back.dropout, back.batch_first) == (m.kdim, m.vdim, m.dropout, m.batch_first)
+    _assert_same_weights(m, back)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", [AttentionConfig(16, 4), AttentionConfig(16, 2, bias=False),
+                                 AttentionConfig(16, 4, kdim=6, vdim=9), AttentionConfig(12, 3, dropout=0.2)])
+def test_headwise_round_trip_is_exact(dtype, cfg):
+    attn = MultiHeadAttention.from_config(cfg, dtype=dtype)
+    _randomize(attn)
+    back = from_torch(to_torch(attn))
+    assert back.config == attn.config
+    _assert_same_weights(attn, back)
+    x = torch.randn(2, 3, cfg.d_model, dtype=dtype)
+    attn.eval(), back.eval()
+    k, v = torch.randn(2, 4, cfg.kdim, dtype=dtype), torch.randn(2, 4, cfg.vdim, dtype=dtype)
+    assert torch.equal(attn(x, key=k, value=v), back(x, key=k, value=v))
