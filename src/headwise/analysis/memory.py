@@ -1,0 +1,150 @@
+"""Memory of attention: the KV cache and the attention probabilities.
+
+KV cache: every layer keeps, per token, one key and one value vector per K/V head:
+``2 * h_kv * d_h * itemsize`` bytes per token per layer (GQA/MQA shrink it by ``h / h_kv``), times the
+batch, the context length and the number of layers.
+
+Attention probabilities: the eager path materialises ``softmax(Q K^T)`` for every head,
+``b * h * s_q * s_kv * itemsize`` bytes per layer (it also holds the scores while the softmax runs, and
+in training keeps the probabilities of every layer for the backward pass). The fused path
+(``scaled_dot_product_attention`` with a flash / memory-efficient kernel) never stores the ``s_q x s_kv``
+matrix: it streams K/V blocks and keeps, besides the output ``(b, h, s_q, d_h)`` that both paths produce,
+one float32 log-sum-exp per query row and head (``b * h * s_q * 4`` bytes) for the backward pass.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads, d_h: d_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import AttentionConfig
+from .flops import _positive
+from .params import _check_config
+
+__all__ = ["AttentionMemory", "attention_memory", "kv_cache_bytes", "kv_cache_bytes_per_token", "dtype_itemsize",
+           "parse_dtype", "DTYPES"]
+
+# Names accepted for dtypes (the CLI's --dtype), mapped to torch dtypes.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn,
+}
+
+# Bytes of the fused path's per-row statistic (log-sum-exp), kept in float32 whatever the input dtype.
+_LSE_BYTES = 4
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or one of the names in :data:`DTYPES`.
+
+    Example:
+        >>> parse_dtype("bf16"), parse_dtype(torch.float16)
+        (torch.bfloat16, torch.float16)
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be a torch.dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def dtype_itemsize(dtype: torch.dtype | str) -> int:
+    """Bytes per element. Example: ``dtype_itemsize("bf16") == 2``.
+
+    Example:
+        >>> dtype_itemsize("float32"), dtype_itemsize(torch.bfloat16)
+        (4, 2)
+    """
+    return parse_dtype(dtype).itemsize
+
+
+def kv_cache_bytes_per_token(config: AttentionConfig, *, dtype: torch.dtype | str = torch.float16,
+                             n_layers: int = 1) -> int:
+    """Bytes one token adds to the KV cache: ``2 * h_kv * d_h * itemsize * n_layers``.
+
+    Shapes:
+        per layer: keys and values (h_kv, d_h) each
+
+    Example:
+        >>> from headwise import AttentionConfig
+        >>> kv_cache_bytes_per_token(AttentionConfig(d_model=4096, n_heads=32, n_kv_heads=8), n_layers=32)
+        131072
+    """
+    _check_config(config)
+    n_layers = _positive("n_layers", n_layers)
+    return 2 * config.n_kv_heads * config.d_head * dtype_itemsize(dtype) * n_layers
+
+
+def kv_cache_bytes(config: AttentionConfig, seq_len: int, *, batch: int = 1, dtype: torch.dtype | str = torch.float16,
+                   n_layers: int = 1) -> int:
+    """Bytes of a KV cache holding ``seq_len`` tokens for ``batch`` sequences; equals the ``nbytes`` of
+    ``MultiHeadAttention.new_cache(batch, seq_len)`` per layer.
+
+    Shapes:
+        per layer: keys, values (b, h_kv, s, d_h)
+
+    Example:
+        >>> from headwise import AttentionConfig
+        >>> kv_cache_bytes(AttentionConfig(d_model=32, n_heads=4), 16, batch=2, dtype="float32")
+        8192
+    """
+    seq_len = _positive("seq_len", seq_len)
+    batch = _positive("batch", batch)
+    return kv_cache_bytes_per_token(config, dtype=dtype, n_layers=n_layers) * seq_len * batch
+
+
+@dataclass(frozen=True)
+class AttentionMemory:
+    """Bytes the attention step holds beyond Q, K, V and the output, per layer and for ``n_layers``."""
+
+    materialised: int  # eager: the probabilities (b, h, s_q, s_kv)
+    fused: int  # flash-style kernel: one float32 log-sum-exp per (b, h, query)
+    n_layers: int
+
+    @property
+    def materialised_all_layers(self) -> int:
+        """What training keeps for the backward pass of ``n_layers`` eager layers."""
+        return self.materialised * self.n_layers
+
+    @property
+    def fused_all_layers(self) -> int:
+        return self.fused * self.n_layers
+
+    @property
+    def ratio(self) -> float:
+        """How many times more the eager path holds (``s_kv * itemsize / 4``)."""
+        return self.materialised / self.fused
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self) | {"materialised_all_layers": self.materialised_all_layers,
+                               "fused_all_layers": self.fused_all_layers, "ratio": self.ratio}
+
+
+def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, kv_len: int | None = None,
+                     dtype: torch.dtype | str = torch.float32, n_layers: int = 1) -> AttentionMemory:
+    """Memory of the attention probabilities on the eager path versus the fused path (module doc).
+
+    Shapes:
+        materialised: b * h * s_q * s_kv * itemsize; fused: b * h * s_q * 4
+
+    Example:
+        >>> from headwise import AttentionConfig
+        >>> m = attention_memory(AttentionConfig(d_model=4096, n_heads=32), 4096, dtype="float16")
+        >>> m.materialised == 32 * 4096 ** 2 * 2, m.fused == 32 * 4096 * 4
+        (True, True)
+    """
+    _check_config(config)
+    s_q = _positive("seq_len", seq_len)
+    b = _positive("batch", batch)
+    s_kv = s_q if kv_len is None else _positive("kv_len", kv_len)
+    n_layers = _positive("n_layers", n_layers)
+    rows = b * config.n_heads * s_q
+    return AttentionMemory(materialised=rows * s_kv * dtype_itemsize(dtype), fused=rows * _LSE_BYTES,
+                           n_layers=n_layers)

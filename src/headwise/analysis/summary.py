@@ -1,0 +1,60 @@
+"""Every figure of :mod:`headwise.analysis` for one configuration, as one dictionary (what the CLI shows).
+
+Shapes:
+    b: batch, s: sequence length, h: query heads, h_kv: key/value heads, d: d_model, d_h: d_head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import AttentionConfig
+from .flops import forward_flops
+from .memory import attention_memory, kv_cache_bytes, kv_cache_bytes_per_token, parse_dtype
+from .params import param_count
+
+__all__ = ["summarize"]
+
+
+def summarize(config: AttentionConfig, seq_len: int, *, batch: int = 1, dtype: torch.dtype | str = torch.float16,
+              n_layers: int = 1) -> dict[str, Any]:
+    """Parameters, FLOPs, KV cache and probability memory of one layer and of ``n_layers`` layers.
+
+    Shapes:
+        x: (b, s, d); KV cache (b, h_kv, s, d_h) x 2 per layer; probabilities (b, h, s, s) per layer
+
+    Example:
+        >>> from headwise import AttentionConfig
+        >>> s = summarize(AttentionConfig(d_model=4096, n_heads=32, n_kv_heads=8), 1024, n_layers=32)
+        >>> s["kv_cache"]["per_1k_tokens_bytes"] == 1000 * 131072, s["params"]["layer"]["k"] == 4096 * 1024 + 1024
+        (True, True)
+    """
+    dt = parse_dtype(dtype)
+    params = param_count(config)
+    flops = forward_flops(config, seq_len, batch=batch)
+    flops_causal = forward_flops(config, seq_len, batch=batch, causal_skip=True)
+    mem = attention_memory(config, seq_len, batch=batch, dtype=dt, n_layers=n_layers)
+    per_token = kv_cache_bytes_per_token(config, dtype=dt, n_layers=n_layers)
+    return {
+        "config": config.to_dict() | {"kind": config.kind, "group_size": config.group_size},
+        "seq_len": seq_len, "batch": batch, "dtype": str(dt).removeprefix("torch."), "n_layers": n_layers,
+        "params": {
+            "layer": params.to_dict(),
+            "layer_without_bias": param_count(config, bias=False).total,
+            "all_layers": params.total * n_layers,
+        },
+        "flops": {
+            "layer": flops.to_dict(),
+            "layer_attention_causal_skip": flops_causal.attention,
+            "all_layers": flops.total * n_layers,
+        },
+        "kv_cache": {
+            "per_token_layer_bytes": kv_cache_bytes_per_token(config, dtype=dt),
+            "per_token_bytes": per_token,
+            "per_1k_tokens_bytes": per_token * 1000,
+            "context_bytes": kv_cache_bytes(config, seq_len, batch=batch, dtype=dt, n_layers=n_layers),
+        },
+        "probabilities": mem.to_dict(),
+    }
