@@ -41,11 +41,22 @@ class KVCache:
 
     def __init__(self, batch_size: int, max_len: int, n_kv_heads: int, d_head: int, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
-        for name, value in (("batch_size", batch_size), ("max_len", max_len), ("n_kv_heads", n_kv_heads),
-                            ("d_head", d_head)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        # batch_size may be 0 (an empty batch decodes to empty outputs, like every other path).
+        for name, value, low in (("batch_size", batch_size, 0), ("max_len", max_len, 1),
+                                 ("n_kv_heads", n_kv_heads, 1), ("d_head", d_head, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "non-negative" if low == 0 else "positive"
+                raise ValueError(f"{name} must be a {kind} int, got {value!r}")
         dtype = dtype or torch.get_default_dtype()
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"cache dtype must be a floating torch.dtype, got {dtype!r}")
+        try:
+            device = torch.device(device) if device is not None else None
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must be a torch.device or a string such as 'cpu' or 'cuda:0', "
+                             f"got {device!r}") from exc
+        if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} was requested but CUDA is not available here")
         shape = (batch_size, n_kv_heads, max_len, d_head)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -72,6 +83,9 @@ class KVCache:
 
     def check_update(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise, without writing, if ``k``/``v`` cannot be appended."""
+        for name, t in (("keys", k), ("values", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"cache {name} must be a torch.Tensor, got {type(t).__name__}")
         expected = (self.batch_size, self.n_kv_heads, k.shape[-2] if k.dim() == 4 else -1, self.d_head)
         for name, t in (("keys", k), ("values", v)):
             if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (expected[0], expected[1], expected[3]):
