@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .masks import causal_mask, combine_masks
+from .masks import causal_mask, combine_masks, validate_mask
 
 __all__ = [
     "split_heads",
@@ -45,6 +45,11 @@ def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
         >>> torch.equal(y[1, 1, 2], x[1, 2, 4:8])      # head 1 of token 2 is features 4..7
         True
     """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"split_heads expects a packed projection (b, s, h * d_h), got {got}")
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads <= 0:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     b, s, width = x.shape
     if width % n_heads:
         raise ValueError(f"cannot split width {width} into n_heads={n_heads} equal heads")
@@ -65,6 +70,9 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
         >>> torch.equal(merge_heads(split_heads(x, 2)), x)
         True
     """
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"merge_heads expects split heads (b, h, s, d_h), got {got}")
     b, h, s, d_h = x.shape
     return x.transpose(1, 2).reshape(b, s, h * d_h)  # (b, s, h * d_h)
 
@@ -177,13 +185,42 @@ def attention(
         fn = _BACKENDS[backend]
     except KeyError:
         raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}") from None
+    _check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        # A string such as "top_left" is truthy and would silently mean bottom-right.
+        raise TypeError(f"causal must be a bool (True = bottom-right aligned), got {causal!r}; for top-left "
+                        f"alignment pass mask=headwise.masks.causal_mask(s_q, s_kv, align='top_left')")
     b, h, s_q, d_h = q.shape
     s_kv = k.shape[-2]
+    if mask is not None:
+        mask = validate_mask(mask, (b, h, s_q, s_kv), q.dtype, q.device)
     if s_q == 0 or s_kv == 0 or b == 0:
         out = q.new_zeros(b, h, s_q, v.shape[-1])
         weights = q.new_zeros(b, h, s_q, s_kv) if backend == "eager" else None
         return out, weights
     return fn(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, causal=causal)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shape/dtype/device agreement of split heads (metadata only: nothing reads tensor data)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            want = "(b, h, s_q, d_h)" if name == "q" else "(b, h_kv, s_kv, d_h)"
+            raise ValueError(f"{name} must be a 4-D tensor {want}, got {got}")
+    got = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k, v must share the batch size b; got {got}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must share (b, h_kv, s_kv); got {got}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share d_h; got {got}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads h={q.shape[1]} must be a multiple of K/V heads h_kv={k.shape[1]}; got {got}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
 def available_backends() -> list[str]:
