@@ -1,0 +1,29 @@
+"""Tensor parallelism by whole heads on ``torch.distributed`` (gloo on CPU, NCCL on GPU: one code path).
+
+* :mod:`headwise.parallel.plan`: the head-partition arithmetic (:func:`plan_heads`, :class:`HeadPartition`,
+  :class:`TensorParallelPlan`, :func:`valid_world_sizes`), pure Python, no process group needed.
+* :mod:`headwise.parallel.tensor_parallel`: :func:`tensor_parallel` turns a :class:`~headwise.MultiHeadAttention`
+  into this rank's :class:`TensorParallelAttention` (column-parallel Q/K/V, row-parallel W_O, one all-reduce).
+
+See ``docs/parallel.md`` and ``python -m torch.distributed.run --nproc-per-node 2 -m headwise.examples.tensor_parallel``.
+
+Example:
+    >>> from headwise.parallel import plan_heads
+    >>> plan_heads(n_heads=8, n_kv_heads=1, world_size=2).partition(1).kv_heads   # MQA: K/V head replicated
+    (0,)
+"""
+
+from __future__ import annotations
+
+from .plan import HeadPartition, TensorParallelPlan, plan_heads, valid_world_sizes
+from .tensor_parallel import HeadNotLocalError, TensorParallelAttention, tensor_parallel
+
+__all__ = [
+    "HeadNotLocalError",
+    "HeadPartition",
+    "TensorParallelAttention",
+    "TensorParallelPlan",
+    "plan_heads",
+    "tensor_parallel",
+    "valid_world_sizes",
+]
