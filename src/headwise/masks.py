@@ -119,6 +119,8 @@ def padding_mask(
             got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
             raise TypeError(f"keep must be a bool tensor of shape (b, s_kv), got {got}")
         return keep[:, None, None, :]  # (b, 1, 1, s_kv)
+    if s_kv is not None:
+        _check_len("s_kv", s_kv)
     lengths_t = torch.as_tensor(lengths)
     if lengths_t.dim() != 1 or lengths_t.dtype.is_floating_point or lengths_t.dtype == torch.bool:
         raise TypeError(f"lengths must be a 1-D integer sequence (b,), got {tuple(lengths_t.shape)} {lengths_t.dtype}")
@@ -151,6 +153,17 @@ def combine_masks(*masks: torch.Tensor | None, dtype: torch.dtype | None = None)
         return None
     for m in present:
         _check_dtype(m)
+    shapes = [tuple(m.shape) for m in present]
+    try:
+        torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        raise ValueError(f"masks of shapes {shapes} do not broadcast together; each must broadcast to "
+                         f"(b, h, s_q, s_kv)") from None
+    devices = {m.device for m in present}
+    if len(devices) > 1:
+        raise ValueError(f"masks must be on one device, got {sorted(str(d) for d in devices)}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (the additive mask's), got {dtype!r}")
     floats = [m for m in present if m.dtype.is_floating_point]
     if not floats:
         out = present[0]
