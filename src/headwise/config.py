@@ -26,7 +26,8 @@ def valid_head_counts(d_model: int) -> list[int]:
 
 
 def _nearest(values: list[int], target: int, k: int = 4) -> list[int]:
-    return sorted(sorted(values, key=lambda v: (abs(v - target), v))[:k])
+    # Head counts scale geometrically (8, 16, 32...), so "near" is measured as a ratio.
+    return sorted(sorted(values, key=lambda v: (abs(math.log(v / target)), v))[:k])
 
 
 def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:

@@ -80,23 +80,25 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(attention_scaling)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions``, computed in float32 (Hugging Face's precision) or float64 when asked."""
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)  # (1, s)
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (b, s, r / 2)
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        freqs = positions[..., None].to(work) * self.inv_freq.to(positions.device, work)  # (b, s, r / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (b, s, r)
         cos = (emb.cos() * self.attention_scaling)[:, None]  # (b, 1, s, r)
         sin = (emb.sin() * self.attention_scaling)[:, None]  # (b, 1, s, r)
         return cos, sin
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate Q and K at their positions, computing in float32 and returning the input dtype
-        (as Hugging Face does).
+        """Rotate Q and K at their positions: angles in float32 as Hugging Face does (float64 for float64
+        inputs), the rotation in the input dtype.
 
         Shapes:
             q: (b, h, s, d_h); k: (b, h_kv, s, d_h); positions: (s,) or (b, s)
         """
-        cos, sin = self(positions)
+        cos, sin = self(positions, q.dtype)
         return (apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)),
                 apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype)))
 

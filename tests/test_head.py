@@ -1,0 +1,118 @@
+"""AttentionHead: views share storage with the layer, gradients reach it, from_heads packs and refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from headwise import AttentionHead, MultiHeadAttention
+from tests.reference import head_reference
+
+
+def test_head_weights_are_views_in_the_seeds_orientation():
+    attn = MultiHeadAttention(d_model=768, n_heads=12, n_kv_heads=4)
+    head = attn.head(3)
+    assert head.w_q.shape == head.w_k.shape == head.w_v.shape == (768, 64)
+    assert head.w_o.shape == (64, 768)
+    # No copy: the head's W_Q is a window onto rows 192..255 of the packed q_proj weight.
+    assert head.w_q.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(head.w_q, attn.q_proj.weight[192:256].T)
+    assert head.kv_index == 1 and torch.equal(head.w_k, attn.k_proj.weight[64:128].T)
+
+
+def test_writing_to_a_head_changes_the_layer():
+    attn = MultiHeadAttention(16, 4, bias=True)
+    x = torch.randn(2, 5, 16)
+    before = attn(x).detach()
+    with torch.no_grad():
+        attn.head(2).w_q.mul_(3.0)
+    assert torch.equal(attn.q_proj.weight[8:12], (attn.head(2).w_q).T)
+    assert not torch.allclose(attn(x), before)
+    new = torch.randn(16, 4)
+    attn.head(1).w_v = new  # the setter copies into the layer's storage
+    assert torch.equal(attn.v_proj.weight[4:8].T, new)
+    with pytest.raises(ValueError, match=r"w_v must have shape \(16, 4\), got \(4, 16\)"):
+        attn.head(1).w_v = new.T
+
+
+def test_gradients_through_a_head_reach_the_layer_parameters():
+    attn = MultiHeadAttention(16, 4, 2)
+    x = torch.randn(2, 5, 16)
+    attn.head(3)(x).pow(2).sum().backward()
+    g = attn.q_proj.weight.grad
+    assert g[12:16].abs().sum() > 0 and g[:12].abs().sum() == 0  # only head 3's W_Q rows
+    gk = attn.k_proj.weight.grad
+    assert gk[4:8].abs().sum() > 0 and gk[:4].abs().sum() == 0  # its K/V group (head 3 -> kv head 1)
+
+
+def test_a_head_alone_matches_the_single_head_formula():
+    attn = MultiHeadAttention(24, 3, bias=False, dtype=torch.float64)
+    x = torch.randn(2, 6, 24, dtype=torch.float64)
+    for i, head in enumerate(attn.heads()):
+        torch.testing.assert_close(head(x), head_reference(head.w_q, head.w_k, head.w_v, x))
+    z, w = attn.head(0)(x[0], return_weights=True)
+    assert z.shape == (6, 8) and w.shape == (6, 6)
+
+
+def test_from_heads_round_trips_exactly():
+    for n_kv in (6, 3, 1):
+        attn = MultiHeadAttention(24, 6, n_kv, bias=True)
+        again = MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj)
+        assert again.n_kv_heads == n_kv
+        for (name, a), (_, b) in zip(attn.state_dict().items(), again.state_dict().items()):
+            assert torch.equal(a, b), name
+        x = torch.randn(2, 4, 24)
+        torch.testing.assert_close(again(x), attn(x), rtol=0, atol=0)
+        # Packed copies: changing the new layer leaves the old one alone.
+        with torch.no_grad():
+            again.q_proj.weight.zero_()
+        assert attn.q_proj.weight.abs().sum() > 0
+
+
+def test_from_heads_packs_standalone_heads():
+    heads = [AttentionHead(torch.randn(10, 3), torch.randn(10, 3), torch.randn(10, 3)) for _ in range(4)]
+    out = nn.Linear(12, 10)
+    attn = MultiHeadAttention.from_heads(heads, out_proj=out)
+    assert attn.n_heads == 4 and attn.n_kv_heads == 4 and attn.d_head == 3 and attn.q_proj.bias is None
+    x = torch.randn(2, 5, 10)
+    torch.testing.assert_close(attn(x), out(torch.cat([h(x) for h in heads], dim=-1)))
+
+
+def test_from_heads_refuses_a_group_whose_kv_differ():
+    attn = MultiHeadAttention(24, 6, 2)
+    heads = [h.detach_copy() for h in attn.heads()]
+    with pytest.raises(ValueError, match="heads 0 and 2 share K/V head 0"):
+        with torch.no_grad():
+            heads[2]._w_k.add_(1.0)
+        MultiHeadAttention.from_heads(heads, out_proj=attn.out_proj, n_kv_heads=2)
+    # The same heads with one K/V head each are fine.
+    attn2 = MultiHeadAttention.from_heads(heads, out_proj=attn.out_proj, n_kv_heads=6)
+    assert attn2.n_kv_heads == 6
+
+
+def test_from_heads_checks_out_proj_shape():
+    attn = MultiHeadAttention(16, 4)
+    with pytest.raises(ValueError, match=r"out_proj must map h \* d_head = 16 -> d_model = 16"):
+        MultiHeadAttention.from_heads(attn.heads(), out_proj=nn.Linear(8, 16))
+    with pytest.raises(TypeError, match="out_proj must be an nn.Linear"):
+        MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj.weight)
+
+
+def test_head_index_errors():
+    attn = MultiHeadAttention(16, 4)
+    with pytest.raises(IndexError, match=r"head index must be in \[0, 4\), got 4"):
+        attn.head(4)
+    with pytest.raises(TypeError, match="head index must be an int"):
+        attn.head(1.0)
+    assert attn.head(-1).index == 3
+
+
+def test_head_takes_its_row_of_a_per_head_mask():
+    attn = MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    mask = torch.rand(2, 4, 5, 5) > 0.4
+    mask[..., 0] = True
+    y = attn(x, mask=mask)
+    alone = torch.cat([attn.head(i)(x, mask=mask) for i in range(4)], -1)
+    torch.testing.assert_close(attn.out_proj(alone), y)
