@@ -18,6 +18,7 @@ from typing import Any
 from . import functional, masks
 from .attention import MultiHeadAttention
 from .config import AttentionConfig
+from .dispatch import DispatchInfo, MaterializationWarning
 from .head import AttentionHead
 from .kv_cache import KVCache
 from .rotary import RotaryEmbedding
@@ -27,8 +28,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionConfig",
     "AttentionHead",
+    "DispatchInfo",
     "MultiHeadAttention",
     "KVCache",
+    "MaterializationWarning",
     "RotaryEmbedding",
     "functional",
     "masks",

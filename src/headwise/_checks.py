@@ -31,3 +31,10 @@ def check_input(name: str, x: object, width: int, width_name: str, dtype: torch.
     if x.device != device:
         raise ValueError(f"{name} is on {x.device} but the weights are on {device}")
     return x
+
+
+def check_causal(causal: object) -> None:
+    # A string such as "top_left" is truthy and would silently mean bottom-right.
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool (True = bottom-right aligned), got {causal!r}; for top-left "
+                        f"alignment pass mask=headwise.masks.causal_mask(s_q, s_kv, align='top_left')")

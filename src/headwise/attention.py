@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from . import functional as hwf
-from ._checks import check_input, check_tensor
+from . import _checkpoint
+from ._checks import check_causal, check_input, check_tensor
 from .config import AttentionConfig
+from .dispatch import DispatchInfo, explain, warn_if_eager_too_large
 from .head import AttentionHead
 from .kv_cache import KVCache
 from .masks import validate_mask
@@ -153,6 +155,8 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             mask = validate_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.dtype, q.device)
         backend = "eager" if return_weights else self.backend
+        if backend == "eager":
+            warn_if_eager_too_large(q, k)
         dropout_p = self.config.dropout if self.training else 0.0
         return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=dropout_p, causal=causal,
                             backend=backend)
@@ -180,6 +184,7 @@ class MultiHeadAttention(nn.Module):
         cfg = self.config
         w = self.q_proj.weight
         x = check_input("x", x, cfg.d_model, "d_model", w.dtype, w.device)
+        check_causal(causal)
         batched = x.dim() == 3
         if (key is None) != (value is None):
             raise ValueError("pass both key= and value= (or neither)")
@@ -223,6 +228,9 @@ class MultiHeadAttention(nn.Module):
                 positions = self._check_positions(positions, x.shape[0], x.shape[1])
             q, k = self.rotary.rotate(q, k, positions)
         if cache is not None:
+            if mask is not None:  # checked before the write, so a failed call leaves the cache untouched
+                mask = validate_mask(mask, (q.shape[0], q.shape[1], q.shape[2], offset + k.shape[2]), q.dtype,
+                                     q.device)
             k, v = cache.update(k, v)
         out, weights = self.attend(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
         y = self.project_out(out)
@@ -286,6 +294,41 @@ class MultiHeadAttention(nn.Module):
         from .head import pack_heads
 
         return pack_heads(cls, heads, out_proj=out_proj, n_kv_heads=n_kv_heads, backend=backend)
+
+    # -- checkpoints: the config rides in the state dict's metadata (see headwise._checkpoint) ---------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        _checkpoint.record(destination, prefix, self.config)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):  # type: ignore[no-untyped-def]
+        _checkpoint.check(local_metadata, prefix, self.config)  # before any weight is copied
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+    # -- dispatch ---------------------------------------------------------------------------------------
+    def explain_dispatch(
+        self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+        causal: bool = False, cache: KVCache | None = None, return_weights: bool = False,
+        warn_bytes: int | None = None,
+    ) -> DispatchInfo:
+        """Which backend and kernel :meth:`forward` would run for these inputs, and why (nothing is computed).
+
+        Warns (:class:`headwise.MaterializationWarning`) if the path would materialise more than
+        ``warn_bytes`` (default :data:`headwise.dispatch.WARN_BYTES`) of probabilities. See
+        :mod:`headwise.dispatch` for the rules.
+
+        Shapes:
+            x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); mask: broadcastable to (b, h, s_q, s_kv)
+
+        Example:
+            >>> attn = MultiHeadAttention(d_model=32, n_heads=4)
+            >>> info = attn.explain_dispatch(torch.randn(2, 6, 32), causal=True)
+            >>> info.backend, info.causal_via, info.materializes_probabilities
+            ('sdpa', 'kernel is_causal', False)
+            >>> attn.explain_dispatch(torch.randn(2, 6, 32), return_weights=True).probability_bytes
+            1152
+        """
+        return explain(self, x, context=context, mask=mask, causal=causal, cache=cache,
+                       return_weights=return_weights, warn_bytes=warn_bytes)
 
     # -- decoding -------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._checks import check_causal
 from .masks import causal_mask, combine_masks, validate_mask
 
 __all__ = [
@@ -186,10 +187,7 @@ def attention(
     except KeyError:
         raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}") from None
     _check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        # A string such as "top_left" is truthy and would silently mean bottom-right.
-        raise TypeError(f"causal must be a bool (True = bottom-right aligned), got {causal!r}; for top-left "
-                        f"alignment pass mask=headwise.masks.causal_mask(s_q, s_kv, align='top_left')")
+    check_causal(causal)
     b, h, s_q, d_h = q.shape
     s_kv = k.shape[-2]
     if mask is not None:
