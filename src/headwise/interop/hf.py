@@ -1,0 +1,213 @@
+"""Hugging Face interop: take over the attention of BERT, GPT-2 and Llama-family models, and give it back.
+
+* :func:`from_hf` / :func:`to_hf`: one HF attention module <-> one :class:`MultiHeadAttention` (copies).
+* :func:`patch` / :func:`unpatch`: swap every supported attention module of a model, in place, for a
+  headwise-backed module with the same call signature and return convention; :func:`layers` lists them.
+
+Supported modules (the per-family name maps are in :mod:`~headwise.interop.hf_bert`,
+:mod:`~headwise.interop.hf_gpt2`, :mod:`~headwise.interop.hf_llama`):
+
+* BERT: ``BertAttention`` (``.self.query/key/value`` + ``.output.dense`` as W_O); not ``BertCrossAttention``.
+* GPT-2: ``GPT2Attention`` (``Conv1D`` weights, stored (in, out)); not its cross-attention variant.
+* Llama family: ``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention`` (GQA/MQA, explicit ``head_dim``,
+  biases, rotary from ``rope_parameters``; sliding-window layers work because HF's masks carry the window).
+
+Models must use ``attn_implementation`` ``"eager"`` or ``"sdpa"``; flash/flex attention raise. transformers
+is imported only here and in the family modules (``pip install headwise[hf]``).
+
+Shapes:
+    b: batch, s: sequence, h: query heads, h_kv: key/value heads, d: model width, d_h: head width.
+
+Example:
+    >>> import torch, transformers
+    >>> from headwise.interop import patch, unpatch, layers
+    >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    ...                                num_attention_heads=4, num_key_value_heads=2)
+    >>> model = transformers.LlamaForCausalLM(cfg).eval()
+    >>> ids = torch.tensor([[1, 5, 7, 3]])
+    >>> before = model(ids).logits
+    >>> original = model.model.layers[0].self_attn
+    >>> _ = patch(model)
+    >>> [name for name, attn in layers(model)]
+    ['model.layers.0.self_attn', 'model.layers.1.self_attn']
+    >>> torch.testing.assert_close(model(ids).logits, before)
+    >>> model.model.layers[0].self_attn.attn.head(3).kv_index      # a real head object of the real model
+    1
+    >>> _ = unpatch(model)
+    >>> model.model.layers[0].self_attn is original
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from types import ModuleType
+
+from torch import nn
+
+from ..attention import MultiHeadAttention
+from ._hf_common import HeadwiseHFModule, check_impl
+
+__all__ = ["from_hf", "to_hf", "patch", "unpatch", "layers", "HeadwiseHFModule"]
+
+
+def _families() -> list[tuple[ModuleType, type]]:
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("headwise.interop.hf needs transformers: pip install 'headwise[hf]'") from e
+    from . import hf_bert, hf_gpt2, hf_llama
+
+    return [(hf_bert, hf_bert.PatchedBertSelf), (hf_gpt2, hf_gpt2.PatchedGPT2),
+            (hf_llama, hf_llama.PatchedLlamaStyle)]
+
+
+def _family_of(module: object) -> tuple[ModuleType, type] | None:
+    if isinstance(module, HeadwiseHFModule):
+        return None
+    for family, mixin in _families():
+        if isinstance(module, family.classes()):
+            return family, mixin
+    return None
+
+
+def _unsupported(module: object, what: str) -> Exception:
+    name = type(module).__name__
+    supported = "; ".join(family.NAME for family, _ in _families())
+    if isinstance(module, HeadwiseHFModule):
+        return TypeError(f"{what}: {name} is already patched by headwise; use its .attn (a MultiHeadAttention) "
+                         "or unpatch the model first")
+    from . import hf_bert
+
+    self_cls, cross_cls = hf_bert.self_attention_classes()
+    if isinstance(module, (self_cls, cross_cls)):
+        return TypeError(f"{what}: {name} holds only W_Q, W_K, W_V (W_O is the sibling BertSelfOutput.dense); "
+                         "pass the enclosing BertAttention (e.g. model.encoder.layer[0].attention)")
+    return TypeError(f"{what}: {name} is not a supported attention module; supported: {supported}")
+
+
+def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
+    """A :class:`MultiHeadAttention` with a copy of one Hugging Face attention module's weights.
+
+    Every weight's shape is checked against the module's config. For Llama-family modules the layer gets
+    a :class:`~headwise.RotaryEmbedding` built from ``module.config.rope_parameters`` (pass the model's
+    ``rotary_emb`` module to copy its frequencies exactly for non-default rope types).
+
+    Shapes:
+        BertAttention / GPT2Attention (d, h) -> MultiHeadAttention(d, h); LlamaAttention (d, h, h_kv, d_h)
+        -> MultiHeadAttention(d, h, h_kv, d_head=d_h, rotary=...)
+
+    Example:
+        >>> import torch, transformers
+        >>> cfg = transformers.GPT2Config(n_embd=12, n_head=3, n_layer=1)
+        >>> block = transformers.GPT2Model(cfg).h[0].attn
+        >>> attn = from_hf(block)
+        >>> x = torch.randn(1, 4, 12)
+        >>> torch.testing.assert_close(attn.q_proj(x), x @ block.c_attn.weight[:, :12] + block.c_attn.bias[:12])
+    """
+    family = _family_of(module)
+    if family is None:
+        raise _unsupported(module, "from_hf")
+    return family[0].from_module(module, share=False, rotary_emb=rotary_emb)
+
+
+def to_hf(attn: MultiHeadAttention, like: nn.Module) -> nn.Module:
+    """A new Hugging Face module of ``like``'s class and config holding ``attn``'s weights.
+
+    ``like`` is deep-copied (parts outside the attention, such as ``BertSelfOutput.LayerNorm``, keep
+    ``like``'s values) and every weight is written after a shape check; a layer of another shape, head
+    grouping, bias layout or scale raises ``ValueError``. ``to_hf(from_hf(m), like=m)`` reproduces ``m``'s
+    weights exactly.
+
+    Shapes:
+        attn: MultiHeadAttention matching like (d, h, h_kv, d_h) -> module of type(like)
+
+    Example:
+        >>> import torch, transformers
+        >>> cfg = transformers.BertConfig(hidden_size=12, num_attention_heads=3, num_hidden_layers=1,
+        ...                               intermediate_size=8, vocab_size=10)
+        >>> block = transformers.BertModel(cfg).encoder.layer[0].attention
+        >>> again = to_hf(from_hf(block), like=block)
+        >>> all(torch.equal(a, b) for a, b in zip(block.state_dict().values(), again.state_dict().values()))
+        True
+    """
+    if not isinstance(attn, MultiHeadAttention):
+        raise TypeError(f"to_hf: attn must be a MultiHeadAttention, got {type(attn).__name__}")
+    family = _family_of(like)
+    if family is None:
+        raise _unsupported(like, "to_hf")
+    family[0].config_of(like)  # validate like before paying for the copy
+    new = copy.deepcopy(like)
+    family[0].load_into(new, attn)
+    return new
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Replace, in place, every supported attention module of ``model`` with a headwise-backed one.
+
+    Each patched module keeps the original's forward signature and ``(output, weights)`` return, holds its
+    layer as ``.attn`` (a :class:`MultiHeadAttention` whose ``nn.Linear`` projections *are* the model's
+    modules for BERT and Llama: no copy; GPT-2's Conv1D weights are copied, see
+    :mod:`~headwise.interop.hf_gpt2`) and computes with it: ``attn.project_q/project_kv``, HF's rotary cos/sin
+    (equal to ``attn.rotary``), the model's own cache via ``cache.update(k, v, layer_idx)``,
+    ``attn.attend`` on HF's prepared mask, ``attn.project_out``. It is still an instance of the original
+    class, so ``output_attentions`` recording keeps working; forward hooks are shared with the original.
+    Already patched modules are left as they are; cross-attention modules are not patched.
+
+    Returns ``model``. Raises ``TypeError`` if nothing in ``model`` can be patched and
+    ``NotImplementedError`` for attention implementations other than eager / sdpa.
+
+    Shapes:
+        per layer, as the replaced module: hidden_states (b, s, d) -> (b, s, d), weights (b, h, s, s_kv) or None
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch: model must be a torch.nn.Module, got {type(model).__name__}")
+    families = _families()
+    targets = []
+    for name, module in model.named_modules():
+        if isinstance(module, HeadwiseHFModule):
+            continue
+        for family, mixin in families:
+            if family.is_target(module):
+                if name == "":
+                    raise TypeError(f"patch: {type(model).__name__} is itself an attention module; patch the "
+                                    "model that contains it, or convert it with from_hf")
+                config = module.self.config if hasattr(module, "self") else module.config
+                check_impl(config, f"patch({type(model).__name__}) at {name!r}")
+                targets.append((name, module, family, mixin))
+    if not targets and not layers(model):
+        supported = "; ".join(family.NAME for family, _ in families)
+        raise TypeError(f"patch: {type(model).__name__} contains no attention module headwise can patch; "
+                        f"supported: {supported}")
+    for name, module, family, mixin in targets:
+        family.patch_one(model, name, module, mixin)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch`: put the original module objects back (identity restored) and return ``model``.
+
+    Weights that were copied rather than shared (GPT-2) are written back first, so edits made through
+    ``.attn`` while patched survive. A model without patched modules is returned unchanged.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unpatch: model must be a torch.nn.Module, got {type(model).__name__}")
+    for _, module in [(n, m) for n, m in model.named_modules() if isinstance(m, HeadwiseHFModule)]:
+        module.write_back()
+        for parent, attr, original in module._hw_restore:
+            setattr(parent, attr, original)
+    return model
+
+
+def layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+    """``(qualified name of the patched module, its MultiHeadAttention)`` for every patched layer, in model
+    order (empty if ``model`` is not patched).
+
+    Example:
+        >>> import transformers
+        >>> cfg = transformers.BertConfig(hidden_size=12, num_attention_heads=3, num_hidden_layers=2,
+        ...                               intermediate_size=8, vocab_size=10)
+        >>> [name for name, attn in layers(patch(transformers.BertModel(cfg)))]
+        ['encoder.layer.0.attention.self', 'encoder.layer.1.attention.self']
+    """
+    return [(name, module.attn) for name, module in model.named_modules() if isinstance(module, HeadwiseHFModule)]

@@ -1,0 +1,154 @@
+"""GPT-2 self-attention (``GPT2Attention``) <-> headwise.
+
+GPT-2 projects with ``Conv1D``, which stores its weight as ``(in, out)`` and computes ``x @ W + b``:
+the *transpose* of ``nn.Linear``'s ``(out, in)``. Q, K and V are packed into one ``c_attn`` of width
+``3 * d`` (columns ``[0, d)`` are Q, ``[d, 2d)`` K, ``[2d, 3d)`` V); heads are consecutive ``d_h``-wide
+column blocks inside each.
+
+====================================  ==============  =================================
+Hugging Face                          headwise        conversion
+====================================  ==============  =================================
+``c_attn.weight[:, 0:d]``             ``q_proj``      ``.T`` -> ``(d, d)`` (out, in)
+``c_attn.weight[:, d:2d]``            ``k_proj``      ``.T``
+``c_attn.weight[:, 2d:3d]``           ``v_proj``      ``.T``
+``c_attn.bias`` (3 chunks)            ``*_proj.bias``
+``c_proj.weight``                     ``out_proj``    ``.T``
+``scaling``                           ``config.scale``  includes ``scale_attn_weights`` and
+                                                        ``scale_attn_by_inverse_layer_idx``
+``resid_dropout``                     (kept)          applied after ``out_proj`` by the patched module
+====================================  ==============  =================================
+
+Since the orientation differs, a patched GPT-2 layer holds *copies* of the weights; ``unpatch`` writes
+them back into the original ``Conv1D`` modules. Cross-attention (``is_cross_attention=True``) is not
+converted. ``reorder_and_upcast_attn`` only changes float16/bfloat16 rounding in HF's eager path; headwise
+always computes the eager softmax in float32 for those dtypes.
+
+Shapes:
+    b: batch, s: sequence, h: heads, d: model width (n_embd), d_h: head width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import MultiHeadAttention
+from ..config import AttentionConfig
+from ._hf_common import check_same, copy_into, hf_attend, new_attention, pop_cache, replace_in_parent
+
+__all__ = ["classes", "from_module", "load_into", "split_c_attn", "PatchedGPT2"]
+
+NAME = "GPT-2 (GPT2Attention: Conv1D c_attn/c_proj)"
+
+
+def classes() -> tuple[type, ...]:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    return (GPT2Attention,)
+
+
+def _check_conv1d(owner: str, name: str, layer: object, d_in: int, d_out: int) -> nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    if not isinstance(layer, Conv1D):
+        raise TypeError(f"{owner}.{name} must be a transformers Conv1D, got {type(layer).__name__}")
+    got = tuple(layer.weight.shape)
+    if got != (d_in, d_out):
+        hint = " (that is nn.Linear's (out, in) order; Conv1D stores (in, out))" if got == (d_out, d_in) else ""
+        raise ValueError(f"{owner}.{name}.weight must have Conv1D shape (in={d_in}, out={d_out}), got {got}{hint}")
+    if layer.bias is None or tuple(layer.bias.shape) != (d_out,):
+        got_b = None if layer.bias is None else tuple(layer.bias.shape)
+        raise ValueError(f"{owner}.{name}.bias must have shape ({d_out},), got {got_b}")
+    return layer
+
+
+def config_of(module: nn.Module) -> AttentionConfig:
+    """The :class:`AttentionConfig` of a ``GPT2Attention``, both Conv1D shapes checked."""
+    owner = type(module).__name__
+    if getattr(module, "is_cross_attention", False):
+        raise NotImplementedError(f"{owner} is a cross-attention block (is_cross_attention=True, has q_attn); "
+                                  "headwise.interop converts GPT-2 self-attention only")
+    d, h = module.embed_dim, module.num_heads
+    _check_conv1d(owner, "c_attn", module.c_attn, d, 3 * d)
+    _check_conv1d(owner, "c_proj", module.c_proj, d, d)
+    return AttentionConfig(d_model=d, n_heads=h, d_head=module.head_dim, bias=True, out_bias=True,
+                           dropout=float(module.attn_dropout.p), scale=float(module.scaling))
+
+
+def split_c_attn(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``nn.Linear``-oriented ``(weight (out, in), bias)`` of Q, K, V and W_O, from the Conv1D layout.
+
+    Shapes:
+        c_attn.weight (d, 3d) -> q/k/v weight (d, d) each; c_proj.weight (d, d) -> out weight (d, d), transposed
+    """
+    d = module.embed_dim
+    w, b = module.c_attn.weight, module.c_attn.bias
+    out = {name: (w[:, i * d:(i + 1) * d].T, b[i * d:(i + 1) * d])  # (d_out, d_in): Linear order
+           for i, name in enumerate(("q_proj", "k_proj", "v_proj"))}
+    out["out_proj"] = (module.c_proj.weight.T, module.c_proj.bias)  # (d_out, d_in)
+    return out
+
+
+def from_module(module: nn.Module, *, share: bool = False, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
+    """Convert one ``GPT2Attention`` (always a copy: the layouts differ, see the module docstring)."""
+    cfg = config_of(module)
+    backend = "eager" if getattr(module.config, "_attn_implementation", None) == "eager" else "sdpa"
+    return new_attention(cfg, rotary=None, backend=backend, like=module.c_attn.weight, training=module.training,
+                         copy=split_c_attn(module))
+
+
+def is_target(module: nn.Module) -> bool:
+    """A ``GPT2Attention`` that :func:`patch` should take over (self-attention)."""
+    return isinstance(module, classes()) and not getattr(module, "is_cross_attention", False)
+
+
+def patch_one(model: nn.Module, name: str, module: nn.Module, mixin: type) -> nn.Module:
+    return replace_in_parent(model, name, module, from_module(module), mixin)
+
+
+def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
+    """Write ``attn``'s weights into a ``GPT2Attention`` of the same shape, transposing into Conv1D order."""
+    owner = type(module).__name__
+    check_same(owner, config_of(module), attn.config)
+    w = torch.cat([attn.q_proj.weight.T, attn.k_proj.weight.T, attn.v_proj.weight.T], dim=1)  # (d, 3d)
+    b = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])  # (3d,)
+    copy_into(module.c_attn.weight, w, f"{owner}.c_attn.weight")
+    copy_into(module.c_attn.bias, b, f"{owner}.c_attn.bias")
+    copy_into(module.c_proj.weight, attn.out_proj.weight.T, f"{owner}.c_proj.weight")
+    copy_into(module.c_proj.bias, attn.out_proj.bias, f"{owner}.c_proj.bias")
+
+
+class PatchedGPT2:
+    """Forward of a patched ``GPT2Attention``: HF's signature and ``(output, weights)`` return.
+
+    Shapes:
+        hidden_states: (b, s, d); attention_mask: (b, 1, s, s_kv) or None -> (b, s, d), weights or None
+    """
+
+    _hw_keep = ("resid_dropout",)
+
+    def forward(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: Any = None,
+                output_attentions: bool | None = False, **kwargs: Any):
+        cache = pop_cache(cache, kwargs)
+        if encoder_hidden_states is not None:
+            raise NotImplementedError("a patched GPT2Attention is self-attention only; cross-attention layers "
+                                      "are left unpatched")
+        if output_attentions:
+            kwargs["output_attentions"] = True
+        attn = self.attn
+        q = attn.project_q(hidden_states)  # (b, h, s, d_h)
+        k, v = attn.project_kv(hidden_states)  # (b, h, s, d_h)
+        if cache is not None:
+            current = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache with cross-attention
+            k, v = current.update(k, v, self.layer_idx, kwargs=kwargs)
+        out, weights = hf_attend(self, q, k, v, attention_mask, kwargs)
+        return self.resid_dropout(attn.project_out(out)), weights
+
+    def write_back(self) -> None:
+        w = self.attn.q_proj.weight
+        # The original sat outside the module tree while patched: follow any .to() made meanwhile.
+        self._hw_original.to(device=w.device, dtype=w.dtype)
+        load_into(self._hw_original, self.attn)
