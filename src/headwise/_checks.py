@@ -38,3 +38,13 @@ def check_causal(causal: object) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool (True = bottom-right aligned), got {causal!r}; for top-left "
                         f"alignment pass mask=headwise.masks.causal_mask(s_q, s_kv, align='top_left')")
+
+
+def check_positions(positions: object, b: int, s: int) -> torch.Tensor:
+    """Rotary positions: an integer tensor ``(s,)``, ``(1, s)`` or ``(b, s)``."""
+    positions = check_tensor("positions", positions)
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+    if tuple(positions.shape) not in ((s,), (1, s), (b, s)):
+        raise ValueError(f"positions must have shape (s_q={s},) or (b={b}, s_q={s}), got {tuple(positions.shape)}")
+    return positions

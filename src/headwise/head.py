@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import functional as hwf
-from ._checks import check_input
+from ._checks import check_input, check_positions
 from .masks import validate_mask
 
 if TYPE_CHECKING:
@@ -178,7 +178,8 @@ class AttentionHead(nn.Module):
             raise ValueError(f"batch mismatch: x has b={x.shape[0]}, context has b={context.shape[0]}")
         q, k, v = (t.unsqueeze(1) for t in self.project(x, context))  # (b, 1, s, d_h)
         if self.rotary is not None and context is None:
-            pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
+            pos = (torch.arange(x.shape[1], device=x.device) if positions is None
+                   else check_positions(positions, x.shape[0], x.shape[1]))
             q, k = self.rotary.rotate(q, k, pos)
         if mask is not None:
             if mask.dim() == 4 and mask.shape[1] > 1:

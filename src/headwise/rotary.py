@@ -67,6 +67,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, d_head: int, *, base: float = 10000.0, rotary_dim: int | None = None,
                  inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0) -> None:
         super().__init__()
+        for name, value in (("d_head", d_head), ("rotary_dim", rotary_dim)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if d_head <= 0:
+            raise ValueError(f"d_head must be a positive int, got {d_head}")
         rotary_dim = d_head if rotary_dim is None else rotary_dim
         if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d_head:
             raise ValueError(f"rotary_dim must be even and in (0, d_head={d_head}], got {rotary_dim}")
@@ -82,6 +87,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at ``positions``, computed in float32 (Hugging Face's precision) or float64 when asked."""
+        if (not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2)
+                or positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool):
+            got = (f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor)
+                   else type(positions).__name__)
+            raise TypeError(f"positions must be an integer tensor of shape (s,) or (b, s), got {got}")
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)  # (1, s)
         work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -98,7 +108,13 @@ class RotaryEmbedding(nn.Module):
         Shapes:
             q: (b, h, s, d_h); k: (b, h_kv, s, d_h); positions: (s,) or (b, s)
         """
+        for name, t in (("q", q), ("k", k)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != self.d_head:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must have shape (b, heads, s, d_h={self.d_head}), got {got}")
         cos, sin = self(positions, q.dtype)
+        if cos.shape[-2] != q.shape[-2] or k.shape[-2] != q.shape[-2]:
+            raise ValueError(f"positions give s={cos.shape[-2]} but q has s={q.shape[-2]} and k has s={k.shape[-2]}")
         return (apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)),
                 apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype)))
 
