@@ -1,0 +1,164 @@
+"""What each spawned rank runs for tests/parallel/test_tensor_parallel.py, and the shared layer builders.
+
+One process group per world size runs every scenario; each rank saves its raw results (outputs, local
+gradients, cache sizes, head-view results, error messages) to ``rank{r}.pt``. The test process rebuilds the
+same unsharded layers and inputs from the same seeds and does all the comparing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from headwise import MultiHeadAttention, RotaryEmbedding
+from headwise.masks import padding_mask
+
+DTYPE = torch.float64
+B, S, S_KV, PREFILL, DECODE = 2, 6, 5, 5, 3
+
+# world size -> scenarios; every rank runs the same list, in order.
+SCENARIOS: dict[int, list[dict]] = {
+    2: [
+        dict(name="mha", d_model=32, n_heads=4, n_kv_heads=4, cross=True),
+        dict(name="gqa", d_model=32, n_heads=8, n_kv_heads=2, per_head_mask=True),
+        dict(name="mqa_rotary", d_model=32, n_heads=4, n_kv_heads=1, rotary=True),
+        dict(name="gqa_mesh_nobias", d_model=24, n_heads=4, n_kv_heads=2, bias=False, mesh=True),
+    ],
+    4: [
+        dict(name="mha", d_model=32, n_heads=4, n_kv_heads=4, cross=True),
+        dict(name="gqa_replicated", d_model=32, n_heads=8, n_kv_heads=2, per_head_mask=True),
+        dict(name="mqa_rotary", d_model=32, n_heads=8, n_kv_heads=1, rotary=True),
+        dict(name="gqa_partitioned", d_model=48, n_heads=8, n_kv_heads=4, d_head=4),
+    ],
+}
+# A layer that cannot be split over 4 ranks (6 % 4 != 0); only rank 0 tries.
+INVALID = dict(d_model=24, n_heads=6, n_kv_heads=2)
+
+
+def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
+    """The unsharded float64 layer and the inputs of one scenario, identical in every process."""
+    seed = sum(map(ord, spec["name"])) + 1000 * spec["n_heads"] + spec["n_kv_heads"]
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    d_head = spec.get("d_head") or spec["d_model"] // spec["n_heads"]
+    rotary = RotaryEmbedding(d_head) if spec.get("rotary") else None
+    attn = MultiHeadAttention(spec["d_model"], spec["n_heads"], spec["n_kv_heads"], d_head=spec.get("d_head"),
+                              bias=spec.get("bias", True), rotary=rotary, dtype=DTYPE)
+    with torch.no_grad():  # biases away from their init so that the bias handling is visible
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=DTYPE) * 0.3)
+    d, h = spec["d_model"], spec["n_heads"]
+    x = torch.randn(B, S, d, generator=g, dtype=DTYPE)
+    inputs = {
+        "x": x,
+        "grad_y": torch.randn(B, S, d, generator=g, dtype=DTYPE),
+        "x_pad": torch.randn(B, S, d, generator=g, dtype=DTYPE),
+        "pad_mask": padding_mask(lengths=[S - 2, S], s_kv=S),
+        "x_dec": torch.randn(B, PREFILL + DECODE, d, generator=g, dtype=DTYPE),
+    }
+    if spec.get("per_head_mask"):
+        m = torch.rand(B, h, S, S, generator=g) > 0.3
+        m[..., 0] = True  # every query may see at least the first key
+        inputs["pad_mask"] = inputs["pad_mask"] & m
+    if spec.get("cross"):
+        inputs["context"] = torch.randn(B, S_KV, d, generator=g, dtype=DTYPE)
+        inputs["ctx_mask"] = padding_mask(lengths=[S_KV - 1, S_KV], s_kv=S_KV)
+    return attn, inputs
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _run_scenario(spec: dict, group, mesh) -> dict:
+    from headwise.parallel import HeadNotLocalError, tensor_parallel
+
+    attn, inp = build(spec)
+    tp = tensor_parallel(attn, mesh if spec.get("mesh") else group)
+    out: dict = {"q_heads": tp.partition.q_heads, "kv_heads": tp.partition.kv_heads,
+                 "local_n_heads": tp.config.n_heads, "local_n_kv_heads": tp.config.n_kv_heads,
+                 "d_head": tp.config.d_head, "scale": tp.config.scale, "describe": tp.plan.describe()}
+
+    x = inp["x"].clone().requires_grad_()
+    y = tp(x, causal=True)
+    (y * inp["grad_y"]).sum().backward()
+    out["causal"] = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(tp)}
+    tp.zero_grad(set_to_none=True)
+
+    x = inp["x_pad"].clone().requires_grad_()
+    y = tp(x, mask=inp["pad_mask"], causal=True)
+    (y * inp["grad_y"]).sum().backward()
+    out["padding"] = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(tp)}
+    tp.zero_grad(set_to_none=True)
+
+    if spec.get("cross"):
+        x = inp["x"].clone().requires_grad_()
+        c = inp["context"].clone().requires_grad_()
+        y = tp(x, c, mask=inp["ctx_mask"])
+        (y * inp["grad_y"]).sum().backward()
+        out["cross"] = {"y": y.detach(), "x_grad": x.grad, "context_grad": c.grad, "grads": _grads(tp)}
+        tp.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        cache = tp.new_cache(B, PREFILL + DECODE)
+        xd = inp["x_dec"]
+        steps = [tp(xd[:, :PREFILL], cache=cache)]
+        steps += [tp(xd[:, t:t + 1], cache=cache) for t in range(PREFILL, PREFILL + DECODE)]
+    out["decode"] = {"steps": steps, "cache_n_kv_heads": cache.n_kv_heads, "cache_keys_shape": tuple(cache.keys.shape),
+                     "cache_nbytes": cache.nbytes}
+
+    heads = {}
+    for h in range(spec["n_heads"]):
+        try:
+            view = tp.head(h)
+        except HeadNotLocalError as err:
+            heads[h] = {"error": str(err), "owner": err.owner}
+        else:
+            with torch.no_grad():
+                heads[h] = {"z": view(inp["x"], causal=True), "w_o": view.w_o.clone(),
+                            "global_index": view.global_index, "global_kv_index": view.global_kv_index}
+    out["heads"] = heads
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections stay on loopback
+    results: dict = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        group = dist.group.WORLD
+        for spec in SCENARIOS[world]:
+            results[spec["name"]] = _run_scenario(spec, group, mesh)
+        if world == 4:
+            # Only rank 0 tries the impossible split: had it entered any collective, it would wait for the
+            # other ranks there, and the barrier below would time out instead of passing.
+            if rank == 0:
+                from headwise.parallel import tensor_parallel
+
+                try:
+                    tensor_parallel(MultiHeadAttention(**INVALID, dtype=DTYPE), group)
+                except ValueError as err:
+                    results["invalid"] = str(err)
+                else:
+                    results["invalid"] = None
+            dist.barrier()
+    except BaseException:
+        results["traceback"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()

@@ -1,0 +1,222 @@
+"""headwise.parallel.tensor_parallel on real process groups: 2 and 4 CPU ranks with gloo.
+
+One process group per world size (a module-scoped spawn) runs every scenario of ``_tp_worker.SCENARIOS``;
+here the unsharded float64 layer is rebuilt from the same seeds and every rank's outputs and gradients are
+compared with it: outputs on every rank, every parameter's gradient re-assembled from the ranks' slices
+(with the head -> rank arithmetic written out again here, not taken from the library), replicated K/V
+gradients on every replica, the input gradient on every rank, and KV-cache decoding step by step.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from headwise import MultiHeadAttention
+from headwise.parallel import tensor_parallel
+from tests.parallel import _tp_worker as worker
+
+pytestmark = [pytest.mark.xdist_group("parallel"), pytest.mark.timeout(240)]
+
+JOIN_TIMEOUT_S = 150.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int) -> list[dict]:
+    """Run every scenario on ``world`` ranks; a hard deadline kills the ranks instead of hanging."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(worker.run_rank, args=(world, _free_port(), tmp), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{world}-rank group did not finish within {JOIN_TIMEOUT_S} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def ranks2() -> list[dict]:
+    return _spawn(2)
+
+
+@pytest.fixture(scope="module")
+def ranks4() -> list[dict]:
+    return _spawn(4)
+
+
+@pytest.fixture(params=[2, 4], ids=["world2", "world4"])
+def world(request, ranks2, ranks4) -> tuple[int, list[dict]]:
+    return request.param, {2: ranks2, 4: ranks4}[request.param]
+
+
+def _specs(world_size: int) -> list[dict]:
+    return worker.SCENARIOS[world_size]
+
+
+def _owned(spec: dict, world_size: int, rank: int) -> tuple[list[int], list[int]]:
+    """Rank ``rank``'s query heads and the K/V heads they read (the GQA rule, written out independently)."""
+    h, h_kv = spec["n_heads"], spec["n_kv_heads"]
+    per_rank, group = h // world_size, h // h_kv
+    q = list(range(rank * per_rank, (rank + 1) * per_rank))
+    return q, sorted({i // group for i in q})
+
+
+def _rows(heads: list[int], d_head: int) -> torch.Tensor:
+    return torch.cat([torch.arange(i * d_head, (i + 1) * d_head) for i in heads])
+
+
+def _reference(spec: dict, phase: str):
+    """Unsharded output and gradients for one phase (``causal``, ``padding``, ``cross``)."""
+    attn, inp = worker.build(spec)
+    x = (inp["x_pad"] if phase == "padding" else inp["x"]).clone().requires_grad_()
+    if phase == "causal":
+        y = attn(x, causal=True)
+    elif phase == "padding":
+        y = attn(x, mask=inp["pad_mask"], causal=True)
+    else:
+        c = inp["context"].clone().requires_grad_()
+        y = attn(x, c, mask=inp["ctx_mask"])
+    (y * inp["grad_y"]).sum().backward()
+    extra = {"context_grad": c.grad} if phase == "cross" else {}
+    return attn, y.detach(), x.grad, extra
+
+
+def _check_grads(spec: dict, world_size: int, ranks: list[dict], phase: str, attn: MultiHeadAttention) -> None:
+    d_head = attn.d_head
+    q_rows, kv_rows = [], []
+    for r, res in enumerate(ranks):
+        q, kv = _owned(spec, world_size, r)
+        q_rows.append(_rows(q, d_head))
+        kv_rows.append(_rows(kv, d_head))
+    grads = [res[spec["name"]][phase]["grads"] for res in ranks]
+    # Query heads and out_proj columns are partitioned: concatenated over ranks they give the whole gradient.
+    q_order = torch.cat(q_rows)
+    torch.testing.assert_close(torch.cat([g["q_proj.weight"] for g in grads]), attn.q_proj.weight.grad[q_order])
+    torch.testing.assert_close(torch.cat([g["out_proj.weight"] for g in grads], dim=1),
+                               attn.out_proj.weight.grad[:, q_order])
+    assert q_order.tolist() == list(range(attn.q_proj.weight.shape[0]))
+    names = ["k_proj.weight", "v_proj.weight"]
+    if attn.q_proj.bias is not None:
+        torch.testing.assert_close(torch.cat([g["q_proj.bias"] for g in grads]), attn.q_proj.bias.grad[q_order])
+        names += ["k_proj.bias", "v_proj.bias"]
+    # K/V heads: every rank holding a K/V head (one, or several when replicated) has its full gradient.
+    covered = set()
+    for r, g in enumerate(grads):
+        covered.update(kv_rows[r].tolist())
+        for name in names:
+            full = attn.get_parameter(name).grad
+            torch.testing.assert_close(g[name], full[kv_rows[r]], msg=lambda m: f"rank {r} {name}: {m}")
+    assert covered == set(range(attn.k_proj.weight.shape[0]))
+    if attn.out_proj.bias is not None:
+        for g in grads:  # replicated, added once after the reduce: the full gradient on every rank
+            torch.testing.assert_close(g["out_proj.bias"], attn.out_proj.bias.grad)
+    for g in grads:
+        assert set(g) == {n for n, _ in attn.named_parameters()}
+
+
+@pytest.mark.parametrize("phase", ["causal", "padding", "cross"])
+def test_forward_and_every_gradient_match_the_unsharded_layer(world, phase):
+    world_size, ranks = world
+    assert "traceback" not in ranks[0], ranks[0].get("traceback")
+    checked = 0
+    for spec in _specs(world_size):
+        if phase == "cross" and not spec.get("cross"):
+            continue
+        attn, y_ref, x_grad_ref, extra = _reference(spec, phase)
+        for r, res in enumerate(ranks):
+            got = res[spec["name"]][phase]
+            torch.testing.assert_close(got["y"], y_ref, msg=lambda m: f"{spec['name']} rank {r} output: {m}")
+            torch.testing.assert_close(got["x_grad"], x_grad_ref, msg=lambda m: f"{spec['name']} rank {r} dx: {m}")
+            if phase == "cross":
+                torch.testing.assert_close(got["context_grad"], extra["context_grad"])
+        _check_grads(spec, world_size, ranks, phase, attn)
+        checked += 1
+    assert checked >= 1
+
+
+def test_cache_decoding_equals_single_process_decoding(world):
+    world_size, ranks = world
+    for spec in _specs(world_size):
+        attn, inp = worker.build(spec)
+        b, n_pre, n_dec = worker.B, worker.PREFILL, worker.DECODE
+        with torch.no_grad():
+            cache = attn.new_cache(b, n_pre + n_dec)
+            xd = inp["x_dec"]
+            ref = [attn(xd[:, :n_pre], cache=cache)] + [attn(xd[:, t:t + 1], cache=cache)
+                                                        for t in range(n_pre, n_pre + n_dec)]
+            one_pass = attn(xd, causal=True)
+        torch.testing.assert_close(torch.cat(ref, dim=1), one_pass)
+        for r, res in enumerate(ranks):
+            dec = res[spec["name"]]["decode"]
+            assert len(dec["steps"]) == len(ref) == 1 + n_dec
+            for t, (got, want) in enumerate(zip(dec["steps"], ref)):
+                torch.testing.assert_close(got, want, msg=lambda m: f"{spec['name']} rank {r} step {t}: {m}")
+            # Only the local K/V heads are cached.
+            local_kv = len(_owned(spec, world_size, r)[1])
+            assert dec["cache_n_kv_heads"] == local_kv
+            assert dec["cache_keys_shape"] == (b, local_kv, n_pre + n_dec, attn.d_head)
+            assert dec["cache_nbytes"] == cache.nbytes * local_kv // attn.n_kv_heads
+
+
+def test_local_layers_have_local_head_counts_and_the_plan_says_so(world):
+    world_size, ranks = world
+    for spec in _specs(world_size):
+        attn, _ = worker.build(spec)
+        for r, res in enumerate(ranks):
+            got = res[spec["name"]]
+            q, kv = _owned(spec, world_size, r)
+            assert (list(got["q_heads"]), list(got["kv_heads"])) == (q, kv)
+            assert (got["local_n_heads"], got["local_n_kv_heads"]) == (len(q), len(kv))
+            assert (got["d_head"], got["scale"]) == (attn.d_head, attn.config.scale)
+            replicated = spec["n_kv_heads"] < world_size
+            assert ("replicated" in got["describe"]) == replicated
+            assert f"rank {r}: query heads {q}, K/V heads {kv}" in got["describe"]
+
+
+def test_global_head_view_on_the_owner_and_a_named_error_elsewhere(world):
+    world_size, ranks = world
+    for spec in _specs(world_size):
+        attn, inp = worker.build(spec)
+        for h in range(spec["n_heads"]):
+            owner = next(r for r in range(world_size) if h in _owned(spec, world_size, r)[0])
+            with torch.no_grad():
+                z_ref = attn.head(h)(inp["x"], causal=True)
+            for r, res in enumerate(ranks):
+                got = res[spec["name"]]["heads"][h]
+                if r == owner:
+                    torch.testing.assert_close(got["z"], z_ref)
+                    torch.testing.assert_close(got["w_o"], attn.head(h).w_o)
+                    assert (got["global_index"], got["global_kv_index"]) == (h, attn.config.kv_head_of(h))
+                else:
+                    assert got["owner"] == owner
+                    assert f"head {h} is on rank {owner}" in got["error"]
+
+
+def test_invalid_split_fails_on_one_rank_without_entering_a_collective(ranks4):
+    # Rank 0 alone called tensor_parallel; the group then met at a barrier, so no collective was entered.
+    msg = ranks4[0]["invalid"]
+    assert msg is not None and "valid world sizes" in msg and "[1, 2, 6]" in msg
+
+
+def test_needs_an_initialised_group_and_a_headwise_layer():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tensor_parallel(MultiHeadAttention(16, 4))
+    with pytest.raises(TypeError, match="MultiHeadAttention"):
+        tensor_parallel(torch.nn.Linear(4, 4))
