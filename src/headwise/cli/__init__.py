@@ -14,6 +14,7 @@ __all__ = ["main", "CliError"]
 
 # Subcommand modules, in the order `headwise --help` lists them.
 SUBCOMMANDS = ["tour"]
+SUBCOMMANDS += ["explain", "compare", "heads"]
 
 
 class CliError(Exception):

@@ -10,14 +10,17 @@ import torch
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..walkthrough import flatten_bug_error, head_by_head_error, walk
+from . import CliError
 from . import _format as fmt
+from ._sizes import add_layer_options, human_bytes, layer_from_args, positive
+
+# The tour runs real float32 tensors; beyond this much weight memory it points to `explain` (meta tensors).
+MAX_WEIGHT_BYTES = 2 * 2 ** 30
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tour", help="walk one attention layer step by step (shapes, views, copies)")
-    p.add_argument("--d-model", type=int, default=4096)
-    p.add_argument("--n-heads", type=int, default=32)
-    p.add_argument("--n-kv-heads", type=int, default=None)
+    add_layer_options(p, default_d_model=4096, default_n_heads=32)
     p.add_argument("--seq", type=int, default=128, help="tokens (default 128)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -49,7 +52,13 @@ def tour(config: AttentionConfig, seq: int, batch: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = AttentionConfig(d_model=args.d_model, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads)
+    config, _, _ = layer_from_args(args)
+    positive("seq", args.seq), positive("batch", args.batch)
+    weight_bytes = 4 * (2 * config.d_model * config.inner_dim + config.kdim * config.kv_dim
+                        + config.vdim * config.kv_dim)
+    if weight_bytes > MAX_WEIGHT_BYTES:
+        raise CliError(f"this layer's weights alone take {human_bytes(weight_bytes)} in float32 (the tour runs real "
+                       f"tensors, limit {human_bytes(MAX_WEIGHT_BYTES)}); `headwise explain` walks it on meta tensors")
     result = tour(config, args.seq, args.batch)
     if args.json:
         fmt.emit_json(result)

@@ -1,0 +1,79 @@
+"""``headwise compare``: the costs of several published configurations side by side."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..analysis import parse_dtype, summarize
+from ..analysis.memory import DTYPES
+from ..presets import PRESETS, get_preset
+from . import CliError
+from . import _format as fmt
+from ._sizes import human_bytes, human_count, positive
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="costs of published configurations side by side (e.g. MHA vs GQA KV cache)")
+    p.add_argument("presets", nargs="*", metavar="PRESET", help=f"preset names: {', '.join(PRESETS)}")
+    p.add_argument("--list", action="store_true", help="list the presets with their citations")
+    p.add_argument("--seq", type=int, default=4096, help="context length (default 4096)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="float16", help=f"storage dtype (default float16; one of {sorted(DTYPES)})")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=run)
+
+
+def compare(names: list[str], seq: int, batch: int, dtype: str) -> list[dict[str, Any]]:
+    try:
+        dt = parse_dtype(dtype)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    out = []
+    for name in names:
+        p = get_preset(name)
+        out.append({"preset": p.to_dict()} | summarize(p.config, seq, batch=batch, dtype=dt, n_layers=p.n_layers))
+    return out
+
+
+ROWS = [
+    ("kind", lambda r: r["config"]["kind"]),
+    ("d_model", lambda r: r["config"]["d_model"]),
+    ("n_heads / n_kv_heads", lambda r: f"{r['config']['n_heads']} / {r['config']['n_kv_heads']}"),
+    ("d_head", lambda r: r["config"]["d_head"]),
+    ("layers", lambda r: r["n_layers"]),
+    ("attention params, one layer", lambda r: human_count(r["params"]["layer"]["total"])),
+    ("attention params, all layers", lambda r: human_count(r["params"]["all_layers"])),
+    ("FLOPs, one layer (proj + attn)", lambda r: f"{human_count(r['flops']['layer']['projections'], 'FLOP')} + "
+                                                 f"{human_count(r['flops']['layer']['attention'], 'FLOP')}"),
+    ("KV cache per token", lambda r: human_bytes(r["kv_cache"]["per_token_bytes"])),
+    ("KV cache per 1k tokens", lambda r: human_bytes(r["kv_cache"]["per_1k_tokens_bytes"])),
+    ("KV cache, context x batch", lambda r: human_bytes(r["kv_cache"]["context_bytes"])),
+    ("probabilities per layer, eager", lambda r: human_bytes(r["probabilities"]["materialised"])),
+    ("probabilities per layer, fused", lambda r: human_bytes(r["probabilities"]["fused"])),
+]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        listing = [PRESETS[n].to_dict() for n in PRESETS]
+        if args.json:
+            fmt.emit_json(listing)
+        else:
+            fmt.table("Presets", ["name", "model", "d_model", "h / h_kv", "layers", "source"],
+                      [(p["name"], p["title"], p["config"]["d_model"],
+                        f"{p['config']['n_heads']} / {p['config']['n_kv_heads']}", p["n_layers"], p["citation"])
+                       for p in listing])
+        return 0
+    if not args.presets:
+        raise CliError(f"name at least one preset (or --list); known: {', '.join(PRESETS)}")
+    results = compare(args.presets, positive("seq", args.seq), positive("batch", args.batch), args.dtype)
+    if args.json:
+        fmt.emit_json(results)
+        return 0
+    r0 = results[0]
+    fmt.table(f"Per model: {r0['seq_len']} tokens, batch {r0['batch']}, {r0['dtype']}",
+              ["", *[r["preset"]["name"] for r in results]],
+              [(label, *[get(r) for r in results]) for label, get in ROWS])
+    fmt.line("Sources: " + "; ".join(f"{r['preset']['name']}: {r['preset']['citation']}" for r in results))
+    return 0

@@ -1,0 +1,92 @@
+"""``headwise explain``: one layer's shape walk, then what it costs (parameters, FLOPs, KV cache, memory)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..analysis import parse_dtype, summarize
+from ..analysis.memory import DTYPES
+from ..walkthrough import walk
+from . import CliError
+from . import _format as fmt
+from ._sizes import add_layer_options, human_bytes, human_count, layer_from_args, positive
+
+# Above this many bytes of weights + activations + scores the walk runs on meta tensors (shapes only).
+REAL_TENSOR_LIMIT = 256 * 2 ** 20
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="shape walk-through and costs of one layer (parameters, FLOPs, memory)")
+    add_layer_options(p)
+    p.add_argument("--seq", type=int, default=4096, help="tokens (default 4096)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="float16", help=f"storage dtype (default float16; one of {sorted(DTYPES)})")
+    p.add_argument("--n-layers", type=int, default=None, help="layers (default: the preset's, else 1)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(run=run)
+
+
+def explain(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``explain`` shows, as data."""
+    config, preset_layers, preset = layer_from_args(args)
+    seq, batch = positive("seq", args.seq), positive("batch", args.batch)
+    n_layers = positive("n-layers", args.n_layers) if args.n_layers is not None else (preset_layers or 1)
+    try:
+        dtype = parse_dtype(args.dtype)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    summary = summarize(config, seq, batch=batch, dtype=dtype, n_layers=n_layers)
+    itemsize = dtype.itemsize
+    live = (summary["params"]["layer"]["total"] + 6 * batch * seq * max(config.d_model, config.inner_dim)
+            + 2 * batch * config.n_heads * seq * seq) * itemsize
+    device = "meta" if live > REAL_TENSOR_LIMIT else "cpu"
+    walk_dtype = dtype if device == "meta" else parse_dtype("float32")  # strides do not depend on dtype
+    steps = walk(config, seq_len=seq, batch=batch, device=device, dtype=walk_dtype)
+    return summary | {"preset": preset, "walk_device": device, "steps": [s.to_dict() for s in steps]}
+
+
+def run(args: argparse.Namespace) -> int:
+    r = explain(args)
+    if args.json:
+        fmt.emit_json(r)
+        return 0
+    c = r["config"]
+    name = f"{r['preset']}: " if r["preset"] else ""
+    fmt.line(f"{name}d_model={c['d_model']}, n_heads={c['n_heads']}, n_kv_heads={c['n_kv_heads']} ({c['kind']}), "
+             f"d_head={c['d_head']}, bias={c['bias']}; {r['seq_len']} tokens, batch {r['batch']}, {r['dtype']}, "
+             f"{r['n_layers']} layer(s)")
+    where = ("meta tensors (shapes and strides only, no memory)" if r["walk_device"] == "meta"
+             else "real CPU tensors")
+    fmt.table(f"Shape walk of one layer, on {where}", ["step", "code", "shape", "stride", "view or new", "note"],
+              [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in r["steps"]])
+    fmt.table("Costs", ["quantity", "one layer", f"{r['n_layers']} layers", "how"], cost_rows(r))
+    return 0
+
+
+def cost_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    c, n = r["config"], r["n_layers"]
+    p, f, kv, m = r["params"], r["flops"], r["kv_cache"], r["probabilities"]
+    pl, fl = p["layer"], f["layer"]
+    inner, kv_dim = c["n_heads"] * c["d_head"], c["n_kv_heads"] * c["d_head"]
+    return [
+        ("parameters", f"{pl['total']:,}", f"{p['all_layers']:,}",
+         f"without bias {p['layer_without_bias']:,}"),
+        ("  W_Q / W_K / W_V / W_O", f"{pl['q']:,} / {pl['k']:,} / {pl['v']:,} / {pl['out']:,}", "",
+         f"W_K, W_V: {c['d_model']} x {kv_dim}" + (" (GQA/MQA shrink them)" if c["kind"] != "MHA" else "")),
+        ("FLOPs, projections", human_count(fl["projections"], "FLOP"), human_count(fl["projections"] * n, "FLOP"),
+         "2 x multiply-adds of x W_Q, x W_K, x W_V, concat W_O"),
+        ("FLOPs, attention", human_count(fl["attention"], "FLOP"), human_count(fl["attention"] * n, "FLOP"),
+         f"Q K^T + P V: 4 b h s^2 d_h; causal, skipping masked: {human_count(f['layer_attention_causal_skip'], 'FLOP')}"),
+        ("FLOPs, total", human_count(fl["total"], "FLOP"), human_count(f["all_layers"], "FLOP"), ""),
+        ("KV cache per token", human_bytes(kv["per_token_layer_bytes"]), human_bytes(kv["per_token_bytes"]),
+         f"2 x h_kv x d_h x {r['dtype']} = 2 x {c['n_kv_heads']} x {c['d_head']}"),
+        ("KV cache per 1k tokens", human_bytes(kv["per_token_layer_bytes"] * 1000), human_bytes(kv["per_1k_tokens_bytes"]),
+         "per sequence"),
+        (f"KV cache, {r['seq_len']} tokens x batch {r['batch']}", human_bytes(kv["context_bytes"] / n),
+         human_bytes(kv["context_bytes"]), ""),
+        ("probabilities, eager (materialised)", human_bytes(m["materialised"]), human_bytes(m["materialised_all_layers"]),
+         f"b x h x s^2 x itemsize; all layers = kept for backward"),
+        ("probabilities, fused (SDPA/flash)", human_bytes(m["fused"]), human_bytes(m["fused_all_layers"]),
+         f"one float32 log-sum-exp per (b, h, query); {m['ratio']:,.0f}x less"),
+    ]

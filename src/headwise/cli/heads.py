@@ -1,0 +1,93 @@
+"""``headwise heads``: every head of one layer of a real model (all-MiniLM-L6-v2) on your text: where it
+reads from and what it writes, as a table, a PNG or an interactive HTML page."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from . import CliError
+from . import _format as fmt
+from ._progress import steps
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("heads", help="what every head of a real model reads and writes, on your text")
+    p.add_argument("text", help="the text to run through the bundled all-MiniLM-L6-v2")
+    p.add_argument("--layer", type=int, default=0, help="attention layer, 0-5 (default 0)")
+    p.add_argument("--out", default=None, help="also draw the heads into FILE.png or FILE.html")
+    p.add_argument("--max-tokens", type=int, default=64, help="truncate the text to this many tokens (default 64)")
+    p.add_argument("--json", action="store_true", help="print the per-head arrays and summary as JSON")
+    p.set_defaults(run=run)
+
+
+def _check_out(out: str | None) -> Path | None:
+    if out is None:
+        return None
+    path = Path(out)
+    if path.suffix.lower() not in (".png", ".html", ".htm"):
+        raise CliError(f"--out must end in .png or .html, got {out!r}")
+    if not path.parent.is_dir():
+        raise CliError(f"--out: directory {str(path.parent)!r} does not exist")
+    return path
+
+
+def heads(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``heads`` shows, as data (the arrays are in the HeadMaps under ``"maps"``)."""
+    out = _check_out(args.out)
+    if not args.text.strip():
+        raise CliError("text must not be empty")
+    if args.max_tokens < 3:
+        raise CliError(f"--max-tokens must be at least 3 ([CLS], one token, [SEP]), got {args.max_tokens}")
+    from ..viz import maps as vmaps
+
+    with steps(3 if out else 2) as step:
+        step("loading all-MiniLM-L6-v2 (bundled, offline)")
+        _quiet_transformers()
+        tokenizer, model = vmaps.load_minilm()
+        step(f"running layer {args.layer} head by head")
+        maps = vmaps.text_head_maps(args.text, layer=args.layer, tokenizer=tokenizer, model=model,
+                                    max_tokens=args.max_tokens)
+        if out is not None:
+            step(f"drawing {out}")
+            if out.suffix.lower() == ".png":
+                from ..viz.png import save_png
+
+                save_png(maps, out)
+            else:
+                from ..viz.html import save_html
+
+                save_html(maps, out)
+    return {"maps": maps, "summary": maps.summary(), "out": None if out is None else str(out)}
+
+
+def _quiet_transformers() -> None:
+    # Our own progress bar replaces transformers' per-weight tqdm bar.
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - load_minilm will say what is missing
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    r = heads(args)
+    maps = r["maps"]
+    if args.json:
+        fmt.emit_json(maps.to_dict() | {"summary": r["summary"], "out": r["out"]})
+        return 0
+    fmt.line(f"all-MiniLM-L6-v2, layer {maps.layer}, {maps.n_heads} heads, {len(maps.tokens)} tokens: "
+             + " ".join(maps.tokens))
+    fmt.table("Where each head reads from, and what it actually writes (weight x ||value W_O||)",
+              ["head", "reads most from (mean weight)", "writes most from (share of writes)",
+               "writes from that token", "||v W_O|| min..max"],
+              [(s["head"], f"{s['reads_most']} ({s['reads_most_weight']:.2f})",
+                f"{s['writes_most']} ({s['writes_most_share']:.0%})",
+                f"{s['weight_on_reads_most_share_of_writes']:.0%}",
+                f"{s['value_norm_min']:.2f}..{s['value_norm_max']:.2f}") for s in r["summary"]])
+    fmt.line("A large weight on a token whose value is near zero writes little: compare the two middle columns.")
+    if r["out"]:
+        fmt.line(f"Wrote {r['out']}")
+    return 0

