@@ -131,7 +131,8 @@ class AttentionHead(nn.Module):
         Only view heads have one (a standalone head has no layer yet).
         """
         if self._parent is None:
-            raise AttributeError("a standalone head has no W_O; take heads from a layer with attn.head(i)")
+            # Not AttributeError: nn.Module.__getattr__ would replace this message with "has no attribute".
+            raise ValueError("a standalone head has no W_O; take heads from a layer with attn.head(i)")
         return self._parent.out_proj.weight[:, self._slice("q")].T  # (d_h, d)
 
     @property
