@@ -1,0 +1,412 @@
+"""Adapters: one calling convention for every layer :func:`headwise.check` can test.
+
+An :class:`Adapter` runs a layer on ``x`` (b, s, d_model) with an optional key padding mask and causal
+flag, and declares what else it can expose: attention weights, per-head contexts (the input of W_O),
+each head's slice of W_Q/W_K/W_V, a decode-with-cache path. Properties use only what an adapter offers
+and skip the rest. Shipped adapters:
+
+* :class:`CallableAdapter`: any ``f(x) -> y``; keywords ``mask=``/``causal=``/``return_weights=`` are used
+  when its signature has them (headwise's calling convention: bool mask True = may attend).
+* :class:`ModuleAdapter`: an ``nn.Module`` with that convention; heads are exposed when it has
+  ``q_proj``/``k_proj``/``v_proj``/``out_proj`` ``nn.Linear`` submodules and an ``n_heads`` attribute
+  (``n_kv_heads`` optional), head ``i`` owning output rows ``i * d_head .. (i + 1) * d_head - 1``.
+  headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV cache and rotary positions.
+* :class:`TorchMHAAdapter`: ``torch.nn.MultiheadAttention``.
+* Hugging Face BERT, GPT-2 and Llama-family attention: :mod:`headwise.checks.hf_adapters`.
+
+Shapes:
+    b: batch, s: tokens, d: d_model, h: query heads, h_kv: key/value heads, d_h: head width.
+    run: x (b, s, d), keep (b, s) bool -> (b, s, d); weights (b, h, s, s); contexts (b, h, s, d_h).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "TorchMHAAdapter", "adapt"]
+
+# (tensor, dim, start, stop): one head's slice of a projection weight or bias
+Slice = tuple[torch.Tensor, int, int, int]
+
+
+class Adapter:
+    """Base class: subclass it to check a layer with a calling convention of its own.
+
+    Set the capability flags and override the methods that go with them; everything else is skipped.
+
+    Shapes:
+        run: x (b, s, d), keep (b, s) bool (True = real token) -> (b, s, d)
+        run_weights: -> (b, s, d), weights (b, h, s, s); qk: -> q (b, h, s, d_h), k (b, h_kv, s, d_h)
+        contexts: -> (b, h, s, d_h), each head's output before W_O
+    """
+
+    name: str = "layer"
+    d_model: int = 0
+    claims_causal: bool = False   # the layer says it is causal: property 3 applies
+    accepts_causal: bool = False  # it can be run with causal masking on and off
+    accepts_mask: bool = False    # it takes a key padding mask
+    positional: bool = False      # it takes token positions (rotary): permutations move them along
+    exposes_weights: bool = False
+    exposes_heads: bool = False
+    has_cache: bool = False
+    precision: torch.dtype | None = None  # the layer computes in this dtype (e.g. softmax upcast), if lower
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    d_head: int | None = None
+
+    def run(self, x: torch.Tensor, *, keep: torch.Tensor | None = None, causal: bool | None = None,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run_weights(self, x: torch.Tensor, *, keep: torch.Tensor | None = None,
+                    causal: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Queries and keys as the scores see them (after rotary), or None when not exposed."""
+        return None
+
+    def contexts(self, x: torch.Tensor, *, causal: bool | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head_slices(self, which: str, index: int) -> list[Slice]:
+        """The parameter slices of query head ``index`` (``which="q"``) or K/V head ``index`` ("k"/"v")."""
+        raise NotImplementedError
+
+    def decode(self, x: torch.Tensor, prefill: int) -> torch.Tensor:
+        """Causal outputs of ``x`` computed as a prefill of ``prefill`` tokens, then one token at a time."""
+        raise NotImplementedError
+
+    def converted(self, dtype: torch.dtype) -> "Adapter | None":
+        """The same layer in ``dtype`` (a copy), or None when it cannot be converted."""
+        return None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.get_default_dtype()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def causal_flag(self, causal: bool | None) -> bool:
+        causal = self.claims_causal if causal is None else causal
+        if causal != self.claims_causal and not self.accepts_causal:
+            raise ValueError(f"{self.name} cannot be run with causal={causal}")
+        return causal
+
+    @contextlib.contextmanager
+    def perturbed(self, which: str, index: int, generator: torch.Generator) -> Iterator[None]:
+        """Add noise to one head's W_Q (or W_K / W_V) and biases; restore them afterwards."""
+        slices = self.head_slices(which, index)
+        saved = [t.detach().clone() for t, *_ in slices]
+        try:
+            with torch.no_grad():
+                for t, dim, start, stop in slices:
+                    part = t.narrow(dim, start, stop - start)
+                    noise = torch.randn(part.shape, generator=generator, dtype=torch.float64)
+                    scale = float(t.detach().double().std()) if t.numel() > 1 else 1.0
+                    part.add_((noise * (scale or 1.0)).to(part.dtype).to(part.device))
+            yield
+        finally:
+            with torch.no_grad():
+                for (t, *_), old in zip(slices, saved):
+                    t.copy_(old)
+
+
+def _callable_name(obj: Any) -> str:
+    name = getattr(obj, "__qualname__", None) or type(obj).__name__
+    return str(name)
+
+
+def _keywords(fn: Callable) -> set[str]:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return set()
+    return {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def _causal_keep(s: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool, device=device).tril()  # (s, s) True = may attend
+
+
+class CallableAdapter(Adapter):
+    """Any ``f(x) -> y``. ``causal=True`` declares that ``f`` is causal. If ``f`` takes ``mask=``,
+    ``causal=`` or ``return_weights=`` keywords they are used with headwise's meaning.
+
+    Shapes:
+        f: (b, s, d) -> (b, s, d); mask (b, 1, 1, s) bool True = may attend; weights (b, h, s, s)
+
+    Example:
+        >>> ad = CallableAdapter(lambda x: 2 * x, d_model=4)
+        >>> ad.run(torch.ones(1, 2, 4)).sum().item()
+        16.0
+    """
+
+    def __init__(self, fn: Callable, *, d_model: int, causal: bool = False, name: str | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"layer must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.d_model = d_model
+        self.name = name or _callable_name(fn)
+        self.claims_causal = causal
+        kw = _keywords(getattr(fn, "forward", fn))
+        self.accepts_mask = "mask" in kw
+        self.accepts_causal = "causal" in kw
+        self.exposes_weights = "return_weights" in kw
+
+    def _kwargs(self, keep, causal) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        causal = self.causal_flag(causal)
+        if self.accepts_causal:
+            kw["causal"] = causal
+        if keep is not None:
+            if not self.accepts_mask:
+                raise ValueError(f"{self.name} takes no mask")
+            kw["mask"] = keep[:, None, None, :]  # (b, 1, 1, s)
+        return kw
+
+    def run(self, x, *, keep=None, causal=None, positions=None):
+        if positions is not None:
+            raise ValueError(f"{self.name} takes no positions")
+        return self.fn(x, **self._kwargs(keep, causal))
+
+    def run_weights(self, x, *, keep=None, causal=None):
+        return self.fn(x, return_weights=True, **self._kwargs(keep, causal))
+
+
+class ModuleAdapter(CallableAdapter):
+    """An ``nn.Module`` with headwise's calling convention (see the module docstring); headwise's
+    :class:`~headwise.MultiHeadAttention` included (cache path and rotary positions too).
+
+    Shapes:
+        module: (b, s, d) -> (b, s, d); heads: q_proj (h * d_h, d), k_proj / v_proj (h_kv * d_h, d)
+
+    Example:
+        >>> from headwise import MultiHeadAttention
+        >>> ad = ModuleAdapter(MultiHeadAttention(16, 4, n_kv_heads=2))
+        >>> ad.exposes_heads, ad.has_cache, (ad.n_heads, ad.n_kv_heads, ad.d_head)
+        (True, True, (4, 2, 4))
+    """
+
+    def __init__(self, module: nn.Module, *, d_model: int | None = None, causal: bool = False,
+                 name: str | None = None) -> None:
+        d_model = d_model or getattr(module, "d_model", None) or _linear_in(module, "q_proj")
+        if not d_model:
+            raise ValueError(f"cannot infer d_model of {type(module).__name__}: pass d_model=")
+        super().__init__(module, d_model=int(d_model), causal=causal, name=name or type(module).__name__)
+        self.module = module
+        kw = _keywords(module.forward)
+        self.positional = getattr(module, "rotary", None) is not None and "positions" in kw
+        self.has_cache = callable(getattr(module, "new_cache", None)) and "cache" in kw
+        projs = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        n_heads = getattr(module, "n_heads", None)
+        if all(isinstance(p, nn.Linear) for p in projs) and isinstance(n_heads, int):
+            self.exposes_heads = True
+            self.n_heads = n_heads
+            self.n_kv_heads = int(getattr(module, "n_kv_heads", None) or n_heads)
+            self.d_head = projs[0].out_features // n_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        p = next(self.module.parameters(), None)
+        return p.dtype if p is not None else torch.get_default_dtype()
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def run(self, x, *, keep=None, causal=None, positions=None):
+        kw = self._kwargs(keep, causal)
+        if positions is not None:
+            if not self.positional:
+                raise ValueError(f"{self.name} takes no positions")
+            kw["positions"] = positions
+        return self.module(x, **kw)
+
+    def run_weights(self, x, *, keep=None, causal=None):
+        return self.module(x, return_weights=True, **self._kwargs(keep, causal))
+
+    def qk(self, x):
+        if not self.exposes_heads:
+            return None
+        m = self.module
+        q = _split(m.q_proj(x), self.n_heads)  # (b, h, s, d_h)
+        k = _split(m.k_proj(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
+        rotary = getattr(m, "rotary", None)
+        if rotary is not None:
+            if not callable(getattr(rotary, "rotate", None)):
+                return None
+            q, k = rotary.rotate(q, k, torch.arange(x.shape[1], device=x.device))
+        return q, k
+
+    def contexts(self, x, *, causal=None):
+        with _capture_input(self.module.out_proj) as got:
+            self.run(x, causal=causal)
+        return _split(got[0], self.n_heads)  # (b, h, s, d_h)
+
+    def head_slices(self, which, index):
+        proj = {"q": self.module.q_proj, "k": self.module.k_proj, "v": self.module.v_proj}[which]
+        lo, hi = index * self.d_head, (index + 1) * self.d_head
+        out = [(proj.weight, 0, lo, hi)]
+        if proj.bias is not None:
+            out.append((proj.bias, 0, lo, hi))
+        return out
+
+    def decode(self, x, prefill):
+        cache = self.module.new_cache(x.shape[0], x.shape[1])
+        steps = [self.module(x[:, :prefill], cache=cache)]
+        steps += [self.module(x[:, t:t + 1], cache=cache) for t in range(prefill, x.shape[1])]
+        return torch.cat(steps, dim=1)
+
+    def converted(self, dtype):
+        return _copy_adapter(self, dtype)
+
+
+class TorchMHAAdapter(Adapter):
+    """``torch.nn.MultiheadAttention`` as self-attention (``m(x, x, x)``), either batch layout.
+
+    Per-head contexts are recovered from the output through the (square) W_O:
+    ``context = W_O^{-1} (y - b_O)``, since torch applies W_O inside one fused function.
+
+    Shapes:
+        x (b, s, d) -> (b, s, d); weights (b, h, s, s) with ``average_attn_weights=False``
+
+    Example:
+        >>> ad = TorchMHAAdapter(nn.MultiheadAttention(16, 4))
+        >>> ad.run(torch.randn(2, 3, 16)).shape
+        torch.Size([2, 3, 16])
+    """
+
+    accepts_causal = accepts_mask = exposes_weights = exposes_heads = True
+
+    def __init__(self, module: nn.MultiheadAttention, *, causal: bool = False, name: str | None = None) -> None:
+        if module.bias_k is not None or module.add_zero_attn or not module._qkv_same_embed_dim:
+            raise ValueError("TorchMHAAdapter checks self-attention without add_bias_kv/add_zero_attn/kdim/vdim")
+        self.module = module
+        self.name = name or "nn.MultiheadAttention"
+        self.d_model = module.embed_dim
+        self.claims_causal = causal
+        self.n_heads = self.n_kv_heads = module.num_heads
+        self.d_head = module.head_dim
+
+    @property
+    def dtype(self):
+        return self.module.out_proj.weight.dtype
+
+    @property
+    def device(self):
+        return self.module.out_proj.weight.device
+
+    def _call(self, x, keep, causal, need_weights):
+        m = self.module
+        causal = self.causal_flag(causal)
+        xt = x if m.batch_first else x.transpose(0, 1)
+        attn_mask = ~_causal_keep(x.shape[1], x.device) if causal else None  # torch: True = blocked
+        kpm = None if keep is None else ~keep  # torch: True = ignore
+        y, w = m(xt, xt, xt, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights,
+                 average_attn_weights=False)
+        return (y if m.batch_first else y.transpose(0, 1)), w
+
+    def run(self, x, *, keep=None, causal=None, positions=None):
+        if positions is not None:
+            raise ValueError("nn.MultiheadAttention takes no positions")
+        return self._call(x, keep, causal, False)[0]
+
+    def run_weights(self, x, *, keep=None, causal=None):
+        return self._call(x, keep, causal, True)
+
+    def qk(self, x):
+        m, d = self.module, self.d_model
+        b = m.in_proj_bias
+        q = x @ m.in_proj_weight[:d].T + (0 if b is None else b[:d])
+        k = x @ m.in_proj_weight[d:2 * d].T + (0 if b is None else b[d:2 * d])
+        return _split(q, self.n_heads), _split(k, self.n_heads)  # (b, h, s, d_h) each
+
+    def contexts(self, x, *, causal=None):
+        y = self.run(x, causal=causal)
+        w_o, b_o = self.module.out_proj.weight, self.module.out_proj.bias
+        rhs = (y if b_o is None else y - b_o).reshape(-1, self.d_model).T  # (d, b * s)
+        ctx = torch.linalg.solve(w_o, rhs).T.reshape(y.shape)  # (b, s, h * d_h)
+        return _split(ctx, self.n_heads)
+
+    def head_slices(self, which, index):
+        m, d = self.module, self.d_model
+        lo = {"q": 0, "k": d, "v": 2 * d}[which] + index * self.d_head
+        out = [(m.in_proj_weight, 0, lo, lo + self.d_head)]
+        if m.in_proj_bias is not None:
+            out.append((m.in_proj_bias, 0, lo, lo + self.d_head))
+        return out
+
+    def converted(self, dtype):
+        return _copy_adapter(self, dtype)
+
+
+def _copy_adapter(adapter: Any, dtype: torch.dtype) -> Any:
+    new = copy.copy(adapter)
+    module = copy.deepcopy(adapter.module).to(dtype).eval()
+    new.module = module
+    if hasattr(new, "fn"):
+        new.fn = module
+    return new
+
+
+def _linear_in(module: nn.Module, name: str) -> int | None:
+    lin = getattr(module, name, None)
+    return lin.in_features if isinstance(lin, nn.Linear) else None
+
+
+def _split(t: torch.Tensor, n: int) -> torch.Tensor:
+    b, s, width = t.shape
+    return t.reshape(b, s, n, width // n).transpose(1, 2)  # (b, n, s, d_h)
+
+
+@contextlib.contextmanager
+def _capture_input(module: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Record the first positional input of ``module`` (e.g. W_O's input: the merged head contexts)."""
+    got: list[torch.Tensor] = []
+    handle = module.register_forward_pre_hook(lambda mod, args: got.append(args[0]))
+    try:
+        yield got
+    finally:
+        handle.remove()
+
+
+def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None) -> Adapter:
+    """Pick the adapter for ``layer``: an :class:`Adapter` is used as is; headwise, torch and Hugging Face
+    attention modules get theirs; any other module or callable gets the generic convention.
+
+    ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not).
+
+    Shapes:
+        layer: (b, s, d) -> (b, s, d).
+
+    Example:
+        >>> type(adapt(nn.MultiheadAttention(8, 2))).__name__
+        'TorchMHAAdapter'
+    """
+    if isinstance(layer, Adapter):
+        if causal is not None:
+            layer.claims_causal = causal
+        return layer
+    if isinstance(layer, nn.MultiheadAttention):
+        return TorchMHAAdapter(layer, causal=bool(causal))
+    if isinstance(layer, nn.Module) and type(layer).__module__.startswith("transformers."):
+        from .hf_adapters import hf_adapter
+
+        return hf_adapter(layer, causal=causal)
+    if isinstance(layer, nn.Module):
+        return ModuleAdapter(layer, d_model=d_model, causal=bool(causal))
+    if callable(layer):
+        if d_model is None:
+            raise ValueError("a plain callable needs d_model= (the width of x in f(x) with x (b, s, d_model))")
+        return CallableAdapter(layer, d_model=d_model, causal=bool(causal))
+    raise TypeError(f"layer must be an attention module or a callable f(x) -> y, got {type(layer).__name__}")
