@@ -42,6 +42,8 @@ _LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "bench", "c
 
 
 def __getattr__(name: str) -> Any:
+    if name == "check":  # headwise.check(layer, ...) is headwise.checks.check, loaded on first use
+        return importlib.import_module(".checks", __name__).check
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'headwise' has no attribute {name!r}")

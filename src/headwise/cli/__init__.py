@@ -15,6 +15,7 @@ __all__ = ["main", "CliError"]
 # Subcommand modules, in the order `headwise --help` lists them.
 SUBCOMMANDS = ["tour"]
 SUBCOMMANDS += ["explain", "compare", "heads"]
+SUBCOMMANDS += ["check"]
 
 
 class CliError(Exception):
