@@ -123,6 +123,9 @@ def _run_scenario(spec: dict, group, mesh) -> dict:
                 heads[h] = {"z": view(inp["x"], causal=True), "w_o": view.w_o.clone(),
                             "global_index": view.global_index, "global_kv_index": view.global_kv_index}
     out["heads"] = heads
+    full = tp.unshard()  # after the training steps above the weights are unchanged: no optimizer ran
+    out["unshard"] = {n: t.detach().clone() for n, t in full.state_dict().items()}
+    out["unshard_types"] = (type(full).__name__, full.config.to_dict())
     return out
 
 

@@ -209,6 +209,19 @@ def test_global_head_view_on_the_owner_and_a_named_error_elsewhere(world):
                     assert f"head {h} is on rank {owner}" in got["error"]
 
 
+def test_unshard_gathers_the_whole_layer_on_every_rank(world):
+    world_size, ranks = world
+    for spec in _specs(world_size):
+        attn, _ = worker.build(spec)
+        want = attn.state_dict()
+        for r, res in enumerate(ranks):
+            got = res[spec["name"]]["unshard"]
+            assert res[spec["name"]]["unshard_types"] == ("MultiHeadAttention", attn.config.to_dict())
+            assert set(got) == set(want)
+            for name in want:  # gathered copies of the same numbers: exact
+                assert torch.equal(got[name], want[name]), (spec["name"], r, name)
+
+
 def test_invalid_split_fails_on_one_rank_without_entering_a_collective(ranks4):
     # Rank 0 alone called tensor_parallel; the group then met at a barrier, so no collective was entered.
     msg = ranks4[0]["invalid"]

@@ -202,7 +202,8 @@ class TensorParallelPlan:
     def describe(self) -> str:
         """A human-readable account of the split, one line per rank."""
         group = self.n_heads // self.n_kv_heads
-        head = (f"{self.n_heads} query heads, {self.n_kv_heads} K/V heads ({self.kind}, group size {group}) over "
+        head = (f"{self.n_heads} query head{'s' if self.n_heads > 1 else ''}, {self.n_kv_heads} K/V "
+                f"head{'s' if self.n_kv_heads > 1 else ''} ({self.kind}, group size {group}) over "
                 f"{self.world_size} rank{'s' if self.world_size > 1 else ''}: {self.n_local_heads} query "
                 f"head{'s' if self.n_local_heads > 1 else ''} per rank; ")
         if self.kv_replicated:

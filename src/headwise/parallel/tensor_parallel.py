@@ -216,6 +216,53 @@ class TensorParallelAttention(MultiHeadAttention):
         """This rank's heads, in global order (see :meth:`head`)."""
         return [self.head(i) for i in self.partition.q_heads]
 
+    # -- back to one layer ---------------------------------------------------------------------------------
+    def unshard(self) -> MultiHeadAttention:
+        """The whole layer, gathered from every rank's slices (e.g. to save one checkpoint).
+
+        A collective: call it on every rank of the group; every rank gets the same full layer. Replicated
+        K/V heads are taken from the first rank that holds them.
+
+        Shapes:
+            q_proj: (h * d_h, d); k_proj, v_proj: (h_kv * d_h, kdim / vdim); out_proj: (d, h * d_h)
+        """
+        cfg = self.global_config
+        full = MultiHeadAttention.from_config(cfg, rotary=copy.deepcopy(self.rotary), backend=self.backend,
+                                              device="meta")
+
+        def gather(t: torch.Tensor) -> list[torch.Tensor]:
+            t = t.detach().contiguous()
+            if self.world_size == 1:
+                return [t]
+            parts = [torch.empty_like(t) for _ in range(self.world_size)]
+            dist.all_gather(parts, t, group=self.group)
+            return parts
+
+        def kv(t: torch.Tensor) -> torch.Tensor:
+            chunks, seen = [], set()
+            for part, rank_part in zip(gather(t), self.plan.partitions):
+                for j, k in enumerate(rank_part.kv_heads):
+                    if k not in seen:
+                        seen.add(k)
+                        chunks.append(part[j * cfg.d_head:(j + 1) * cfg.d_head])
+            return torch.cat(chunks)
+
+        def put(module: nn.Linear, name: str, value: torch.Tensor, like: torch.Tensor) -> None:
+            setattr(module, name, nn.Parameter(value, requires_grad=like.requires_grad))
+
+        put(full.q_proj, "weight", torch.cat(gather(self.q_proj.weight)), self.q_proj.weight)
+        put(full.k_proj, "weight", kv(self.k_proj.weight), self.k_proj.weight)
+        put(full.v_proj, "weight", kv(self.v_proj.weight), self.v_proj.weight)
+        put(full.out_proj, "weight", torch.cat(gather(self.out_proj.weight), dim=1), self.out_proj.weight)
+        if cfg.bias:
+            put(full.q_proj, "bias", torch.cat(gather(self.q_proj.bias)), self.q_proj.bias)
+            put(full.k_proj, "bias", kv(self.k_proj.bias), self.k_proj.bias)
+            put(full.v_proj, "bias", kv(self.v_proj.bias), self.v_proj.bias)
+        if cfg.out_bias:
+            put(full.out_proj, "bias", self.out_proj.bias.detach().clone(), self.out_proj.bias)
+        full.train(self.training)
+        return full
+
     def extra_repr(self) -> str:
         p = self.partition
         return (f"rank={self.rank}/{self.world_size}, query heads={list(p.q_heads)}, K/V heads={list(p.kv_heads)}"
