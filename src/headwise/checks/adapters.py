@@ -121,7 +121,7 @@ class Adapter:
 
 
 def _callable_name(obj: Any) -> str:
-    name = getattr(obj, "__qualname__", None) or type(obj).__name__
+    name = getattr(obj, "__name__", None) or type(obj).__name__
     return str(name)
 
 
@@ -198,7 +198,7 @@ class ModuleAdapter(CallableAdapter):
 
     def __init__(self, module: nn.Module, *, d_model: int | None = None, causal: bool = False,
                  name: str | None = None) -> None:
-        d_model = d_model or getattr(module, "d_model", None) or _linear_in(module, "q_proj")
+        d_model = getattr(module, "d_model", None) or _linear_in(module, "q_proj") or d_model
         if not d_model:
             raise ValueError(f"cannot infer d_model of {type(module).__name__}: pass d_model=")
         super().__init__(module, d_model=int(d_model), causal=causal, name=name or type(module).__name__)
