@@ -129,6 +129,31 @@ def _run_scenario(spec: dict, group, mesh) -> dict:
     return out
 
 
+SUBMESH = dict(name="submesh_mqa", d_model=32, n_heads=4, n_kv_heads=1, rotary=True)
+
+
+def _run_submesh(rank: int) -> dict:
+    """4 ranks as a (dp=2, tp=2) mesh: tensor parallelism inside each tp pair ({0, 1} and {2, 3})."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from headwise.parallel import tensor_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    attn, inp = build(SUBMESH)
+    out: dict = {}
+    try:
+        tensor_parallel(attn, mesh)
+    except ValueError as err:
+        out["mesh2d_error"] = str(err)
+    tp = tensor_parallel(attn, mesh["tp"])
+    x = inp["x"].clone().requires_grad_()
+    y = tp(x, causal=True)
+    (y * inp["grad_y"]).sum().backward()
+    out.update(tp_rank=tp.rank, tp_world=tp.world_size, q_heads=tp.partition.q_heads, y=y.detach(), x_grad=x.grad,
+               grads=_grads(tp))
+    return out
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
     import torch.distributed as dist
@@ -147,6 +172,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         for spec in SCENARIOS[world]:
             results[spec["name"]] = _run_scenario(spec, group, mesh)
         if world == 4:
+            results["submesh"] = _run_submesh(rank)
             # Only rank 0 tries the impossible split: had it entered any collective, it would wait for the
             # other ranks there, and the barrier below would time out instead of passing.
             if rank == 0:

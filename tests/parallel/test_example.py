@@ -24,6 +24,8 @@ def _run(*extra: str) -> subprocess.CompletedProcess:
            "--master-port", str(_free_port()), "-m", "headwise.examples.tensor_parallel", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTEST_XDIST_WORKER", None)
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections stay on loopback
     return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
 
 

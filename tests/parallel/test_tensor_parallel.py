@@ -222,6 +222,21 @@ def test_unshard_gathers_the_whole_layer_on_every_rank(world):
                 assert torch.equal(got[name], want[name]), (spec["name"], r, name)
 
 
+def test_tensor_parallel_inside_a_sub_group_of_a_2d_mesh(ranks4):
+    # (dp=2, tp=2) mesh: ranks {0, 1} and {2, 3} each split the layer; group ranks differ from global ranks.
+    spec = worker.SUBMESH
+    attn, y_ref, x_grad_ref, _ = _reference(spec, "causal")
+    for r, res in enumerate(ranks4):
+        got = res["submesh"]
+        assert "1-D DeviceMesh" in got["mesh2d_error"]
+        assert (got["tp_rank"], got["tp_world"]) == (r % 2, 2)
+        assert list(got["q_heads"]) == _owned(spec, 2, r % 2)[0]
+        torch.testing.assert_close(got["y"], y_ref)
+        torch.testing.assert_close(got["x_grad"], x_grad_ref)
+    for pair in ([0, 1], [2, 3]):
+        _check_grads(spec, 2, [{spec["name"]: {"causal": ranks4[r]["submesh"]}} for r in pair], "causal", attn)
+
+
 def test_invalid_split_fails_on_one_rank_without_entering_a_collective(ranks4):
     # Rank 0 alone called tensor_parallel; the group then met at a barrier, so no collective was entered.
     msg = ranks4[0]["invalid"]

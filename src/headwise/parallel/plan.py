@@ -40,6 +40,10 @@ def _split_ok(n_heads: int, n_kv_heads: int, world_size: int) -> bool:
 def valid_world_sizes(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
     """Every world size over which a layer with these head counts splits by whole heads.
 
+    Shapes:
+        h = n_heads, h_kv = n_kv_heads -> sorted list of world sizes w with h % w == 0 and either
+        h_kv % w == 0 (K/V heads partitioned) or w % h_kv == 0 (K/V heads replicated)
+
     Example:
         >>> valid_world_sizes(8, 2)      # 4 and 8 replicate the 2 K/V heads
         [1, 2, 4, 8]

@@ -308,13 +308,24 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
         rank r keeps q_proj rows / out_proj columns ``partition.q_rows(d_h)`` (h_local * d_h of them) and
         k_proj/v_proj rows ``partition.kv_rows(d_h)`` (kv_local * d_h); out_proj.bias is replicated.
 
-    Example (under ``torchrun --nproc-per-node 2``; see :mod:`headwise.examples.tensor_parallel`)::
+    Under ``torchrun --nproc-per-node 2`` (see :mod:`headwise.examples.tensor_parallel`)::
 
-        dist.init_process_group("gloo")
-        torch.manual_seed(0)
+        dist.init_process_group("gloo")       # or "nccl": the same code path
+        torch.manual_seed(0)                  # the same layer on every rank
         attn = MultiHeadAttention(d_model=64, n_heads=8, n_kv_heads=2)
         tp = tensor_parallel(attn)            # rank 0: heads 0-3, K/V head 0; rank 1: heads 4-7, K/V head 1
         y = tp(x, causal=True)                # == attn(x, causal=True) on every rank
+
+    Example (a one-rank group, so that it runs anywhere):
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> attn = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
+        >>> tp = tensor_parallel(attn)
+        >>> tp.partition.q_heads, tp.new_cache(batch_size=1, max_len=8).n_kv_heads
+        ((0, 1, 2, 3), 2)
+        >>> x = torch.randn(2, 3, 16)
+        >>> torch.testing.assert_close(tp(x, causal=True), attn(x, causal=True))
+        >>> dist.destroy_process_group()
     """
     if isinstance(attn, TensorParallelAttention):
         raise TypeError("this layer is already tensor-parallel; pass the unsharded MultiHeadAttention")
