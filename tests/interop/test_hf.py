@@ -1,0 +1,371 @@
+"""headwise.interop.hf against Hugging Face transformers itself: random tiny models, float32, no download.
+
+Every comparison is patched vs unpatched on the *same* model (or an exact eager twin for attention
+weights), so the peer is transformers' own implementation.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from headwise import MultiHeadAttention  # noqa: E402
+from headwise.interop import from_hf, layers, patch, to_hf, unpatch  # noqa: E402
+from headwise.interop._hf_common import HeadwiseHFModule  # noqa: E402
+
+VOCAB = 40
+IMPLS = ["eager", "sdpa"]
+SIDES = ["left", "right"]
+
+BERT = {
+    "bert-20x4": dict(hidden_size=20, num_attention_heads=4),  # d_head 5
+    "bert-21x3": dict(hidden_size=21, num_attention_heads=3),  # odd width, d_head 7
+    "bert-12x12": dict(hidden_size=12, num_attention_heads=12),  # d_head 1
+}
+GPT2 = {
+    "gpt2-21x3": dict(n_embd=21, n_head=3),
+    "gpt2-20x5-inv-layer": dict(n_embd=20, n_head=5, scale_attn_by_inverse_layer_idx=True),
+    "gpt2-16x4-unscaled": dict(n_embd=16, n_head=4, scale_attn_weights=False),
+}
+LLAMA = {
+    "llama-mha": ("llama", dict(hidden_size=24, num_attention_heads=4, num_key_value_heads=4)),
+    "llama-gqa": ("llama", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=2)),
+    "llama-mqa": ("llama", dict(hidden_size=24, num_attention_heads=4, num_key_value_heads=1)),  # d_head 6
+    "llama-head_dim-bias": ("llama", dict(hidden_size=20, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+                                          attention_bias=True)),
+    "llama-rope-linear": ("llama", dict(hidden_size=24, num_attention_heads=4, num_key_value_heads=2,
+                                        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})),
+    "mistral-sliding": ("mistral", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=2, sliding_window=5)),
+    "qwen2": ("qwen2", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=3)),
+}
+LLAMA_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+
+# -- model builders -----------------------------------------------------------------------------------
+def bert(name: str, impl: str, *, decoder: bool = False) -> nn.Module:
+    cfg = transformers.BertConfig(vocab_size=VOCAB, num_hidden_layers=2, intermediate_size=16, max_position_embeddings=64,
+                                  is_decoder=decoder, attn_implementation=impl, pad_token_id=0, **BERT[name])
+    cls = transformers.BertLMHeadModel if decoder else transformers.BertModel
+    return cls(cfg).eval()
+
+
+def gpt2(name: str, impl: str) -> nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_layer=2, n_positions=64, attn_implementation=impl,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0, **GPT2[name])
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def llama(name: str, impl: str) -> nn.Module:
+    family, kw = LLAMA[name]
+    cfg_cls, model_cls = (getattr(transformers, n) for n in LLAMA_CLASSES[family])
+    cfg = cfg_cls(vocab_size=VOCAB, intermediate_size=32, num_hidden_layers=2, max_position_embeddings=64,
+                  attn_implementation=impl, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw)
+    return model_cls(cfg).eval()
+
+
+def batch(seed: int, side: str, b: int = 3, s: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (no special ids) and an attention mask with lengths s, s - 3, s - 1 padded on ``side``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    for row, pad in enumerate((0, 3, 1)[:b]):
+        if pad and side == "left":
+            mask[row, :pad] = 0
+        elif pad:
+            mask[row, s - pad:] = 0
+    return ids, mask
+
+
+def eager_twin(model: nn.Module) -> nn.Module:
+    twin = copy.deepcopy(model)
+    twin.set_attn_implementation("eager")
+    return twin
+
+
+@torch.no_grad()
+def run(model: nn.Module, **kw):
+    return model(**kw, output_attentions=True, output_hidden_states=True)
+
+
+def assert_attentions(got, want, n_layers: int, dead: torch.Tensor | None = None) -> None:
+    """Whole-tensor equality; ``dead`` (b, 1, s, 1) marks query rows that may read no key at all.
+
+    HF's two conventions differ exactly there: eager adds finfo.min to every score of such a row and returns
+    a uniform row; sdpa's bool mask gives a zero row (and zero output). The patched sdpa model returns zeros.
+    """
+    assert len(got) == len(want) == n_layers
+    for g, w in zip(got, want):
+        if dead is not None:
+            assert torch.equal(g.masked_select(dead), torch.zeros_like(g.masked_select(dead)))
+            g, w = g.masked_fill(dead, 0.0), w.masked_fill(dead, 0.0)
+        torch.testing.assert_close(g, w)
+
+
+def causal_dead_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Query rows of a causal model that see only padding: (b, s) mask -> (b, 1, s, 1) bool."""
+    return (mask.cumsum(-1) == 0)[:, None, :, None]
+
+
+# -- whole models: outputs, attentions, padding ---------------------------------------------------------
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", list(BERT))
+def test_bert_outputs_and_attentions(name, impl, side):
+    model = bert(name, impl)
+    ids, mask = batch(1, side)
+    want = run(eager_twin(model) if impl == "sdpa" else model, input_ids=ids, attention_mask=mask)
+    ref = run(model, input_ids=ids, attention_mask=mask)
+    patch(model)
+    got = run(model, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state)
+    torch.testing.assert_close(got.pooler_output, ref.pooler_output)
+    # sdpa in HF returns no weights; the patched layer computes them (eager path) when asked.
+    assert_attentions(got.attentions, want.attentions, 2)
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", list(GPT2))
+def test_gpt2_outputs_attentions_and_cache(name, impl, side):
+    model = gpt2(name, impl)
+    ids, mask = batch(2, side)
+    ref, ref_steps = run(model, input_ids=ids, attention_mask=mask), cached_logits(model, ids, mask)
+    patch(model)
+    got = run(model, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got.logits, ref.logits)
+    if impl == "eager":  # GPT2Model drops output_attentions before its layers: only eager layers return weights
+        assert_attentions(got.attentions, ref.attentions, 2)
+    for g, w in zip(cached_logits(model, ids, mask), ref_steps):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", list(LLAMA))
+def test_llama_family_outputs_attentions_and_cache(name, impl, side):
+    model = llama(name, impl)
+    ids, mask = batch(3, side)
+    want = run(eager_twin(model) if impl == "sdpa" else model, input_ids=ids, attention_mask=mask)
+    ref, ref_steps = run(model, input_ids=ids, attention_mask=mask), cached_logits(model, ids, mask)
+    patch(model)
+    got = run(model, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got.logits, ref.logits)
+    assert_attentions(got.attentions, want.attentions, 2, dead=causal_dead_rows(mask) if impl == "sdpa" else None)
+    for g, w in zip(cached_logits(model, ids, mask), ref_steps):
+        torch.testing.assert_close(g, w)
+
+
+@torch.no_grad()
+def cached_logits(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, prefill: int = 4) -> list[torch.Tensor]:
+    """Prefill, then one token at a time through the model's own DynamicCache."""
+    out = model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
+    assert isinstance(out.cache, transformers.DynamicCache)
+    logits, cache = [out.logits], out.cache
+    for t in range(prefill, ids.shape[1]):
+        out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache, use_cache=True)
+        logits.append(out.logits)
+    assert cache.get_seq_length() == ids.shape[1]
+    return logits
+
+
+# -- greedy generation with the model's cache --------------------------------------------------------------
+def greedy(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                          use_cache=True, pad_token_id=0)
+
+
+# Every config under sdpa (HF's default), and one per family under eager.
+GENERATORS = ([("gpt2", n, "sdpa") for n in GPT2] + [("llama", n, "sdpa") for n in LLAMA]
+              + [("bert-decoder", "bert-21x3", impl) for impl in IMPLS]
+              + [("gpt2", "gpt2-21x3", "eager"), ("llama", "llama-gqa", "eager"), ("llama", "mistral-sliding", "eager"),
+                 ("llama", "qwen2", "eager")])
+
+
+@pytest.mark.parametrize("kind,name,impl", GENERATORS)
+def test_greedy_generate_identical(kind, name, impl):
+    model = bert(name, impl, decoder=True) if kind == "bert-decoder" else globals()[kind](name, impl)
+    ids, mask = batch(4, "left")
+    want = greedy(model, ids, mask)
+    patch(model)
+    got = greedy(model, ids, mask)
+    assert got.shape == (3, 7 + 20)
+    assert torch.equal(got, want)
+
+
+# -- structure: identity, sharing, hooks, heads ----------------------------------------------------------
+def test_patch_keeps_classes_shares_weights_and_unpatch_restores_identity():
+    model = llama("llama-gqa", "sdpa")
+    originals = [layer.self_attn for layer in model.model.layers]
+    assert patch(model) is model
+    patched = model.model.layers[0].self_attn
+    assert isinstance(patched, transformers.models.llama.modeling_llama.LlamaAttention)
+    assert patched.attn.q_proj is originals[0].q_proj and patched.attn.out_proj is originals[0].o_proj
+    assert [n for n, _ in layers(model)] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert layers(model)[1][1] is model.model.layers[1].self_attn.attn
+    head = patched.attn.head(3)
+    assert head.kv_index == 1 and torch.equal(head.w_q, originals[0].q_proj.weight[12:16].T)
+    patch(model)  # idempotent
+    assert len(layers(model)) == 2
+    assert unpatch(model) is model
+    assert all(layer.self_attn is o for layer, o in zip(model.model.layers, originals))
+    assert layers(model) == []
+
+
+def test_bert_patch_moves_dense_into_attn_and_back():
+    model = bert("bert-20x4", "sdpa")
+    block = model.encoder.layer[0].attention
+    self_attn, dense = block.self, block.output.dense
+    patch(model)
+    assert isinstance(block.self, transformers.models.bert.modeling_bert.BertSelfAttention)
+    assert block.self.attn.out_proj is dense and isinstance(block.output.dense, nn.Identity)
+    assert block.self.attn.q_proj is self_attn.query
+    unpatch(model)
+    assert block.self is self_attn and block.output.dense is dense
+
+
+def test_gpt2_edits_while_patched_are_written_back():
+    model = gpt2("gpt2-21x3", "eager")
+    original = model.transformer.h[0].attn
+    patch(model)
+    attn = model.transformer.h[0].attn.attn
+    new_w_q = torch.randn(21, 7)
+    attn.head(1).w_q = new_w_q  # (d, d_h): x @ w_q are head 1's queries
+    unpatch(model)
+    assert model.transformer.h[0].attn is original
+    torch.testing.assert_close(original.c_attn.weight[:, 7:14], new_w_q, rtol=0, atol=0)
+
+
+def test_output_attentions_hooks_installed_before_patching_still_fire():
+    model = llama("llama-mqa", "eager")
+    ids, mask = batch(5, "right")
+    run(model, input_ids=ids, attention_mask=mask)  # installs HF's recording hooks on the original modules
+    patch(model)
+    assert len(run(model, input_ids=ids, attention_mask=mask).attentions) == 2
+
+
+def test_llama_head_alone_reproduces_its_weights():
+    """attn.head(h), run on the layer's real input with the layer's own rotary, gives HF's weights of head h."""
+    model = llama("llama-gqa", "eager")
+    ids = batch(6, "right")[0][:1]
+    inputs = {}
+    patch(model)
+    model.model.layers[1].self_attn.register_forward_pre_hook(
+        lambda m, args, kwargs: inputs.update(x=kwargs["hidden_states"]), with_kwargs=True)
+    out = run(model, input_ids=ids)
+    attn = layers(model)[1][1]
+    for h in range(attn.n_heads):
+        _, w = attn.head(h)(inputs["x"], causal=True, return_weights=True)
+        torch.testing.assert_close(w, out.attentions[1][:, h])
+
+
+# -- single-module converters ------------------------------------------------------------------------------
+def modules() -> dict[str, nn.Module]:
+    found = {"bert": bert("bert-21x3", "eager").encoder.layer[1].attention,
+             "gpt2": gpt2("gpt2-20x5-inv-layer", "eager").transformer.h[1].attn}
+    for name in ("llama-head_dim-bias", "llama-mqa", "mistral-sliding", "qwen2"):
+        found[name] = llama(name, "eager").model.layers[0].self_attn
+    return found
+
+
+def test_round_trips_are_exact():
+    for name, module in modules().items():
+        attn = from_hf(module)
+        back = to_hf(attn, like=module)
+        assert type(back) is type(module) and back is not module, name
+        want, got = module.state_dict(), back.state_dict()
+        assert want.keys() == got.keys(), name
+        assert all(torch.equal(want[k], got[k]) for k in want), name
+        again = from_hf(back).state_dict()
+        assert all(torch.equal(v, again[k]) for k, v in attn.state_dict().items()), name
+
+
+def test_qwen2_bias_layout_and_explicit_head_dim():
+    qwen = from_hf(llama("qwen2", "eager").model.layers[0].self_attn)
+    assert (qwen.config.bias, qwen.config.out_bias, qwen.config.kind) == (True, False, "GQA")
+    odd = from_hf(llama("llama-head_dim-bias", "eager").model.layers[0].self_attn)
+    assert (odd.d_model, odd.d_head, odd.n_kv_heads, odd.config.inner_dim) == (20, 6, 2, 24)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-rope-linear", "qwen2"])
+def test_rotary_matches_the_models(name):
+    model = llama(name, "eager")
+    pos = torch.arange(9)[None]
+    cos, sin = model.model.rotary_emb(torch.zeros(1, 9, 1), pos)
+    for attn in (from_hf(model.model.layers[0].self_attn), layers(patch(model))[0][1]):
+        hw_cos, hw_sin = attn.rotary(pos)
+        torch.testing.assert_close(hw_cos[:, 0], cos, rtol=0, atol=0)
+        torch.testing.assert_close(hw_sin[:, 0], sin, rtol=0, atol=0)
+
+
+def test_gpt2_conv1d_orientation_by_hand():
+    """Conv1D computes x @ W + b with W stored (in, out): check q/k/v/out against that formula in float64."""
+    module = gpt2("gpt2-21x3", "eager").transformer.h[0].attn
+    d, d_h = 21, 7
+    with torch.no_grad():  # a non-symmetric, recognisable W: transposing it would give different numbers
+        module.c_attn.weight.copy_(torch.arange(d * 3 * d, dtype=torch.float32).reshape(d, 3 * d) / 1000 - 0.5)
+        module.c_attn.bias.copy_(torch.linspace(-1, 1, 3 * d))
+    attn = from_hf(module)
+    x = torch.randn(2, 5, d, dtype=torch.float64)
+    w, b = module.c_attn.weight.double(), module.c_attn.bias.double()
+    expected = torch.einsum("bsi,io->bso", x, w) + b  # (b, s, 3d): HF's c_attn output, by hand
+    got = torch.cat([attn.q_proj.double()(x), attn.k_proj.double()(x), attn.v_proj.double()(x)], dim=-1)
+    torch.testing.assert_close(got, expected)
+    z = torch.randn(2, 5, d, dtype=torch.float64)
+    torch.testing.assert_close(attn.out_proj.double()(z),
+                               torch.einsum("bsi,io->bso", z, module.c_proj.weight.double()) + module.c_proj.bias.double())
+    assert torch.equal(attn.double().head(2).w_v, w[:, 2 * d + 2 * d_h:2 * d + 3 * d_h])
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+def test_unsupported_modules_raise_clear_errors():
+    with pytest.raises(TypeError, match=r"Linear is not a supported attention module; supported: BERT.*GPT-2.*Llama"):
+        from_hf(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="pass the enclosing BertAttention"):
+        from_hf(bert("bert-20x4", "eager").encoder.layer[0].attention.self)
+    cross = transformers.GPT2Model(transformers.GPT2Config(n_embd=12, n_head=3, n_layer=1, add_cross_attention=True))
+    with pytest.raises(NotImplementedError, match="cross-attention"):
+        from_hf(cross.h[0].crossattention)
+    with pytest.raises(TypeError, match="Sequential contains no attention module"):
+        patch(nn.Sequential(nn.Linear(4, 4)))
+    model = llama("llama-gqa", "eager")
+    with pytest.raises(TypeError, match="already patched"):
+        from_hf(patch(model).model.layers[0].self_attn)
+    with pytest.raises(TypeError, match="must be a MultiHeadAttention"):
+        to_hf(nn.Linear(4, 4), like=llama("llama-gqa", "eager").model.layers[0].self_attn)
+
+
+def test_cross_attention_layers_are_left_alone():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=12, n_head=3, n_layer=1, add_cross_attention=True)
+    model = patch(transformers.GPT2Model(cfg))
+    assert [n for n, _ in layers(model)] == ["h.0.attn"]
+    assert not isinstance(model.h[0].crossattention, HeadwiseHFModule)
+
+
+def test_unsupported_layouts_raise_clear_errors():
+    module = llama("llama-gqa", "eager").model.layers[0].self_attn
+    module.k_proj = nn.Linear(24, 8, bias=True)  # bias on K only
+    with pytest.raises(NotImplementedError, match="some of the Q/K/V projections have a bias"):
+        from_hf(module)
+    module.k_proj = nn.Linear(24, 12, bias=False)  # wrong width for num_key_value_heads=2, head_dim=4
+    with pytest.raises(ValueError, match=r"k_proj.weight must have shape \(out=8, in=24\), got \(12, 24\)"):
+        from_hf(module)
+    g = gpt2("gpt2-21x3", "eager").transformer.h[0].attn
+    g.c_attn.weight = nn.Parameter(g.c_attn.weight.T.contiguous())  # nn.Linear order: the classic mistake
+    with pytest.raises(ValueError, match=r"Conv1D shape \(in=21, out=63\), got \(63, 21\).*Conv1D stores \(in, out\)"):
+        from_hf(g)
+    like = llama("llama-gqa", "eager").model.layers[0].self_attn
+    with pytest.raises(ValueError, match="n_kv_heads: module 2 vs attn 6"):
+        to_hf(MultiHeadAttention(24, 6, bias=False), like=like)
+
+
+def test_unsupported_attention_implementation_raises():
+    model = llama("llama-gqa", "eager")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(NotImplementedError, match="attn_implementation='flex_attention' is not supported"):
+        patch(model)
