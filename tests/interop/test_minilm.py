@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib.resources
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +83,12 @@ def test_attention_weights_per_head_match_output_attentions(tokens, impl):
         x = out.hidden_states[L]  # the input of layer L
         alone = torch.stack([attn.head(h)(x, mask=keep, return_weights=True)[1] for h in range(12)], dim=1)
         torch.testing.assert_close(alone, reference.attentions[L])
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "interop_hf.md"
+
+
+@pytest.mark.parametrize("index", range(len(re.findall(r"```python\n", DOC.read_text()))))
+def test_doc_example_runs(index):
+    block = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)[index]
+    exec(compile(block, f"docs/interop_hf.md[python block {index}]", "exec"), {"__name__": "doc"})
