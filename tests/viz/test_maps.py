@@ -7,14 +7,19 @@ import pytest
 import torch
 
 from headwise import MultiHeadAttention
-from headwise.viz.maps import HeadMaps, bert_attention_layers, head_maps, text_head_maps
+from headwise.interop import layers, unpatch
+from headwise.viz.maps import HeadMaps, head_maps, model_layers, text_head_maps
 
 LAYER = 2
 RTOL, ATOL = 1.3e-6, 1e-5  # float32 defaults
 
 
 def _inputs(minilm, text: str):
+    """The hidden states entering LAYER and that layer's attention output (W_O(context) + b_O), computed by
+    the original Hugging Face modules: the model is unpatched for the run and patched back after."""
     tokenizer, model = minilm
+    was_patched = bool(layers(model))
+    unpatch(model)
     enc = tokenizer(text, return_tensors="pt")
     captured = {}
     dense = model.encoder.layer[LAYER].attention.output.dense
@@ -22,13 +27,19 @@ def _inputs(minilm, text: str):
     try:
         with torch.no_grad():
             hidden = model(**enc, output_hidden_states=True).hidden_states
+            x = hidden[LAYER][0]  # (s, d)
+            reference = _reference(model, x)
+            query_ptr = model.encoder.layer[LAYER].attention.self.query.weight.data_ptr()
     finally:
         hook.remove()
-    return model, hidden[LAYER][0], captured["out"][0]  # (s, d) entering the layer, (s, d) = W_O(context) + b_O
+        if was_patched:
+            model_layers(model)
+    return model, x, captured["out"][0], reference, query_ptr
 
 
 def _reference(model, x: torch.Tensor):
-    """float64 softmax(q k^T / sqrt(d_h)) and ||v_j W_O^h|| from the Hugging Face weights, head by head."""
+    """float64 softmax(q k^T / sqrt(d_h)) and ||v_j W_O^h|| from the (unpatched) Hugging Face modules'
+    weights, head by head."""
     sa, dense = model.encoder.layer[LAYER].attention.self, model.encoder.layer[LAYER].attention.output.dense
     h = model.config.num_attention_heads
     d_h = x.shape[-1] // h
@@ -48,8 +59,7 @@ def _reference(model, x: torch.Tensor):
 
 
 def test_weights_and_writes_match_float64_reference(minilm, maps: HeadMaps) -> None:
-    model, x, _ = _inputs(minilm, "The cat sat on the mat because it was tired.")
-    w_ref, n_ref, _ = _reference(model, x)
+    _, _, _, (w_ref, n_ref, _), _ = _inputs(minilm, "The cat sat on the mat because it was tired.")
     torch.testing.assert_close(maps.weights.double(), w_ref, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(maps.value_norms.double(), n_ref, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(maps.writes.double(), w_ref * n_ref[:, None, :], rtol=RTOL, atol=ATOL)
@@ -58,14 +68,27 @@ def test_weights_and_writes_match_float64_reference(minilm, maps: HeadMaps) -> N
 def test_heads_sum_to_the_hugging_face_layer_output(minilm, maps: HeadMaps) -> None:
     # What the heads write, as vectors, summed over heads and sources, plus b_O, is the real layer's
     # attention output (before dropout and LayerNorm), computed by transformers' own (SDPA) path.
-    model, x, hf_out = _inputs(minilm, "The cat sat on the mat because it was tired.")
-    _, attn = bert_attention_layers(model)[LAYER]
+    model, x, hf_out, _, query_ptr = _inputs(minilm, "The cat sat on the mat because it was tired.")
+    name, attn = model_layers(model)[LAYER]
+    assert name == f"encoder.layer.{LAYER}.attention.self"
+    assert attn.q_proj.weight.data_ptr() == query_ptr  # the model's own weights, no copy
     with torch.no_grad():
         total = attn.out_proj.bias.clone()
         for head in attn.heads():
             _, _, v = head.project(x)  # (s, d_h)
             total = total + maps.weights[head.index] @ (v @ head.w_o)  # (s, d)
     torch.testing.assert_close(total, hf_out)
+
+
+def test_runs_through_headwise(minilm, maps: HeadMaps) -> None:
+    # text_head_maps patched the model: its attention now runs in headwise, with unchanged hidden states
+    tokenizer, model = minilm
+    assert len(layers(model)) == 6
+    _, x_hf, _, _, _ = _inputs(minilm, "The cat sat on the mat because it was tired.")
+    with torch.no_grad():
+        x_hw = model(**tokenizer("The cat sat on the mat because it was tired.", return_tensors="pt"),
+                     output_hidden_states=True).hidden_states[LAYER][0]
+    torch.testing.assert_close(x_hw, x_hf)
 
 
 def test_heads_differ(maps: HeadMaps) -> None:

@@ -19,7 +19,7 @@ _EXPORTS = {
     "text_head_maps": "maps",
     "load_minilm": "maps",
     "minilm_path": "maps",
-    "bert_attention_layers": "maps",
+    "model_layers": "maps",
     "save_png": "png",
     "render_html": "html",
     "save_html": "html",

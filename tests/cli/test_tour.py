@@ -1,0 +1,41 @@
+"""`headwise tour` with --preset and size options through main()."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from headwise.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch) -> None:
+    # rich wraps tables to the terminal width; assertions look for whole cells
+    monkeypatch.setenv("COLUMNS", "300")
+
+
+def test_tour_preset_json(capsys) -> None:
+    code = main(["tour", "--preset", "all-minilm-l6-v2", "--seq", "8", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["head_by_head_equal"]
+    assert r["config"]["d_model"] == 384 and r["config"]["d_head"] == 32
+    assert r["parameters_without_bias"] == r["four_d_model_squared"] == 4 * 384 ** 2
+
+
+def test_tour_sizes_text(capsys) -> None:
+    code = main(["tour", "--d-model", "64", "--n-heads", "8", "--n-kv-heads", "2", "--seq", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(GQA)" in out and "equal (rounding only)" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "gpt3-175b"], "headwise explain"),  # too big for real tensors: points to explain
+    (["--preset", "nope"], "unknown preset"),
+    (["--d-model", "30", "--n-heads", "7"], "does not divide"),
+    (["--seq", "0"], "--seq must be a positive"),
+])
+def test_tour_bad_input(capsys, argv: list[str], message: str) -> None:
+    code = main(["tour", *argv])
+    _, err = capsys.readouterr()
+    assert code == 2 and message in err and "Traceback" not in err
