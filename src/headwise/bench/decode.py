@@ -1,0 +1,141 @@
+"""Case 4: per-token decode latency with a KV cache, eager and ``torch.compile``.
+
+Every decoder starts each round from the same cache content (random keys/values of the context length,
+untimed) and then decodes ``decode_tokens`` tokens; the time per token is the block time over the tokens.
+Compiled entries share one compiled module over all contexts of a configuration, and count the graphs
+dynamo compiled for them (the goal: one for every position).
+
+Shapes:
+    x: (1, 1, d) per token; cached keys/values: (1, h_kv, context, d_h).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+
+from ..attention import MultiHeadAttention
+from ..kv_cache import KVCache
+from . import peers
+from .timing import Entry, Group
+
+__all__ = ["decode_groups", "CompileCounter"]
+
+
+class CompileCounter:
+    """Wraps a callable; counts the graphs dynamo compiles while it runs (``torch._dynamo`` stats)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.graphs = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        from torch._dynamo.utils import counters
+
+        before = counters["stats"]["unique_graphs"]
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.graphs += counters["stats"]["unique_graphs"] - before
+
+
+class _Shared:
+    """Layers, peers, caches and compiled modules of one (d, h, h_kv) configuration, reused across contexts."""
+
+    def __init__(self, sz, h_kv: int, hf_note: str | None) -> None:
+        d, h, _, contexts = sz.decode
+        torch.manual_seed(0)
+        self.plain = MultiHeadAttention(d, h, h_kv).eval()
+        self.max_len = max(contexts) + sz.decode_tokens * (sz.rounds + 4) + 8
+        self.cache = self.plain.new_cache(1, self.max_len)
+        self.prealloc = peers.PreallocDecoder(self.plain, 1, self.max_len).eval()
+        self.cat = peers.CatCacheDecoder(self.plain).eval()
+        self.cat.packed = self.prealloc.packed  # the same weights; one copy in memory
+        self.hf_note = hf_note
+        self.compiled: dict[str, CompileCounter] = {}
+        if hf_note is None:
+            from ..rotary import RotaryEmbedding
+
+            self.rope = MultiHeadAttention(d, h, h_kv, bias=False, rotary=RotaryEmbedding(d // h)).eval()
+            self.rope_cache = self.rope.new_cache(1, self.max_len)
+        if sz.compile:
+            self.cache_c = self.plain.new_cache(1, self.max_len)
+            self.compiled["headwise"] = CompileCounter(torch.compile(self.plain))
+
+
+def _fill(cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    cache.reset()
+    cache.update(k, v)
+
+
+def _decode_group(sz, h_kv: int, ctx: int, shared: dict, hf_note: str | None) -> Group:
+    d, h, _, _ = sz.decode
+    if h_kv not in shared:
+        shared.clear()
+        shared[h_kv] = _Shared(sz, h_kv, hf_note)
+    sh: _Shared = shared[h_kv]
+    d_h = d // h
+    torch.manual_seed(ctx)
+    k0, v0 = torch.randn(1, h_kv, ctx, d_h), torch.randn(1, h_kv, ctx, d_h)
+    x = torch.randn(1, 1, d)
+    n = sz.decode_tokens
+    nograd = torch.no_grad
+
+    def hw_step(attn, cache):
+        def f():
+            with nograd():
+                return attn(x, cache=cache)
+        return f
+
+    def module_step(m):
+        def f():
+            with nograd():
+                return m(x)
+        return f
+
+    es = [
+        Entry("headwise", hw_step(sh.plain, sh.cache), role="headwise", number=n,
+              reset=partial(_fill, sh.cache, k0, v0)),
+        Entry("minimal prealloc cache (limit)", module_step(sh.prealloc), role="limit", number=n,
+              reset=partial(sh.prealloc.fill, k0, v0), note="fused QKV, attends over the filled prefix"),
+        Entry("torch.cat cache", module_step(sh.cat), number=n, reset=partial(sh.cat.fill, k0, v0)),
+    ]
+    notes = []
+    if sz.compile:
+        counter = sh.compiled["headwise"]
+        extra = {"compiled_graphs_so_far": lambda: counter.graphs}
+        es.append(Entry("headwise torch.compile", hw_step(counter, sh.cache_c), role="headwise-compiled", number=n,
+                        reset=partial(_fill, sh.cache_c, k0, v0), extra=extra,
+                        note="one compiled module for every context and position of this configuration"))
+    if hf_note is None:
+        es.append(Entry("headwise (RoPE, no bias)", hw_step(sh.rope, sh.rope_cache), role="headwise2", number=n,
+                        reset=partial(_fill, sh.rope_cache, k0, v0)))
+        max_len = ctx + n * (sz.rounds + 4) + 8
+        for kind in ("dynamic", "static"):
+            fill, step = peers.llama_decoder(sh.rope, kind, 1, max_len)
+            es.append(Entry(f"HF Llama {kind.capitalize()}Cache", partial(_call_no_grad, step, x),
+                            ref="headwise (RoPE, no bias)", number=n, reset=partial(fill, k0, v0)))
+    else:
+        notes.append(f"Hugging Face caches skipped: {hf_note}")
+    group = Group("4 decode", f"decode d{d} h{h} h_kv{h_kv} context {ctx}", es, rounds=sz.rounds, tol=(2e-4, 2e-5),
+                  flops=None, meta={"d": d, "h": h, "h_kv": h_kv, "context": ctx, "tokens_per_round": n,
+                                    "cache_max_len": sh.max_len})
+    group.notes += notes
+    return group
+
+
+def _call_no_grad(step, x):
+    with torch.no_grad():
+        return step(x)
+
+
+def decode_groups(sz, *, hf: bool = True) -> list[Callable[[], Group]]:
+    hf_note = peers.hf_available() if hf else "Hugging Face peers disabled"
+    d, h, kvs, contexts = sz.decode
+    shared: dict = {}
+    out = []
+    for h_kv in kvs:
+        for ctx in contexts:
+            out.append(partial(_decode_group, sz, h_kv, ctx, shared, hf_note))
+    return out

@@ -1,0 +1,315 @@
+"""Goals, tables and the results files (``RESULTS.md``, ``results.json``) of a benchmark run.
+
+A ratio is always ``headwise time / other time`` from the same group (same run, same inputs): below 1 means
+headwise is faster.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["machine_info", "ratio_rows", "evaluate_goals", "write_results", "group_table_rows"]
+
+GiB = 1 << 30
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(command: str, quick: bool) -> dict:
+    """The machine and software a run used, and the command that produced it."""
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except Exception as exc:  # pragma: no cover - environment dependent
+        tf = f"unavailable ({type(exc).__name__})"
+    return {
+        "cpu": _cpu_model(), "logical_cores": os.cpu_count(), "torch": torch.__version__, "transformers": tf,
+        "python": platform.python_version(), "threads": torch.get_num_threads(),
+        "mkldnn": torch.backends.mkldnn.is_available(), "cuda": torch.cuda.is_available(),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command, "quick": quick, "dtype": "float32",
+    }
+
+
+def _ref_of(group: dict, entry: dict) -> dict | None:
+    name = entry.get("vs")
+    if name is None:
+        name = next((e["name"] for e in group["entries"] if e["role"] == "headwise"), None)
+    return next((e for e in group["entries"] if e["name"] == name), None)
+
+
+def ratio_rows(group: dict) -> list[dict]:
+    """Every non-headwise entry's ratio: its headwise reference's median / its median."""
+    out = []
+    for e in group["entries"]:
+        if e["role"] in ("headwise", "headwise2", "peak"):
+            continue
+        ref = _ref_of(group, e)
+        if ref is None:
+            continue
+        out.append({"peer": e["name"], "headwise": ref["name"], "ratio": ref["median_s"] / e["median_s"]})
+    return out
+
+
+def group_table_rows(group: dict) -> list[list[str]]:
+    """Rows of the printed/markdown table: name, median/min/max ms, ratio, GFLOP/s, output check."""
+    rows = []
+    for e in group["entries"]:
+        ref = _ref_of(group, e)
+        ratio = ""
+        if ref is not None and ref is not e and e["role"] not in ("peak", "headwise2"):
+            ratio = f"{ref['median_s'] / e['median_s']:.3f}"
+        flops = e.get("flops", group.get("flops"))
+        gf = f"{flops / e['median_s'] / 1e9:.1f}" if flops else ""
+        if group["case"] == "4 decode":
+            gf = ""
+        diff = e["max_abs_diff_vs_headwise"]
+        check = "" if diff is None else (f"{'ok' if e['matches_headwise'] else 'DIFFERS'} ({diff:.1e})")
+        extra = ""
+        if "compiled_graphs_so_far" in e:
+            extra = f" [graphs compiled: {e['compiled_graphs_so_far']}]"
+        rows.append([e["name"] + extra, f"{e['median_s'] * 1e3:.2f}", f"{e['min_s'] * 1e3:.2f}",
+                     f"{e['max_s'] * 1e3:.2f}", ratio, gf, check])
+    return rows
+
+
+TABLE_HEAD = ["entry", "median ms", "min ms", "max ms", "headwise / this", "GFLOP/s", "same output"]
+
+
+# -- goals ----------------------------------------------------------------------------------------------------
+def _entry(group: dict, name: str) -> dict | None:
+    return next((e for e in group["entries"] if e["name"] == name), None)
+
+
+def _ratio(group: dict, a: str, b: str) -> float | None:
+    ea, eb = _entry(group, a), _entry(group, b)
+    if ea is None or eb is None:
+        return None
+    return ea["median_s"] / eb["median_s"]
+
+
+def _goal(goal: str, target: str, ratios: list[tuple[str, float]], limit: float, why_missed: str = "") -> dict:
+    if not ratios:
+        return {"goal": goal, "target": target, "status": "not measured", "measured": "", "detail": ""}
+    worst_name, worst = max(ratios, key=lambda r: r[1])
+    met = worst <= limit
+    detail = "; ".join(f"{n}: {r:.3f}" for n, r in ratios)
+    status = "met" if met else f"missed by {100 * (worst / limit - 1):.1f} % (worst: {worst_name})"
+    return {"goal": goal, "target": target, "status": status, "measured": f"worst {worst:.3f}",
+            "detail": detail, "met": met, "why": "" if met else why_missed}
+
+
+def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str] | None = None) -> list[dict]:
+    """Each goal of issue 5 with its status in this run (``notes`` adds the why of a miss, by goal key)."""
+    notes = notes or {}
+    by_case: dict[str, list[dict]] = {}
+    for g in groups:
+        by_case.setdefault(g["case"], []).append(g)
+    goals = []
+
+    def collect(case: str, a: str, b: str, pred=lambda g: True) -> list[tuple[str, float]]:
+        out = []
+        for g in by_case.get(case, []):
+            r = _ratio(g, a, b)
+            if r is not None and pred(g):
+                out.append((g["group"], r))
+        return out
+
+    goals.append(_goal("forward vs packed SDPA (the limit)", "<= 1.05 at every case",
+                       collect("1 forward", "headwise", "packed SDPA (limit)"), 1.05, notes.get("limit", "")))
+    goals.append(_goal("fwd+bwd vs packed SDPA (the limit)", "<= 1.05 at every case",
+                       collect("1 fwd+bwd", "headwise", "packed SDPA (limit)"), 1.05, notes.get("limit_bwd", "")))
+    first = lambda g: (g["meta"]["d"], g["meta"]["s"]) == (768, 512)  # noqa: E731
+    goals.append(_goal("forward vs nn.MultiheadAttention fast path at b8 s512 d768", "<= 0.95",
+                       collect("1 forward", "headwise", "nn.MHA fast path", first), 0.95, notes.get("mha", "")))
+    hf = []
+    for case in ("1 forward", "1 fwd+bwd"):
+        for g in by_case.get(case, []):
+            for e in g["entries"]:
+                if e["name"].startswith("HF "):
+                    ref = _ref_of(g, e)
+                    hf.append((f"{g['group']} vs {e['name']}", ref["median_s"] / e["median_s"]))
+    goals.append(_goal("vs every Hugging Face layer (BERT, Llama; sdpa and eager)", "<= 1.0", hf, 1.0,
+                       notes.get("hf", "")))
+
+    peaks = {}
+    for g in by_case.get("6 matmul peak", []):
+        key = (g["meta"]["b"], g["meta"]["s"], g["meta"]["d"])
+        peaks[key] = max(e["flops"] / e["median_s"] for e in g["entries"])
+    fractions = []
+    for g in by_case.get("1 forward", []):
+        m = g["meta"]
+        key = (m["b"], m["s"], m["d"])
+        hw = _entry(g, "headwise")
+        if key in peaks and hw is not None and not m["causal"]:
+            attn_share = 4 * m["b"] * m["s"] ** 2 * m["d"] / g["flops"]
+            frac = g["flops"] / hw["median_s"] / peaks[key]
+            fractions.append({"group": g["group"], "fraction": frac, "attention_share": attn_share,
+                              "achieved_gflops": g["flops"] / hw["median_s"] / 1e9, "peak_gflops": peaks[key] / 1e9})
+    proj = [(f["group"], f["fraction"]) for f in fractions if f["attention_share"] < 0.1]
+    row = _goal("projection-dominated shapes vs measured fp32 matmul peak", ">= 90 % of peak",
+                [(n, 1 / f) for n, f in proj], 1 / 0.9, notes.get("peak", ""))
+    if proj:
+        row["measured"] = ", ".join(f"{100 * f:.0f} % ({n})" for n, f in proj)
+        row["detail"] = "; ".join(f"{f['group']}: {f['achieved_gflops']:.1f} of {f['peak_gflops']:.1f} GFLOP/s "
+                                  f"({100 * f['fraction']:.0f} %)" for f in fractions)
+        if not row["met"]:
+            worst = min(f for _, f in proj)
+            row["status"] = f"missed: {100 * worst:.0f} % of peak (goal 90 %)"
+    goals.append(row)
+
+    causal = collect("1 causal step", "attend(causal=True)", "attend() non-causal")
+    goals.append(_goal("causal attention step vs non-causal (kernel's causal path, no s x s mask)",
+                       "<= 0.7x", causal, 0.7, notes.get("causal", "")))
+    goals.append(_goal("per-head weights vs nn.MHA(need_weights=True, average_attn_weights=False)", "<= 1.0",
+                       collect("3 per-head weights", "headwise return_weights=True",
+                               "nn.MHA need_weights, per head"), 1.0, notes.get("weights", "")))
+    gqa = collect("2 GQA/MQA", "headwise", "packed SDPA repeat K/V") + collect(
+        "2 GQA/MQA", "headwise attend", "repeat_interleave K/V + SDPA")
+    row = _goal("GQA/MQA vs repeating K/V (and K/V never repeated in memory)", "<= 1.0", gqa, 1.0,
+                notes.get("gqa", ""))
+    goals.append(row)
+
+    dec = by_case.get("4 decode", [])
+    goals.append(_goal("decode vs minimal preallocated cache", "<= 1.05 per token",
+                       [(g["group"], r) for g in dec if (r := _ratio(g, "headwise", "minimal prealloc cache (limit)"))],
+                       1.05, notes.get("decode", "")))
+    at4096 = [(g["group"], r) for g in dec if g["meta"]["context"] == 4096 and g["meta"]["h_kv"] == g["meta"]["h"]
+              and (r := _ratio(g, "headwise", "torch.cat cache"))]
+    goals.append(_goal("decode vs torch.cat-grown cache at context 4096 (d 4096, h 32)", "<= 0.5", at4096, 0.5,
+                       notes.get("cat", "")))
+    hfd = []
+    for g in dec:
+        for e in g["entries"]:
+            if e["name"].startswith("HF "):
+                hfd.append((f"{g['group']} vs {e['name']}", _ref_of(g, e)["median_s"] / e["median_s"]))
+    goals.append(_goal("decode vs Hugging Face DynamicCache / StaticCache", "<= 1.0", hfd, 1.0, notes.get("hf_dec", "")))
+    graphs = {}
+    for g in dec:
+        e = _entry(g, "headwise torch.compile")
+        if e is not None:
+            graphs[(g["meta"]["h_kv"])] = e["compiled_graphs_so_far"]
+    if graphs:
+        worst = max(graphs.values())
+        goals.append({"goal": "torch.compile decode compiles once for all positions and contexts", "target": "1 graph",
+                      "measured": ", ".join(f"h_kv {k}: {v}" for k, v in graphs.items()),
+                      "status": "met" if worst == 1 else f"missed: {worst} graphs", "met": worst == 1,
+                      "detail": "graphs dynamo compiled over every decoded position of contexts "
+                                + "/".join(str(g["meta"]["context"]) for g in dec[:len(dec) // max(len(graphs), 1)]),
+                      "why": "" if worst == 1 else notes.get("compile", "")})
+    else:
+        goals.append({"goal": "torch.compile decode compiles once for all positions", "target": "1 graph",
+                      "measured": "", "status": "not measured (compile disabled)", "detail": ""})
+
+    mem = [m for m in memory if m.get("impl") == "headwise" and "error" not in m]
+    if mem:
+        top = max(mem, key=lambda m: m["s"])
+        used = top["forward_peak_above_inputs"]
+        met = used < GiB
+        goals.append({"goal": f"memory: one forward at s {top['s']} (h {top['h']}, d_head {top['d_head']})",
+                      "target": "< 1 GiB above inputs, never b*h*s^2 probabilities",
+                      "measured": f"{used / GiB:.2f} GiB (materialising needs "
+                                  f"{top['h'] * top['s'] ** 2 * 4 / GiB:.0f} GiB per s x s tensor)",
+                      "status": "met" if met else f"missed by {100 * (used / GiB - 1):.0f} %", "met": met,
+                      "detail": "; ".join(f"s {m['s']}: {m['forward_peak_above_inputs'] / GiB:.2f} GiB" for m in mem),
+                      "why": "" if met else notes.get("memory", "")})
+    else:
+        goals.append({"goal": "memory: one forward at long context", "target": "< 1 GiB above inputs",
+                      "measured": "", "status": "not measured", "detail": ""})
+    goals.append({"goal": "GPU (bf16 vs flash-attn / SDPA)", "target": "optional, CUDA only", "measured": "",
+                  "status": "not run (no CUDA on this machine)" if not torch.cuda.is_available() else "not implemented",
+                  "detail": ""})
+    return goals
+
+
+# -- files ------------------------------------------------------------------------------------------------------
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict], memory: list[dict],
+                  goals: list[dict], preamble: str = "") -> tuple[Path, Path]:
+    """Write ``results.json`` (everything) and ``RESULTS.md`` (goals, then every table)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {"machine": machine, "goals": goals, "groups": groups, "memory": memory}
+    js = out / "results.json"
+    js.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    m = machine
+    parts = [
+        "# Benchmark results", "",
+        f"Produced by `{m['command']}` on {m['date_utc']}.", "",
+        f"Machine: {m['cpu']}, {m['logical_cores']} logical cores, {m['threads']} torch threads; torch {m['torch']}, "
+        f"transformers {m['transformers']}, Python {m['python']}; float32 on CPU"
+        f"{' (quick sizes: not representative)' if m['quick'] else ''}.", "",
+    ]
+    if preamble:
+        parts += [preamble, ""]
+    parts += ["Ratios are headwise time / other time within one interleaved run on identical inputs "
+              "(below 1: headwise is faster). Times are medians over rounds (min and max shown); every peer holds "
+              "the headwise layer's weights and its output is checked against headwise's on the warm-up call.", "",
+              "## Goals", "",
+              _md_table(["goal", "target", "measured", "status"],
+                        [[g["goal"], g["target"], g.get("measured", ""), g["status"]] for g in goals]), ""]
+    missed = [g for g in goals if g.get("met") is False]
+    if missed:
+        parts += ["### Why the missed goals are missed", ""]
+        for g in missed:
+            parts.append(f"- **{g['goal']}** ({g['status']}): {g.get('why') or 'see the tables below.'}")
+        parts.append("")
+    parts += ["### Details per goal", ""]
+    for g in goals:
+        if g.get("detail"):
+            parts.append(f"- {g['goal']}: {g['detail']}")
+    parts.append("")
+    case = None
+    for g in groups:
+        if g["case"] != case:
+            case = g["case"]
+            parts += [f"## Case {case}", ""]
+        parts += [f"### {g['group']}", ""]
+        rounds = sorted({e['rounds'] for e in g['entries']})
+        calls = ", ".join(f"{e['calls_per_round']}" for e in g["entries"])
+        parts += [f"{'/'.join(map(str, rounds))} rounds; calls per round: {calls}; {g['threads']} threads.", ""]
+        parts += [_md_table(TABLE_HEAD, group_table_rows(g)), ""]
+        for n in g.get("notes", []):
+            parts.append(f"- {n}")
+        for e in g["entries"]:
+            if e.get("note"):
+                parts.append(f"- {e['name']}: {e['note']}")
+        parts.append("")
+    if memory:
+        parts += ["## Case 5 memory", "",
+                  "Peak RSS of one forward (no_grad, b 1) minus the RSS after weights and input were built; each row "
+                  "is its own process.", ""]
+        rows = []
+        for r in memory:
+            if "error" in r:
+                rows.append([r["impl"], r["s"], r["h"], r["d_head"], "", "", r["error"]])
+                continue
+            rows.append([r["impl"], r["s"], r["h"], r["d_head"], f"{r['forward_peak_above_inputs'] / GiB:.3f}",
+                         f"{r['output_bytes'] / GiB:.3f}", f"{r['h'] * r['s'] ** 2 * 4 / GiB:.1f}"])
+        parts += [_md_table(["impl", "s", "h", "d_head", "forward peak above inputs (GiB)", "output (GiB)",
+                             "one (h, s, s) fp32 tensor (GiB) / error"], rows), ""]
+    md = out / "RESULTS.md"
+    md.write_text("\n".join(parts) + "\n")
+    return md, js

@@ -1,0 +1,137 @@
+"""Interleaved timing: every entry of a group runs on the same inputs, round after round, in rotating order,
+so slow drift of a shared machine (other processes, clocks, thermals) lands on every entry alike.
+
+Each round times one block of ``number`` calls per entry with ``torch.utils.benchmark.Timer`` (which also
+pins the thread count); the statistics are over rounds: median, min, max.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils.benchmark import Timer
+
+__all__ = ["Entry", "Group", "run_group", "ticks"]
+
+
+@dataclass
+class Entry:
+    """One implementation in a comparison.
+
+    ``fn`` is the timed call; its return value (the first call's) is compared with the headwise entry's
+    when the group has a tolerance. ``reset`` (untimed) runs before the warm-up and before every round
+    (decoding rewinds its cache there). ``number`` fixes the calls per block (else calibrated).
+    """
+
+    name: str
+    fn: Callable[[], Any]
+    role: str = "peer"  # "headwise", "limit" (the practical limit) or "peer"
+    reset: Callable[[], None] | None = None
+    number: int | None = None
+    note: str = ""
+    compare: bool = True
+    ref: str | None = None  # the headwise entry this one is compared with (default: the role "headwise" one)
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Group:
+    """A set of entries measured together on identical inputs."""
+
+    case: str
+    name: str
+    entries: list[Entry]
+    rounds: int = 3
+    block_s: float = 0.2
+    tol: tuple[float, float] | None = (1e-4, 1e-4)
+    flops: float | None = None
+    meta: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+def _check(group: Group, outputs: dict[str, Any]) -> dict[str, float | None]:
+    """Max |difference| of every entry's output from the headwise entry's (None: not comparable)."""
+    main = next((e.name for e in group.entries if e.role == "headwise"), None)
+    diffs: dict[str, float | None] = {}
+    for e in group.entries:
+        if e.ref is None and e.role.startswith("headwise") and e.role != "headwise-compiled":
+            diffs[e.name] = None  # a headwise reference itself (another layer than the main one)
+            continue
+        ref_name = e.ref or main
+        ref = _first_tensor(outputs.get(ref_name)) if ref_name else None
+        out = _first_tensor(outputs.get(e.name))
+        if ref is None or out is None or not e.compare or out.shape != ref.shape:
+            diffs[e.name] = None
+            continue
+        diffs[e.name] = float((out.detach().double() - ref.detach().double()).abs().max())
+    return diffs
+
+
+def run_group(group: Group, *, advance: Callable[[str], None] | None = None) -> dict:
+    """Warm up (and check) every entry, then time ``group.rounds`` interleaved rounds.
+
+    Returns a plain dict (JSON-ready): per entry median/min/max seconds per call, calls per block, the
+    output difference from headwise, and whether it is within the group's tolerance.
+    """
+    threads = torch.get_num_threads()
+    outputs: dict[str, Any] = {}
+    numbers: dict[str, int] = {}
+    for e in group.entries:
+        if e.reset is not None:
+            e.reset()
+        t0 = time.perf_counter()
+        outputs[e.name] = e.fn()
+        warm = time.perf_counter() - t0
+        numbers[e.name] = e.number or max(1, math.ceil(group.block_s / max(warm, 1e-7)))
+        if advance is not None:
+            advance(f"{group.name}: warm {e.name}")
+    diffs = _check(group, outputs)
+    scales = {name: float(t.detach().abs().max()) for name, out in outputs.items()
+              if (t := _first_tensor(out)) is not None and t.numel()}
+    del outputs
+
+    times: dict[str, list[float]] = {e.name: [] for e in group.entries}
+    n = len(group.entries)
+    for r in range(group.rounds):
+        order = group.entries[r % n:] + group.entries[:r % n]
+        for e in order:
+            if e.reset is not None:
+                e.reset()
+            m = Timer("fn()", globals={"fn": e.fn}, num_threads=threads).timeit(numbers[e.name])
+            times[e.name].append(m.mean)
+            if advance is not None:
+                advance(f"{group.name}: {e.name}")
+
+    rows = []
+    for e in group.entries:
+        ts = times[e.name]
+        diff = diffs[e.name]
+        ok = None
+        if diff is not None and group.tol is not None:
+            ok = diff <= group.tol[1] + group.tol[0] * scales.get(e.name, 1.0)
+        rows.append({
+            "name": e.name, "role": e.role, "median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
+            "rounds": len(ts), "calls_per_round": numbers[e.name], "max_abs_diff_vs_headwise": diff,
+            "matches_headwise": ok, "vs": e.ref, "note": e.note,
+            **{k: (v() if callable(v) else v) for k, v in e.extra.items()},
+        })
+    return {"case": group.case, "group": group.name, "threads": threads, "flops": group.flops,
+            "meta": group.meta, "notes": list(group.notes), "entries": rows}
+
+
+def ticks(group: Group) -> int:
+    """Progress-bar steps one group takes (warm-up plus every timed block)."""
+    return len(group.entries) * (group.rounds + 1)

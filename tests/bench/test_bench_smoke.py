@@ -1,0 +1,80 @@
+"""Smoke test of the benchmark machinery on tiny shapes: result structure and that headwise and every peer
+compute the same outputs on the same inputs. Never a timing assertion (speed goals live in benchmarks/)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from headwise.bench import QUICK, resolve_only, run_suite
+from headwise.bench.report import evaluate_goals, machine_info, write_results
+
+pytestmark = pytest.mark.xdist_group("bench")  # it spawns a process for the memory case
+
+TINY = replace(QUICK, rounds=1, heavy_rounds=1, decode_tokens=2, block_s=0.0, memory=(2, 8, (64,)))
+
+
+@pytest.fixture(scope="module")
+def suite() -> tuple[list[dict], list[dict]]:
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops on 2 threads of a busy machine mostly measure thread wake-ups
+    try:
+        yield run_suite(TINY, resolve_only(None), show=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_case_produces_groups(suite):
+    groups, memory = suite
+    cases = {g["case"] for g in groups}
+    assert cases == {"1 forward", "1 fwd+bwd", "1 causal step", "2 GQA/MQA", "3 per-head weights", "4 decode",
+                     "6 matmul peak"}
+    for g in groups:
+        assert g["threads"] == 1
+        assert g["entries"], g["group"]
+        for e in g["entries"]:
+            assert 0 < e["min_s"] <= e["median_s"] <= e["max_s"], (g["group"], e)
+            assert e["rounds"] >= 1 and e["calls_per_round"] >= 1
+    assert [m["impl"] for m in memory] == ["headwise"]
+    assert memory[0]["forward_peak_above_inputs"] >= 0 and "error" not in memory[0]
+
+
+def test_peers_compute_what_headwise_computes(suite):
+    groups, _ = suite
+    checked = 0
+    for g in groups:
+        for e in g["entries"]:
+            if e["max_abs_diff_vs_headwise"] is not None:
+                assert e["matches_headwise"], (g["group"], e["name"], e["max_abs_diff_vs_headwise"])
+                checked += 1
+    names = {e["name"] for g in groups for e in g["entries"] if e["matches_headwise"]}
+    # the limit and each kind of peer was really compared (not skipped)
+    for peer in ("packed SDPA (limit)", "nn.MHA fast path", "nn.MHA default call", "HF BERT sdpa", "HF BERT eager",
+                 "HF Llama sdpa", "HF Llama eager", "packed SDPA repeat K/V", "nn.MHA need_weights, per head",
+                 "minimal prealloc cache (limit)", "torch.cat cache", "HF Llama DynamicCache",
+                 "HF Llama StaticCache", "SDPA + explicit s x s mask", "repeat_interleave K/V + SDPA"):
+        assert peer in names, peer
+    assert checked >= 20
+
+
+def test_goals_and_files(suite, tmp_path):
+    groups, memory = suite
+    goals = evaluate_goals(groups, memory)
+    assert all({"goal", "target", "status"} <= set(g) for g in goals)
+    md, js = write_results(tmp_path, machine_info("pytest", quick=True), groups, memory, goals)
+    data = json.loads(js.read_text())
+    assert data["machine"]["torch"] == torch.__version__ and data["machine"]["threads"] >= 1
+    assert len(data["groups"]) == len(groups)
+    text = md.read_text()
+    assert "## Goals" in text and "packed SDPA (limit)" in text
+
+
+def test_only_resolves_names_and_numbers():
+    assert resolve_only(["4"]) == ["decode"]
+    assert resolve_only(["gqa,5"]) == ["gqa", "memory"]
+    with pytest.raises(ValueError, match="--only"):
+        resolve_only(["nope"])
