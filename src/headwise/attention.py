@@ -233,6 +233,9 @@ class MultiHeadAttention(nn.Module):
                                      q.device)
             k, v = cache.update(k, v)
         out, weights = self.attend(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        # Free Q/K/V (3 x s x d floats without autograd) before W_O allocates the output: the forward's peak
+        # is then Q/K/V + context, not Q/K/V + context + output.
+        del q, k, v
         y = self.project_out(out)
         if not batched:
             y = y.squeeze(0)
