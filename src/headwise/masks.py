@@ -122,6 +122,8 @@ def padding_mask(
     if s_kv is not None:
         _check_len("s_kv", s_kv)
     lengths_t = torch.as_tensor(lengths)
+    if lengths_t.numel() == 0 and not isinstance(lengths, torch.Tensor):
+        lengths_t = lengths_t.long()  # [] parses as float32, but an empty batch is still a valid batch
     if lengths_t.dim() != 1 or lengths_t.dtype.is_floating_point or lengths_t.dtype == torch.bool:
         raise TypeError(f"lengths must be a 1-D integer sequence (b,), got {tuple(lengths_t.shape)} {lengths_t.dtype}")
     if s_kv is None:
