@@ -77,6 +77,7 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
         properties: names to run (default all, in order: ``PROPERTY_NAMES``).
 
     Modules are copied (float64 when they run in it, eval mode); the layer passed in is not changed.
+    The check runs with one intra-op thread (its tensors are tiny), restoring the setting afterwards.
 
     Shapes:
         layer: (b, s, d) -> (b, s, d)
@@ -92,6 +93,17 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
         >>> rep["causality"].verdict                     # a plain f(x) claims nothing unless causal=True
         'skipped'
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the inputs are tiny: extra intra-op threads only add contention
+    try:
+        return _check(layer, d_model=d_model, causal=causal, batch=batch, seq_len=seq_len, seed=seed,
+                      properties=properties)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(layer: Any, *, d_model: int | None, causal: bool | None, batch: int, seq_len: int, seed: int,
+           properties: Iterable[str] | None) -> Report:
     start = time.perf_counter()
     names = list(PROPERTIES) if properties is None else list(properties)
     unknown = [n for n in names if n not in PROPERTIES]
