@@ -26,13 +26,13 @@ SCENARIOS: dict[int, list[dict]] = {
     2: [
         dict(name="mha", d_model=32, n_heads=4, n_kv_heads=4, cross=True),
         dict(name="gqa", d_model=32, n_heads=8, n_kv_heads=2, per_head_mask=True),
-        dict(name="mqa_rotary", d_model=32, n_heads=4, n_kv_heads=1, rotary=True),
+        dict(name="mqa_rotary", d_model=32, n_heads=4, n_kv_heads=1, rotary=True, head_bias=True),
         dict(name="gqa_mesh_nobias", d_model=24, n_heads=4, n_kv_heads=2, bias=False, mesh=True),
     ],
     4: [
         dict(name="mha", d_model=32, n_heads=4, n_kv_heads=4, cross=True),
         dict(name="gqa_replicated", d_model=32, n_heads=8, n_kv_heads=2, per_head_mask=True),
-        dict(name="mqa_rotary", d_model=32, n_heads=8, n_kv_heads=1, rotary=True),
+        dict(name="mqa_rotary", d_model=32, n_heads=8, n_kv_heads=1, rotary=True, head_bias=True),
         dict(name="gqa_partitioned", d_model=48, n_heads=8, n_kv_heads=4, d_head=4),
     ],
 }
@@ -65,6 +65,8 @@ def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
         m = torch.rand(B, h, S, S, generator=g) > 0.3
         m[..., 0] = True  # every query may see at least the first key
         inputs["pad_mask"] = inputs["pad_mask"] & m
+    if spec.get("head_bias"):  # a float per-head score bias (h, s_q, s_kv), ALiBi-like, instead of padding
+        inputs["pad_mask"] = torch.randn(h, S, S, generator=g, dtype=DTYPE)
     if spec.get("cross"):
         inputs["context"] = torch.randn(B, S_KV, d, generator=g, dtype=DTYPE)
         inputs["ctx_mask"] = padding_mask(lengths=[S_KV - 1, S_KV], s_kv=S_KV)

@@ -151,14 +151,15 @@ class TensorParallelAttention(MultiHeadAttention):
         return t
 
     def _local_mask(self, mask: Any) -> Any:
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] == 1:
+        # Broadcasting aligns a mask's last three dims with (h, s_q, s_kv): its head axis is dim() - 3.
+        if not isinstance(mask, torch.Tensor) or mask.dim() < 3 or mask.shape[-3] == 1:
             return mask
         h = self.global_config.n_heads
-        if mask.shape[1] != h:
-            raise ValueError(f"a per-head mask must have h=1 or the global h={h} heads in dim 1 "
+        if mask.shape[-3] != h:
+            raise ValueError(f"a per-head mask must have 1 or the global h={h} heads in its head axis "
                              f"(b, h, s_q, s_kv), got {tuple(mask.shape)}")
         p = self.partition
-        return mask[:, p.q_heads[0]:p.q_heads[-1] + 1]  # (b, h_local, s_q, s_kv)
+        return mask.narrow(mask.dim() - 3, p.q_heads[0], p.n_local_heads)  # (b, h_local, s_q, s_kv)
 
     def project_kv(self, key: torch.Tensor, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K/V heads. Shapes: key (b, s_kv, kdim), value (b, s_kv, vdim) -> (b, kv_local, s_kv, d_h)."""
