@@ -89,6 +89,8 @@ def test_report_is_deterministic_and_serialisable():
     assert a == b
     assert json.loads(json.dumps(a)) == a
     assert [r["name"] for r in a["results"]] == list(PROPERTY_NAMES)
+    alone = check(_make(FlattenNoTranspose), seed=3, properties=["head_independence"]).to_dict()["results"]
+    assert alone == [r for r in a["results"] if r["name"] == "head_independence"]  # each property stands alone
     text = str(check(_make(RefAttention)))
     assert text.splitlines()[0].endswith("OK") and "head_independence" in text
 
