@@ -36,11 +36,12 @@ LLAMA = {
     "llama-mha": ("llama", dict(hidden_size=24, num_attention_heads=4, num_key_value_heads=4)),
     "llama-gqa": ("llama", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=2)),
     "llama-mqa": ("llama", dict(hidden_size=24, num_attention_heads=4, num_key_value_heads=1)),  # d_head 6
-    "llama-head_dim-bias": ("llama", dict(hidden_size=20, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
-                                          attention_bias=True)),
+    "llama-head_dim-bias": ("llama", dict(hidden_size=20, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=6, attention_bias=True)),
     "llama-rope-linear": ("llama", dict(hidden_size=24, num_attention_heads=4, num_key_value_heads=2,
                                         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})),
-    "mistral-sliding": ("mistral", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=2, sliding_window=5)),
+    "mistral-sliding": ("mistral", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=2,
+                                        sliding_window=5)),
     "qwen2": ("qwen2", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=3)),
 }
 LLAMA_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -49,8 +50,9 @@ LLAMA_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("Mist
 
 # -- model builders -----------------------------------------------------------------------------------
 def bert(name: str, impl: str, *, decoder: bool = False) -> nn.Module:
-    cfg = transformers.BertConfig(vocab_size=VOCAB, num_hidden_layers=2, intermediate_size=16, max_position_embeddings=64,
-                                  is_decoder=decoder, attn_implementation=impl, pad_token_id=0, **BERT[name])
+    cfg = transformers.BertConfig(vocab_size=VOCAB, num_hidden_layers=2, intermediate_size=16,
+                                  max_position_embeddings=64, is_decoder=decoder, attn_implementation=impl,
+                                  pad_token_id=0, **BERT[name])
     cls = transformers.BertLMHeadModel if decoder else transformers.BertModel
     return cls(cfg).eval()
 
@@ -198,6 +200,19 @@ def test_greedy_generate_identical(kind, name, impl):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("how", [dict(cache_implementation="static"), dict(num_beams=3)])
+def test_static_cache_and_beam_search_identical(how, impl):
+    """A StaticCache exercises HF's sdpa crop of K/V at prefill; beam search reorders the cache."""
+    model = llama("mistral-sliding", impl)
+    ids, mask = batch(7, "left")
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+              pad_token_id=0, **how)
+    want = model.generate(**kw)
+    patch(model)
+    assert torch.equal(model.generate(**kw), want)
+
+
 # -- structure: identity, sharing, hooks, heads ----------------------------------------------------------
 def test_patch_keeps_classes_shares_weights_and_unpatch_restores_identity():
     model = llama("llama-gqa", "sdpa")
@@ -239,6 +254,28 @@ def test_gpt2_edits_while_patched_are_written_back():
     unpatch(model)
     assert model.transformer.h[0].attn is original
     torch.testing.assert_close(original.c_attn.weight[:, 7:14], new_w_q, rtol=0, atol=0)
+
+
+def test_deepcopy_of_a_patched_model_unpatches_on_its_own():
+    model = patch(gpt2("gpt2-21x3", "sdpa"))
+    twin = copy.deepcopy(model)
+    ids, mask = batch(8, "right")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    unpatch(twin)
+    assert layers(twin) == [] and len(layers(model)) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(twin(input_ids=ids, attention_mask=mask).logits, want)
+
+
+def test_instance_level_forward_of_the_original_is_not_inherited():
+    """accelerate-style hooks replace ``module.forward`` on the instance; the patch must not call it."""
+    model = llama("llama-gqa", "eager")
+    for layer in model.model.layers:
+        layer.self_attn.forward = lambda *a, **k: (_ for _ in ()).throw(AssertionError("original forward ran"))
+    patch(model)
+    with torch.no_grad():
+        model(input_ids=batch(9, "right")[0])
 
 
 def test_output_attentions_hooks_installed_before_patching_still_fire():
@@ -317,8 +354,8 @@ def test_gpt2_conv1d_orientation_by_hand():
     got = torch.cat([attn.q_proj.double()(x), attn.k_proj.double()(x), attn.v_proj.double()(x)], dim=-1)
     torch.testing.assert_close(got, expected)
     z = torch.randn(2, 5, d, dtype=torch.float64)
-    torch.testing.assert_close(attn.out_proj.double()(z),
-                               torch.einsum("bsi,io->bso", z, module.c_proj.weight.double()) + module.c_proj.bias.double())
+    expected_out = torch.einsum("bsi,io->bso", z, module.c_proj.weight.double()) + module.c_proj.bias.double()
+    torch.testing.assert_close(attn.out_proj.double()(z), expected_out)
     assert torch.equal(attn.double().head(2).w_v, w[:, 2 * d + 2 * d_h:2 * d + 3 * d_h])
 
 
@@ -336,6 +373,10 @@ def test_unsupported_modules_raise_clear_errors():
     model = llama("llama-gqa", "eager")
     with pytest.raises(TypeError, match="already patched"):
         from_hf(patch(model).model.layers[0].self_attn)
+    with pytest.raises(TypeError, match="already patched"):
+        from_hf(patch(bert("bert-20x4", "eager")).encoder.layer[0].attention)
+    with pytest.raises(TypeError, match="is itself an attention module"):
+        patch(llama("llama-gqa", "eager").model.layers[0].self_attn)
     with pytest.raises(TypeError, match="must be a MultiHeadAttention"):
         to_hf(nn.Linear(4, 4), like=llama("llama-gqa", "eager").model.layers[0].self_attn)
 

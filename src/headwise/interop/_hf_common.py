@@ -149,8 +149,12 @@ class HeadwiseHFModule(nn.Module):
 
     A patched class is created per original class as ``(family mixin, HeadwiseHFModule, OriginalClass)``,
     so ``isinstance(patched, LlamaAttention)`` still holds: Hugging Face records ``output_attentions`` with
-    forward hooks chosen by ``isinstance``. The original module is kept (not registered as a submodule)
-    for :func:`headwise.interop.unpatch`, and the forward hooks are shared with it.
+    forward hooks chosen by ``isinstance``, installed once per model, possibly before patching; so the
+    forward hooks are shared with the original module (the same dicts). The original module is kept (not
+    registered as a submodule) for :func:`headwise.interop.unpatch`.
+
+    Shapes:
+        as the replaced module: hidden_states (b, s, d) -> (b, s, d), weights (b, h, s, s_kv) or None
     """
 
     attn: MultiHeadAttention
@@ -158,8 +162,9 @@ class HeadwiseHFModule(nn.Module):
     def __init__(self, original: nn.Module, attn: MultiHeadAttention, restore: list[tuple[nn.Module, str, nn.Module]]):
         nn.Module.__init__(self)
         for key, value in vars(original).items():
-            # Plain attributes HF code may read (config, layer_idx, is_causal, scaling, head_dim, ...).
-            if not key.startswith("_") and not isinstance(value, nn.Module):
+            # Plain attributes HF code may read (config, layer_idx, is_causal, scaling, head_dim, ...); never
+            # an instance-level ``forward`` (accelerate's hooks put one there), which would run the original.
+            if not key.startswith("_") and key != "forward" and not isinstance(value, nn.Module):
                 self.__dict__[key] = value
         self.training = original.training
         self.attn = attn

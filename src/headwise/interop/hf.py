@@ -189,6 +189,9 @@ def unpatch(model: nn.Module) -> nn.Module:
 
     Weights that were copied rather than shared (GPT-2) are written back first, so edits made through
     ``.attn`` while patched survive. A model without patched modules is returned unchanged.
+
+    Shapes:
+        no tensor is reshaped; every weight keeps the original module's layout
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"unpatch: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -202,6 +205,9 @@ def unpatch(model: nn.Module) -> nn.Module:
 def layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
     """``(qualified name of the patched module, its MultiHeadAttention)`` for every patched layer, in model
     order (empty if ``model`` is not patched).
+
+    Shapes:
+        each layer: MultiHeadAttention(d, h, h_kv, d_h); ``attn.head(i)`` gives head i's (d, d_h) weights
 
     Example:
         >>> import transformers

@@ -61,8 +61,15 @@ def is_cross(module: nn.Module) -> bool:
 
 
 def config_of(module: nn.Module) -> AttentionConfig:
-    """The :class:`AttentionConfig` of a ``BertAttention``, every projection shape checked."""
+    """The :class:`AttentionConfig` of a ``BertAttention``, every projection shape checked.
+
+    Shapes:
+        self.query / self.key / self.value (h * d_h, d), output.dense (d, h * d_h)
+    """
     owner = type(module).__name__
+    if isinstance(module.self, HeadwiseHFModule):
+        raise TypeError(f"{owner}.self is already patched by headwise; use {owner}.self.attn (a MultiHeadAttention) "
+                        "or unpatch the model first")
     if is_cross(module):
         raise NotImplementedError(f"{owner} is a cross-attention block (BertCrossAttention); headwise.interop "
                                   "converts BERT self-attention only")
@@ -82,7 +89,11 @@ def _pairs(module: nn.Module) -> dict[str, nn.Linear]:
 
 
 def from_module(module: nn.Module, *, share: bool = False, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
-    """Convert (copy, or with ``share=True`` reuse the ``nn.Linear`` modules of) one ``BertAttention``."""
+    """Convert (copy, or with ``share=True`` reuse the ``nn.Linear`` modules of) one ``BertAttention``.
+
+    Shapes:
+        BertAttention (d, h, d_h) -> MultiHeadAttention(d, h, d_head=d_h)
+    """
     cfg = config_of(module)
     backend = "eager" if getattr(module.self.config, "_attn_implementation", None) == "eager" else "sdpa"
     pairs = _pairs(module)
@@ -93,7 +104,11 @@ def from_module(module: nn.Module, *, share: bool = False, rotary_emb: nn.Module
 
 
 def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
-    """Write ``attn``'s weights into a ``BertAttention`` of the same shape (in place)."""
+    """Write ``attn``'s weights into a ``BertAttention`` of the same shape (in place).
+
+    Shapes:
+        attn.q/k/v_proj -> self.query/key/value, attn.out_proj -> output.dense, same (out, in)
+    """
     owner = type(module).__name__
     check_same(owner, config_of(module), attn.config)
     names = {"q_proj": "self.query", "k_proj": "self.key", "v_proj": "self.value", "out_proj": "output.dense"}

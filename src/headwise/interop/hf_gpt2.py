@@ -65,7 +65,11 @@ def _check_conv1d(owner: str, name: str, layer: object, d_in: int, d_out: int) -
 
 
 def config_of(module: nn.Module) -> AttentionConfig:
-    """The :class:`AttentionConfig` of a ``GPT2Attention``, both Conv1D shapes checked."""
+    """The :class:`AttentionConfig` of a ``GPT2Attention``, both Conv1D shapes checked.
+
+    Shapes:
+        c_attn.weight (d, 3d), c_attn.bias (3d,), c_proj.weight (d, d), c_proj.bias (d,): Conv1D (in, out)
+    """
     owner = type(module).__name__
     if getattr(module, "is_cross_attention", False):
         raise NotImplementedError(f"{owner} is a cross-attention block (is_cross_attention=True, has q_attn); "
@@ -92,7 +96,11 @@ def split_c_attn(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tenso
 
 
 def from_module(module: nn.Module, *, share: bool = False, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
-    """Convert one ``GPT2Attention`` (always a copy: the layouts differ, see the module docstring)."""
+    """Convert one ``GPT2Attention`` (always a copy: the layouts differ, see the module docstring).
+
+    Shapes:
+        GPT2Attention (d, h) -> MultiHeadAttention(d, h), weights transposed to (out, in)
+    """
     cfg = config_of(module)
     backend = "eager" if getattr(module.config, "_attn_implementation", None) == "eager" else "sdpa"
     return new_attention(cfg, rotary=None, backend=backend, like=module.c_attn.weight, training=module.training,
@@ -109,7 +117,11 @@ def patch_one(model: nn.Module, name: str, module: nn.Module, mixin: type) -> nn
 
 
 def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
-    """Write ``attn``'s weights into a ``GPT2Attention`` of the same shape, transposing into Conv1D order."""
+    """Write ``attn``'s weights into a ``GPT2Attention`` of the same shape, transposing into Conv1D order.
+
+    Shapes:
+        q/k/v_proj.weight (d, d) each -> c_attn.weight (d, 3d); out_proj.weight (d, d) -> c_proj.weight (d, d)
+    """
     owner = type(module).__name__
     check_same(owner, config_of(module), attn.config)
     w = torch.cat([attn.q_proj.weight.T, attn.k_proj.weight.T, attn.v_proj.weight.T], dim=1)  # (d, 3d)

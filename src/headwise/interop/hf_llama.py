@@ -96,7 +96,11 @@ def _sizes(module: nn.Module) -> tuple[str, int, int, int, int]:
 
 
 def config_of(module: nn.Module) -> AttentionConfig:
-    """The :class:`AttentionConfig` of a Llama-style attention module, every projection shape checked."""
+    """The :class:`AttentionConfig` of a Llama-style attention module, every projection shape checked.
+
+    Shapes:
+        q_proj (h * d_h, d), k_proj / v_proj (h_kv * d_h, d), o_proj (d, h * d_h)
+    """
     owner, d, h, h_kv, d_h = _sizes(module)
     for name in ("q_norm", "k_norm"):
         if isinstance(getattr(module, name, None), nn.Module):
@@ -115,7 +119,11 @@ def _backend(module: nn.Module) -> str:
 
 
 def from_module(module: nn.Module, *, share: bool = False, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
-    """Convert (copy, or with ``share=True`` reuse the ``nn.Linear`` modules of) one attention module."""
+    """Convert (copy, or with ``share=True`` reuse the ``nn.Linear`` modules of) one attention module.
+
+    Shapes:
+        module (d, h, h_kv, d_h) -> MultiHeadAttention(d, h, h_kv, d_head=d_h, rotary=RotaryEmbedding(d_h))
+    """
     cfg = config_of(module)
     rotary = rotary_from_hf(module.config, cfg.d_head, rotary_emb)
     pairs = {"q_proj": module.q_proj, "k_proj": module.k_proj, "v_proj": module.v_proj, "out_proj": module.o_proj}
@@ -147,7 +155,11 @@ def patch_one(model: nn.Module, name: str, module: nn.Module, mixin: type) -> nn
 
 
 def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
-    """Write ``attn``'s weights into a Llama-style module of the same shape (in place)."""
+    """Write ``attn``'s weights into a Llama-style module of the same shape (in place).
+
+    Shapes:
+        attn.q_proj -> q_proj, attn.k_proj -> k_proj, attn.v_proj -> v_proj, attn.out_proj -> o_proj, same (out, in)
+    """
     owner = type(module).__name__
     cfg = config_of(module)
     check_same(owner, cfg, attn.config)
@@ -173,8 +185,8 @@ class PatchedLlamaStyle:
         q = attn.project_q(hidden_states)  # (b, h, s, d_h)
         k, v = attn.project_kv(hidden_states)  # (b, h_kv, s, d_h)
         if position_embeddings is not None:
-            cos, sin = position_embeddings
-            q, k = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rotary(k, cos.unsqueeze(1), sin.unsqueeze(1))
+            cos, sin = (t.unsqueeze(1) for t in position_embeddings)  # (b or 1, 1, s, d_h)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         else:
             positions = kwargs.get("position_ids")
             if positions is None:
