@@ -340,6 +340,19 @@ def test_rotary_matches_the_models(name):
         torch.testing.assert_close(hw_sin[:, 0], sin, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-rope-linear"])
+def test_patched_llama_layer_without_position_embeddings_uses_its_own_rotary(name):
+    """Called directly with position_ids only, the patched layer rotates with attn.rotary: same result."""
+    model = llama(name, "sdpa")
+    x = torch.randn(2, 6, model.config.hidden_size)
+    pos = torch.arange(3, 9)[None].expand(2, -1)
+    layer = patch(model).model.layers[0].self_attn
+    with torch.no_grad():
+        want, _ = layer(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=None)
+        got, _ = layer(x, position_embeddings=None, attention_mask=None, position_ids=pos)
+    torch.testing.assert_close(got, want)
+
+
 def test_gpt2_conv1d_orientation_by_hand():
     """Conv1D computes x @ W + b with W stored (in, out): check q/k/v/out against that formula in float64."""
     module = gpt2("gpt2-21x3", "eager").transformer.h[0].attn
