@@ -84,7 +84,7 @@ def test_explain_invalid_heads_lists_valid_neighbours(capsys) -> None:
 def test_compare_text_and_json(capsys) -> None:
     code, out, _ = _run(capsys, "compare", "llama-2-7b", "llama-3-8b", "--seq", "1024")
     assert code == 0
-    assert "KV cache per 1k tokens" in out and "500.0 MiB" in out and "125.0 MiB" in out  # MHA vs GQA, fp16
+    assert "KV cache / 1k tokens" in out and "500.0 MiB" in out and "125.0 MiB" in out  # MHA vs GQA, fp16
     assert "https://huggingface.co/meta-llama/Llama-2-7b-hf" in out
     code, out, _ = _run(capsys, "compare", "llama-2-7b", "llama-3-8b", "--json")
     rows = json.loads(out)

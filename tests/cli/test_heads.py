@@ -15,6 +15,7 @@ def _wide_terminal(monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "300")
 
 TEXT = "The cat sat on the mat because it was tired."
+pytestmark = pytest.mark.xdist_group("heads_cli")  # one worker: the model loads once
 
 
 @pytest.fixture(scope="module")

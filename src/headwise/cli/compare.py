@@ -42,15 +42,15 @@ ROWS = [
     ("n_heads / n_kv_heads", lambda r: f"{r['config']['n_heads']} / {r['config']['n_kv_heads']}"),
     ("d_head", lambda r: r["config"]["d_head"]),
     ("layers", lambda r: r["n_layers"]),
-    ("attention params, one layer", lambda r: human_count(r["params"]["layer"]["total"])),
-    ("attention params, all layers", lambda r: human_count(r["params"]["all_layers"])),
-    ("FLOPs, one layer (proj + attn)", lambda r: f"{human_count(r['flops']['layer']['projections'], 'FLOP')} + "
+    ("attn params / layer", lambda r: human_count(r["params"]["layer"]["total"])),
+    ("attn params, all layers", lambda r: human_count(r["params"]["all_layers"])),
+    ("FLOPs / layer, proj + attn", lambda r: f"{human_count(r['flops']['layer']['projections'], 'FLOP')} + "
                                                  f"{human_count(r['flops']['layer']['attention'], 'FLOP')}"),
-    ("KV cache per token", lambda r: human_bytes(r["kv_cache"]["per_token_bytes"])),
-    ("KV cache per 1k tokens", lambda r: human_bytes(r["kv_cache"]["per_1k_tokens_bytes"])),
-    ("KV cache, context x batch", lambda r: human_bytes(r["kv_cache"]["context_bytes"])),
-    ("probabilities per layer, eager", lambda r: human_bytes(r["probabilities"]["materialised"])),
-    ("probabilities per layer, fused", lambda r: human_bytes(r["probabilities"]["fused"])),
+    ("KV cache / token", lambda r: human_bytes(r["kv_cache"]["per_token_bytes"])),
+    ("KV cache / 1k tokens", lambda r: human_bytes(r["kv_cache"]["per_1k_tokens_bytes"])),
+    ("KV cache, seq x batch", lambda r: human_bytes(r["kv_cache"]["context_bytes"])),
+    ("probs / layer, eager", lambda r: human_bytes(r["probabilities"]["materialised"])),
+    ("probs / layer, fused", lambda r: human_bytes(r["probabilities"]["fused"])),
 ]
 
 
@@ -60,10 +60,13 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             fmt.emit_json(listing)
         else:
-            fmt.table("Presets", ["name", "model", "d_model", "h / h_kv", "layers", "source"],
+            fmt.table("Presets", ["name", "model", "d_model", "h / h_kv", "d_head", "layers", "rope theta"],
                       [(p["name"], p["title"], p["config"]["d_model"],
-                        f"{p['config']['n_heads']} / {p['config']['n_kv_heads']}", p["n_layers"], p["citation"])
-                       for p in listing])
+                        f"{p['config']['n_heads']} / {p['config']['n_kv_heads']}", p["config"]["d_head"],
+                        p["n_layers"], p["rope_theta"] or "-") for p in listing])
+            fmt.line("Sources:")
+            for p in listing:
+                fmt.line(f"  {p['name']}: {p['citation']}")
         return 0
     if not args.presets:
         raise CliError(f"name at least one preset (or --list); known: {', '.join(PRESETS)}")
@@ -75,5 +78,9 @@ def run(args: argparse.Namespace) -> int:
     fmt.table(f"Per model: {r0['seq_len']} tokens, batch {r0['batch']}, {r0['dtype']}",
               ["", *[r["preset"]["name"] for r in results]],
               [(label, *[get(r) for r in results]) for label, get in ROWS])
-    fmt.line("Sources: " + "; ".join(f"{r['preset']['name']}: {r['preset']['citation']}" for r in results))
+    fmt.line("probs = attention probabilities (b, h, s, s) held by the eager path; the fused path keeps one float32 "
+             "log-sum-exp per (b, h, query).")
+    fmt.line("Sources:")
+    for r in results:
+        fmt.line(f"  {r['preset']['name']}: {r['preset']['citation']}")
     return 0

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
              + " ".join(maps.tokens))
     fmt.table("Where each head reads from, and what it actually writes (weight x ||value W_O||)",
               ["head", "reads most from (mean weight)", "writes most from (share of writes)",
-               "writes from that token", "||v W_O|| min..max"],
+               "share of writes from the most-read token", "||v W_O|| min..max"],
               [(s["head"], f"{s['reads_most']} ({s['reads_most_weight']:.2f})",
                 f"{s['writes_most']} ({s['writes_most_share']:.0%})",
                 f"{s['weight_on_reads_most_share_of_writes']:.0%}",
