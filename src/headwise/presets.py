@@ -109,7 +109,11 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _LIST})
 
 
 class UnknownPresetError(KeyError, ValueError):
-    """No preset has this name; the message lists the closest names."""
+    """No preset has this name; the message lists the closest names (a ``KeyError`` and a ``ValueError``).
+
+    Shapes:
+        none
+    """
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
         return str(self.args[0]) if self.args else ""
@@ -117,6 +121,9 @@ class UnknownPresetError(KeyError, ValueError):
 
 def preset_names() -> list[str]:
     """All preset names, in the order they are listed.
+
+    Shapes:
+        none
 
     Example:
         >>> "gpt2-small" in preset_names()

@@ -27,7 +27,12 @@ __all__ = ["FlopCount", "forward_flops", "causal_pairs"]
 
 @dataclass(frozen=True)
 class FlopCount:
-    """FLOPs (2 x multiply-adds) of each matrix product of one layer's forward."""
+    """FLOPs (2 x multiply-adds) of each matrix product of one layer's forward.
+
+    Shapes:
+        projections: x (b, s, d) @ W (d, out); scores: (b, h, s_q, d_h) @ (b, h, d_h, s_kv);
+        context: (b, h, s_q, s_kv) @ (b, h, s_kv, d_h)
+    """
 
     q_proj: int
     k_proj: int
@@ -60,6 +65,9 @@ def _positive(name: str, value: object) -> int:
 
 def causal_pairs(s_q: int, s_kv: int) -> int:
     """Number of (query, key) pairs a bottom-right aligned causal mask keeps (query i sits at s_kv - s_q + i).
+
+    Shapes:
+        the count of True entries of ``causal_mask(s_q, s_kv)``, (s_q, s_kv)
 
     Example:
         >>> causal_pairs(4, 4), causal_pairs(1, 10), causal_pairs(3, 2)

@@ -44,6 +44,9 @@ _LSE_BYTES = 4
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """A torch dtype from a dtype or one of the names in :data:`DTYPES`.
 
+    Shapes:
+        none (a dtype in, a dtype out)
+
     Example:
         >>> parse_dtype("bf16"), parse_dtype(torch.float16)
         (torch.bfloat16, torch.float16)
@@ -56,7 +59,10 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def dtype_itemsize(dtype: torch.dtype | str) -> int:
-    """Bytes per element. Example: ``dtype_itemsize("bf16") == 2``.
+    """Bytes per element of ``dtype`` (a torch dtype or a name in :data:`DTYPES`).
+
+    Shapes:
+        none (a dtype in, an int out)
 
     Example:
         >>> dtype_itemsize("float32"), dtype_itemsize(torch.bfloat16)
@@ -102,7 +108,11 @@ def kv_cache_bytes(config: AttentionConfig, seq_len: int, *, batch: int = 1, dty
 
 @dataclass(frozen=True)
 class AttentionMemory:
-    """Bytes the attention step holds beyond Q, K, V and the output, per layer and for ``n_layers``."""
+    """Bytes the attention step holds beyond Q, K, V and the output, per layer and for ``n_layers``.
+
+    Shapes:
+        materialised: probabilities (b, h, s_q, s_kv); fused: log-sum-exp (b, h, s_q), float32
+    """
 
     materialised: int  # eager: the probabilities (b, h, s_q, s_kv)
     fused: int  # flash-style kernel: one float32 log-sum-exp per (b, h, query)

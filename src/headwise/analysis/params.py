@@ -16,7 +16,11 @@ __all__ = ["ParamCount", "param_count"]
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters of each projection (weights plus biases) of one layer."""
+    """Parameters of each projection (weights plus biases) of one layer.
+
+    Shapes:
+        q: W_Q (d, h * d_h) [+ b_Q]; k, v: (kdim | vdim, h_kv * d_h) [+ bias]; out: W_O (h * d_h, d) [+ b_O]
+    """
 
     q: int
     k: int

