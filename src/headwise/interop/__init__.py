@@ -15,6 +15,7 @@ from typing import Any
 _EXPORTS = {
     "from_torch": "torch_mha",
     "to_torch": "torch_mha",
+    "torch_masks_to_headwise": "torch_mha",
     "patch": "hf",
     "unpatch": "hf",
     "from_hf": "hf",
