@@ -1,0 +1,136 @@
+"""KVCache safety: every refused write leaves the cache bitwise unchanged, and reset never exposes stale values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headwise import KVCache, MultiHeadAttention
+from headwise import masks as hwm
+
+D, H, H_KV, D_H = 16, 4, 2, 4
+
+
+def make(backend="sdpa"):
+    torch.manual_seed(0)
+    return MultiHeadAttention(D, H, H_KV, backend=backend).eval()
+
+
+def snapshot(cache: KVCache):
+    return cache.keys.clone(), cache.values.clone(), cache.length
+
+
+def assert_unchanged(cache: KVCache, before) -> None:
+    keys, values, length = before
+    assert cache.length == length
+    assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
+
+
+def kv(b=2, h=H_KV, s=1, d=D_H, **kw):
+    return torch.randn(b, h, s, d, **kw), torch.randn(b, h, s, d, **kw)
+
+
+BAD_WRITES = {
+    "overflow": (lambda: kv(s=3), ValueError, r"cache overflow: 4 cached \+ 3 new > max_len=6"),
+    "batch": (lambda: kv(b=3), ValueError, r"cache keys must have shape \(b=2, h_kv=2, s, d_h=4\), got \(3, 2, 1, 4\)"),
+    "heads": (lambda: kv(h=4), ValueError, r"got \(2, 4, 1, 4\)"),
+    "d_head": (lambda: kv(d=8), ValueError, r"got \(2, 2, 1, 8\)"),
+    "dtype": (lambda: kv(dtype=torch.float64), TypeError, "cache holds torch.float32, got keys of dtype torch.float64"),
+    "device": (lambda: kv(device="meta"), ValueError, "cache is on cpu, got keys on meta"),
+    "lengths": (lambda: (torch.randn(2, 2, 1, 4), torch.randn(2, 2, 2, 4)), ValueError,
+                "keys and values must have the same length, got 1 and 2"),
+    "values only bad": (lambda: (torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4).half()), TypeError,
+                        "got values of dtype torch.float16"),
+    "not a tensor": (lambda: (torch.randn(2, 2, 1, 4), None), TypeError, "cache values must be a torch.Tensor, got NoneType"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_WRITES))
+def test_a_refused_write_leaves_the_cache_bitwise_unchanged(case):
+    make_kv, exc, message = BAD_WRITES[case]
+    cache = KVCache(2, 6, H_KV, D_H)
+    cache.update(*kv(s=4))
+    before = snapshot(cache)
+    with pytest.raises(exc, match=message):
+        cache.update(*make_kv())
+    assert_unchanged(cache, before)
+    cache.update(*kv(s=2))  # and it still works afterwards
+    assert cache.length == 6
+
+
+FAILED_FORWARDS = {
+    "overflow": (lambda a, c: a(torch.randn(2, 3, D), cache=c), ValueError, "cache overflow"),
+    "batch": (lambda a, c: a(torch.randn(3, 1, D), cache=c), ValueError, r"cache keys must have shape \(b=2"),
+    "mask shape": (lambda a, c: a(torch.randn(2, 1, D), cache=c, mask=torch.ones(2, 1, 1, 3, dtype=torch.bool)),
+                   ValueError, r"mask of shape \(2, 1, 1, 3\) does not broadcast to \(b, h, s_q, s_kv\) = \(2, 4, 1, 5\)"),
+    "mask dtype": (lambda a, c: a(torch.randn(2, 1, D), cache=c, mask=torch.ones(5, dtype=torch.int64)),
+                   TypeError, "mask must be bool"),
+    "causal string": (lambda a, c: a(torch.randn(2, 1, D), cache=c, causal="top_left"), TypeError,
+                      "causal must be a bool"),
+    "x dtype": (lambda a, c: a(torch.randn(2, 1, D, dtype=torch.float64), cache=c), TypeError, "x has dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILED_FORWARDS))
+def test_a_failed_forward_leaves_the_cache_bitwise_unchanged(case):
+    """Everything a call could refuse is checked before the cache is written (the mask check used to run
+    after the write, advancing the cache on a call that then raised)."""
+    call, exc, message = FAILED_FORWARDS[case]
+    attn = make()
+    cache = attn.new_cache(2, 6)
+    attn(torch.randn(2, 4, D), cache=cache)
+    before = snapshot(cache)
+    with pytest.raises(exc, match=message):
+        call(attn, cache)
+    assert_unchanged(cache, before)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_reuse_after_reset_equals_a_fresh_cache(backend):
+    """Decode sequence A, reset, decode a shorter sequence B: identical (bitwise) to B in a fresh cache.
+    The stale positions of A are poisoned with NaN first, so reading any of them would show."""
+    attn = make(backend)
+    a, b = torch.randn(2, 6, D), torch.randn(2, 3, D)
+    used = attn.new_cache(2, 6)
+    attn(a[:, :4], cache=used)
+    attn(a[:, 4:5], cache=used)
+    attn(a[:, 5:6], cache=used)
+    used.keys[:, :, 3:].fill_(float("nan"))
+    used.values[:, :, 3:].fill_(float("nan"))
+    used.reset()
+    assert used.length == 0
+    fresh = attn.new_cache(2, 6)
+
+    def decode(cache):
+        return torch.cat([attn(b[:, :2], cache=cache), attn(b[:, 2:3], cache=cache)], dim=1)
+
+    y_used, y_fresh = decode(used), decode(fresh)
+    assert torch.equal(y_used, y_fresh)
+    assert torch.isfinite(y_used).all()
+    torch.testing.assert_close(y_used, attn(b, causal=True))
+
+
+def test_cache_decode_matches_a_full_causal_pass_with_padding():
+    attn = make()
+    x = torch.randn(2, 5, D)
+    keep = hwm.padding_mask(lengths=[5, 3], s_kv=5, left=True)
+    cache = attn.new_cache(2, 5)
+    steps = [attn(x[:, :3], cache=cache, mask=keep[..., :3])]
+    steps += [attn(x[:, t:t + 1], cache=cache, mask=keep[..., :t + 1]) for t in (3, 4)]
+    torch.testing.assert_close(torch.cat(steps, 1), attn(x, mask=keep, causal=True))
+
+
+def test_cache_of_batch_zero():
+    attn = make()
+    cache = attn.new_cache(0, 4)
+    assert cache.nbytes == 0
+    assert attn(torch.randn(0, 2, D), cache=cache).shape == (0, 2, D)
+    assert cache.length == 2
+
+
+def test_cache_bad_device_strings():
+    with pytest.raises(ValueError, match="device must be a torch.device or a string such as 'cpu' or 'cuda:0', got 'gpu'"):
+        KVCache(1, 4, 2, 4, device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda:0' was requested but CUDA is not available here"):
+            KVCache(1, 4, 2, 4, device="cuda:0")
