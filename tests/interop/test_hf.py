@@ -16,7 +16,6 @@ transformers = pytest.importorskip("transformers")
 
 from headwise import MultiHeadAttention  # noqa: E402
 from headwise.interop import from_hf, layers, patch, to_hf, unpatch  # noqa: E402
-from headwise.interop._hf_common import HeadwiseHFModule  # noqa: E402
 
 VOCAB = 40
 IMPLS = ["eager", "sdpa"]
@@ -394,11 +393,38 @@ def test_unsupported_modules_raise_clear_errors():
         to_hf(nn.Linear(4, 4), like=llama("llama-gqa", "eager").model.layers[0].self_attn)
 
 
-def test_cross_attention_layers_are_left_alone():
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=12, n_head=3, n_layer=1, add_cross_attention=True)
-    model = patch(transformers.GPT2Model(cfg))
-    assert [n for n, _ in layers(model)] == ["h.0.attn"]
-    assert not isinstance(model.h[0].crossattention, HeadwiseHFModule)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_cross_attention_layers_are_left_alone_and_the_decoder_still_matches(family, impl):
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=12, n_head=3, n_layer=2, add_cross_attention=True,
+                                      attn_implementation=impl)
+        model = transformers.GPT2LMHeadModel(cfg).eval()
+        names = ["transformer.h.0.attn", "transformer.h.1.attn"]
+        cross = lambda: model.transformer.h[0].crossattention  # noqa: E731
+    else:
+        cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=12, num_attention_heads=3, num_hidden_layers=2,
+                                      intermediate_size=16, is_decoder=True, add_cross_attention=True,
+                                      attn_implementation=impl)
+        model = transformers.BertLMHeadModel(cfg).eval()
+        names = [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]
+        cross = lambda: model.bert.encoder.layer[0].crossattention.self  # noqa: E731
+    ids, mask = batch(10, "right")
+    enc = torch.randn(3, 5, 12)
+
+    @torch.no_grad()
+    def two_steps():  # prefill + one cached step (an EncoderDecoderCache: self-attention part is ours)
+        out = model(input_ids=ids[:, :6], attention_mask=mask[:, :6], encoder_hidden_states=enc, use_cache=True)
+        nxt = model(input_ids=ids[:, 6:], attention_mask=mask, encoder_hidden_states=enc, cache=out.cache,
+                    use_cache=True)
+        return out.logits, nxt.logits
+
+    want = two_steps()
+    patch(model)
+    assert [n for n, _ in layers(model)] == names
+    assert type(cross()).__name__ in ("GPT2Attention", "BertCrossAttention")  # still HF's own class
+    for g, w in zip(two_steps(), want):
+        torch.testing.assert_close(g, w)
 
 
 def test_unsupported_layouts_raise_clear_errors():
