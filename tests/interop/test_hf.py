@@ -83,6 +83,13 @@ def batch(seed: int, side: str, b: int = 3, s: int = 7) -> tuple[torch.Tensor, t
     return ids, mask
 
 
+def assert_hidden_states(got, want, n_layers: int) -> None:
+    """Every layer's output (and the embeddings), the last one being the model's last hidden state."""
+    assert len(got) == len(want) == n_layers + 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 def eager_twin(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model)
     twin.set_attn_implementation("eager")
@@ -126,6 +133,7 @@ def test_bert_outputs_and_attentions(name, impl, side):
     got = run(model, input_ids=ids, attention_mask=mask)
     torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state)
     torch.testing.assert_close(got.pooler_output, ref.pooler_output)
+    assert_hidden_states(got.hidden_states, ref.hidden_states, 2)
     # sdpa in HF returns no weights; the patched layer computes them (eager path) when asked.
     assert_attentions(got.attentions, want.attentions, 2)
 
@@ -140,6 +148,7 @@ def test_gpt2_outputs_attentions_and_cache(name, impl, side):
     patch(model)
     got = run(model, input_ids=ids, attention_mask=mask)
     torch.testing.assert_close(got.logits, ref.logits)
+    assert_hidden_states(got.hidden_states, ref.hidden_states, 2)
     if impl == "eager":  # GPT2Model drops output_attentions before its layers: only eager layers return weights
         assert_attentions(got.attentions, ref.attentions, 2)
     for g, w in zip(cached_logits(model, ids, mask), ref_steps):
@@ -157,6 +166,7 @@ def test_llama_family_outputs_attentions_and_cache(name, impl, side):
     patch(model)
     got = run(model, input_ids=ids, attention_mask=mask)
     torch.testing.assert_close(got.logits, ref.logits)
+    assert_hidden_states(got.hidden_states, ref.hidden_states, 2)
     assert_attentions(got.attentions, want.attentions, 2, dead=causal_dead_rows(mask) if impl == "sdpa" else None)
     for g, w in zip(cached_logits(model, ids, mask), ref_steps):
         torch.testing.assert_close(g, w)
