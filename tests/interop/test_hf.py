@@ -42,6 +42,8 @@ LLAMA = {
     "mistral-sliding": ("mistral", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=2,
                                         sliding_window=5)),
     "qwen2": ("qwen2", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=3)),
+    "qwen2-mixed-sliding": ("qwen2", dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=3,
+                                          use_sliding_window=True, sliding_window=4, max_window_layers=1)),
 }
 LLAMA_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                  "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
@@ -285,6 +287,16 @@ def test_instance_level_forward_of_the_original_is_not_inherited():
     patch(model)
     with torch.no_grad():
         model(input_ids=batch(9, "right")[0])
+
+
+def test_switching_attn_implementation_after_patching():
+    model = llama("llama-gqa", "sdpa")
+    ids, mask = batch(11, "left")
+    want = run(eager_twin(model), input_ids=ids, attention_mask=mask)
+    patch(model).set_attn_implementation("eager")
+    got = run(model, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got.logits, want.logits)
+    assert_attentions(got.attentions, want.attentions, 2)  # eager masks: fully masked rows are uniform again
 
 
 def test_output_attentions_hooks_installed_before_patching_still_fire():
