@@ -324,3 +324,89 @@ def test_core_entry_points_refuse_bad_input(name, call, exc, message):
         call()
     assert type(info.value) is exc, f"{name}: raised {type(info.value).__name__}, expected {exc.__name__}"
     assert re.search(message, str(info.value)), f"{name}: message {str(info.value)!r} lacks {message!r}"
+
+
+# ---- optional subpackages: rows run only where the subpackage (and its dependency) is installed ----------
+def _interop():
+    return pytest.importorskip("headwise.interop")
+
+
+def _analysis():
+    return pytest.importorskip("headwise.analysis")
+
+
+def _hf():
+    pytest.importorskip("transformers")
+    return _interop()
+
+
+CFG = AttentionConfig(d_model=64, n_heads=8)
+HF_SUPPORTED = r"supported: BERT \(BertAttention"
+
+OPTIONAL = [
+    ("interop.from_torch type", lambda: _interop().from_torch(nn.Linear(2, 2)), TypeError,
+     "from_torch expects a torch.nn.MultiheadAttention, got Linear"),
+    ("interop.from_torch add_bias_kv", lambda: _interop().from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True)),
+     ValueError, r"headwise does not model these nn.MultiheadAttention features: add_bias_kv=True"),
+    ("interop.to_torch type", lambda: _interop().to_torch(nn.Linear(2, 2)), TypeError,
+     "to_torch expects a headwise MultiHeadAttention, got Linear"),
+    ("interop.to_torch GQA", lambda: _interop().to_torch(MultiHeadAttention(16, 4, 2)), ValueError,
+     r"cannot express this layer as nn.MultiheadAttention: GQA \(n_kv_heads=2 != n_heads=4\)"),
+    ("interop.from_hf type", lambda: _hf().from_hf(nn.Linear(2, 2)), TypeError,
+     "from_hf: Linear is not a supported attention module; " + HF_SUPPORTED),
+    ("interop.to_hf attn", lambda: _hf().to_hf(nn.Linear(2, 2), like=nn.Linear(2, 2)), TypeError,
+     "to_hf: attn must be a MultiHeadAttention, got Linear"),
+    ("interop.patch type", lambda: _hf().patch("model"), TypeError, "patch: model must be a torch.nn.Module, got str"),
+    ("interop.patch nothing", lambda: _hf().patch(nn.Sequential(nn.Linear(2, 2))), TypeError,
+     "patch: Sequential contains no attention module headwise can patch; " + HF_SUPPORTED),
+    ("interop.unpatch type", lambda: _hf().unpatch(3), TypeError, "unpatch: model must be a torch.nn.Module, got int"),
+    ("analysis.param_count config", lambda: _analysis().param_count({"d_model": 64}), TypeError,
+     "config must be an AttentionConfig, got dict"),
+    ("analysis.forward_flops seq_len", lambda: _analysis().forward_flops(CFG, 0), ValueError,
+     "seq_len must be a positive int, got 0"),
+    ("analysis.forward_flops batch", lambda: _analysis().forward_flops(CFG, 8, batch=1.5), ValueError,
+     "batch must be a positive int, got 1.5"),
+    ("analysis.kv_cache_bytes dtype", lambda: _analysis().kv_cache_bytes(CFG, 8, dtype="float13"), ValueError,
+     r"dtype must be a torch.dtype or one of \[.*'float16'.*\], got 'float13'"),
+    ("analysis.kv_cache_bytes seq_len", lambda: _analysis().kv_cache_bytes(CFG, -1), ValueError,
+     "seq_len must be a positive int, got -1"),
+    ("analysis.attention_memory kv_len", lambda: _analysis().attention_memory(CFG, 8, kv_len=-2), ValueError,
+     "kv_len must be a positive int, got -2"),
+    ("analysis.parse_dtype", lambda: _analysis().parse_dtype(3), ValueError, r"dtype must be a torch.dtype or one of"),
+    ("analysis.summarize config", lambda: _analysis().summarize(None, 8), TypeError,
+     "config must be an AttentionConfig, got NoneType"),
+]
+
+
+@pytest.mark.parametrize("name, call, exc, message", OPTIONAL, ids=[c[0] for c in OPTIONAL])
+def test_optional_entry_points_refuse_bad_input(name, call, exc, message):
+    test_core_entry_points_refuse_bad_input(name, call, exc, message)
+
+
+LAYER = ["--d-model", "64", "--n-heads", "8"]
+CLI = [
+    ("cli unknown command", ["nope"], "argument COMMAND: invalid choice: 'nope'"),
+    ("cli explain n_heads", ["explain", "--d-model", "10", "--n-heads", "3"],
+     r"headwise explain: error: n_heads=3 does not divide d_model=10; head counts that do near 3: \[1, 2, 5, 10\]"),
+    ("cli explain n_kv_heads", ["explain", *LAYER, "--n-kv-heads", "3"],
+     r"headwise explain: error: n_kv_heads=3 does not divide n_heads=8; valid n_kv_heads: \[1, 2, 4, 8\]"),
+    ("cli explain seq", ["explain", *LAYER, "--seq", "-1"], "headwise explain: error: --seq must be a positive integer, got -1"),
+    ("cli explain dtype", ["explain", *LAYER, "--dtype", "float13"], "headwise explain: error: dtype must be a torch.dtype"),
+    ("cli explain int", ["explain", "--d-model", "x"], "argument --d-model: invalid int value: 'x'"),
+    ("cli explain preset", ["explain", "--preset", "nope"], "headwise explain: error: unknown preset 'nope'; known presets:"),
+    ("cli compare preset", ["compare", "nope"], "headwise compare: error: unknown preset 'nope'"),
+    ("cli tour seq", ["tour", "--seq", "-5"], "headwise tour: error: --seq must be a positive integer, got -5"),
+    ("cli tour batch", ["tour", "--batch", "0"], "headwise tour: error: --batch must be a positive integer, got 0"),
+    ("cli check target", ["check", "nomodule:factory"], "headwise check: error: cannot import module 'nomodule'"),
+]
+
+
+@pytest.mark.parametrize("name, argv, message", CLI, ids=[c[0] for c in CLI])
+def test_cli_refuses_bad_input_with_exit_2(name, argv, message, capsys):
+    cli = pytest.importorskip("headwise.cli")
+    if argv[0] not in cli.SUBCOMMANDS and argv[0] != "nope":
+        pytest.skip(f"subcommand {argv[0]!r} has not landed")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), f"{name}: stderr {err!r} lacks {message!r}"
+    assert "Traceback" not in err
