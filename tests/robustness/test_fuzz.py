@@ -30,7 +30,6 @@ TOL = {  # (rtol, atol) against the float64 reference at scale 1; see tests/TOLE
     torch.float64: (1e-7, 1e-9),
     torch.float32: (1e-4, 2e-5),
     torch.bfloat16: (6e-2, 6e-2),
-    torch.float16: (1e-2, 1e-2),
 }
 
 
