@@ -206,19 +206,22 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             want = "(b, h, s_q, d_h)" if name == "q" else "(b, h_kv, s_kv, d_h)"
             raise ValueError(f"{name} must be a 4-D tensor {want}, got {got}")
-    got = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not q.shape[0] == k.shape[0] == v.shape[0]:
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if qs[0] == ks[0] and ks[:3] == vs[:3] and qs[3] == ks[3] and ks[1] and not qs[1] % ks[1]:
+        if q.dtype == k.dtype == v.dtype and q.device == k.device == v.device:
+            return  # the common case: no message is built
+    got = f"q {tuple(qs)}, k {tuple(ks)}, v {tuple(vs)}"
+    if not qs[0] == ks[0] == vs[0]:
         raise ValueError(f"q, k, v must share the batch size b; got {got}")
-    if k.shape[:3] != v.shape[:3]:
+    if ks[:3] != vs[:3]:
         raise ValueError(f"k and v must share (b, h_kv, s_kv); got {got}")
-    if q.shape[-1] != k.shape[-1]:
+    if qs[3] != ks[3]:
         raise ValueError(f"q and k must share d_h; got {got}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads h={q.shape[1]} must be a multiple of K/V heads h_kv={k.shape[1]}; got {got}")
+    if ks[1] == 0 or qs[1] % ks[1]:
+        raise ValueError(f"query heads h={qs[1]} must be a multiple of K/V heads h_kv={ks[1]}; got {got}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.device == k.device == v.device:
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
 def available_backends() -> list[str]:
