@@ -152,9 +152,7 @@ class MultiHeadAttention(nn.Module):
         Shapes:
             q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h) -> (b, h, s_q, d_h), weights or None
         """
-        if mask is not None:
-            mask = validate_mask(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.dtype, q.device)
-        backend = "eager" if return_weights else self.backend
+        backend = "eager" if return_weights else self.backend  # hwf.attention validates q, k, v and mask
         if backend == "eager":
             warn_if_eager_too_large(q, k)
         dropout_p = self.config.dropout if self.training else 0.0

@@ -222,6 +222,8 @@ def warn_if_eager_too_large(q: torch.Tensor, k: torch.Tensor) -> None:
     Shapes:
         q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h)
     """
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4):
+        return  # malformed input: functional.attention raises the proper error next
     b, h, s_q, _ = q.shape
     s_kv = k.shape[-2]
     itemsize = 4 if q.dtype in _LOW_PRECISION else q.element_size()
