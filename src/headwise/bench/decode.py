@@ -59,9 +59,17 @@ class _Shared:
 
             self.rope = MultiHeadAttention(d, h, h_kv, bias=False, rotary=RotaryEmbedding(d // h)).eval()
             self.rope_cache = self.rope.new_cache(1, self.max_len)
+        self.prefill_graphs = None
         if sz.compile:
+            # As in generation: the compiled module runs the prompt (prefill) and then every decode step. Dynamo
+            # specialises on the first call; the second (new length, one query) makes the cache length and the
+            # query length symbolic, so one more graph serves every decode position and context.
             self.cache_c = self.plain.new_cache(1, self.max_len)
-            self.compiled["headwise"] = CompileCounter(torch.compile(self.plain))
+            counter = CompileCounter(torch.compile(self.plain))
+            with torch.no_grad():
+                counter(torch.randn(1, 8, d), cache=self.cache_c)
+            self.prefill_graphs, counter.graphs = counter.graphs, 0
+            self.compiled["headwise"] = counter
 
 
 def _fill(cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -104,16 +112,19 @@ def _decode_group(sz, h_kv: int, ctx: int, shared: dict, hf_note: str | None) ->
     notes = []
     if sz.compile:
         counter = sh.compiled["headwise"]
-        extra = {"compiled_graphs_so_far": lambda: counter.graphs}
+        extra = {"compiled_graphs_so_far": lambda: counter.graphs, "prefill_graphs": sh.prefill_graphs}
         es.append(Entry("headwise torch.compile", hw_step(counter, sh.cache_c), role="headwise-compiled", number=n,
                         reset=partial(_fill, sh.cache_c, k0, v0), extra=extra,
-                        note="one compiled module for every context and position of this configuration"))
+                        note="one compiled module (after a compiled 8-token prefill) for every context and position "
+                             "of this configuration; graphs = decode graphs compiled so far"))
     if hf_note is None:
         es.append(Entry("headwise (RoPE, no bias)", hw_step(sh.rope, sh.rope_cache), role="headwise2", number=n,
                         reset=partial(_fill, sh.rope_cache, k0, v0)))
         max_len = ctx + n * (sz.rounds + 4) + 8
+        built = None
         for kind in ("dynamic", "static"):
-            fill, step = peers.llama_decoder(sh.rope, kind, 1, max_len)
+            fill, step = peers.llama_decoder(sh.rope, kind, 1, max_len, built)
+            built = step.built
             es.append(Entry(f"HF Llama {kind.capitalize()}Cache", partial(_call_no_grad, step, x),
                             ref="headwise (RoPE, no bias)", number=n, reset=partial(fill, k0, v0)))
     else:

@@ -244,15 +244,16 @@ class PreallocDecoder(nn.Module):
         return p.out(o.transpose(1, 2).reshape(b, s, p.h * p.d_h))  # (b, 1, d)
 
 
-def llama_decoder(attn: MultiHeadAttention, kind: str, batch_size: int, max_len: int):
+def llama_decoder(attn: MultiHeadAttention, kind: str, batch_size: int, max_len: int, built=None):
     """A Hugging Face Llama layer decoding with ``kind`` "dynamic" (DynamicCache) or "static" (StaticCache,
     attended through a padding mask over the whole buffer, as HF's generate does).
 
-    Returns ``(fill(k, v), step(x) -> (b, 1, d))``; ``attn`` should carry a rotary embedding.
+    Returns ``(fill(k, v), step(x) -> (b, 1, d))``; ``attn`` should carry a rotary embedding. ``built``:
+    the ``(config, layer, rope)`` of an earlier call, to share one layer's weights between decoders.
     """
     from transformers import DynamicCache, StaticCache
 
-    config, layer, rope = _llama_layer(attn, "sdpa")
+    config, layer, rope = built if built is not None else _llama_layer(attn, "sdpa")
     state: dict = {}
 
     def fill(k: torch.Tensor, v: torch.Tensor) -> None:
@@ -277,4 +278,5 @@ def llama_decoder(attn: MultiHeadAttention, kind: str, batch_size: int, max_len:
         return out
 
     step.modules = (layer,)  # type: ignore[attr-defined]
+    step.built = (config, layer, rope)  # type: ignore[attr-defined]
     return fill, step

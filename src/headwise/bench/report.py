@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "ratio_rows", "evaluate_goals", "write_results", "group_table_rows"]
+__all__ = ["machine_info", "ratio_rows", "evaluate_goals", "write_results", "write_summary", "group_table_rows"]
 
 GiB = 1 << 30
 
@@ -313,3 +313,27 @@ def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict],
     md = out / "RESULTS.md"
     md.write_text("\n".join(parts) + "\n")
     return md, js
+
+
+def write_summary(path: str | os.PathLike, machine: dict, goals: list[dict], groups: list[dict],
+                  memory: list[dict]) -> Path:
+    """The README-ready summary: where each goal stands, with the machine and the command."""
+    m = machine
+    lines = [
+        "## Performance", "",
+        f"Measured by `make bench` (`{m['command']}`) on {m['date_utc']}: {m['cpu']}, {m['logical_cores']} cores "
+        f"(shared with other jobs during the run), {m['threads']} torch threads, torch {m['torch']}, float32. "
+        "Every peer runs in the same interleaved run on the same inputs with the same weights; ratios are "
+        "headwise time / peer time (below 1: headwise is faster). Full tables: `benchmarks/RESULTS.md`.", "",
+        _md_table(["goal", "target", "where it stands", "status"],
+                  [[g["goal"], g["target"], g.get("measured", ""), g["status"]] for g in goals]), "",
+    ]
+    missed = [g for g in goals if g.get("met") is False]
+    if missed:
+        lines += ["Missed goals, and why:", ""]
+        lines += [f"- **{g['goal']}**: {g.get('why') or g['status']}" for g in missed]
+        lines.append("")
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("\n".join(lines) + "\n")
+    return p
