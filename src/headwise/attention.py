@@ -14,7 +14,7 @@ from torch import nn
 
 from . import functional as hwf
 from . import _checkpoint
-from ._checks import check_causal, check_input, check_tensor
+from ._checks import check_causal, check_input, check_positions
 from .config import AttentionConfig
 from .dispatch import DispatchInfo, explain, warn_if_eager_too_large
 from .head import AttentionHead
@@ -223,7 +223,7 @@ class MultiHeadAttention(nn.Module):
             if positions is None:
                 positions = torch.arange(offset, offset + x.shape[1], device=x.device)
             else:
-                positions = self._check_positions(positions, x.shape[0], x.shape[1])
+                positions = check_positions(positions, x.shape[0], x.shape[1])
             q, k = self.rotary.rotate(q, k, positions)
         if cache is not None:
             if mask is not None:  # checked before the write, so a failed call leaves the cache untouched
@@ -239,15 +239,6 @@ class MultiHeadAttention(nn.Module):
             y = y.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         return (y, weights) if return_weights else y
-
-    @staticmethod
-    def _check_positions(positions: torch.Tensor, b: int, s: int) -> torch.Tensor:
-        positions = check_tensor("positions", positions)
-        if positions.dtype.is_floating_point or positions.dtype == torch.bool:
-            raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
-        if tuple(positions.shape) not in ((s,), (1, s), (b, s)):
-            raise ValueError(f"positions must have shape (s_q={s},) or (b={b}, s_q={s}), got {tuple(positions.shape)}")
-        return positions
 
     # -- heads as objects ---------------------------------------------------------------------------
     def head(self, index: int) -> AttentionHead:
