@@ -114,16 +114,24 @@ def eager_attention(
         mask = _causal_as_mask(mask, s_q, s_kv, q.device)
     q_grouped = q.reshape(b, h_kv, g * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries stacked
     scores = (q_grouped @ k.transpose(-2, -1)).mul_(scale).view(b, h, s_q, s_kv)  # (b, h, s_q, s_kv)
+    blocked = None
     if mask is not None:
+        # scores is this function's own buffer: mask it in place (neither op needs it for autograd).
         if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores.masked_fill_(~mask, float("-inf"))
         else:
-            scores = scores + mask
-    weights = torch.softmax(scores, dim=-1)
-    if mask is not None:
+            scores = scores.add_(mask)
         # A fully blocked row is all -inf; softmax would give 0/0. Zero is the only answer that
         # adds nothing to the residual stream, and it keeps NaN from genuinely bad inputs visible.
-        weights = weights.masked_fill((scores == float("-inf")).all(-1, keepdim=True), 0.0)
+        blocked = (scores == float("-inf")).all(-1, keepdim=True)
+    if torch.is_grad_enabled() and scores.requires_grad:
+        weights = torch.softmax(scores, dim=-1)
+        weights = weights.masked_fill(blocked, 0.0) if blocked is not None else weights
+    else:
+        # Without autograd the scores are dead after the softmax: reuse their buffer, so one
+        # (b, h, s_q, s_kv) tensor is allocated, not two (a fresh s x s buffer costs about a softmax).
+        weights = torch.softmax(scores, dim=-1, out=scores)
+        weights = weights.masked_fill_(blocked, 0.0) if blocked is not None else weights
     probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p > 0 else weights
     out = probs.view(b, h_kv, g * s_q, s_kv) @ v  # (b, h_kv, g * s_q, d_h)
     return out.view(b, h, s_q, d_h).to(out_dtype), weights.to(out_dtype)  # (b, h, s_q, d_h)
