@@ -24,7 +24,12 @@ IMPLS = ("headwise", "packed SDPA", "eager math")
 
 
 def materialised_bytes(s: int, h: int, itemsize: int = 4) -> int:
-    """Bytes of one (1, h, s, s) probability tensor (explicit math holds scores and probabilities)."""
+    """Bytes of one (1, h, s, s) probability tensor (explicit math holds scores and probabilities).
+
+    Example:
+        >>> materialised_bytes(16384, 32) / 2**30    # what a naive layer needs at s 16384, h 32 (GiB)
+        32.0
+    """
     return h * s * s * itemsize
 
 
