@@ -62,8 +62,8 @@ FULL = Sizes(
     decode_tokens=8,
     memory=(32, 128, (4096, 8192, 16384)),
     memory_peers_upto=4096,
-    rounds=4,
-    heavy_rounds=3,
+    rounds=5,
+    heavy_rounds=4,
     heavy_flops=50e9,
     heavier_flops=200e9,
     block_s=0.25,
@@ -100,7 +100,7 @@ def _fwd_flops(b: int, s: int, d: int, inner: int, kv: int, causal: bool = False
 
 def _rounds(sz: Sizes, flops: float) -> int:
     if flops >= sz.heavier_flops:
-        return min(2, sz.heavy_rounds)
+        return min(3, sz.heavy_rounds)
     return sz.heavy_rounds if flops >= sz.heavy_flops else sz.rounds
 
 
