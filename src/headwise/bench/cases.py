@@ -269,8 +269,18 @@ def _causal_step_group(sz: Sizes) -> Group:
               note="what a materialised causal mask costs"),
     ]
     flops = 4.0 * b * s * s * h * d_h
+    notes = ["'headwise / this' is here causal time / other time; GFLOP/s of the causal row count the computed "
+             "half only"]
+    try:  # how forward dispatches causal=True and a prefill into an empty cache (headwise.dispatch)
+        x = torch.randn(b, s, h * d_h)
+        via = attn.explain_dispatch(x, causal=True).causal_via
+        via_cache = attn.explain_dispatch(x, cache=attn.new_cache(b, s)).causal_via
+        notes.append(f"forward(causal=True) dispatches via: {via}; cache prefill via: {via_cache}")
+    except Exception as exc:  # pragma: no cover - dispatch introspection is optional here
+        notes.append(f"dispatch not introspected: {type(exc).__name__}: {exc}")
     return Group("1 causal step", f"attention step b{b} h{h} s{s} d_h{d_h}", es, rounds=_rounds(sz, flops) + 2,
-                 block_s=sz.block_s, tol=(1e-4, 1e-5), flops=flops, meta={"b": b, "h": h, "s": s, "d_h": d_h})
+                 block_s=sz.block_s, tol=(1e-4, 1e-5), flops=flops, meta={"b": b, "h": h, "s": s, "d_h": d_h},
+                 notes=notes)
 
 
 def causal_step_groups(sz: Sizes) -> list[Factory]:
