@@ -59,6 +59,7 @@ class _Shared:
 
             self.rope = MultiHeadAttention(d, h, h_kv, bias=False, rotary=RotaryEmbedding(d // h)).eval()
             self.rope_cache = self.rope.new_cache(1, self.max_len)
+            self.hf_built = peers._llama_layer(self.rope, "sdpa")  # one HF layer for every HF decoder here
         self.prefill_graphs = None
         if sz.compile:
             # As in generation: the compiled module runs the prompt (prefill) and then every decode step. Dynamo
@@ -70,6 +71,17 @@ class _Shared:
                 counter(torch.randn(1, 8, d), cache=self.cache_c)
             self.prefill_graphs, counter.graphs = counter.graphs, 0
             self.compiled["headwise"] = counter
+            if hf_note is None:
+                # The Llama-shaped headwise layer compiled the same way, against HF's compiled StaticCache layer.
+                self.rope_cache_c = self.rope.new_cache(1, self.max_len)
+                counter_r = CompileCounter(torch.compile(self.rope))
+                with torch.no_grad():
+                    counter_r(torch.randn(1, 8, d), cache=self.rope_cache_c)
+                counter_r.graphs = 0
+                self.compiled["headwise_rope"] = counter_r
+                config, layer, rope = self.hf_built
+                self.compiled["hf_static"] = CompileCounter(torch.compile(layer))
+                self.hf_built_c = (config, self.compiled["hf_static"], rope)
 
 
 def _fill(cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -121,12 +133,25 @@ def _decode_group(sz, h_kv: int, ctx: int, shared: dict, hf_note: str | None) ->
         es.append(Entry("headwise (RoPE, no bias)", hw_step(sh.rope, sh.rope_cache), role="headwise2", number=n,
                         reset=partial(_fill, sh.rope_cache, k0, v0)))
         max_len = ctx + n * (sz.rounds + 4) + 8
-        built = None
         for kind in ("dynamic", "static"):
-            fill, step = peers.llama_decoder(sh.rope, kind, 1, max_len, built)
-            built = step.built
+            fill, step = peers.llama_decoder(sh.rope, kind, 1, max_len, sh.hf_built)
             es.append(Entry(f"HF Llama {kind.capitalize()}Cache", partial(_call_no_grad, step, x),
-                            ref="headwise (RoPE, no bias)", number=n, reset=partial(fill, k0, v0)))
+                            ref="headwise (RoPE, no bias)", number=n, reset=partial(fill, k0, v0),
+                            note="StaticCache sized to this context + the decoded tokens" if kind == "static"
+                            else "grows by torch.cat"))
+        if sz.compile:
+            counter_r = sh.compiled["headwise_rope"]
+            es.append(Entry("headwise (RoPE) torch.compile", hw_step(counter_r, sh.rope_cache_c),
+                            role="headwise-compiled", ref="headwise (RoPE, no bias)", number=n,
+                            reset=partial(_fill, sh.rope_cache_c, k0, v0),
+                            extra={"compiled_graphs_so_far": lambda: counter_r.graphs}))
+            counter_hf = sh.compiled["hf_static"]
+            fill, step = peers.llama_decoder(sh.rope, "static", 1, sh.max_len, sh.hf_built_c)
+            es.append(Entry("HF Llama StaticCache torch.compile", partial(_call_no_grad, step, x),
+                            ref="headwise (RoPE) torch.compile", number=n, reset=partial(fill, k0, v0),
+                            role="peer-compiled", extra={"compiled_graphs_so_far": lambda: counter_hf.graphs},
+                            note=f"one compiled layer for every context; StaticCache of max_len {sh.max_len} "
+                                 "(fixed, so one graph can serve every context), attended through a mask"))
     else:
         notes.append(f"Hugging Face caches skipped: {hf_note}")
     group = Group("4 decode", f"decode d{d} h{h} h_kv{h_kv} context {ctx}", es, rounds=sz.rounds, tol=(2e-4, 2e-5),
@@ -144,6 +169,12 @@ def _call_no_grad(step, x):
 def decode_groups(sz, *, hf: bool = True) -> list[Callable[[], Group]]:
     hf_note = peers.hf_available() if hf else "Hugging Face peers disabled"
     d, h, kvs, contexts = sz.decode
+    if sz.compile:
+        # Up to 3 compiled modules x 2 configurations x (prefill + decode) graphs: above dynamo's default limit
+        # of 8 graphs per function, past which it would silently fall back to eager.
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     shared: dict = {}
     out = []
     for h_kv in kvs:

@@ -221,13 +221,25 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
         e = _entry(g, "headwise torch.compile")
         if e is not None:
             graphs[(g["meta"]["h_kv"])] = e["compiled_graphs_so_far"]
+    hf_graphs = {g["meta"]["h_kv"]: e["compiled_graphs_so_far"] for g in dec
+                 if (e := _entry(g, "HF Llama StaticCache torch.compile")) is not None}
+    rope_graphs = {g["meta"]["h_kv"]: e["compiled_graphs_so_far"] for g in dec
+                   if (e := _entry(g, "headwise (RoPE) torch.compile")) is not None}
+    for k, v in rope_graphs.items():
+        graphs[f"{k} (RoPE)"] = v
     if graphs:
         worst = max(graphs.values())
         goals.append({"goal": "torch.compile decode compiles once for all positions and contexts", "target": "1 graph",
-                      "measured": ", ".join(f"h_kv {k}: {v}" for k, v in graphs.items()),
+                      "measured": ", ".join(f"h_kv {k}: {v}" for k, v in graphs.items())
+                                  + ("" if not hf_graphs else " (HF Llama StaticCache compiled: "
+                                     + ", ".join(f"h_kv {k}: {v}" for k, v in hf_graphs.items()) + ")"),
                       "status": "met" if worst == 1 else f"missed: {worst} graphs", "met": worst == 1,
-                      "detail": "graphs dynamo compiled over every decoded position of contexts "
-                                + "/".join(str(g["meta"]["context"]) for g in dec[:len(dec) // max(len(graphs), 1)]),
+                      "detail": "decode graphs dynamo compiled over every decoded position of contexts "
+                                + "/".join(str(g["meta"]["context"]) for g in dec[:len(dec) // max(len(graphs), 1)])
+                                + ", after one compiled 8-token prefill (1 more graph) as in generation. Decoding "
+                                  "straight from an eagerly filled cache compiles 2 graphs in a fresh process (the "
+                                  "first position is specialised: dynamo treats the Python int KVCache.length as "
+                                  "static until it sees a second value), 1 with torch.compile(dynamic=True)",
                       "why": "" if worst == 1 else notes.get("compile", "")})
     else:
         goals.append({"goal": "torch.compile decode compiles once for all positions", "target": "1 graph",
