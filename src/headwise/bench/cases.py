@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..attention import MultiHeadAttention
 from ..rotary import RotaryEmbedding
 from . import peers
-from .timing import Entry, Group
+from .timing import Entry, Group, refresh_memory
 
 __all__ = ["Sizes", "FULL", "QUICK", "CASES", "build"]
 
@@ -152,6 +152,7 @@ def _forward_group(sz: Sizes, shape: Shape, causal: bool, hf_note: str | None) -
     x = torch.randn(b, s, d)
     packed = peers.PackedSDPA(plain).eval()
     mha = peers.mha_peer(plain).eval()
+    mods = [plain, rope, packed, mha]
     mask = _mha_causal(s) if causal else None
     flops = _fwd_flops(b, s, d, plain.config.inner_dim, plain.config.kv_dim, causal)
     es = [
@@ -172,13 +173,17 @@ def _forward_group(sz: Sizes, shape: Shape, causal: bool, hf_note: str | None) -
         es.append(Entry("headwise (RoPE, no bias)", _no_grad(lambda: rope(x, causal=causal)), role="headwise2",
                         note="Llama-shaped layer, the reference for the HF Llama rows"))
         for impl in impls if not (lean and causal) else ():
-            es.append(Entry(f"HF BERT {impl}", _no_grad(partial(peers.bert_peer(plain, impl), x, causal)),
+            bert = peers.bert_peer(plain, impl)
+            mods += bert.modules
+            es.append(Entry(f"HF BERT {impl}", _no_grad(partial(bert, x, causal)),
                             note="BertSelfAttention + output dense"))
         for impl in impls:
-            es.append(Entry(f"HF Llama {impl}", _no_grad(partial(peers.llama_peer(rope, impl), x, causal)),
-                            ref="headwise (RoPE, no bias)"))
+            llama = peers.llama_peer(rope, impl)
+            mods += llama.modules
+            es.append(Entry(f"HF Llama {impl}", _no_grad(partial(llama, x, causal)), ref="headwise (RoPE, no bias)"))
     else:
         notes.append(f"Hugging Face peers skipped: {hf_note}")
+    refresh_memory(*mods)
     return Group("1 forward", f"fwd {_shape_name(*shape)} {'causal' if causal else 'full'}", es,
                  rounds=_rounds(sz, flops), block_s=sz.block_s, tol=(2e-4, 2e-5), flops=flops,
                  meta={"b": b, "s": s, "d": d, "h": h, "causal": causal, "mode": "forward"}, notes=notes)
@@ -196,6 +201,7 @@ def _backward_group(sz: Sizes, shape: Shape, causal: bool, hf_note: str | None) 
     x = torch.randn(b, s, d, requires_grad=True)
     grad = torch.randn(b, s, d)
     packed = peers.PackedSDPA(plain).train()
+    mods = [plain, rope, packed]
     flops = 3 * _fwd_flops(b, s, d, plain.config.inner_dim, plain.config.kv_dim, causal)
     es = [
         Entry("headwise", _train(lambda t: plain(t, causal=causal), x, list(plain.parameters()), grad),
@@ -206,6 +212,7 @@ def _backward_group(sz: Sizes, shape: Shape, causal: bool, hf_note: str | None) 
     notes = []
     if shape in sz.backward_full_peers:
         mha = peers.mha_peer(plain).train()
+        mods.append(mha)
         mask = _mha_causal(s) if causal else None
         es.append(Entry("nn.MHA", _train(lambda t: mha(t, t, t, need_weights=False, attn_mask=mask,
                                                       is_causal=causal)[0], x, list(mha.parameters()), grad),
@@ -214,9 +221,11 @@ def _backward_group(sz: Sizes, shape: Shape, causal: bool, hf_note: str | None) 
             es.append(Entry("headwise (RoPE, no bias)", _train(lambda t: rope(t, causal=causal), x,
                                                                list(rope.parameters()), grad), role="headwise2"))
             bert = peers.bert_peer(plain, "sdpa")
+            mods += bert.modules
             es.append(Entry("HF BERT sdpa", _train(lambda t: bert(t, causal), x,
                                                    [p for m in bert.modules for p in m.parameters()], grad)))
             llama = peers.llama_peer(rope, "sdpa")
+            mods += llama.modules
             es.append(Entry("HF Llama sdpa", _train(lambda t: llama(t, causal), x,
                                                     [p for m in llama.modules for p in m.parameters()], grad),
                             ref="headwise (RoPE, no bias)"))
@@ -224,6 +233,7 @@ def _backward_group(sz: Sizes, shape: Shape, causal: bool, hf_note: str | None) 
             notes.append(f"Hugging Face peers skipped: {hf_note}")
     else:
         notes.append("at this size fwd+bwd runs headwise and the limit only (time budget)")
+    refresh_memory(*mods)
     return Group("1 fwd+bwd", f"fwd+bwd {_shape_name(*shape)} {'causal' if causal else 'full'}", es,
                  rounds=_rounds(sz, flops), block_s=sz.block_s, tol=(5e-4, 5e-5), flops=flops,
                  meta={"b": b, "s": s, "d": d, "h": h, "causal": causal, "mode": "fwd+bwd"}, notes=notes)
@@ -295,6 +305,7 @@ def _gqa_forward_group(sz: Sizes, h_kv: int) -> Group:
     x = torch.randn(1, s, d)
     native = peers.PackedSDPA(plain).eval()
     repeat = peers.PackedSDPA(plain, repeat_kv=True).eval()
+    refresh_memory(plain, native, repeat)
     flops = _fwd_flops(1, s, d, plain.config.inner_dim, plain.config.kv_dim)
     es = [Entry("headwise", _no_grad(lambda: plain(x)), role="headwise"),
           Entry("packed SDPA enable_gqa (limit)", _no_grad(lambda: native(x)), role="limit"),
@@ -336,6 +347,7 @@ def _weights_group(sz: Sizes, shape: Shape) -> Group:
     b, s, d, h = shape
     plain, _ = _layers(d, h)
     mha = peers.mha_peer(plain).eval()
+    refresh_memory(plain, mha)
     x = torch.randn(b, s, d)
     es = [Entry("headwise return_weights=True", _no_grad(lambda: plain(x, return_weights=True)), role="headwise"),
           Entry("nn.MHA need_weights, per head", _no_grad(lambda: mha(

@@ -19,7 +19,7 @@ import torch
 from ..attention import MultiHeadAttention
 from ..kv_cache import KVCache
 from . import peers
-from .timing import Entry, Group
+from .timing import Entry, Group, refresh_memory
 
 __all__ = ["decode_groups", "CompileCounter"]
 
@@ -60,6 +60,10 @@ class _Shared:
             self.rope = MultiHeadAttention(d, h, h_kv, bias=False, rotary=RotaryEmbedding(d // h)).eval()
             self.rope_cache = self.rope.new_cache(1, self.max_len)
             self.hf_built = peers._llama_layer(self.rope, "sdpa")  # one HF layer for every HF decoder here
+        mods = [self.plain, self.cache, self.prealloc]
+        if hf_note is None:
+            mods += [self.rope, self.rope_cache, self.hf_built[1]]
+        refresh_memory(*mods)
         self.prefill_graphs = None
         if sz.compile:
             # As in generation: the compiled module runs the prompt (prefill) and then every decode step. Dynamo
