@@ -132,7 +132,8 @@ def _decode_group(sz, h_kv: int, ctx: int, shared: dict, hf_note: str | None) ->
         es.append(Entry("headwise torch.compile", hw_step(counter, sh.cache_c), role="headwise-compiled", number=n,
                         reset=partial(_fill, sh.cache_c, k0, v0), extra=extra,
                         note="one compiled module (after a compiled 8-token prefill) for every context and position "
-                             "of this configuration; graphs = decode graphs compiled so far"))
+                             "of this configuration; graphs = decode graphs compiled so far; its ratio column is eager "
+                             "headwise / compiled headwise"))
     if hf_note is None:
         es.append(Entry("headwise (RoPE, no bias)", hw_step(sh.rope, sh.rope_cache), role="headwise2", number=n,
                         reset=partial(_fill, sh.rope_cache, k0, v0)))
