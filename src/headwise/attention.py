@@ -179,44 +179,13 @@ class MultiHeadAttention(nn.Module):
             mask: broadcastable to (b, h, s_q, s_kv); positions: (s_q,) or (b, s_q)
             -> (b, s_q, d) [, weights (b, h, s_q, s_kv)]
         """
-        cfg = self.config
-        w = self.q_proj.weight
-        x = check_input("x", x, cfg.d_model, "d_model", w.dtype, w.device)
         check_causal(causal)
-        batched = x.dim() == 3
-        if (key is None) != (value is None):
-            raise ValueError("pass both key= and value= (or neither)")
-        if key is not None and context is not None:
-            raise ValueError("pass either context= or key=/value=, not both")
-        if key is not None:
-            key = check_input("key", key, cfg.kdim, "kdim", w.dtype, w.device, batched=batched)
-            value = check_input("value", value, cfg.vdim, "vdim", w.dtype, w.device, batched=batched)
-        elif context is not None:
-            if cfg.kdim != cfg.vdim:
-                raise ValueError(f"kdim={cfg.kdim} != vdim={cfg.vdim}: pass key= and value= separately")
-            key = value = check_input("context", context, cfg.kdim, "kdim", w.dtype, w.device, batched=batched)
+        x, key, value, batched = self._check_inputs(x, context, key, value, cache)
         cross = key is not None
-        if not batched:
-            x = x.unsqueeze(0)
-            key = key.unsqueeze(0) if cross else None
-            value = value.unsqueeze(0) if cross else None
-        if cross:
-            if key.shape[0] != x.shape[0] or value.shape[0] != x.shape[0]:
-                raise ValueError(f"batch mismatch: x has b={x.shape[0]}, key/context has b={key.shape[0]}, "
-                                 f"value has b={value.shape[0]}")
-            if key.shape[1] != value.shape[1]:
-                raise ValueError(f"key has s_kv={key.shape[1]} but value has s_kv={value.shape[1]}")
-            if cache is not None:
-                raise ValueError("cache= is for self-attention decoding; cross-attention keys need no cache")
-            if self.rotary is not None:
-                raise ValueError("rotary embeddings apply to self-attention only; got context/key inputs")
-
         q = self.project_q(x)
         k, v = self.project_kv(key, value) if cross else self.project_kv(x)
         offset = 0
         if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
             offset = cache.length
             causal = True
         if self.rotary is not None:
@@ -239,6 +208,41 @@ class MultiHeadAttention(nn.Module):
             y = y.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         return (y, weights) if return_weights else y
+
+    def _check_inputs(self, x, context, key, value, cache):  # type: ignore[no-untyped-def]
+        """Validate the forward's inputs; return them batched, with ``key``/``value`` None for self-attention."""
+        cfg = self.config
+        w = self.q_proj.weight
+        x = check_input("x", x, cfg.d_model, "d_model", w.dtype, w.device)
+        batched = x.dim() == 3
+        if (key is None) != (value is None):
+            raise ValueError("pass both key= and value= (or neither)")
+        if key is not None and context is not None:
+            raise ValueError("pass either context= or key=/value=, not both")
+        if key is not None:
+            key = check_input("key", key, cfg.kdim, "kdim", w.dtype, w.device, batched=batched)
+            value = check_input("value", value, cfg.vdim, "vdim", w.dtype, w.device, batched=batched)
+        elif context is not None:
+            if cfg.kdim != cfg.vdim:
+                raise ValueError(f"kdim={cfg.kdim} != vdim={cfg.vdim}: pass key= and value= separately")
+            key = value = check_input("context", context, cfg.kdim, "kdim", w.dtype, w.device, batched=batched)
+        if not batched:
+            x = x.unsqueeze(0)
+            key = None if key is None else key.unsqueeze(0)
+            value = None if value is None else value.unsqueeze(0)
+        if key is not None:
+            if key.shape[0] != x.shape[0] or value.shape[0] != x.shape[0]:
+                raise ValueError(f"batch mismatch: x has b={x.shape[0]}, key/context has b={key.shape[0]}, "
+                                 f"value has b={value.shape[0]}")
+            if key.shape[1] != value.shape[1]:
+                raise ValueError(f"key has s_kv={key.shape[1]} but value has s_kv={value.shape[1]}")
+            if cache is not None:
+                raise ValueError("cache= is for self-attention decoding; cross-attention keys need no cache")
+            if self.rotary is not None:
+                raise ValueError("rotary embeddings apply to self-attention only; got context/key inputs")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
+        return x, key, value, batched
 
     # -- heads as objects ---------------------------------------------------------------------------
     def head(self, index: int) -> AttentionHead:
