@@ -116,3 +116,15 @@ def test_head_takes_its_row_of_a_per_head_mask():
     y = attn(x, mask=mask)
     alone = torch.cat([attn.head(i)(x, mask=mask) for i in range(4)], -1)
     torch.testing.assert_close(attn.out_proj(alone), y)
+
+
+def test_head_takes_its_row_of_a_3d_per_head_float_mask():
+    attn = MultiHeadAttention(16, 4, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    bias = torch.randn(4, 5, 5, dtype=torch.float64)  # (h, s_q, s_kv), ALiBi-like
+    alone = torch.cat([attn.head(i)(x, mask=bias) for i in range(4)], -1)
+    torch.testing.assert_close(attn.out_proj(alone), attn(x, mask=bias))
+    with pytest.raises(ValueError, match="a per-head mask must have h=4 heads on its head axis, got 3"):
+        attn.head(0)(x, mask=bias[:3])
+    with pytest.raises(ValueError, match="a standalone head takes masks without a head axis"):
+        attn.head(0).detach_copy()(x, mask=bias)

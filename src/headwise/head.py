@@ -183,14 +183,26 @@ class AttentionHead(nn.Module):
                    else check_positions(positions, x.shape[0], x.shape[1]))
             q, k = self.rotary.rotate(q, k, pos)
         if mask is not None:
-            if mask.dim() == 4 and mask.shape[1] > 1:
-                mask = mask[:, self.index:self.index + 1]  # this head's row of a per-head mask
+            if mask.dim() >= 3 and mask.shape[-3] > 1:  # a per-head mask: (h, s_q, s_kv) or (b, h, s_q, s_kv)
+                mask = mask.narrow(-3, self._mask_row(mask.shape[-3]), 1)
             mask = validate_mask(mask, (q.shape[0], 1, q.shape[2], k.shape[2]), q.dtype, q.device)
         out, weights = hwf.attention(q, k, v, mask=mask, scale=self.scale, causal=causal, backend="eager")
         out, weights = out[:, 0], weights[:, 0]  # (b, s_q, d_h), (b, s_q, s_kv)
         if not batched:
             out, weights = out[0], weights[0]
         return (out, weights) if return_weights else out
+
+    def _mask_row(self, n: int) -> int:
+        """This head's row along the head axis of a per-head mask with ``n`` heads."""
+        parent = self._parent
+        if parent is None:
+            raise ValueError(f"a standalone head takes masks without a head axis (size 1 there), got {n} heads")
+        if n == parent.n_heads:
+            return self.index
+        global_index = getattr(self, "global_index", None)  # set on heads of a tensor-parallel layer
+        if global_index is not None and n == parent.global_config.n_heads:
+            return global_index  # a mask laid out for every head of the unsharded layer
+        raise ValueError(f"a per-head mask must have h={parent.n_heads} heads on its head axis, got {n}")
 
     def detach_copy(self) -> "AttentionHead":
         """A standalone head with copies of this head's weights (independent of the layer)."""

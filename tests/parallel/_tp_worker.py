@@ -123,6 +123,7 @@ def _run_scenario(spec: dict, group, mesh) -> dict:
         else:
             with torch.no_grad():
                 heads[h] = {"z": view(inp["x"], causal=True), "w_o": view.w_o.clone(),
+                            "z_masked": view(inp["x_pad"], mask=inp["pad_mask"]),
                             "global_index": view.global_index, "global_kv_index": view.global_kv_index}
     out["heads"] = heads
     full = tp.unshard()  # after the training steps above the weights are unchanged: no optimizer ran

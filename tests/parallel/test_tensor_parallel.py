@@ -198,10 +198,13 @@ def test_global_head_view_on_the_owner_and_a_named_error_elsewhere(world):
             owner = next(r for r in range(world_size) if h in _owned(spec, world_size, r)[0])
             with torch.no_grad():
                 z_ref = attn.head(h)(inp["x"], causal=True)
+                # a mask laid out for the whole layer (per-head in some specs): the view takes its global row
+                z_masked_ref = attn.head(h)(inp["x_pad"], mask=inp["pad_mask"])
             for r, res in enumerate(ranks):
                 got = res[spec["name"]]["heads"][h]
                 if r == owner:
                     torch.testing.assert_close(got["z"], z_ref)
+                    torch.testing.assert_close(got["z_masked"], z_masked_ref)
                     torch.testing.assert_close(got["w_o"], attn.head(h).w_o)
                     assert (got["global_index"], got["global_kv_index"]) == (h, attn.config.kv_head_of(h))
                 else:
