@@ -287,9 +287,9 @@ class MultiHeadAttention(nn.Module):
             >>> all(torch.equal(a, b) for a, b in zip(attn.state_dict().values(), again.state_dict().values()))
             True
         """
-        from .head import pack_heads
+        from .head import _pack_heads
 
-        return pack_heads(cls, heads, out_proj=out_proj, n_kv_heads=n_kv_heads, backend=backend)
+        return _pack_heads(cls, heads, out_proj=out_proj, n_kv_heads=n_kv_heads, backend=backend)
 
     # -- checkpoints: the config rides in the state dict's metadata (see headwise._checkpoint) ---------
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]

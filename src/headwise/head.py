@@ -214,7 +214,7 @@ class AttentionHead(nn.Module):
         return f"d_model={self.d_model}, d_head={self.d_head}, {where}"
 
 
-def pack_heads(cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_kv_heads: int | None,
+def _pack_heads(cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_kv_heads: int | None,
                backend: str) -> "MultiHeadAttention":
     """Implementation of :meth:`MultiHeadAttention.from_heads`."""
     from .config import AttentionConfig

@@ -19,6 +19,9 @@ __all__ = ["RotaryEmbedding", "rotate_half", "apply_rotary"]
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``(x1, x2) -> (-x2, x1)`` on the last axis.
 
+    Shapes:
+        x: (..., r) with r even -> (..., r)
+
     Example:
         >>> rotate_half(torch.tensor([1., 2., 3., 4.])).tolist()
         [-3.0, -4.0, 1.0, 2.0]

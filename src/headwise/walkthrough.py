@@ -99,6 +99,9 @@ def walk(config: AttentionConfig, *, seq_len: int = 128, batch: int = 1, device:
 def head_by_head_error(attn: MultiHeadAttention, x: torch.Tensor) -> float:
     """Max |packed(x) - W_O(concat of every head run alone)|: rounding only, if heads are independent.
 
+    Shapes:
+        x: (b, s, d) -> a float
+
     Example:
         >>> attn = MultiHeadAttention(d_model=32, n_heads=4)
         >>> head_by_head_error(attn, torch.randn(2, 5, 32)) < 1e-5
@@ -113,6 +116,9 @@ def head_by_head_error(attn: MultiHeadAttention, x: torch.Tensor) -> float:
 def flatten_bug_error(ctx: torch.Tensor) -> float:
     """How far the classic bug (flatten ``(b, h, s, d_h)`` without transposing back) lands from the
     correct merge, for a context tensor ``ctx``. Same shape, different tensor.
+
+    Shapes:
+        ctx: (b, h, s, d_h) -> a float (both merges give (b, s, h * d_h))
 
     Example:
         >>> flatten_bug_error(torch.randn(1, 4, 3, 2)) > 0
