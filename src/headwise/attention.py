@@ -15,6 +15,7 @@ from torch import nn
 from . import functional as hwf
 from . import _checkpoint
 from ._checks import check_causal, check_input, check_positions
+from .chunking import chunk_length, forward_in_chunks
 from .config import AttentionConfig
 from .dispatch import DispatchInfo, explain, warn_if_eager_too_large
 from .head import AttentionHead
@@ -64,6 +65,9 @@ class MultiHeadAttention(nn.Module):
         >>> heads = torch.cat([attn.head(i)(x) for i in range(8)], dim=-1)   # every head alone...
         >>> torch.testing.assert_close(attn.out_proj(heads), y)               # ...then W_O: the same layer
     """
+
+    #: Without autograd, run long forwards in query chunks (see :mod:`headwise.chunking`); set False to opt out.
+    chunk_queries: bool = True
 
     def __init__(
         self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, d_head: int | None = None,
@@ -182,6 +186,10 @@ class MultiHeadAttention(nn.Module):
         check_causal(causal)
         x, key, value, batched = self._check_inputs(x, context, key, value, cache)
         cross = key is not None
+        chunk = self._query_chunk(x, key, value, cache, return_weights)
+        if chunk is not None:
+            y = self._forward_in_chunks(x, key, value, mask=mask, causal=causal, positions=positions, chunk=chunk)
+            return y if batched else y.squeeze(0)
         q = self.project_q(x)
         k, v = self.project_kv(key, value) if cross else self.project_kv(x)
         offset = 0
@@ -208,6 +216,29 @@ class MultiHeadAttention(nn.Module):
             y = y.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         return (y, weights) if return_weights else y
+
+    def _query_chunk(self, x, key, value, cache, return_weights):  # type: ignore[no-untyped-def]
+        """Positions per query chunk when this forward may run chunked (see :mod:`headwise.chunking`), else None."""
+        if (not self.chunk_queries or cache is not None or return_weights or self.backend != "sdpa"
+                or (self.training and self.config.dropout)):
+            return None
+        s_kv = x.shape[1] if key is None else key.shape[1]
+        chunk = chunk_length(self, x.shape[0], x.shape[1], s_kv, x.dtype)
+        if chunk is None or not torch.is_grad_enabled():
+            return chunk
+        # With autograd on, chunking saves nothing (the graph keeps every chunk's activations).
+        tracked = any(t is not None and t.requires_grad for t in (x, key, value))
+        return None if tracked or any(p.requires_grad for p in self.parameters()) else chunk
+
+    def _forward_in_chunks(self, x, key, value, *, mask, causal, positions, chunk):  # type: ignore[no-untyped-def]
+        s_kv = x.shape[1] if key is None else key.shape[1]
+        if mask is not None:
+            mask = validate_mask(mask, (x.shape[0], self.n_heads, x.shape[1], s_kv), x.dtype, x.device)
+        if positions is not None and self.rotary is not None:
+            positions = check_positions(positions, x.shape[0], x.shape[1])
+        with torch.no_grad():
+            return forward_in_chunks(self, x, key, value, mask=mask, causal=causal, positions=positions,
+                                     chunk=chunk)
 
     def _check_inputs(self, x, context, key, value, cache):  # type: ignore[no-untyped-def]
         """Validate the forward's inputs; return them batched, with ``key``/``value`` None for self-attention."""

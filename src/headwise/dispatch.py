@@ -66,6 +66,8 @@ class DispatchInfo:
         causal_via: ``"kernel is_causal"``, ``"explicit mask"`` or ``"none needed"``.
         scores_shape: ``(b, h, s_q, s_kv)`` as the kernel sees it (s_kv includes cached positions).
         reasons: one sentence per decision taken.
+        query_chunk: positions per query chunk when the forward runs in chunks (:mod:`headwise.chunking`),
+            else None.
 
     Shapes:
         scores_shape: (b, h, s_q, s_kv)
@@ -78,6 +80,7 @@ class DispatchInfo:
     causal_via: str
     scores_shape: tuple[int, int, int, int]
     reasons: tuple[str, ...]
+    query_chunk: int | None = None
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -110,6 +113,13 @@ def _sdpa_kernel(q_shape: tuple[int, int, int, int], kv_shape: tuple[int, int, i
             return "math", "rule: PyTorch's CPU SDPA uses the math kernel when dropout is active"
         return "flash", "rule: PyTorch's CPU SDPA uses its flash kernel (masks and GQA included) without dropout"
     return "fused", f"rule: on {device.type} PyTorch picks a fused kernel (flash, efficient or cudnn)"
+
+
+def _query_chunk(attn: "MultiHeadAttention", x: torch.Tensor, context: torch.Tensor | None,
+                 cache: "KVCache | None", return_weights: bool) -> int | None:
+    if context is not None and context.dim() == 2:
+        context = context.unsqueeze(0)
+    return attn._query_chunk(x, context, context, cache, return_weights)
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -205,7 +215,20 @@ def explain(
                            f"({nbytes} bytes)")
         else:
             reasons.append("the fused kernel never materialises the probabilities")
-        info = DispatchInfo("sdpa", kernel, materializes, nbytes, causal_via, shape, tuple(reasons))
+        chunk = _query_chunk(attn, x if batched else x.unsqueeze(0), context, cache, return_weights)
+        if chunk is not None:
+            reasons.append(f"no autograd and the unchunked Q, K, V and context exceed "
+                           f"headwise.chunking.CHUNK_ABOVE_BYTES: queries run {chunk} positions at a time, "
+                           f"each chunk reading only the keys its queries may read")
+            if causal:
+                from .chunking import _cpu_flash_with_lse
+
+                lse = mask is None and s_kv >= s_q and _cpu_flash_with_lse(_stand_in((1,), w.dtype, w.device, False))
+                causal_via = "kernel is_causal" if lse else "explicit mask"
+                reasons.append("causal chunks: a fully read key prefix and the kernel's is_causal on the square "
+                               "diagonal block, merged by log-sum-exp" if lse else
+                               "causal chunks: an explicit bottom-right mask per chunk")
+        info = DispatchInfo("sdpa", kernel, materializes, nbytes, causal_via, shape, tuple(reasons), chunk)
 
     threshold = WARN_BYTES if warn_bytes is None else warn_bytes
     if info.materializes_probabilities and info.probability_bytes > threshold:

@@ -1,0 +1,216 @@
+"""Query-chunked long forwards (headwise.chunking): the same output as one pass, less memory, taken only when safe.
+
+Chunking normally starts at hundreds of MiB of activations; these tests force small chunks on small shapes
+(patching the layer's chunk rule) and compare against the unchunked layer and the float64 per-head reference.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import headwise.attention as hw_attention
+import headwise.chunking as chunking
+from headwise import MultiHeadAttention, RotaryEmbedding
+from tests.reference import reference_mha
+from tests.test_attention import build, cases
+
+
+@contextmanager
+def forced_chunks(chunk: int):
+    """Every eligible forward runs in chunks of ``chunk`` positions; yields the list of chunk sizes used."""
+    used: list[int] = []
+    real = chunking.forward_in_chunks
+
+    def spy(*args, **kwargs):
+        used.append(kwargs["chunk"])
+        return real(*args, **kwargs)
+
+    with mock.patch.object(hw_attention, "chunk_length", lambda *a: chunk), \
+            mock.patch.object(hw_attention, "forward_in_chunks", spy):
+        yield used
+
+
+@contextmanager
+def without_cpu_flash_op(active: bool = True):
+    """Pretend PyTorch has no CPU flash op with a log-sum-exp (as on other devices)."""
+    if not active:
+        yield
+        return
+    with mock.patch.object(chunking, "_cpu_flash_op", lambda: None):
+        yield
+
+
+def _inputs(case):
+    attn, x, context, mask = build(case)
+    if case["rotary"] and context is None and case["d_head"] % 2 == 0:
+        attn.rotary = RotaryEmbedding(case["d_head"])
+    positions = None
+    if attn.rotary is not None and case["explicit_positions"]:
+        g = torch.Generator().manual_seed(case["seed"] + 1)
+        positions = torch.randint(0, 50, (case["b"], case["s_q"]), generator=g)
+    return attn, x, context, mask, positions
+
+
+@st.composite
+def long_cases(draw):
+    case = draw(cases())
+    case["s_q"] = draw(st.integers(1, 13))  # several chunks, uneven last chunk
+    case["s_kv"] = draw(st.integers(1, 13)) if case["cross"] else case["s_q"]
+    case["rotary"] = draw(st.booleans())
+    case["explicit_positions"] = draw(st.booleans())
+    case["chunk"] = draw(st.integers(1, 5))
+    case["cpu_flash_op"] = draw(st.booleans())  # False: causal chunks take the explicit-mask path
+    return case
+
+
+@settings(max_examples=80)
+@given(long_cases())
+def test_chunked_equals_one_pass_and_the_float64_reference(case):
+    attn, x, context, mask, positions = _inputs(case)
+    kw = dict(mask=mask, causal=case["causal"], positions=positions)
+    with torch.no_grad():
+        attn.chunk_queries = False
+        whole = attn(x, context, **kw)
+        attn.chunk_queries = True
+        with forced_chunks(case["chunk"]) as used, without_cpu_flash_op(not case["cpu_flash_op"]):
+            chunked = attn(x, context, **kw)
+    assert used == [case["chunk"]]
+    torch.testing.assert_close(chunked, whole)
+    ref, _ = reference_mha(attn, x, context, mask=mask, causal=case["causal"], positions=positions)
+    torch.testing.assert_close(chunked, ref)
+    assert not chunked.isnan().any()
+
+
+def test_float32_chunked_matches_one_pass_with_padding_rows_and_gqa():
+    attn = MultiHeadAttention(32, 8, 2, rotary=RotaryEmbedding(4)).eval()
+    x = torch.randn(2, 11, 32)
+    mask = torch.ones(2, 1, 1, 11, dtype=torch.bool)
+    mask[1, ..., :] = False  # a sequence with nothing to read: zero context, never NaN
+    with torch.no_grad():
+        attn.chunk_queries = False
+        whole = attn(x, mask=mask, causal=True)
+        attn.chunk_queries = True
+        with forced_chunks(4):
+            chunked = attn(x, mask=mask, causal=True)
+    torch.testing.assert_close(chunked, whole)
+    torch.testing.assert_close(chunked[1], attn.out_proj.bias.expand(11, 32))
+
+
+def test_unbatched_input_and_inputs_left_untouched():
+    attn = MultiHeadAttention(16, 4, rotary=RotaryEmbedding(4)).eval()
+    x = torch.randn(9, 16)
+    before = x.clone()
+    weights = {k: v.clone() for k, v in attn.state_dict().items()}
+    with torch.no_grad():
+        whole = attn(x, causal=True)
+        with forced_chunks(2) as used:
+            chunked = attn(x, causal=True)
+    assert used == [2] and chunked.shape == (9, 16)
+    torch.testing.assert_close(chunked, whole)
+    assert torch.equal(x, before)
+    assert all(torch.equal(v, weights[k]) for k, v in attn.state_dict().items())
+
+
+@pytest.mark.parametrize("why", ["grad", "weights", "cache", "eager", "dropout", "opted_out"])
+def test_not_chunked_where_it_would_change_more_than_memory(why):
+    attn = MultiHeadAttention(16, 4, dropout=0.5 if why == "dropout" else 0.0,
+                              backend="eager" if why == "eager" else "sdpa")
+    attn.train(why == "dropout")
+    attn.chunk_queries = why != "opted_out"
+    x = torch.randn(1, 6, 16)
+    kw = {"return_weights": True} if why == "weights" else {}
+    if why == "cache":
+        kw["cache"] = attn.new_cache(1, 6)
+    with forced_chunks(2) as used, torch.set_grad_enabled(why == "grad"):
+        attn(x, **kw)  # forced_chunks replaces the size rule only; the layer's own conditions still apply
+    assert used == []
+
+
+def test_grad_enabled_but_nothing_tracked_still_chunks():
+    attn = MultiHeadAttention(16, 4).requires_grad_(False)
+    with forced_chunks(2) as used:
+        attn(torch.randn(1, 6, 16))
+    assert used == [2]
+
+
+@pytest.mark.parametrize(
+    ("b", "s", "d", "h", "expected"),
+    [
+        (1, 8192, 4096, 32, None),      # Q, K, V, context = 512 MiB: at the threshold, one pass
+        (1, 16384, 4096, 32, 1024),     # 1 GiB: 16 MiB of queries per chunk
+        (2, 8192, 4096, 32, 512),       # 2 x 8192 x 4096 floats: 16 MiB holds 512 positions of 2 rows
+        (16, 4096, 768, 12, 256),       # 768 MiB in all: 341 positions, rounded down to the 256 grid
+        (64, 2048, 4096, 32, 256),      # huge batch: never below 256 positions
+        (8, 512, 768, 12, None),        # a typical batch: far below the threshold
+    ],
+)
+def test_chunk_length_rule(b, s, d, h, expected):
+    attn = MultiHeadAttention(d, h, device="meta")
+    assert chunking.chunk_length(attn, b, s, s, torch.float32) == expected
+
+
+def test_chunk_length_is_none_when_one_chunk_would_hold_every_query():
+    attn = MultiHeadAttention(4096, 32, device="meta")
+    # cross-attention to 100k keys: K/V are huge, but 256 queries fit in one chunk already
+    assert chunking.chunk_length(attn, 1, 256, 100_000, torch.float32) is None
+
+
+def test_real_rule_chunks_a_long_forward_and_matches_one_pass(monkeypatch):
+    # The size rule itself (not a forced chunk), scaled down: threshold 0 bytes, 300 positions' worth of
+    # queries per chunk (8 floats each), rounded down to the 256-position grid.
+    monkeypatch.setattr(chunking, "CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 300 * 8 * 4)
+    attn = MultiHeadAttention(8, 2).eval()
+    x = torch.randn(1, 600, 8)
+    assert chunking.chunk_length(attn, 1, 600, 600, torch.float32) == 256
+    calls = []
+    real = chunking.forward_in_chunks
+    monkeypatch.setattr(hw_attention, "forward_in_chunks", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
+    with torch.no_grad():
+        chunked = attn(x, causal=True)
+        attn.chunk_queries = False
+        whole = attn(x, causal=True)
+    assert calls == [256]
+    torch.testing.assert_close(chunked, whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_causal_chunks_merge_two_kernel_calls_by_log_sum_exp(dtype, n_kv_heads):
+    attn = MultiHeadAttention(32, 4, n_kv_heads, dtype=dtype).eval()
+    x = torch.randn(2, 10, 32, dtype=dtype)
+    calls = []
+    real = chunking._causal_chunk_by_lse
+    with torch.no_grad(), mock.patch.object(chunking, "_causal_chunk_by_lse",
+                                            lambda *a: calls.append(a[3:5]) or real(*a)):
+        attn.chunk_queries = False
+        whole = attn(x, causal=True)
+        attn.chunk_queries = True
+        with forced_chunks(4):
+            merged = attn(x, causal=True)
+        with forced_chunks(4), without_cpu_flash_op():
+            masked = attn(x, causal=True)
+    assert calls == [(0, 4), (4, 8), (8, 10)]  # (start, end): the prefix [0, start) read in full
+    torch.testing.assert_close(merged, whole)
+    torch.testing.assert_close(masked, whole)
+
+
+def test_explain_dispatch_reports_the_chunks(monkeypatch):
+    monkeypatch.setattr(chunking, "CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setattr(chunking, "CHUNK_BYTES", 256 * 8 * 4)
+    attn = MultiHeadAttention(8, 2).eval()
+    x = torch.randn(1, 600, 8)
+    with torch.no_grad():
+        info = attn.explain_dispatch(x, causal=True)
+        assert info.query_chunk == 256 and info.causal_via == "kernel is_causal"
+        assert any("256 positions at a time" in r for r in info.reasons)
+        masked = attn.explain_dispatch(x, causal=True, mask=torch.ones(600, 600, dtype=torch.bool))
+        assert masked.query_chunk == 256 and masked.causal_via == "explicit mask"
+        assert attn.explain_dispatch(x, return_weights=True).query_chunk is None
+    assert attn.explain_dispatch(x).query_chunk is None  # autograd on: one pass
