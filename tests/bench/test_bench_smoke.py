@@ -31,16 +31,19 @@ def suite() -> tuple[list[dict], list[dict]]:
 def test_every_case_produces_groups(suite):
     groups, memory = suite
     cases = {g["case"] for g in groups}
-    assert cases == {"1 forward", "1 fwd+bwd", "1 causal step", "2 GQA/MQA", "3 per-head weights", "4 decode",
-                     "6 matmul peak"}
+    expected = {"1 forward", "1 fwd+bwd", "1 causal step", "2 GQA/MQA", "3 per-head weights", "4 decode",
+                "5 long forward", "6 matmul peak"}
+    if torch.cuda.is_available():  # the optional GPU case runs only there
+        expected |= {"gpu forward", "gpu attention step"}
+    assert cases == expected
     for g in groups:
         assert g["threads"] == 1
         assert g["entries"], g["group"]
         for e in g["entries"]:
             assert 0 < e["min_s"] <= e["median_s"] <= e["max_s"], (g["group"], e)
             assert e["rounds"] >= 1 and e["calls_per_round"] >= 1
-    assert [m["impl"] for m in memory] == ["headwise"]
-    assert memory[0]["forward_peak_above_inputs"] >= 0 and "error" not in memory[0]
+    assert [m["impl"] for m in memory] == ["headwise", "headwise one pass"]
+    assert all(m["forward_peak_above_inputs"] >= 0 and "error" not in m for m in memory)
 
 
 def test_peers_compute_what_headwise_computes(suite):
@@ -56,7 +59,8 @@ def test_peers_compute_what_headwise_computes(suite):
     for peer in ("packed SDPA (limit)", "nn.MHA fast path", "nn.MHA default call", "HF BERT sdpa", "HF BERT eager",
                  "HF Llama sdpa", "HF Llama eager", "packed SDPA repeat K/V", "nn.MHA need_weights, per head",
                  "minimal prealloc cache (limit)", "torch.cat cache", "HF Llama DynamicCache",
-                 "HF Llama StaticCache", "SDPA + explicit s x s mask", "repeat_interleave K/V + SDPA"):
+                 "HF Llama StaticCache", "SDPA + explicit s x s mask", "repeat_interleave K/V + SDPA",
+                 "headwise one pass"):
         assert peer in names, peer
     assert checked >= 20
 
@@ -75,6 +79,32 @@ def test_goals_and_files(suite, tmp_path):
 
 def test_only_resolves_names_and_numbers():
     assert resolve_only(["4"]) == ["decode"]
-    assert resolve_only(["gqa,5"]) == ["gqa", "memory"]
+    assert resolve_only(["gqa,5"]) == ["gqa", "long", "memory"]
+    assert resolve_only(["gpu"]) == ["gpu"]
     with pytest.raises(ValueError, match="--only"):
         resolve_only(["nope"])
+
+
+def test_gpu_case_machinery_on_cpu():
+    # The GPU case's groups, built on the CPU in bfloat16: headwise, the packed limit and SDPA must agree.
+    from headwise.bench.gpu import gpu_groups
+    from headwise.bench.timing import run_group
+
+    factories = gpu_groups(TINY, device="cpu")
+    assert len(factories) == 2 * len(TINY.forward) + 2 * len(TINY.gpu_step)
+    for factory in factories:
+        group = factory()
+        res = run_group(group)
+        compared = [e for e in res["entries"] if e["max_abs_diff_vs_headwise"] is not None]
+        assert compared and all(e["matches_headwise"] for e in compared), res
+        if res["case"] == "gpu attention step":  # flash-attn is CUDA-only: said, not silently dropped
+            assert any("flash_attn_func not timed" in n for n in res["notes"])
+
+
+def test_gpu_goal_says_not_run_without_cuda(suite):
+    groups, memory = suite
+    goal = next(g for g in evaluate_goals(groups, memory) if g["goal"].startswith("GPU"))
+    if torch.cuda.is_available():
+        assert "worst" in goal["measured"]
+    else:
+        assert goal["status"].startswith("not run: no CUDA")

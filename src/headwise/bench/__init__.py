@@ -6,8 +6,10 @@ prints a table per comparison and writes ``benchmarks/RESULTS.md`` and ``benchma
 ``--out`` is given); ``--only forward,decode`` (names or case numbers 1-6) runs a subset.
 
 Cases: ``forward``/``backward``/``causal`` (1), ``gqa`` (2), ``weights`` (3), ``decode`` (4),
-``memory`` (5, each measurement in its own process), ``peak`` (6, the matmul throughput the forward is
-held to). All float32 on CPU; timing via ``torch.utils.benchmark.Timer`` in interleaved rounds.
+``long`` and ``memory`` (5: a long forward timed, and peak memory with each measurement in its own process),
+``peak`` (6, the matmul throughput the forward is held to), all float32 on CPU; ``gpu`` (bfloat16 against
+flash-attn and SDPA) only where CUDA is present. Timing via ``torch.utils.benchmark.Timer`` in interleaved
+rounds.
 
 Shapes:
     b: batch, s: sequence, d: d_model, h: heads, h_kv: key/value heads, d_h: head width.
@@ -28,9 +30,9 @@ from .timing import Entry, Group, run_group
 
 __all__ = ["main", "run_suite", "Sizes", "FULL", "QUICK", "Entry", "Group", "run_group", "ORDER", "resolve_only"]
 
-ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "memory")
+ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu")
 _NUMBERS = {"1": ("forward", "causal", "backward"), "2": ("gqa",), "3": ("weights",), "4": ("decode",),
-            "5": ("memory",), "6": ("peak", "forward")}
+            "5": ("long", "memory"), "6": ("peak", "forward")}
 
 # Why a goal is missed (written into RESULTS.md and the summary only when that goal is missed in the run).
 MISS_NOTES: dict[str, str] = {
@@ -182,7 +184,7 @@ def run_suite(sizes: Sizes, cases: list[str], *, hf: bool = True, show: bool = T
     mem_jobs = []
     if "memory" in cases:
         for s in lengths:
-            mem_jobs.append(("headwise", s))
+            mem_jobs += [("headwise", s), ("headwise one pass", s)]
             if s <= sizes.memory_peers_upto:
                 mem_jobs += [("packed SDPA", s), ("eager math", s)]
     results: list[dict] = []

@@ -41,6 +41,9 @@ class Sizes:
     decode_tokens: int
     memory: tuple[int, int, tuple[int, ...]]  # (h, d_h, s values)
     memory_peers_upto: int  # packed SDPA and eager math also run up to this s
+    long: tuple[Shape, ...]  # timed long-context forwards (queries chunked), non-causal and causal
+    long_rounds: int
+    gpu_step: tuple[tuple[int, int, int, int, int], ...]  # (b, h, h_kv, s, d_h): GPU attention steps (CUDA only)
     rounds: int
     heavy_rounds: int  # for groups whose single call takes seconds
     heavy_flops: float
@@ -62,6 +65,9 @@ FULL = Sizes(
     decode_tokens=8,
     memory=(32, 128, (4096, 8192, 16384)),
     memory_peers_upto=4096,
+    long=((1, 16384, 4096, 32),),
+    long_rounds=2,
+    gpu_step=((4, 32, 32, 2048, 128), (1, 32, 8, 16384, 128)),
     rounds=5,
     heavy_rounds=4,
     heavy_flops=50e9,
@@ -83,6 +89,9 @@ QUICK = Sizes(
     decode_tokens=4,
     memory=(4, 16, (256,)),
     memory_peers_upto=0,
+    long=((1, 64, 16, 2),),
+    long_rounds=1,
+    gpu_step=((1, 4, 2, 32, 16),),
     rounds=2,
     heavy_rounds=2,
     heavy_flops=1e12,
@@ -363,6 +372,8 @@ def weights_groups(sz: Sizes) -> list[Factory]:
 
 
 from .decode import decode_groups  # noqa: E402  (decode builds on the helpers above)
+from .gpu import gpu_groups  # noqa: E402
+from .long import long_groups  # noqa: E402
 
 CASES: dict[str, Callable[..., list[Factory]]] = {
     "forward": forward_groups,
@@ -372,6 +383,8 @@ CASES: dict[str, Callable[..., list[Factory]]] = {
     "weights": weights_groups,
     "decode": decode_groups,
     "peak": peak_groups,
+    "long": long_groups,
+    "gpu": gpu_groups,
 }
 
 

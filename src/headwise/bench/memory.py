@@ -2,7 +2,11 @@
 
 The child builds the layer and the input, resets the RSS high-water mark (Linux ``clear_refs``), reads its
 current RSS (the baseline: inputs and weights), runs one forward under ``no_grad`` and reports the peak RSS
-(``VmHWM``, or ``ru_maxrss`` where that is unavailable) minus the baseline: what the forward itself needed. A fresh process per case keeps allocator caches and earlier peaks out of the number.
+(``VmHWM``, or ``ru_maxrss`` where that is unavailable) minus the baseline: what the forward itself needed.
+A fresh process per case keeps allocator caches and earlier peaks out of the number.
+
+``headwise`` is the layer as shipped (long no-grad forwards run their queries in chunks, see
+:mod:`headwise.chunking`); ``headwise one pass`` is the same layer with ``chunk_queries = False``.
 
 Run one case by hand: ``python -m headwise.bench.memory headwise 4096 32 128``.
 
@@ -17,10 +21,11 @@ import os
 import resource
 import subprocess
 import sys
+import time
 
 __all__ = ["measure", "IMPLS", "materialised_bytes"]
 
-IMPLS = ("headwise", "packed SDPA", "eager math")
+IMPLS = ("headwise", "headwise one pass", "packed SDPA", "eager math")
 
 
 def materialised_bytes(s: int, h: int, itemsize: int = 4) -> int:
@@ -69,6 +74,7 @@ def _child(impl: str, s: int, h: int, d_h: int) -> dict:
 
     torch.manual_seed(0)
     attn = MultiHeadAttention(h * d_h, h, backend="eager" if impl == "eager math" else "sdpa").eval()
+    attn.chunk_queries = impl == "headwise"  # "headwise one pass": what the layer needs without query chunks
     layer = PackedSDPA(attn).eval() if impl == "packed SDPA" else attn
     if impl == "packed SDPA":
         del attn
@@ -81,12 +87,27 @@ def _child(impl: str, s: int, h: int, d_h: int) -> dict:
     reset = _reset_peak()
     base = _rss_bytes()
     peak_before = _peak_bytes()
+    t0 = time.perf_counter()
     with torch.no_grad():
         y = layer(x)
+    seconds = time.perf_counter() - t0
     peak = _peak_bytes()
     return {"impl": impl, "s": s, "h": h, "d_head": d_h, "baseline_rss": base, "peak_rss": peak,
             "peak_before_forward": peak_before, "peak_reset": reset, "forward_peak_above_inputs": peak - base,
-            "output_bytes": y.nbytes, "threads": torch.get_num_threads()}
+            "output_bytes": y.nbytes, "threads": torch.get_num_threads(), "forward_s": seconds,
+            "query_chunk": _chunk_of(layer, x)}
+
+
+def _chunk_of(layer, x) -> int | None:  # type: ignore[no-untyped-def]
+    """Positions per query chunk the forward used (None: one pass; peers never chunk)."""
+    import torch
+
+    from headwise import MultiHeadAttention
+
+    if not isinstance(layer, MultiHeadAttention):
+        return None
+    with torch.no_grad():
+        return layer.explain_dispatch(x).query_chunk
 
 
 def measure(impl: str, s: int, h: int, d_h: int, *, timeout: float = 900.0) -> dict:

@@ -245,6 +245,8 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
         goals.append({"goal": "torch.compile decode compiles once for all positions", "target": "1 graph",
                       "measured": "", "status": "not measured (compile disabled)", "detail": ""})
 
+    if by_case.get("5 long forward"):
+        goals.append(_long_goal(by_case, notes))
     mem = [m for m in memory if m.get("impl") == "headwise" and "error" not in m]
     if mem:
         top = max(mem, key=lambda m: m["s"])
@@ -260,10 +262,40 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
     else:
         goals.append({"goal": "memory: one forward at long context", "target": "< 1 GiB above inputs",
                       "measured": "", "status": "not measured", "detail": ""})
-    goals.append({"goal": "GPU (bf16 vs flash-attn / SDPA)", "target": "optional, CUDA only", "measured": "",
-                  "status": "not implemented (no CUDA on the machines it was developed on)",
-                  "detail": ""})
+    goals.append(_gpu_goal(by_case, notes))
     return goals
+
+
+def _gpu_goal(by_case: dict[str, list[dict]], notes: dict[str, str]) -> dict:
+    name, target = "GPU bf16: headwise vs packed SDPA, SDPA and flash_attn_func", "<= 1.05 (optional, CUDA only)"
+    rows = []
+    for g in by_case.get("gpu forward", []):
+        r = _ratio(g, "headwise", "packed SDPA (limit)")
+        if r is not None:
+            rows.append((f"{g['group']} vs packed SDPA", r, _min_ratio(g, "headwise", "packed SDPA (limit)")))
+    for g in by_case.get("gpu attention step", []):
+        for peer in ("SDPA", "flash_attn_func"):
+            r = _ratio(g, "headwise attend", peer)
+            if r is not None:
+                rows.append((f"{g['group']} vs {peer}", r, _min_ratio(g, "headwise attend", peer)))
+    if not rows:
+        return {"goal": name, "target": target, "measured": "",
+                "status": "not run: no CUDA device on the machine of this run (the case runs only where "
+                          "torch.cuda.is_available())", "detail": ""}
+    return _goal(name, target, rows, 1.05, notes.get("gpu", ""))
+
+
+def _long_goal(by_case: dict[str, list[dict]], notes: dict[str, str]) -> dict:
+    groups = by_case.get("5 long forward", [])
+    rows = [(g["group"], r, _min_ratio(g, "headwise", "packed SDPA (limit)")) for g in groups
+            if (r := _ratio(g, "headwise", "packed SDPA (limit)")) is not None]
+    row = _goal("long forward, queries chunked, vs packed SDPA (the limit)", "<= 1.05", rows, 1.05,
+                notes.get("long", ""))
+    extra = [f"{g['group']}: chunks of {g['meta'].get('query_chunk')} positions, {r:.3f}x one pass"
+             for g in groups if (r := _ratio(g, "headwise", "headwise one pass")) is not None]
+    if extra:
+        row["detail"] += "; " + "; ".join(extra)
+    return row
 
 
 # -- files ------------------------------------------------------------------------------------------------------
@@ -331,11 +363,14 @@ def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict],
         rows = []
         for r in memory:
             if "error" in r:
-                rows.append([r["impl"], r["s"], r["h"], r["d_head"], "", "", r["error"]])
+                rows.append([r["impl"], r["s"], r["h"], r["d_head"], "", "", "", "", r["error"]])
                 continue
             rows.append([r["impl"], r["s"], r["h"], r["d_head"], f"{r['forward_peak_above_inputs'] / GiB:.3f}",
-                         f"{r['output_bytes'] / GiB:.3f}", f"{r['h'] * r['s'] ** 2 * 4 / GiB:.1f}"])
+                         f"{r['output_bytes'] / GiB:.3f}", r.get("query_chunk") or "",
+                         f"{r['forward_s']:.2f}" if "forward_s" in r else "",
+                         f"{r['h'] * r['s'] ** 2 * 4 / GiB:.1f}"])
         parts += [_md_table(["impl", "s", "h", "d_head", "forward peak above inputs (GiB)", "output (GiB)",
+                             "query chunk", "one forward (s, single run)",
                              "one (h, s, s) fp32 tensor (GiB) / error"], rows), ""]
     md = out / "RESULTS.md"
     md.write_text("\n".join(parts) + "\n")
