@@ -51,11 +51,16 @@ MISS_NOTES: dict[str, str] = {
           "in excess; the eager HF layers materialise (b, h, s, s) and lose clearly.",
     "peak": "the forward's FLOPs include the attention step, which runs below the GEMM peak in SDPA's CPU kernel, "
             "and the bias additions; see the GFLOP/s column of each table.",
-    "memory": "the floor of any unchunked layer is Q, K, V and the attention context alive together during the "
-              "kernel: 4 x s x d x 4 B = 1.00 GiB at s 16384, d 4096 in float32, so '< 1 GiB' cannot hold "
-              "without computing queries in chunks. headwise sits on that floor plus SDPA's scratch (it frees "
-              "Q/K/V before W_O allocates the output; the packed module keeps them and needs 0.25 GiB more) and "
-              "never materialises probabilities (one (h, s, s) float32 tensor would be 32 GiB).",
+    "memory": "without autograd headwise runs long forwards in query chunks (headwise.chunking): it holds K and V "
+              "(0.50 GiB at s 16384, d 4096 in float32), the output (0.25 GiB) and one chunk's queries, context and "
+              "scratch (~0.06 GiB at 1024 positions); the 'headwise one pass' rows show the unchunked floor (Q, K, V "
+              "and the context alive together, 1.00 GiB), so a miss above the chunked budget is allocator or "
+              "kernel scratch of this run.",
+    "long": "a chunked forward runs the same projection GEMMs on row blocks and the same flash kernel per chunk; "
+            "causal chunks read a fully visible key prefix and the square diagonal block in two kernel calls merged "
+            "by log-sum-exp, which is the one-pass kernel's work. Compare the 'headwise one pass' column of the "
+            "same table: a miss matched by one pass is run-to-run spread, not chunking.",
+    "gpu": "measured only where CUDA is present; see the GPU tables for the kernel each peer ran.",
     "compile": "dynamo specialises Python ints on first sight and makes them symbolic only after seeing a second "
                "value; KVCache.length is a Python int, so the first compiled call specialises on it. After a "
                "compiled prefill (as in generation) one graph serves every decode position; decoding from an "
