@@ -36,7 +36,7 @@ from .rotary import apply_rotary
 if TYPE_CHECKING:
     from .attention import MultiHeadAttention
 
-__all__ = ["CHUNK_ABOVE_BYTES", "CHUNK_BYTES", "chunk_length", "forward_in_chunks"]
+__all__ = ["CHUNK_ABOVE_BYTES", "CHUNK_BYTES", "chunk_length", "forward_in_chunks", "lse_merge_available"]
 
 #: Chunk a forward whose unchunked Q, K, V and context together would take more than this (512 MiB).
 CHUNK_ABOVE_BYTES = 512 * 2**20
@@ -97,7 +97,7 @@ def forward_in_chunks(
         cos, sin = attn.rotary(positions, x.dtype)  # (b or 1, 1, s_q, r)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         # k is a view of k_proj's fresh output: rotate it in place a chunk at a time, so the rotation's
-        # temporaries are chunk-sized instead of four s_kv x kv_dim tensors.
+        # output is chunk-sized instead of a second s_kv x kv_dim tensor.
         for i0 in range(0, s_kv, chunk):
             i1 = min(i0 + chunk, s_kv)
             k[:, :, i0:i1] = apply_rotary(k[:, :, i0:i1], cos[:, :, i0:i1], sin[:, :, i0:i1])
@@ -112,7 +112,7 @@ def forward_in_chunks(
             q = apply_rotary(q, cos[:, :, i0:i1], sin[:, :, i0:i1])
         # Bottom-right causal: query i reads keys j <= i + s_kv - s_q, so this chunk needs keys up to `end`.
         end = max(0, min(s_kv, i1 + s_kv - s_q)) if causal else s_kv
-        if causal and mask is None and end >= i1 - i0 and _cpu_flash_with_lse(q):
+        if causal and mask is None and end >= i1 - i0 and lse_merge_available(q.device, q.dtype):
             ctx = _causal_chunk_by_lse(q, k, v, end - (i1 - i0), end, scale)  # (b, h, c, d_h)
         else:
             chunk_mask = None
@@ -130,8 +130,18 @@ def _cpu_flash_op():  # looked up per call so tests can remove it
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _cpu_flash_with_lse(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and _cpu_flash_op() is not None
+def lse_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether causal chunks can run as two flash calls merged by log-sum-exp here (CPU, float32/float64,
+    and PyTorch exposes its CPU flash op); elsewhere they use an explicit bottom-right mask.
+
+    Shapes:
+        no tensors: a rule on the device and dtype only.
+
+    Example:
+        >>> lse_merge_available(torch.device("cpu"), torch.float32), lse_merge_available(torch.device("cpu"), torch.bfloat16)
+        (True, False)
+    """
+    return device.type == "cpu" and dtype in (torch.float32, torch.float64) and _cpu_flash_op() is not None
 
 
 def _causal_chunk_by_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int,

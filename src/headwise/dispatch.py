@@ -221,9 +221,9 @@ def explain(
                            f"headwise.chunking.CHUNK_ABOVE_BYTES: queries run {chunk} positions at a time, "
                            f"each chunk reading only the keys its queries may read")
             if causal:
-                from .chunking import _cpu_flash_with_lse
+                from .chunking import lse_merge_available
 
-                lse = mask is None and s_kv >= s_q and _cpu_flash_with_lse(_stand_in((1,), w.dtype, w.device, False))
+                lse = mask is None and s_kv >= s_q and lse_merge_available(w.device, w.dtype)
                 causal_via = "kernel is_causal" if lse else "explicit mask"
                 reasons.append("causal chunks: a fully read key prefix and the kernel's is_causal on the square "
                                "diagonal block, merged by log-sum-exp" if lse else
