@@ -14,25 +14,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import headwise.attention as hw_attention
-import headwise.chunking as chunking
 from headwise import MultiHeadAttention, RotaryEmbedding
 from tests.reference import reference_mha
 from tests.test_attention import build, cases
+
+# Patch through the namespaces the layer really uses: collecting doctests with --import-mode=importlib can put
+# a second copy of a headwise module in sys.modules, which `import headwise.chunking` would then return.
+ATTN = MultiHeadAttention._query_chunk.__globals__  # headwise.attention, as MultiHeadAttention sees it
+CHUNKING = ATTN["chunk_length"].__globals__  # headwise.chunking, as headwise.attention sees it
 
 
 @contextmanager
 def forced_chunks(chunk: int):
     """Every eligible forward runs in chunks of ``chunk`` positions; yields the list of chunk sizes used."""
     used: list[int] = []
-    real = chunking.forward_in_chunks
+    real = ATTN["forward_in_chunks"]
 
     def spy(*args, **kwargs):
         used.append(kwargs["chunk"])
         return real(*args, **kwargs)
 
-    with mock.patch.object(hw_attention, "chunk_length", lambda *a: chunk), \
-            mock.patch.object(hw_attention, "forward_in_chunks", spy):
+    with mock.patch.dict(ATTN, {"chunk_length": lambda *a: chunk, "forward_in_chunks": spy}):
         yield used
 
 
@@ -42,7 +44,7 @@ def without_cpu_flash_op(active: bool = True):
     if not active:
         yield
         return
-    with mock.patch.object(chunking, "_cpu_flash_op", lambda: None):
+    with mock.patch.dict(CHUNKING, {"_cpu_flash_op": lambda: None}):
         yield
 
 
@@ -152,26 +154,26 @@ def test_grad_enabled_but_nothing_tracked_still_chunks():
 )
 def test_chunk_length_rule(b, s, d, h, expected):
     attn = MultiHeadAttention(d, h, device="meta")
-    assert chunking.chunk_length(attn, b, s, s, torch.float32) == expected
+    assert CHUNKING["chunk_length"](attn, b, s, s, torch.float32) == expected
 
 
 def test_chunk_length_is_none_when_one_chunk_would_hold_every_query():
     attn = MultiHeadAttention(4096, 32, device="meta")
     # cross-attention to 100k keys: K/V are huge, but 256 queries fit in one chunk already
-    assert chunking.chunk_length(attn, 1, 256, 100_000, torch.float32) is None
+    assert CHUNKING["chunk_length"](attn, 1, 256, 100_000, torch.float32) is None
 
 
 def test_real_rule_chunks_a_long_forward_and_matches_one_pass(monkeypatch):
     # The size rule itself (not a forced chunk), scaled down: threshold 0 bytes, 300 positions' worth of
     # queries per chunk (8 floats each), rounded down to the 256-position grid.
-    monkeypatch.setattr(chunking, "CHUNK_ABOVE_BYTES", 0)
-    monkeypatch.setattr(chunking, "CHUNK_BYTES", 300 * 8 * 4)
+    monkeypatch.setitem(CHUNKING, "CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setitem(CHUNKING, "CHUNK_BYTES", 300 * 8 * 4)
     attn = MultiHeadAttention(8, 2).eval()
     x = torch.randn(1, 600, 8)
-    assert chunking.chunk_length(attn, 1, 600, 600, torch.float32) == 256
+    assert CHUNKING["chunk_length"](attn, 1, 600, 600, torch.float32) == 256
     calls = []
-    real = chunking.forward_in_chunks
-    monkeypatch.setattr(hw_attention, "forward_in_chunks", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
+    real = ATTN["forward_in_chunks"]
+    monkeypatch.setitem(ATTN, "forward_in_chunks", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
     with torch.no_grad():
         chunked = attn(x, causal=True)
         attn.chunk_queries = False
@@ -186,9 +188,8 @@ def test_causal_chunks_merge_two_kernel_calls_by_log_sum_exp(dtype, n_kv_heads):
     attn = MultiHeadAttention(32, 4, n_kv_heads, dtype=dtype).eval()
     x = torch.randn(2, 10, 32, dtype=dtype)
     calls = []
-    real = chunking._causal_chunk_by_lse
-    with torch.no_grad(), mock.patch.object(chunking, "_causal_chunk_by_lse",
-                                            lambda *a: calls.append(a[3:5]) or real(*a)):
+    real = CHUNKING["_causal_chunk_by_lse"]
+    with torch.no_grad(), mock.patch.dict(CHUNKING, {"_causal_chunk_by_lse": lambda *a: calls.append(a[3:5]) or real(*a)}):
         attn.chunk_queries = False
         whole = attn(x, causal=True)
         attn.chunk_queries = True
@@ -202,8 +203,8 @@ def test_causal_chunks_merge_two_kernel_calls_by_log_sum_exp(dtype, n_kv_heads):
 
 
 def test_explain_dispatch_reports_the_chunks(monkeypatch):
-    monkeypatch.setattr(chunking, "CHUNK_ABOVE_BYTES", 0)
-    monkeypatch.setattr(chunking, "CHUNK_BYTES", 256 * 8 * 4)
+    monkeypatch.setitem(CHUNKING, "CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setitem(CHUNKING, "CHUNK_BYTES", 256 * 8 * 4)
     attn = MultiHeadAttention(8, 2).eval()
     x = torch.randn(1, 600, 8)
     with torch.no_grad():

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._checks import check_input
+from .chunking import lse_merge_available
 from .masks import validate_mask
 
 if TYPE_CHECKING:
@@ -221,8 +222,6 @@ def explain(
                            f"headwise.chunking.CHUNK_ABOVE_BYTES: queries run {chunk} positions at a time, "
                            f"each chunk reading only the keys its queries may read")
             if causal:
-                from .chunking import lse_merge_available
-
                 lse = mask is None and s_kv >= s_q and lse_merge_available(w.device, w.dtype)
                 causal_via = "kernel is_causal" if lse else "explicit mask"
                 reasons.append("causal chunks: a fully read key prefix and the kernel's is_causal on the square "
