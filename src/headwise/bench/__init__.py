@@ -88,9 +88,13 @@ MISS_NOTES: dict[str, str] = {
               "decode fix in headwise.functional.sdpa_attention (fold each group's query heads into query rows, as "
               "HF does) headwise was 27 % slower than HF's StaticCache at h_kv 8, context 4096; now 1.00.",
     "decode": "headwise decodes with the same kernels as the minimal preallocated cache (one slot copy, SDPA over "
-              "the filled prefix); its three Q/K/V matrix-vector products measured as fast as one fused product "
-              "(8.40 vs 8.54 ms for three d 4096 weights), and the Python per token is ~40 us, so a miss is "
-              "run-to-run spread of the shared machine.",
+              "the filled prefix) except that it reads W_Q, W_K and W_V in three matrix-vector products where the "
+              "minimal cache reads one fused matrix: 1-2 % slower in isolation (8.44 vs 8.31 ms at h_kv 32, 4.16 vs "
+              "4.10 ms at h_kv 8, d 4096, 2 threads; an earlier measurement had them equal), plus ~40 us of Python "
+              "per token. Beyond that a miss is run-to-run spread (the same row measured 1.03 in the previous "
+              "full run). Fusing the three weights into one storage (the Linear weights as views of it) would "
+              "remove the 1-2 %; it is not done because parameters sharing storage complicate safetensors and "
+              "module.to().",
 }
 
 
