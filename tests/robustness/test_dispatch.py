@@ -14,6 +14,10 @@ from headwise import dispatch
 from headwise import functional as hwf
 from headwise import masks as hwm
 
+# headwise.dispatch as the layer sees it: collecting doctests with --import-mode=importlib can put a second copy
+# of the module in sys.modules, so thresholds are patched through the functions' own globals.
+DISPATCH = MultiHeadAttention.explain_dispatch.__globals__["explain"].__globals__
+
 D, H, H_KV = 16, 4, 2
 KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
 
@@ -166,13 +170,13 @@ def test_explain_warns_above_its_threshold_for_materializing_paths():
 
 
 def test_explain_default_threshold(monkeypatch):
-    monkeypatch.setattr(dispatch, "WARN_BYTES", 100)
+    monkeypatch.setitem(DISPATCH, "WARN_BYTES", 100)
     with pytest.warns(MaterializationWarning):
         make().explain_dispatch(torch.randn(1, 4, D), return_weights=True)
 
 
 def test_forward_warns_only_on_the_eager_path_above_its_threshold(monkeypatch):
-    monkeypatch.setattr(dispatch, "FORWARD_WARN_BYTES", 1000)
+    monkeypatch.setitem(DISPATCH, "FORWARD_WARN_BYTES", 1000)
     x = torch.randn(2, 6, D)  # 2*4*6*6*4 = 1152 bytes of probabilities
     with pytest.warns(MaterializationWarning, match="the eager path materialises b\\*h\\*s_q\\*s_kv = 2\\*4\\*6\\*6"):
         make()(x, return_weights=True)
@@ -183,7 +187,7 @@ def test_forward_warns_only_on_the_eager_path_above_its_threshold(monkeypatch):
         make()(x)  # default fused path: never warns
         make().train()(x)
         make()(torch.randn(2, 5, D), return_weights=True)  # 800 bytes: under the threshold
-    monkeypatch.setattr(dispatch, "FORWARD_WARN_BYTES", 0)
+    monkeypatch.setitem(DISPATCH, "FORWARD_WARN_BYTES", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make()(x, causal=True)
