@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..attention import MultiHeadAttention
 from ..rotary import RotaryEmbedding
 from . import peers
-from .timing import Entry, Group, refresh_memory
+from .timing import Entry, Group, forward_flops as _fwd_flops, refresh_memory
 
 __all__ = ["Sizes", "FULL", "QUICK", "CASES", "build"]
 
@@ -99,12 +99,6 @@ QUICK = Sizes(
     block_s=0.01,
     compile=False,
 )
-
-
-def _fwd_flops(b: int, s: int, d: int, inner: int, kv: int, causal: bool = False) -> float:
-    proj = 2 * b * s * d * (2 * inner + 2 * kv)  # q, o: d x inner; k, v: d x kv_dim
-    attn = 4 * b * s * s * inner * (0.5 if causal else 1.0)
-    return float(proj + attn)
 
 
 def _rounds(sz: Sizes, flops: float) -> int:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..attention import MultiHeadAttention
 from . import peers
-from .timing import Entry, Group
+from .timing import Entry, Group, forward_flops
 
 __all__ = ["gpu_groups", "gpu_device", "flash_attn_func_or_reason"]
 
@@ -77,8 +77,7 @@ def _forward_group(sz, shape: tuple[int, int, int, int], causal: bool, device: s
     es = [Entry("headwise", _synced(_no_grad(lambda: attn(x, causal=causal)), device), role="headwise"),
           Entry("packed SDPA (limit)", _synced(_no_grad(lambda: packed(x, causal=causal)), device), role="limit")]
     cfg = attn.config
-    flops = float(2 * b * s * d * (2 * cfg.inner_dim + 2 * cfg.kv_dim) + 4 * b * s * s * cfg.inner_dim
-                  * (0.5 if causal else 1.0))
+    flops = forward_flops(b, s, d, cfg.inner_dim, cfg.kv_dim, causal)
     return Group("gpu forward", f"gpu bf16 fwd b{b} s{s} d{d} h{h} {'causal' if causal else 'full'}", es,
                  rounds=sz.rounds, block_s=sz.block_s, tol=TOL, flops=flops,
                  meta={"b": b, "s": s, "d": d, "h": h, "causal": causal, "device": device, "dtype": "bfloat16"})

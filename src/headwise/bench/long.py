@@ -17,7 +17,7 @@ import torch
 
 from ..attention import MultiHeadAttention
 from . import peers
-from .timing import Entry, Group, refresh_memory
+from .timing import Entry, Group, forward_flops, refresh_memory
 
 __all__ = ["long_groups"]
 
@@ -39,8 +39,7 @@ def _long_group(sz, shape: tuple[int, int, int, int], causal: bool) -> Group:
     with torch.no_grad():
         info = chunked.explain_dispatch(x, causal=causal)
     cfg = chunked.config
-    flops = float(2 * b * s * d * (2 * cfg.inner_dim + 2 * cfg.kv_dim)
-                  + 4 * b * s * s * cfg.inner_dim * (0.5 if causal else 1.0))
+    flops = forward_flops(b, s, d, cfg.inner_dim, cfg.kv_dim, causal)
     chunk = info.query_chunk
     es = [
         Entry("headwise", partial(_no_grad_call, chunked, x, causal), role="headwise",

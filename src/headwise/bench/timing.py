@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.benchmark import Timer
 
-__all__ = ["Entry", "Group", "run_group", "ticks", "refresh_memory"]
+__all__ = ["Entry", "Group", "run_group", "ticks", "refresh_memory", "forward_flops"]
 
 
 @dataclass
@@ -52,6 +52,22 @@ class Group:
     flops: float | None = None
     meta: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+
+def forward_flops(b: int, s: int, d: int, inner: int, kv: int, causal: bool = False) -> float:
+    """FLOPs of one self-attention forward: the four projections plus 4 * b * s^2 * inner for attention
+    (half of it when causal, the part a causal kernel computes).
+
+    Shapes:
+        x: (b, s, d); inner = h * d_h; kv = h_kv * d_h
+
+    Example:
+        >>> forward_flops(1, 2, 4, 4, 4)
+        320.0
+    """
+    proj = 2 * b * s * d * (2 * inner + 2 * kv)  # q, o: d x inner; k, v: d x kv_dim
+    attn = 4 * b * s * s * inner * (0.5 if causal else 1.0)
+    return float(proj + attn)
 
 
 def refresh_memory(*modules: Any) -> None:
