@@ -20,7 +20,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -n $(JOBS) --dist loadgroup -q
 
 bench: $(STAMP)
-	$(PY) -m headwise.bench
+	$(PY) -m headwise.bench --processes 3
 
 bench-quick: $(STAMP)
 	$(PY) -m headwise.bench --quick

@@ -4,6 +4,8 @@
 prints a table per comparison and writes ``benchmarks/RESULTS.md`` and ``benchmarks/results.json``.
 ``--quick`` runs the same machinery on tiny shapes in seconds (results go to a temporary folder unless
 ``--out`` is given); ``--only forward,decode`` (names or case numbers 1-6) runs a subset.
+``--processes 3`` runs the timed cases in three fresh processes, one after the other, and reports each
+ratio as the median of the three paired ratios with their range (see :mod:`headwise.bench.processes`).
 
 Cases: ``forward``/``backward``/``causal`` (1), ``gqa`` (2), ``weights`` (3), ``decode`` (4),
 ``long`` and ``memory`` (5: a long forward timed, and peak memory with each measurement in its own process),
@@ -184,7 +186,7 @@ class _Progress:
             print(text)
 
 
-def run_suite(sizes: Sizes, cases: list[str], *, hf: bool = True, show: bool = True,
+def run_suite(sizes: Sizes, cases: list[str], *, hf: bool = True, show: bool = True, tables: bool = True,
               on_group: Callable[[dict], None] | None = None) -> tuple[list[dict], list[dict]]:
     """Run ``cases`` at ``sizes``; return (group results, memory results). Nothing is written."""
     from . import memory as mem
@@ -209,11 +211,14 @@ def run_suite(sizes: Sizes, cases: list[str], *, hf: bool = True, show: bool = T
             bar.describe("building inputs")
             group = factory()
             bar.describe(group.name)
+            t0 = time.perf_counter()
             res = run_group(group, advance=lambda what: bar.describe(what))
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
             del group
             results.append(res)
-            bar.table(f"{res['case']} | {res['group']} | {res['threads']} threads", TABLE_HEAD,
-                      group_table_rows(res), res["notes"])
+            if tables:
+                bar.table(f"{res['case']} | {res['group']} | {res['threads']} threads", TABLE_HEAD,
+                          group_table_rows(res), res["notes"])
             if on_group is not None:
                 on_group(res)
             bar.step()
@@ -253,6 +258,35 @@ def _rerender(path: str, out: str | None, docs: str | None) -> int:
     return 0
 
 
+def _run_processes(args: argparse.Namespace, cases: list[str], sizes: Sizes) -> tuple[list[dict], list[dict]]:
+    """The timed cases in ``args.processes`` fresh processes (merged), then the memory rows once (each
+    of those is already its own process)."""
+    from .processes import merge_processes, run_processes
+    from .report import TABLE_HEAD, group_table_rows
+
+    passthrough = [flag for flag, on in (("--quick", args.quick), ("--no-hf", args.no_hf),
+                                         ("--compile", args.compile)) if on]
+    if args.threads:
+        passthrough += ["--threads", str(args.threads)]
+    timed = [c for c in cases if c != "memory"]
+    groups: list[dict] = []
+    if timed:
+        n = args.processes
+        runs = run_processes(timed, n, passthrough,
+                             on_start=lambda i: print(f"process {i + 1} of {n}: {', '.join(timed)}", flush=True),
+                             on_done=lambda i, s: print(f"process {i + 1} of {n} done in {s:.0f} s", flush=True))
+        groups = merge_processes(runs)
+        if not args.no_tables:
+            show = _Progress(0, True)
+            for g in groups:
+                show.table(f"{g['case']} | {g['group']} | {g['threads']} threads | medians of {n} processes",
+                           TABLE_HEAD, group_table_rows(g), g["notes"])
+    memory: list[dict] = []
+    if "memory" in cases:
+        _, memory = run_suite(sizes, ["memory"], show=True)
+    return groups, memory
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m headwise.bench``."""
     from .report import evaluate_goals, machine_info, write_results
@@ -269,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
                    "results.json without timing anything (e.g. after the goal notes changed)")
     p.add_argument("--docs", metavar="MD", help="also write the README-ready goal summary to this file")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; 1 with --quick)")
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="run the timed cases in N fresh processes, one after the other; each ratio is then the "
+                        "median of the N per-process ratios (their range is shown); memory rows run once")
+    p.add_argument("--no-tables", action="store_true", help="print no per-group tables (progress and goals only)")
     args = p.parse_args(argv)
+    if args.processes < 1:
+        p.error(f"--processes takes a count >= 1, got {args.processes}")
     try:
         cases = resolve_only(args.only)
     except ValueError as exc:
@@ -297,8 +337,12 @@ def main(argv: list[str] | None = None) -> int:
                    if k in os.environ)
     command = f"{env} {command}" if env else command
     machine = machine_info(command, args.quick)
+    machine["processes"] = args.processes
     t0 = time.perf_counter()
-    groups, memory = run_suite(sizes, cases, hf=not args.no_hf)
+    if args.processes > 1:
+        groups, memory = _run_processes(args, cases, sizes)
+    else:
+        groups, memory = run_suite(sizes, cases, hf=not args.no_hf, tables=not args.no_tables)
     machine["wall_s"] = round(time.perf_counter() - t0, 1)
     goals = evaluate_goals(groups, memory, MISS_NOTES)
     preamble = "" if args.quick else _PREAMBLE

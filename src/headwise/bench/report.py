@@ -10,12 +10,13 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "ratio_rows", "evaluate_goals", "write_results", "write_summary", "group_table_rows"]
+__all__ = ["machine_info", "paired_ratio", "ratio_spread", "ratio_rows", "evaluate_goals", "write_results", "write_summary", "group_table_rows"]
 
 GiB = 1 << 30
 
@@ -55,6 +56,39 @@ def _ref_of(group: dict, entry: dict) -> dict | None:
     return next((e for e in group["entries"] if e["name"] == name), None)
 
 
+def paired_ratio(a: dict, b: dict) -> float:
+    """Entry ``a``'s time / entry ``b``'s time, from one group.
+
+    Measured in several processes (``--processes``), it is the median of the per-process ratios: each
+    process timed both side by side, so ratios are only ever taken within a process. Otherwise it is the
+    ratio of the medians over rounds.
+
+    Example:
+        >>> a = {"median_s": 2.0, "per_process_median_s": [1.0, 2.0, 4.0]}
+        >>> b = {"median_s": 2.0, "per_process_median_s": [2.0, 1.0, 4.0]}
+        >>> paired_ratio(a, b), paired_ratio({"median_s": 3.0}, {"median_s": 2.0})
+        (1.0, 1.5)
+    """
+    pa, pb = a.get("per_process_median_s"), b.get("per_process_median_s")
+    if pa and pb and len(pa) == len(pb):
+        return statistics.median(x / y for x, y in zip(pa, pb))
+    return a["median_s"] / b["median_s"]
+
+
+def ratio_spread(a: dict, b: dict) -> tuple[float, float] | None:
+    """(lowest, highest) per-process ratio of ``a`` / ``b``, or None for a single-process run."""
+    pa, pb = a.get("per_process_median_s"), b.get("per_process_median_s")
+    if not (pa and pb and len(pa) == len(pb) and len(pa) > 1):
+        return None
+    rs = [x / y for x, y in zip(pa, pb)]
+    return min(rs), max(rs)
+
+
+def _spread_text(a: dict, b: dict) -> str:
+    sp = ratio_spread(a, b)
+    return "" if sp is None else f"{sp[0]:.3f}-{sp[1]:.3f}"
+
+
 def ratio_rows(group: dict) -> list[dict]:
     """Every non-headwise entry's ratio: its headwise reference's median / its median."""
     out = []
@@ -64,7 +98,8 @@ def ratio_rows(group: dict) -> list[dict]:
         ref = _ref_of(group, e)
         if ref is None:
             continue
-        out.append({"peer": e["name"], "headwise": ref["name"], "ratio": ref["median_s"] / e["median_s"]})
+        out.append({"peer": e["name"], "headwise": ref["name"], "ratio": paired_ratio(ref, e),
+                    "per_process": ratio_spread(ref, e)})
     return out
 
 
@@ -75,7 +110,9 @@ def group_table_rows(group: dict) -> list[list[str]]:
         ref = _ref_of(group, e)
         ratio = ""
         if ref is not None and ref is not e and e["role"] not in ("peak", "headwise2"):
-            ratio = f"{ref['median_s'] / e['median_s']:.3f}"
+            ratio = f"{paired_ratio(ref, e):.3f}"
+            if spread := _spread_text(ref, e):
+                ratio += f" ({spread})"
         flops = e.get("flops", group.get("flops"))
         gf = f"{flops / e['median_s'] / 1e9:.1f}" if flops else ""
         if group["case"] == "4 decode":
@@ -102,7 +139,12 @@ def _ratio(group: dict, a: str, b: str) -> float | None:
     ea, eb = _entry(group, a), _entry(group, b)
     if ea is None or eb is None:
         return None
-    return ea["median_s"] / eb["median_s"]
+    return paired_ratio(ea, eb)
+
+
+def _pair_spread(group: dict, a: str, b: str) -> str:
+    ea, eb = _entry(group, a), _entry(group, b)
+    return "" if ea is None or eb is None else _spread_text(ea, eb)
 
 
 def _min_ratio(group: dict, a: str, b: str) -> float | None:
@@ -113,14 +155,22 @@ def _min_ratio(group: dict, a: str, b: str) -> float | None:
 
 
 def _goal(goal: str, target: str, ratios: list[tuple], limit: float, why_missed: str = "") -> dict:
-    """Status from the worst median ratio; ratios are (group, median ratio[, ratio of the fastest rounds])."""
+    """Status from the worst median ratio; ratios are (group, median ratio[, ratio of the fastest rounds[,
+    per-process range]])."""
     if not ratios:
         return {"goal": goal, "target": target, "status": "not measured", "measured": "", "detail": ""}
     worst = max(ratios, key=lambda r: r[1])
     met = worst[1] <= limit
-    detail = "; ".join(f"{r[0]}: {r[1]:.3f}" + (f" (min {r[2]:.3f})" if len(r) > 2 else "") for r in ratios)
+
+    def extra(r: tuple, fastest: str) -> str:
+        parts = [f"{fastest} {r[2]:.3f}"] if len(r) > 2 and r[2] is not None else []
+        if len(r) > 3 and r[3]:
+            parts.insert(0, f"per process {r[3]}")
+        return f" ({'; '.join(parts)})" if parts else ""
+
+    detail = "; ".join(f"{r[0]}: {r[1]:.3f}{extra(r, 'min')}" for r in ratios)
     status = "met" if met else f"missed by {100 * (worst[1] / limit - 1):.1f} % (worst: {worst[0]})"
-    measured = f"worst {worst[1]:.3f}" + (f" (fastest rounds: {worst[2]:.3f})" if len(worst) > 2 else "")
+    measured = f"worst {worst[1]:.3f}{extra(worst, 'fastest rounds:')}"
     return {"goal": goal, "target": target, "status": status, "measured": measured,
             "detail": detail, "met": met, "why": "" if met else why_missed}
 
@@ -138,7 +188,7 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
         for g in by_case.get(case, []):
             r = _ratio(g, a, b)
             if r is not None and pred(g):
-                out.append((g["group"], r, _min_ratio(g, a, b)))
+                out.append((g["group"], r, _min_ratio(g, a, b), _pair_spread(g, a, b)))
         return out
 
     goals.append(_goal("forward vs packed SDPA (the limit)", "<= 1.05 at every case",
@@ -154,8 +204,8 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
             for e in g["entries"]:
                 if e["name"].startswith("HF "):
                     ref = _ref_of(g, e)
-                    hf.append((f"{g['group']} vs {e['name']}", ref["median_s"] / e["median_s"],
-                               ref["min_s"] / e["min_s"]))
+                    hf.append((f"{g['group']} vs {e['name']}", paired_ratio(ref, e),
+                               ref["min_s"] / e["min_s"], _spread_text(ref, e)))
     goals.append(_goal("vs every Hugging Face layer (BERT, Llama; sdpa and eager)", "<= 1.0", hf, 1.0,
                        notes.get("hf", "")))
 
@@ -214,7 +264,8 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
         for e in g["entries"]:
             if e["name"].startswith("HF "):
                 ref = _ref_of(g, e)
-                hfd.append((f"{g['group']} vs {e['name']}", ref["median_s"] / e["median_s"], ref["min_s"] / e["min_s"]))
+                hfd.append((f"{g['group']} vs {e['name']}", paired_ratio(ref, e), ref["min_s"] / e["min_s"],
+                            _spread_text(ref, e)))
     goals.append(_goal("decode vs Hugging Face DynamicCache / StaticCache", "<= 1.0", hfd, 1.0, notes.get("hf_dec", "")))
     graphs = {}
     for g in dec:
@@ -272,12 +323,14 @@ def _gpu_goal(by_case: dict[str, list[dict]], notes: dict[str, str]) -> dict:
     for g in by_case.get("gpu forward", []):
         r = _ratio(g, "headwise", "packed SDPA (limit)")
         if r is not None:
-            rows.append((f"{g['group']} vs packed SDPA", r, _min_ratio(g, "headwise", "packed SDPA (limit)")))
+            rows.append((f"{g['group']} vs packed SDPA", r, _min_ratio(g, "headwise", "packed SDPA (limit)"),
+                         _pair_spread(g, "headwise", "packed SDPA (limit)")))
     for g in by_case.get("gpu attention step", []):
         for peer in ("SDPA", "flash_attn_func"):
             r = _ratio(g, "headwise attend", peer)
             if r is not None:
-                rows.append((f"{g['group']} vs {peer}", r, _min_ratio(g, "headwise attend", peer)))
+                rows.append((f"{g['group']} vs {peer}", r, _min_ratio(g, "headwise attend", peer),
+                             _pair_spread(g, "headwise attend", peer)))
     if not rows:
         return {"goal": name, "target": target, "measured": "",
                 "status": "not run: no CUDA device on the machine of this run (the case runs only where "
@@ -287,7 +340,8 @@ def _gpu_goal(by_case: dict[str, list[dict]], notes: dict[str, str]) -> dict:
 
 def _long_goal(by_case: dict[str, list[dict]], notes: dict[str, str]) -> dict:
     groups = by_case.get("5 long forward", [])
-    rows = [(g["group"], r, _min_ratio(g, "headwise", "packed SDPA (limit)")) for g in groups
+    rows = [(g["group"], r, _min_ratio(g, "headwise", "packed SDPA (limit)"),
+             _pair_spread(g, "headwise", "packed SDPA (limit)")) for g in groups
             if (r := _ratio(g, "headwise", "packed SDPA (limit)")) is not None]
     row = _goal("long forward, queries chunked, vs packed SDPA (the limit)", "<= 1.05", rows, 1.05,
                 notes.get("long", ""))
@@ -303,6 +357,16 @@ def _md_table(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     lines += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _processes_text(machine: dict) -> list[str]:
+    n = machine.get("processes", 1)
+    if n <= 1:
+        return []
+    return [f"Every timed group ran in {n} fresh processes, one after the other (memory rows: one process per "
+            f"row). Each process timed headwise and its peers side by side; a ratio here is the median of the "
+            f"{n} per-process ratios, followed in tables and details by their range (lowest-highest), and a time "
+            f"is the median of the per-process medians (min and max over every round of every process).", ""]
 
 
 def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict], memory: list[dict],
@@ -325,7 +389,8 @@ def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict],
         parts += [preamble, ""]
     parts += ["Ratios are headwise time / other time within one interleaved run on identical inputs "
               "(below 1: headwise is faster). Times are medians over rounds (min and max shown); every peer holds "
-              "the headwise layer's weights and its output is checked against headwise's on the warm-up call.", "",
+              "the headwise layer's weights and its output is checked against headwise's on the warm-up call.",
+              "", *_processes_text(m), 
               "## Goals", "",
               _md_table(["goal", "target", "measured", "status"],
                         [[g["goal"], g["target"], g.get("measured", ""), g["status"]] for g in goals]), ""]
@@ -396,6 +461,7 @@ def write_summary(path: str | os.PathLike, machine: dict, goals: list[dict], gro
         f"other jobs during the run, {m['threads']} torch threads, torch {m['torch']}, float32 on CPU. Ratios are "
         "headwise time / peer time, medians over interleaved rounds (below 1: headwise is faster); "
         "'fastest rounds' is the same ratio of the minimum times, the least disturbed by the shared machine.", "",
+        *_processes_text(m),
         _md_table(["goal", "target", "where it stands", "status"],
                   [[g["goal"], g["target"], g.get("measured", ""), g["status"]] for g in goals]), "",
     ]
