@@ -54,3 +54,51 @@ def test_eager_half_precision_does_not_overflow():
     q = torch.full((1, 1, 2, 64), 40.0, dtype=torch.float16)  # q.k = 102400 > float16 max 65504
     out, w = eager_attention(q, q, torch.randn(1, 1, 2, 64, dtype=torch.float16))
     assert torch.isfinite(out).all() and torch.isfinite(w).all()
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape and strides of every tensor a copying op materialises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten.contiguous.default):
+            self.made.append((tuple(out.shape), out.stride()))
+        return out
+
+
+def _per_head_reference(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q, dtype=torch.float64)
+    for i in range(q.shape[1]):
+        qi, ki, vi = q[:, i].double(), k[:, i // g].double(), v[:, i // g].double()
+        out[:, i] = torch.softmax(qi @ ki.transpose(-2, -1) / q.shape[-1] ** 0.5, -1) @ vi
+    return out
+
+
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_eager_never_copies_k_transposed_and_never_copies_a_cache_slice(h_kv):
+    # The head split leaves K strided (b and heads not mergeable): the batched matmul must read K^T through
+    # BLAS's transpose flag after a row-wise copy, not materialise K^T. A KV-cache slice (mergeable) is not
+    # copied at all: that copy would cost O(context) per decoded token.
+    b, s, h, d_h = 3, 7, 4, 8
+    x = torch.randn(b, s, h + 2 * h_kv, d_h)
+    q = x[:, :, :h].transpose(1, 2)  # (b, h, s, d_h), strided as after split_heads
+    k, v = x[:, :, h:h + h_kv].transpose(1, 2), x[:, :, h + h_kv:].transpose(1, 2)  # (b, h_kv, s, d_h)
+    with torch.no_grad(), _Copies() as rec:
+        out, _ = eager_attention(q, k, v)
+    torch.testing.assert_close(out.double(), _per_head_reference(q, k, v), rtol=1e-5, atol=1e-6)
+    assert rec.made, "the strided K/V must be laid out once"
+    # row-wise copies of K and V only, (..., s, d_h) with unit inner stride: never K^T laid out (..., d_h, s)
+    assert all(shape[-2:] == (s, d_h) and stride[-1] == 1 for shape, stride in rec.made), rec.made
+    cache = torch.randn(b, h_kv, 16, d_h)
+    k_slice = cache[:, :, :s]
+    v_slice = torch.randn(b, h_kv, 16, d_h)[:, :, :s]
+    q1 = torch.randn(b, h, 1, d_h)
+    with torch.no_grad(), _Copies() as rec:
+        out, _ = eager_attention(q1, k_slice, v_slice)
+    torch.testing.assert_close(out.double(), _per_head_reference(q1, k_slice, v_slice), rtol=1e-5, atol=1e-6)
+    assert rec.made == [], rec.made
