@@ -448,9 +448,10 @@ def write_summary(path: str | os.PathLike, machine: dict, goals: list[dict], gro
     m = machine
     lines = [
         "## Performance", "",
-        "`make bench` (or `python -m headwise.bench`; `--quick` for a seconds-long check of the machinery, "
-        "`--only forward,decode` or case numbers 1-6 for a subset, `--only gpu` for the optional CUDA case) runs "
-        "headwise and every peer in one "
+        "`make bench` (`python -m headwise.bench --processes 3`, about 45 minutes on 2 cores: every timed case "
+        "in three fresh processes, see below; `python -m headwise.bench` alone runs one process, about 15 "
+        "minutes; `--quick` for a seconds-long check of the machinery, `--only forward,decode` or case numbers "
+        "1-6 for a subset, `--only gpu` for the optional CUDA case) runs headwise and every peer in one "
         "interleaved run on the same inputs with the same weights, checks that their outputs agree, prints a "
         "table per comparison and writes `benchmarks/RESULTS.md` and `benchmarks/results.json`. The peers: a "
         "minimal packed module (one fused QKV projection, `F.scaled_dot_product_attention`, merge, output "
