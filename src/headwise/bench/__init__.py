@@ -98,12 +98,11 @@ MISS_NOTES: dict[str, str] = {
               "HF does) headwise was 27 % slower than HF's StaticCache at h_kv 8, context 4096; now 1.00.",
     "decode": "headwise decodes with the same kernels as the minimal preallocated cache (one slot copy, SDPA over "
               "the filled prefix) except that it reads W_Q, W_K and W_V in three matrix-vector products where the "
-              "minimal cache reads one fused matrix: 1-2 % slower in isolation (8.44 vs 8.31 ms at h_kv 32, 4.16 vs "
-              "4.10 ms at h_kv 8, d 4096, 2 threads; an earlier measurement had them equal), plus ~40 us of Python "
-              "per token. Beyond that a miss is run-to-run spread (the same row measured 1.03 in the previous "
-              "full run). Fusing the three weights into one storage (the Linear weights as views of it) would "
-              "remove the 1-2 %; it is not done because parameters sharing storage complicate safetensors and "
-              "module.to().",
+              "minimal cache reads one fused matrix, plus ~14 us of Python per token (54 vs 40 us per token at d 64). "
+              "In isolation at d 4096, h_kv 32, 2 threads the three products measured 5 % slower than the fused one "
+              "when they were allocated first and 0.7 % faster when the fused one was: which weights the process "
+              "allocated first decides more than the split does (1-2 % slower, and equal, in earlier measurements). "
+              "Beyond that a miss is run-to-run spread; compare the per-process range.",
 }
 
 
