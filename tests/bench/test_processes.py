@@ -101,3 +101,13 @@ def test_processes_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["--quick", "--processes", "0"])
     assert "--processes takes a count >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_failing_process_stops_the_run():
+    # A merged result must never silently hold fewer processes than asked for.
+    from headwise.bench.processes import run_processes
+
+    with pytest.raises(RuntimeError, match="benchmark process 1 of 2 exited with 2"):
+        run_processes(["weights"], 2, ["--quick", "--threads", "not-a-number"])
+    with pytest.raises(ValueError, match="--processes takes a count >= 1, got 0"):
+        run_processes(["weights"], 0, [])
