@@ -285,7 +285,7 @@ def _run_processes(args: argparse.Namespace, cases: list[str], sizes: Sizes) -> 
         if not args.no_tables:
             show = _Progress(0, True)
             for g in groups:
-                show.table(f"{g['case']} | {g['group']} | {g['threads']} threads | medians of {n} processes",
+                show.table(f"{g['case']} | {g['group']} | {g['threads']} threads x {n} processes",
                            TABLE_HEAD, group_table_rows(g), g["notes"])
     memory: list[dict] = []
     if "memory" in cases:
