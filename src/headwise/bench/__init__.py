@@ -78,7 +78,8 @@ MISS_NOTES: dict[str, str] = {
            "kernel. What that costs it depends on how the process's allocator serves the fresh 100 MB buffer "
            "(page faults on first touch, or a reused block): in three runs on this machine on 2026-11-30 the fast "
            "path measured 1.02x, 1.23x and 1.27x the packed limit (headwise / fast path 0.985, 0.815 and 0.793; "
-           "the third: python -m headwise.bench --only forward), while headwise stayed at the limit (1.00-1.03x). <= 0.95 therefore holds only in runs where the fast path pays >= 5 % for "
+           "the third: python -m headwise.bench --only forward), while headwise stayed at the limit (1.00-1.03x). "
+           "<= 0.95 therefore holds only in runs where the fast path pays >= 5 % for "
            "its buffer; beating the limit itself would need fewer FLOPs than the same GEMMs and kernel.",
     "causal": "the causal saving comes from SDPA's CPU kernel skipping key blocks above the diagonal; it is bounded "
               "by the kernel's block sizes at this length.",
@@ -87,13 +88,14 @@ MISS_NOTES: dict[str, str] = {
                "GEMM and adds the bias, the query scale and the head layout in one pass (_transform_bias_rescale_qkv); "
                "headwise adds each bias inside its GEMM and then lays out Q (scaled), K and V: about 1 % more "
                "element-wise traffic. This work removed the element-by-element copy of K^T the batched matmul made "
-               "(10.3 -> 8.7 ms per attention step at this shape); what remains is inside the per-process range "
-               "(compare the b8 s512 row, met in every process).",
+               "(10.3 -> 8.7 ms per attention step at this shape); in the 2026-11-30 08:15 run what remained was "
+               "inside the per-process range (0.995-1.022), and the b8 s512 row was met in every process.",
     "gqa": "native grouped attention and repeated K/V do the same arithmetic; the saving is the repeat copy "
            "(small next to the attention at this size), so a miss here is run-to-run spread.",
     "hf_dec": "headwise and HF's Llama layer decode with the same three projection GEMVs (no bias), one slot copy "
-              "and SDPA over the filled prefix; the worst row is at the shortest context (128), where the fixed "
-              "per-token work outside the GEMVs weighs most, and its per-process range straddles 1.0. Before the GQA "
+              "and SDPA over the filled prefix. In the 2026-11-30 08:15 run the worst row was at the shortest context "
+              "(128), where the fixed per-token work outside the GEMVs weighs most, and its per-process range "
+              "straddled 1.0 (0.991-1.017). Before the GQA "
               "decode fix in headwise.functional.sdpa_attention (fold each group's query heads into query rows, as "
               "HF does) headwise was 27 % slower than HF's StaticCache at h_kv 8, context 4096; now 1.00.",
     "decode": "headwise decodes with the same kernels as the minimal preallocated cache (one slot copy, SDPA over "

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "paired_ratio", "ratio_spread", "ratio_rows", "evaluate_goals", "write_results", "write_summary", "group_table_rows"]
+__all__ = ["machine_info", "paired_ratio", "ratio_spread", "ratio_rows", "evaluate_goals", "write_results",
+           "write_summary", "group_table_rows"]
 
 GiB = 1 << 30
 
@@ -142,16 +143,15 @@ def _ratio(group: dict, a: str, b: str) -> float | None:
     return paired_ratio(ea, eb)
 
 
-def _pair_spread(group: dict, a: str, b: str) -> str:
-    ea, eb = _entry(group, a), _entry(group, b)
-    return "" if ea is None or eb is None else _spread_text(ea, eb)
+def _pair_row(label: str, a: dict, b: dict) -> tuple[str, float, float, str]:
+    """A goal row for entries ``a`` / ``b``: label, paired ratio, ratio of the fastest rounds, per-process range."""
+    return label, paired_ratio(a, b), a["min_s"] / b["min_s"], _spread_text(a, b)
 
 
-def _min_ratio(group: dict, a: str, b: str) -> float | None:
+def _row(group: dict, label: str, a: str, b: str) -> tuple[str, float, float, str] | None:
+    """:func:`_pair_row` for the entries named ``a`` and ``b`` of ``group`` (None if either is absent)."""
     ea, eb = _entry(group, a), _entry(group, b)
-    if ea is None or eb is None:
-        return None
-    return ea["min_s"] / eb["min_s"]
+    return None if ea is None or eb is None else _pair_row(label, ea, eb)
 
 
 def _goal(goal: str, target: str, ratios: list[tuple], limit: float, why_missed: str = "") -> dict:
@@ -183,13 +183,8 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
         by_case.setdefault(g["case"], []).append(g)
     goals = []
 
-    def collect(case: str, a: str, b: str, pred=lambda g: True) -> list[tuple[str, float, float]]:
-        out = []
-        for g in by_case.get(case, []):
-            r = _ratio(g, a, b)
-            if r is not None and pred(g):
-                out.append((g["group"], r, _min_ratio(g, a, b), _pair_spread(g, a, b)))
-        return out
+    def collect(case: str, a: str, b: str, pred=lambda g: True) -> list[tuple[str, float, float, str]]:
+        return [row for g in by_case.get(case, []) if pred(g) and (row := _row(g, g["group"], a, b)) is not None]
 
     goals.append(_goal("forward vs packed SDPA (the limit)", "<= 1.05 at every case",
                        collect("1 forward", "headwise", "packed SDPA (limit)"), 1.05, notes.get("limit", "")))
@@ -204,8 +199,7 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
             for e in g["entries"]:
                 if e["name"].startswith("HF "):
                     ref = _ref_of(g, e)
-                    hf.append((f"{g['group']} vs {e['name']}", paired_ratio(ref, e),
-                               ref["min_s"] / e["min_s"], _spread_text(ref, e)))
+                    hf.append(_pair_row(f"{g['group']} vs {e['name']}", ref, e))
     goals.append(_goal("vs every Hugging Face layer (BERT, Llama; sdpa and eager)", "<= 1.0", hf, 1.0,
                        notes.get("hf", "")))
 
@@ -264,8 +258,7 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
         for e in g["entries"]:
             if e["name"].startswith("HF "):
                 ref = _ref_of(g, e)
-                hfd.append((f"{g['group']} vs {e['name']}", paired_ratio(ref, e), ref["min_s"] / e["min_s"],
-                            _spread_text(ref, e)))
+                hfd.append(_pair_row(f"{g['group']} vs {e['name']}", ref, e))
     goals.append(_goal("decode vs Hugging Face DynamicCache / StaticCache", "<= 1.0", hfd, 1.0, notes.get("hf_dec", "")))
     graphs = {}
     for g in dec:
@@ -319,18 +312,11 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
 
 def _gpu_goal(by_case: dict[str, list[dict]], notes: dict[str, str]) -> dict:
     name, target = "GPU bf16: headwise vs packed SDPA, SDPA and flash_attn_func", "<= 1.05 (optional, CUDA only)"
-    rows = []
-    for g in by_case.get("gpu forward", []):
-        r = _ratio(g, "headwise", "packed SDPA (limit)")
-        if r is not None:
-            rows.append((f"{g['group']} vs packed SDPA", r, _min_ratio(g, "headwise", "packed SDPA (limit)"),
-                         _pair_spread(g, "headwise", "packed SDPA (limit)")))
-    for g in by_case.get("gpu attention step", []):
-        for peer in ("SDPA", "flash_attn_func"):
-            r = _ratio(g, "headwise attend", peer)
-            if r is not None:
-                rows.append((f"{g['group']} vs {peer}", r, _min_ratio(g, "headwise attend", peer),
-                             _pair_spread(g, "headwise attend", peer)))
+    rows = [_row(g, f"{g['group']} vs packed SDPA", "headwise", "packed SDPA (limit)")
+            for g in by_case.get("gpu forward", [])]
+    rows += [_row(g, f"{g['group']} vs {peer}", "headwise attend", peer)
+             for g in by_case.get("gpu attention step", []) for peer in ("SDPA", "flash_attn_func")]
+    rows = [row for row in rows if row is not None]
     if not rows:
         return {"goal": name, "target": target, "measured": "",
                 "status": "not run: no CUDA device on the machine of this run (the case runs only where "
@@ -340,9 +326,7 @@ def _gpu_goal(by_case: dict[str, list[dict]], notes: dict[str, str]) -> dict:
 
 def _long_goal(by_case: dict[str, list[dict]], notes: dict[str, str]) -> dict:
     groups = by_case.get("5 long forward", [])
-    rows = [(g["group"], r, _min_ratio(g, "headwise", "packed SDPA (limit)"),
-             _pair_spread(g, "headwise", "packed SDPA (limit)")) for g in groups
-            if (r := _ratio(g, "headwise", "packed SDPA (limit)")) is not None]
+    rows = [row for g in groups if (row := _row(g, g["group"], "headwise", "packed SDPA (limit)")) is not None]
     row = _goal("long forward, queries chunked, vs packed SDPA (the limit)", "<= 1.05", rows, 1.05,
                 notes.get("long", ""))
     extra = [f"{g['group']}: chunks of {g['meta'].get('query_chunk')} positions, {r:.3f}x one pass"
@@ -390,7 +374,7 @@ def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict],
     parts += ["Ratios are headwise time / other time within one interleaved run on identical inputs "
               "(below 1: headwise is faster). Times are medians over rounds (min and max shown); every peer holds "
               "the headwise layer's weights and its output is checked against headwise's on the warm-up call.",
-              "", *_processes_text(m), 
+              "", *_processes_text(m),
               "## Goals", "",
               _md_table(["goal", "target", "measured", "status"],
                         [[g["goal"], g["target"], g.get("measured", ""), g["status"]] for g in goals]), ""]
