@@ -14,6 +14,7 @@ from torch import nn
 
 from . import functional as hwf
 from . import _checkpoint
+from . import packed_gemm
 from ._checks import check_causal, check_input, check_positions
 from .chunking import chunk_length, forward_in_chunks
 from .config import AttentionConfig
@@ -116,6 +117,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(config.vdim, config.kv_dim, bias=config.bias, **kw)
         self.out_proj = nn.Linear(config.inner_dim, config.d_model, bias=config.out_bias, **kw)
         self.rotary = rotary
+        self._gemm_rows: int | None = None  # see use_packed_gemm
+        self._packed: dict[str, packed_gemm.PackedWeight] = {}
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -134,17 +137,88 @@ class MultiHeadAttention(nn.Module):
     def d_head(self) -> int:
         return self.config.d_head
 
+    # -- packed GEMM (opt-in, CPU float32 inference) ------------------------------------------------------
+    def use_packed_gemm(self, rows: int | None = 1) -> "MultiHeadAttention":
+        """Run the four projections on MKL's packed GEMM for calls of ``rows`` rows (``b * s_q``; 1 decodes one
+        sequence a token at a time); ``None`` turns it off and frees the packed copies. Returns the layer.
+
+        The weights are blocked once, here, into the layout MKL's GEMM consumes; calls with another row count,
+        calls that need gradients and compiled calls run the ordinary path. A packed copy is rebuilt after any
+        in-place change of its weight; it costs memory next to the weight (see :mod:`headwise.packed_gemm`).
+
+        Raises:
+            ValueError: ``rows`` is not a positive int or None.
+            TypeError: the weights are not float32 on the CPU.
+            RuntimeError: this PyTorch build has no MKL packed GEMM (:func:`headwise.packed_gemm.available`).
+
+        Shapes:
+            calls served: x (b, s_q, d) with b * s_q == rows
+
+        Example:
+            >>> attn = MultiHeadAttention(d_model=32, n_heads=4).eval()
+            >>> cache = attn.new_cache(batch_size=1, max_len=4)
+            >>> x = torch.randn(1, 4, 32)
+            >>> with torch.no_grad():
+            ...     plain = attn(x, causal=True)
+            ...     if packed_gemm.available():
+            ...         _ = attn.use_packed_gemm(rows=1)
+            ...     steps = torch.cat([attn(x[:, t:t + 1], cache=cache) for t in range(4)], dim=1)
+            >>> torch.testing.assert_close(steps, plain)
+        """
+        rows = packed_gemm.check_rows(rows)
+        self._packed = {}
+        if rows is None:
+            self._gemm_rows = None
+            return self
+        if not packed_gemm.available():
+            raise RuntimeError("this PyTorch build has no MKL packed GEMM (torch.backends.mkl.is_available() is "
+                               f"{torch.backends.mkl.is_available()}); use_packed_gemm needs an x86 build with MKL")
+        names = ("q_proj", "k_proj", "v_proj", "out_proj")
+        for name in names:
+            packed_gemm.check_weight(name, getattr(self, name).weight)
+        self._packed = {name: packed_gemm.PackedWeight(getattr(self, name).weight, rows) for name in names}
+        self._gemm_rows = rows
+        return self
+
+    @property
+    def packed_gemm_rows(self) -> int | None:
+        """The row count the projections run MKL's packed GEMM for (None: off; see :meth:`use_packed_gemm`)."""
+        return self._gemm_rows
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self._gemm_rows is None:
+            return getattr(self, name)(x)
+        return packed_gemm.linear(getattr(self, name), x, self._gemm_rows, self._packed, name)
+
+    def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # .to()/.float()/.cuda() replace the weights: drop the packed copies (they would keep the old storage
+        # alive); they are rebuilt on the next call that can use them.
+        self._packed = {}
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):  # type: ignore[no-untyped-def]
+        # Packed copies are opaque MKL buffers tied to this process's weights: pickles and deep copies drop them
+        # (keeping the row count, so the copy packs its own weights on first use).
+        state = dict(super().__getstate__())
+        state["_packed"] = {}
+        return state
+
+    def __setstate__(self, state):  # type: ignore[no-untyped-def]
+        super().__setstate__(state)
+        self.__dict__.setdefault("_gemm_rows", None)  # pickled before use_packed_gemm existed
+        self.__dict__.setdefault("_packed", {})
+
     # -- the forward, in composable steps -----------------------------------------------------------
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """Queries of every head. Shapes: x (b, s_q, d) -> (b, h, s_q, d_h)."""
-        return hwf.split_heads(self.q_proj(x), self.config.n_heads)  # (b, h, s_q, d_h)
+        return hwf.split_heads(self._linear("q_proj", x), self.config.n_heads)  # (b, h, s_q, d_h)
 
     def project_kv(self, key: torch.Tensor, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every K/V head. Shapes: key (b, s_kv, kdim), value (b, s_kv, vdim)
         -> (b, h_kv, s_kv, d_h) each."""
         value = key if value is None else value
-        k = hwf.split_heads(self.k_proj(key), self.config.n_kv_heads)  # (b, h_kv, s_kv, d_h)
-        v = hwf.split_heads(self.v_proj(value), self.config.n_kv_heads)  # (b, h_kv, s_kv, d_h)
+        k = hwf.split_heads(self._linear("k_proj", key), self.config.n_kv_heads)  # (b, h_kv, s_kv, d_h)
+        v = hwf.split_heads(self._linear("v_proj", value), self.config.n_kv_heads)  # (b, h_kv, s_kv, d_h)
         return k, v
 
     def attend(
@@ -165,7 +239,7 @@ class MultiHeadAttention(nn.Module):
 
     def project_out(self, context: torch.Tensor) -> torch.Tensor:
         """Merge heads and apply W_O, the only place heads mix. Shapes: (b, h, s_q, d_h) -> (b, s_q, d)."""
-        return self.out_proj(hwf.merge_heads(context))  # (b, s_q, d)
+        return self._linear("out_proj", hwf.merge_heads(context))  # (b, s_q, d)
 
     def forward(
         self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,

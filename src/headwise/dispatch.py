@@ -168,6 +168,11 @@ def explain(
         mask = validate_mask(mask, shape, w.dtype, w.device)
     dropout_p = cfg.dropout if attn.training else 0.0
     backend = "eager" if return_weights else attn.backend
+    rows = getattr(attn, "packed_gemm_rows", None)
+    if rows is not None:
+        reasons.append(f"use_packed_gemm(rows={rows}): the projections of these b*s_q = {b * s_q} rows run "
+                       + ("MKL's packed GEMM when no gradient is needed (outside torch.compile)" if b * s_q == rows
+                          else "the ordinary GEMM (a packed copy serves exactly its row count)"))
 
     if b == 0 or s_q == 0 or s_kv == 0:
         reasons.append(f"empty input (b={b}, s_q={s_q}, s_kv={s_kv}): no kernel runs, the context is zeros")

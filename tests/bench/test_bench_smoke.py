@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from headwise import packed_gemm
 from headwise.bench import QUICK, resolve_only, run_suite
-from headwise.bench.report import evaluate_goals, machine_info, write_results
+from headwise.bench.report import evaluate_goals, machine_info, paired_ratio, write_results
 
 pytestmark = pytest.mark.xdist_group("bench")  # it spawns a process for the memory case
 
@@ -60,9 +61,32 @@ def test_peers_compute_what_headwise_computes(suite):
                  "HF Llama sdpa", "HF Llama eager", "packed SDPA repeat K/V", "nn.MHA need_weights, per head",
                  "minimal prealloc cache (limit)", "torch.cat cache", "HF Llama DynamicCache",
                  "HF Llama StaticCache", "SDPA + explicit s x s mask", "repeat_interleave K/V + SDPA",
-                 "headwise one pass"):
+                 "headwise one pass") + (("headwise packed GEMM", "headwise (RoPE) packed GEMM")
+                                         if packed_gemm.available() else ()):
         assert peer in names, peer
     assert checked >= 20
+
+
+def _worst(groups: list[dict], a: str, b: str, pred=lambda e: True) -> float:
+    pick = lambda g, name: next(e for e in g["entries"] if e["name"] == name)  # noqa: E731
+    return max(paired_ratio(pick(g, a), e) for g in groups if g["case"] == "4 decode"
+               for e in g["entries"] if (e["name"] == b if b else pred(e)))
+
+
+@pytest.mark.skipif(not packed_gemm.available(), reason="this PyTorch build has no MKL packed GEMM")
+def test_packed_gemm_decode_rows_sit_beside_the_default_ones(suite):
+    groups, memory = suite
+    goals = {g["goal"]: g for g in evaluate_goals(groups, memory)}
+    limit = "minimal prealloc cache (limit)"
+    hf_eager = lambda e: e["name"] in ("HF Llama DynamicCache", "HF Llama StaticCache")  # noqa: E731
+    expected = {
+        "decode vs minimal preallocated cache": _worst(groups, "headwise", limit),
+        "decode vs minimal preallocated cache (opt-in use_packed_gemm)": _worst(groups, "headwise packed GEMM", limit),
+        "decode vs Hugging Face caches (eager) (opt-in use_packed_gemm)":
+            _worst(groups, "headwise (RoPE) packed GEMM", "", hf_eager),
+    }
+    for goal, worst in expected.items():
+        assert goals[goal]["measured"].startswith(f"worst {worst:.3f}"), (goal, goals[goal]["measured"])
 
 
 def test_goals_and_files(suite, tmp_path):
