@@ -157,6 +157,21 @@ def test_turning_it_off_frees_the_copies():
 
 
 @needs_mkl
+def test_inference_mode_decoding_and_inference_weights():
+    attn = _layer()
+    x = torch.randn(1, 4, 48)
+    with torch.inference_mode():
+        attn.use_packed_gemm(rows=1)  # packed inside inference mode, then used under no_grad
+    y, calls = _decode(attn, x, prompt=1)
+    assert calls == 3 * 4
+    torch.testing.assert_close(y.double(), reference_mha(attn, x, causal=True)[0], **TOL)
+    with torch.inference_mode():
+        made_there = _layer()  # its parameters are inference tensors: no version counter to detect writes
+    with pytest.raises(ValueError, match="q_proj.weight is an inference tensor"):
+        made_there.use_packed_gemm(rows=1)
+
+
+@needs_mkl
 def test_explain_dispatch_says_which_gemm_the_projections_run():
     attn = _layer().use_packed_gemm(rows=1)
     one = attn.explain_dispatch(torch.randn(1, 1, 48), cache=attn.new_cache(1, 4))

@@ -147,7 +147,8 @@ class MultiHeadAttention(nn.Module):
         in-place change of its weight; it costs memory next to the weight (see :mod:`headwise.packed_gemm`).
 
         Raises:
-            ValueError: ``rows`` is not a positive int or None.
+            ValueError: ``rows`` is not a positive int or None, or the weights are inference tensors (made
+                under ``torch.inference_mode``: no version counter, so a later write could not be detected).
             TypeError: the weights are not float32 on the CPU.
             RuntimeError: this PyTorch build has no MKL packed GEMM (:func:`headwise.packed_gemm.available`).
 

@@ -12,15 +12,17 @@ Why it is opt-in (:meth:`headwise.MultiHeadAttention.use_packed_gemm`):
 
 * memory: the packed copy lives next to the weight (1.13x its size at 4096 x 4096), because the weight
   stays the parameter that autograd, ``state_dict``, head views and other row counts read;
-* float32 on CPU, in a PyTorch build with MKL, only;
+* float32 on CPU, in a PyTorch build with MKL, only; weights made under ``torch.inference_mode`` are refused
+  (inference tensors have no version counter, so a later write could not be detected);
 * no autograd: a call that needs gradients, runs under ``torch.compile``, goes to a projection with hooks, or
   goes to a projection module that was replaced (anything but a plain ``nn.Linear``) runs the ordinary path.
 
 A packed copy is used only while the weight is still the tensor it was made from: the same storage (the copy
 keeps a reference to it, so its address cannot be reused by another tensor), shape and strides, and the same
 version counter, which every in-place write bumps (``optimizer.step()``, ``load_state_dict``, writes through
-head views). After any change the copy is rebuilt on the next call that uses it. Writes through ``.data``
-bypass version counting (as they bypass autograd's own checks); call ``use_packed_gemm`` again after one.
+head views); replacing ``.data`` changes the storage. After either the copy is rebuilt on the next call that
+uses it. In-place writes into ``.data`` bypass version counting (as they bypass autograd's own checks): call
+``use_packed_gemm`` again after one.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def check_weight(name: str, weight: torch.Tensor) -> None:
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise TypeError(f"packed GEMM needs float32 weights on the CPU; {name}.weight is {weight.dtype} on "
                         f"{weight.device}")
+    if weight.is_inference():
+        raise ValueError(f"packed GEMM needs weights whose in-place writes are tracked; {name}.weight is an "
+                         "inference tensor (made under torch.inference_mode), which has no version counter")
 
 
 class PackedWeight:
@@ -90,7 +95,8 @@ def _hooked(proj: nn.Module) -> bool:
                 or getattr(_nn_module, "_global_forward_pre_hooks", None))
 
 
-def linear(proj: nn.Module, x: torch.Tensor, rows: int | None, packs: dict[str, PackedWeight], name: str) -> torch.Tensor:
+def linear(proj: nn.Module, x: torch.Tensor, rows: int | None, packs: dict[str, PackedWeight],
+           name: str) -> torch.Tensor:
     """``proj(x)``, on MKL's packed GEMM when ``x`` has ``rows`` rows and nothing rules it out (see the module
     docstring); ``packs[name]`` is made or rebuilt here when missing or stale.
 
@@ -110,7 +116,8 @@ def linear(proj: nn.Module, x: torch.Tensor, rows: int | None, packs: dict[str, 
     if rows is None or type(proj) is not nn.Linear or x.dtype != torch.float32 or x.device.type != "cpu":
         return proj(x)
     weight, bias = proj.weight, proj.bias
-    if (x.numel() != rows * x.shape[-1] or x.shape[-1] != weight.shape[-1] or weight.dtype != torch.float32 or weight.device.type != "cpu"
+    if (x.numel() != rows * x.shape[-1] or x.shape[-1] != weight.shape[-1] or weight.dtype != torch.float32
+            or weight.device.type != "cpu" or weight.is_inference()
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad)))
             or torch.compiler.is_compiling() or _hooked(proj) or not available()):

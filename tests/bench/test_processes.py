@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -94,7 +96,26 @@ def test_processes_end_to_end(tmp_path):
             assert e["median_s"] == pytest.approx(statistics.median(e["per_process_median_s"]))
             if e["max_abs_diff_vs_headwise"] is not None:
                 assert e["matches_headwise"], e
-    assert "ran in 2 fresh processes" in (tmp_path / "RESULTS.md").read_text()
+    assert "ran 2 times, one after the other, each time in a fresh process" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_every_case_gets_its_own_process(monkeypatch, tmp_path):
+    # A case's timings must not depend on the heap earlier cases left behind: one child per case and round.
+    import headwise.bench.processes as proc
+
+    calls = []
+
+    def fake_run(cmd):
+        case, out = cmd[cmd.index("--only") + 1], Path(cmd[cmd.index("--out") + 1])
+        calls.append(case)
+        out.mkdir(parents=True)
+        (out / "results.json").write_text(json.dumps({"groups": [{"case": case, "group": case, "entries": []}]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(proc.subprocess, "run", fake_run)
+    runs = proc.run_processes(["forward", "decode"], 2, ["--quick"])
+    assert calls == ["forward", "decode", "forward", "decode"]
+    assert [[g["case"] for g in run] for run in runs] == [["forward", "decode"]] * 2
 
 
 def test_processes_must_be_positive(capsys):
@@ -107,7 +128,7 @@ def test_a_failing_process_stops_the_run():
     # A merged result must never silently hold fewer processes than asked for.
     from headwise.bench.processes import run_processes
 
-    with pytest.raises(RuntimeError, match="benchmark process 1 of 2 exited with 2"):
+    with pytest.raises(RuntimeError, match=r"benchmark process 1 of 2 \(weights\) exited with 2"):
         run_processes(["weights"], 2, ["--quick", "--threads", "not-a-number"])
     with pytest.raises(ValueError, match="--processes takes a count >= 1, got 0"):
         run_processes(["weights"], 0, [])

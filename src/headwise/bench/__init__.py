@@ -4,8 +4,9 @@
 prints a table per comparison and writes ``benchmarks/RESULTS.md`` and ``benchmarks/results.json``.
 ``--quick`` runs the same machinery on tiny shapes in seconds (results go to a temporary folder unless
 ``--out`` is given); ``--only forward,decode`` (names or case numbers 1-6) runs a subset.
-``--processes 3`` runs the timed cases in three fresh processes, one after the other, and reports each
-ratio as the median of the three paired ratios with their range (see :mod:`headwise.bench.processes`).
+``--processes 3`` runs the timed cases three times, one after the other, each case in a fresh process, and
+reports each ratio as the median of the three paired ratios with their range (see
+:mod:`headwise.bench.processes`).
 
 Cases: ``forward``/``backward``/``causal`` (1), ``gqa`` (2), ``weights`` (3), ``decode`` (4),
 ``long`` and ``memory`` (5: a long forward timed, and peak memory with each measurement in its own process),
@@ -267,7 +268,7 @@ def _rerender(path: str, out: str | None, docs: str | None) -> int:
 
 
 def _run_processes(args: argparse.Namespace, cases: list[str], sizes: Sizes) -> tuple[list[dict], list[dict]]:
-    """The timed cases in ``args.processes`` fresh processes (merged), then the memory rows once (each
+    """The timed cases ``args.processes`` times, a fresh process per case (merged), then the memory rows once (each
     of those is already its own process)."""
     from .processes import merge_processes, run_processes
     from .report import TABLE_HEAD, group_table_rows
@@ -281,8 +282,9 @@ def _run_processes(args: argparse.Namespace, cases: list[str], sizes: Sizes) -> 
     if timed:
         n = args.processes
         runs = run_processes(timed, n, passthrough,
-                             on_start=lambda i: print(f"process {i + 1} of {n}: {', '.join(timed)}", flush=True),
-                             on_done=lambda i, s: print(f"process {i + 1} of {n} done in {s:.0f} s", flush=True))
+                             on_start=lambda i: print(f"round {i + 1} of {n}, a process per case: "
+                                                      f"{', '.join(timed)}", flush=True),
+                             on_done=lambda i, s: print(f"round {i + 1} of {n} done in {s:.0f} s", flush=True))
         groups = merge_processes(runs)
         if not args.no_tables:
             show = _Progress(0, True)
@@ -312,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", metavar="MD", help="also write the README-ready goal summary to this file")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; 1 with --quick)")
     p.add_argument("--processes", type=int, default=1, metavar="N",
-                   help="run the timed cases in N fresh processes, one after the other; each ratio is then the "
-                        "median of the N per-process ratios (their range is shown); memory rows run once")
+                   help="run every timed case N times, one after the other, each time in a fresh process of its "
+                        "own; each ratio is then the median of the N per-process ratios (their range is shown); "
+                        "memory rows run once")
     p.add_argument("--no-tables", action="store_true", help="print no per-group tables (progress and goals only)")
     args = p.parse_args(argv)
     if args.processes < 1:
