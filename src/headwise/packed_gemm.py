@@ -5,8 +5,9 @@ every call. MKL can block a weight once (``cblas_sgemm_pack``) and run later cal
 (``cblas_sgemm_compute``); PyTorch exposes the pair as ``torch.ops.mkl._mkl_reorder_linear_weight`` and
 ``torch.ops.mkl._mkl_linear`` (what inductor's freezing uses). A packed copy is made for one row count
 ``rows`` (``b * s_q`` of the calls it serves: 1 when decoding one sequence); calls with other row counts run
-the ordinary GEMM. On the 2-core CI machine a one-token decode step at d_model 4096 ran 3-11 % faster (see
-the decode rows of ``benchmarks/RESULTS.md``); small weights that stay in cache gained nothing or lost.
+the ordinary GEMM. On the 2-core CI machine a one-token decode step at d_model 4096 took 0.91-0.94x the
+default time at h_kv 32 and 0.92-1.00x at h_kv 8 (the decode rows of ``benchmarks/RESULTS.md``); small weights
+that stay in cache gained nothing or lost.
 
 Why it is opt-in (:meth:`headwise.MultiHeadAttention.use_packed_gemm`):
 
@@ -113,14 +114,16 @@ def linear(proj: nn.Module, x: torch.Tensor, rows: int | None, packs: dict[str, 
         >>> sorted(packs) == (["q_proj"] if available() else [])
         True
     """
-    if rows is None or type(proj) is not nn.Linear or x.dtype != torch.float32 or x.device.type != "cpu":
+    # is_compiling() first: dynamo then traces the ordinary path without reaching checks it cannot trace.
+    if (rows is None or torch.compiler.is_compiling() or type(proj) is not nn.Linear or x.dtype != torch.float32
+            or x.device.type != "cpu"):
         return proj(x)
     weight, bias = proj.weight, proj.bias
     if (x.numel() != rows * x.shape[-1] or x.shape[-1] != weight.shape[-1] or weight.dtype != torch.float32
             or weight.device.type != "cpu" or weight.is_inference()
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad)))
-            or torch.compiler.is_compiling() or _hooked(proj) or not available()):
+            or _hooked(proj) or not available()):
         return proj(x)
     pack = packs.get(name)
     if pack is None or not pack.matches(weight, rows):

@@ -94,18 +94,28 @@ MISS_NOTES: dict[str, str] = {
     "gqa": "native grouped attention and repeated K/V do the same arithmetic; the saving is the repeat copy "
            "(small next to the attention at this size), so a miss here is run-to-run spread.",
     "hf_dec": "headwise and HF's Llama layer decode with the same three projection GEMVs (no bias), one slot copy "
-              "and SDPA over the filled prefix. In the 2026-11-30 08:15 run the worst row was at the shortest context "
-              "(128), where the fixed per-token work outside the GEMVs weighs most, and its per-process range "
-              "straddled 1.0 (0.991-1.017). Before the GQA "
+              "and SDPA over the filled prefix. In the 2026-11-30 08:15 and 10:27 runs the worst row was at the "
+              "shortest context (128), where the fixed per-token work outside the GEMVs weighs most, and its "
+              "per-process range straddled 1.0 (0.991-1.017, then 0.998-1.022). Before the GQA "
               "decode fix in headwise.functional.sdpa_attention (fold each group's query heads into query rows, as "
-              "HF does) headwise was 27 % slower than HF's StaticCache at h_kv 8, context 4096; now 1.00.",
+              "HF does) headwise was 27 % slower than HF's StaticCache at h_kv 8, context 4096; now 1.00. Doing "
+              "less than HF's same GEMVs takes a better weight layout: the opt-in use_packed_gemm row below.",
     "decode": "headwise decodes with the same kernels as the minimal preallocated cache (one slot copy, SDPA over "
               "the filled prefix) except that it reads W_Q, W_K and W_V in three matrix-vector products where the "
               "minimal cache reads one fused matrix, plus ~14 us of Python per token (54 vs 40 us per token at d 64). "
               "In isolation at d 4096, h_kv 32, 2 threads the three products measured 5 % slower than the fused one "
               "when they were allocated first and 0.7 % faster when the fused one was: which weights the process "
               "allocated first decides more than the split does (1-2 % slower, and equal, in earlier measurements). "
-              "Beyond that a miss is run-to-run spread; compare the per-process range.",
+              "Beyond that a miss is run-to-run spread; compare the per-process range. The opt-in packed GEMM "
+              "(MultiHeadAttention.use_packed_gemm) is where headwise does better than the same GEMVs: see its row.",
+    "decode_packed": "use_packed_gemm gains where a projection weight is streamed from memory: the 64 MB 4096 x 4096 "
+                     "weights (W_Q and W_O; W_K and W_V at h_kv 32). At h_kv 8, W_K and W_V are 16 MB each, and a "
+                     "packed 1 x 4096 x 1024 product measured 1.09x the ordinary one on its own (packed 4096 x 4096: "
+                     "0.86-0.96x); in the 2026-11-30 10:27 run packed decoding took 0.91-0.94x the default path's "
+                     "time per token at h_kv 32 and 0.92-1.00x at h_kv 8, so a miss there is within the spread of "
+                     "the shared machine.",
+    "hf_dec_packed": "see the note of the packed row against the minimal cache: the gain comes from the 64 MB weights "
+                     "and is smallest at h_kv 8, where the per-process range decides.",
 }
 
 
