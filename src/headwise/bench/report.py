@@ -362,8 +362,8 @@ def _processes_text(machine: dict) -> list[str]:
     if n <= 1:
         return []
     return [f"Every timed case ran {n} times, one after the other, each time in a fresh process of its own "
-            f"(memory rows: one process per row). Each process timed headwise and its peers side by side; a ratio here is the median of the "
-            f"{n} per-process ratios, followed in tables and details by their range (lowest-highest), and a time "
+            f"(memory rows: one process per row). Each process timed headwise and its peers side by side; a "
+            f"ratio here is the median of the {n} per-process ratios, followed in tables and details by their range (lowest-highest), and a time "
             f"is the median of the per-process medians (min and max over every round of every process).", ""]
 
 
@@ -447,8 +447,8 @@ def write_summary(path: str | os.PathLike, machine: dict, goals: list[dict], gro
     lines = [
         "## Performance", "",
         "`make bench` (`python -m headwise.bench --processes 3`, about 45 minutes on 2 cores: every timed case "
-        "three times, each time in a fresh process of its own, see below; `python -m headwise.bench` alone runs one process, about 15 "
-        "minutes; `--quick` for a seconds-long check of the machinery, `--only forward,decode` or case numbers "
+        "three times, each time in a fresh process of its own, see below; `python -m headwise.bench` alone "
+        "runs one process, about 15 minutes; `--quick` for a seconds-long check of the machinery, `--only forward,decode` or case numbers "
         "1-6 for a subset, `--only gpu` for the optional CUDA case) runs headwise and every peer in one "
         "interleaved run on the same inputs with the same weights, checks that their outputs agree, prints a "
         "table per comparison and writes `benchmarks/RESULTS.md` and `benchmarks/results.json`. The peers: a "
