@@ -28,6 +28,8 @@ uses it. In-place writes into ``.data`` bypass version counting (as they bypass 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
@@ -35,6 +37,7 @@ from torch.nn.modules import module as _nn_module
 __all__ = ["available", "PackedWeight", "linear", "check_rows"]
 
 
+@functools.lru_cache(maxsize=None)  # a property of the build, asked on every packed call
 def available() -> bool:
     """Whether this PyTorch build has MKL's packed GEMM (x86 builds with MKL do; e.g. macOS arm64 does not).
 
