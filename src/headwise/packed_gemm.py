@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-__all__ = ["available", "PackedWeight", "linear", "check_rows"]
+__all__ = ["available", "PackedWeight", "linear", "check_rows", "check_weight"]
 
 
 @functools.lru_cache(maxsize=None)  # a property of the build, asked on every packed call

@@ -67,7 +67,7 @@ class _Shared:
             mods += [self.rope, self.rope_cache, self.hf_built[1]]
         # The opt-in packed GEMM (MultiHeadAttention.use_packed_gemm): copies of the layers, packed before every
         # other entry's weights are re-allocated, so that the packed copies do not get the later (faster) memory.
-        self.packed: dict[str, tuple[MultiHeadAttention, object]] = {}
+        self.packed: dict[str, tuple[MultiHeadAttention, KVCache]] = {}
         if packed_gemm.available():
             for key, layer in (("plain", self.plain), ("rope", getattr(self, "rope", None))):
                 if layer is not None:
