@@ -18,24 +18,25 @@ from headwise import MultiHeadAttention, RotaryEmbedding
 from tests.reference import reference_mha
 from tests.test_attention import build, cases
 
-# Patch through the namespaces the layer really uses: collecting doctests with --import-mode=importlib can put
-# a second copy of a headwise module in sys.modules, which `import headwise.chunking` would then return.
-ATTN = MultiHeadAttention._query_chunk.__globals__  # headwise.attention, as MultiHeadAttention sees it
-CHUNKING = ATTN["chunk_length"].__globals__  # headwise.chunking, as headwise.attention sees it
+# The plan module as the layer sees it: collecting doctests with --import-mode=importlib can put a second copy
+# of a headwise module in sys.modules, so module constants are patched through the function's own globals.
+PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
 
 
 @contextmanager
-def forced_chunks(chunk: int):
-    """Every eligible forward runs in chunks of ``chunk`` positions; yields the list of chunk sizes used."""
+def forced_chunks(attn: MultiHeadAttention, chunk: int):
+    """``attn`` runs eligible forwards in chunks of ``chunk`` positions (its public ``chunk_queries`` setting);
+    yields a list that receives, per forward, how many times W_O ran (one pass: 1; chunked: one per chunk)."""
     used: list[int] = []
-    real = ATTN["forward_in_chunks"]
-
-    def spy(*args, **kwargs):
-        used.append(kwargs["chunk"])
-        return real(*args, **kwargs)
-
-    with mock.patch.dict(ATTN, {"chunk_length": lambda *a: chunk, "forward_in_chunks": spy}):
+    calls = [0]
+    handle = attn.out_proj.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    attn.chunk_queries = chunk
+    try:
         yield used
+    finally:
+        handle.remove()
+        attn.chunk_queries = True
+        used.append(calls[0])
 
 
 @contextmanager
@@ -44,8 +45,26 @@ def without_cpu_flash_op(active: bool = True):
     if not active:
         yield
         return
-    with mock.patch.dict(CHUNKING, {"_cpu_flash_op": lambda: None}):
+    with mock.patch.dict(PLAN, {"lse_merge_available": lambda *a: False}):
         yield
+
+
+def n_chunks(s: int, chunk: int) -> int:
+    return -(-s // chunk) if chunk < s else 1
+
+
+class FlashCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (key length, is_causal) of every call of PyTorch's CPU flash op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            causal = args[4] if len(args) > 4 else (kwargs or {}).get("is_causal", False)
+            self.calls.append((args[1].shape[2], bool(causal)))
+        return func(*args, **(kwargs or {}))
 
 
 def _inputs(case):
@@ -80,9 +99,9 @@ def test_chunked_equals_one_pass_and_the_float64_reference(case):
         attn.chunk_queries = False
         whole = attn(x, context, **kw)
         attn.chunk_queries = True
-        with forced_chunks(case["chunk"]) as used, without_cpu_flash_op(not case["cpu_flash_op"]):
+        with forced_chunks(attn, case["chunk"]) as used, without_cpu_flash_op(not case["cpu_flash_op"]):
             chunked = attn(x, context, **kw)
-    assert used == [case["chunk"]]
+    assert used == [n_chunks(case["s_q"], case["chunk"])]
     torch.testing.assert_close(chunked, whole)
     ref, _ = reference_mha(attn, x, context, mask=mask, causal=case["causal"], positions=positions)
     torch.testing.assert_close(chunked, ref)
@@ -98,7 +117,7 @@ def test_float32_chunked_matches_one_pass_with_padding_rows_and_gqa():
         attn.chunk_queries = False
         whole = attn(x, mask=mask, causal=True)
         attn.chunk_queries = True
-        with forced_chunks(4):
+        with forced_chunks(attn, 4):
             chunked = attn(x, mask=mask, causal=True)
     torch.testing.assert_close(chunked, whole)
     torch.testing.assert_close(chunked[1], attn.out_proj.bias.expand(11, 32))
@@ -111,9 +130,9 @@ def test_unbatched_input_and_inputs_left_untouched():
     weights = {k: v.clone() for k, v in attn.state_dict().items()}
     with torch.no_grad():
         whole = attn(x, causal=True)
-        with forced_chunks(2) as used:
+        with forced_chunks(attn, 2) as used:
             chunked = attn(x, causal=True)
-    assert used == [2] and chunked.shape == (9, 16)
+    assert used == [5] and chunked.shape == (9, 16)
     torch.testing.assert_close(chunked, whole)
     assert torch.equal(x, before)
     assert all(torch.equal(v, weights[k]) for k, v in attn.state_dict().items())
@@ -124,21 +143,22 @@ def test_not_chunked_where_it_would_change_more_than_memory(why):
     attn = MultiHeadAttention(16, 4, dropout=0.5 if why == "dropout" else 0.0,
                               backend="eager" if why == "eager" else "sdpa")
     attn.train(why == "dropout")
-    attn.chunk_queries = why != "opted_out"
     x = torch.randn(1, 6, 16)
     kw = {"return_weights": True} if why == "weights" else {}
     if why == "cache":
         kw["cache"] = attn.new_cache(1, 6)
-    with forced_chunks(2) as used, torch.set_grad_enabled(why == "grad"):
-        attn(x, **kw)  # forced_chunks replaces the size rule only; the layer's own conditions still apply
-    assert used == []
+    with forced_chunks(attn, 2) as used, torch.set_grad_enabled(why == "grad"):
+        if why == "opted_out":
+            attn.chunk_queries = False
+        attn(x, **kw)  # a fixed chunk length replaces the size rule only; the other conditions still apply
+    assert used == [1]
 
 
 def test_grad_enabled_but_nothing_tracked_still_chunks():
     attn = MultiHeadAttention(16, 4).requires_grad_(False)
-    with forced_chunks(2) as used:
+    with forced_chunks(attn, 2) as used:
         attn(torch.randn(1, 6, 16))
-    assert used == [2]
+    assert used == [3]
 
 
 @pytest.mark.parametrize(
@@ -154,31 +174,30 @@ def test_grad_enabled_but_nothing_tracked_still_chunks():
 )
 def test_chunk_length_rule(b, s, d, h, expected):
     attn = MultiHeadAttention(d, h, device="meta")
-    assert CHUNKING["chunk_length"](attn, b, s, s, torch.float32) == expected
+    assert PLAN["chunk_length"](attn.config, b, s, s, torch.float32) == expected
 
 
 def test_chunk_length_is_none_when_one_chunk_would_hold_every_query():
     attn = MultiHeadAttention(4096, 32, device="meta")
     # cross-attention to 100k keys: K/V are huge, but 256 queries fit in one chunk already
-    assert CHUNKING["chunk_length"](attn, 1, 256, 100_000, torch.float32) is None
+    assert PLAN["chunk_length"](attn.config, 1, 256, 100_000, torch.float32) is None
 
 
 def test_real_rule_chunks_a_long_forward_and_matches_one_pass(monkeypatch):
     # The size rule itself (not a forced chunk), scaled down: threshold 0 bytes, 300 positions' worth of
     # queries per chunk (8 floats each), rounded down to the 256-position grid.
-    monkeypatch.setitem(CHUNKING, "CHUNK_ABOVE_BYTES", 0)
-    monkeypatch.setitem(CHUNKING, "CHUNK_BYTES", 300 * 8 * 4)
+    monkeypatch.setitem(PLAN, "CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setitem(PLAN, "CHUNK_BYTES", 300 * 8 * 4)
     attn = MultiHeadAttention(8, 2).eval()
     x = torch.randn(1, 600, 8)
-    assert CHUNKING["chunk_length"](attn, 1, 600, 600, torch.float32) == 256
-    calls = []
-    real = ATTN["forward_in_chunks"]
-    monkeypatch.setitem(ATTN, "forward_in_chunks", lambda *a, **k: calls.append(k["chunk"]) or real(*a, **k))
+    assert PLAN["chunk_length"](attn.config, 1, 600, 600, torch.float32) == 256
+    calls = [0]
+    attn.out_proj.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     with torch.no_grad():
         chunked = attn(x, causal=True)
+        assert calls == [3]  # 256 + 256 + 88 positions
         attn.chunk_queries = False
         whole = attn(x, causal=True)
-    assert calls == [256]
     torch.testing.assert_close(chunked, whole)
 
 
@@ -187,24 +206,22 @@ def test_real_rule_chunks_a_long_forward_and_matches_one_pass(monkeypatch):
 def test_causal_chunks_merge_two_kernel_calls_by_log_sum_exp(dtype, n_kv_heads):
     attn = MultiHeadAttention(32, 4, n_kv_heads, dtype=dtype).eval()
     x = torch.randn(2, 10, 32, dtype=dtype)
-    calls = []
-    real = CHUNKING["_causal_chunk_by_lse"]
-    with torch.no_grad(), mock.patch.dict(CHUNKING, {"_causal_chunk_by_lse": lambda *a: calls.append(a[3:5]) or real(*a)}):
+    with torch.no_grad():
         attn.chunk_queries = False
         whole = attn(x, causal=True)
-        attn.chunk_queries = True
-        with forced_chunks(4):
+        with forced_chunks(attn, 4), FlashCalls() as flash:
             merged = attn(x, causal=True)
-        with forced_chunks(4), without_cpu_flash_op():
+        with forced_chunks(attn, 4), without_cpu_flash_op():
             masked = attn(x, causal=True)
-    assert calls == [(0, 4), (4, 8), (8, 10)]  # (start, end): the prefix [0, start) read in full
+    # chunks [0, 4), [4, 8), [8, 10): the square diagonal block causally, then the key prefix in full
+    assert flash.calls == [(4, True), (4, True), (4, False), (2, True), (8, False)]
     torch.testing.assert_close(merged, whole)
     torch.testing.assert_close(masked, whole)
 
 
 def test_explain_dispatch_reports_the_chunks(monkeypatch):
-    monkeypatch.setitem(CHUNKING, "CHUNK_ABOVE_BYTES", 0)
-    monkeypatch.setitem(CHUNKING, "CHUNK_BYTES", 256 * 8 * 4)
+    monkeypatch.setitem(PLAN, "CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setitem(PLAN, "CHUNK_BYTES", 256 * 8 * 4)
     attn = MultiHeadAttention(8, 2).eval()
     x = torch.randn(1, 600, 8)
     with torch.no_grad():

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headwise.functional import attention, eager_attention, merge_heads, sdpa_attention, split_heads
+from headwise.functional import attention, merge_heads, split_heads
+
+
+def eager_attention(q, k, v, **kw):
+    return attention(q, k, v, backend="eager", **kw)
+
+
+def sdpa_attention(q, k, v, **kw):
+    return attention(q, k, v, backend="sdpa", **kw)
 from headwise.masks import causal_mask
 
 
@@ -102,3 +110,28 @@ def test_eager_never_copies_k_transposed_and_never_copies_a_cache_slice(h_kv):
         out, _ = eager_attention(q1, k_slice, v_slice)
     torch.testing.assert_close(out.double(), _per_head_reference(q1, k_slice, v_slice), rtol=1e-5, atol=1e-6)
     assert rec.made == [], rec.made
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("h_kv", [4, 2, 1])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float", "blocked rows"])
+def test_in_place_eager_variant_equals_the_reference(dtype, h_kv, mask_kind):
+    """Without autograd the eager path runs its in-place speed variant; it must equal the reference formula
+    (which runs whenever autograd records) bit for bit on the outputs' values."""
+    g = torch.Generator().manual_seed(h_kv)
+    b, h, s_q, s_kv, d_h = 3, 4, 5, 6, 8
+    q = torch.randn(b, h, s_q, d_h, generator=g).to(dtype)
+    k, v = (torch.randn(b, h_kv, s_kv, d_h, generator=g).to(dtype) for _ in range(2))
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, s_q, s_kv, generator=g) > 0.3
+    elif mask_kind == "float":
+        mask = torch.randn(b, h, s_q, s_kv, generator=g).to(dtype)
+    elif mask_kind == "blocked rows":
+        mask = torch.zeros(s_q, s_kv).to(dtype)
+        mask[1] = float("-inf")
+    with torch.no_grad():
+        fast_out, fast_w = eager_attention(q, k, v, mask=mask, causal=True)
+    ref_out, ref_w = eager_attention(q.requires_grad_(), k, v, mask=mask, causal=True)
+    torch.testing.assert_close(fast_out, ref_out.detach())
+    torch.testing.assert_close(fast_w, ref_w.detach())

@@ -21,6 +21,7 @@ from .config import AttentionConfig
 from .dispatch import DispatchInfo, MaterializationWarning
 from .head import AttentionHead
 from .kv_cache import KVCache
+from .plan import Plan
 from .rotary import RotaryEmbedding
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "MultiHeadAttention",
     "KVCache",
     "MaterializationWarning",
+    "Plan",
     "RotaryEmbedding",
     "functional",
     "masks",

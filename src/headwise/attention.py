@@ -1,5 +1,8 @@
 """The multi-head attention layer: packed projections over independent heads.
 
+``attn(x)`` runs: validate the inputs once (this module), plan the call (:func:`headwise.plan.plan_attention`),
+then project, split, attend (:func:`headwise.functional.attend`), merge and project out.
+
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
     d: model width (d_model), d_h: head width (d_head).
@@ -7,24 +10,38 @@ Shapes:
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from . import checkpoint
 from . import functional as hwf
-from . import _checkpoint
-from . import packed_gemm
-from ._checks import check_causal, check_input, check_positions
-from .chunking import chunk_length, forward_in_chunks
+from .chunking import attend_in_chunks
 from .config import AttentionConfig
-from .dispatch import DispatchInfo, explain, warn_if_eager_too_large
-from .head import AttentionHead
+from .dispatch import DispatchInfo, describe
+from .head import AttentionHead, pack_heads
 from .kv_cache import KVCache
 from .masks import validate_mask
-from .rotary import RotaryEmbedding
+from .plan import Plan, forward_warning, plan_attention
+from .rotary import RotaryEmbedding, apply_rotary
+from .validation import check_bool, check_causal, check_dtype, check_input, check_positions
 
 __all__ = ["MultiHeadAttention"]
+
+
+def _projection(d_in: int, d_out: int, bias: bool, device: torch.device | str | None,
+                dtype: torch.dtype | None) -> nn.Linear:
+    """An ``nn.Linear`` whose (d_out, d_in) weight is a transposed view of (d_in, d_out) storage.
+
+    The state dict, ``weight.shape`` and ``F.linear`` are unchanged, but the GEMM reads ``x @ W`` with W in
+    the seeds' orientation (d_in, d_out) row-major, which a one-row product (decoding) streams faster than
+    the (d_out, d_in) layout on CPU. ``.to()``, ``deepcopy`` and ``load_state_dict`` keep the layout.
+    """
+    linear = nn.Linear(d_in, d_out, bias=bias, device=device, dtype=dtype)
+    linear.weight = nn.Parameter(linear.weight.detach().t().contiguous().t())  # (d_out, d_in), strides (1, d_out)
+    return linear
 
 
 class MultiHeadAttention(nn.Module):
@@ -45,11 +62,15 @@ class MultiHeadAttention(nn.Module):
         n_heads: query heads h.
         n_kv_heads: key/value heads h_kv (None: = n_heads, MHA; 1: MQA).
         d_head: head width (None: d_model // n_heads, which must then divide exactly).
-        bias: biases on all four projections.
+        bias: biases on the Q, K, V projections (and on W_O unless ``out_bias`` says otherwise).
+        out_bias: bias on W_O (None: same as ``bias``).
         dropout: dropout on attention probabilities, in training mode only.
+        kdim, vdim: widths of separate key / value inputs (None: d_model).
+        scale: score scale (None: 1 / sqrt(d_head)).
         rotary: an optional :class:`RotaryEmbedding` applied to Q and K of every head.
         backend: ``"sdpa"`` (default) or ``"eager"``.
-        For ``kdim``/``vdim``, a bias-free ``out_proj`` or a custom ``scale``, use :meth:`from_config`.
+        config: an :class:`AttentionConfig` instead of the fields above (pass one or the other).
+        device, dtype: of the parameters (dtype must be floating).
 
     Shapes:
         x: (b, s_q, d) or (s_q, d) -> (b, s_q, d) or (s_q, d)
@@ -67,41 +88,23 @@ class MultiHeadAttention(nn.Module):
         >>> torch.testing.assert_close(attn.out_proj(heads), y)               # ...then W_O: the same layer
     """
 
-    #: Without autograd, run long forwards in query chunks (see :mod:`headwise.chunking`); set False to opt out.
-    chunk_queries: bool = True
-
     def __init__(
-        self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, d_head: int | None = None,
-        bias: bool = True, dropout: float = 0.0, rotary: RotaryEmbedding | None = None, backend: str = "sdpa",
+        self, d_model: int | None = None, n_heads: int | None = None, n_kv_heads: int | None = None, *,
+        d_head: int | None = None, bias: bool = True, out_bias: bool | None = None, dropout: float = 0.0,
+        kdim: int | None = None, vdim: int | None = None, scale: float | None = None,
+        rotary: RotaryEmbedding | None = None, backend: str = "sdpa", config: AttentionConfig | None = None,
         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        config = AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
-                                 bias=bias, dropout=dropout)
-        self._setup(config, rotary=rotary, backend=backend, device=device, dtype=dtype)
-
-    @classmethod
-    def from_config(
-        cls, config: AttentionConfig, *, rotary: RotaryEmbedding | None = None, backend: str = "sdpa",
-        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-    ) -> "MultiHeadAttention":
-        """Build a layer from an :class:`AttentionConfig` (all its fields, kdim/vdim/out_bias/scale too).
-
-        Example:
-            >>> cfg = AttentionConfig(d_model=32, n_heads=4, kdim=16, vdim=24, out_bias=False)
-            >>> attn = MultiHeadAttention.from_config(cfg)
-            >>> attn(torch.randn(2, 3, 32), key=torch.randn(2, 7, 16), value=torch.randn(2, 7, 24)).shape
-            torch.Size([2, 3, 32])
-        """
-        if not isinstance(config, AttentionConfig):
+        if config is None:
+            config = AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
+                                     bias=bias, out_bias=out_bias, dropout=dropout, kdim=kdim, vdim=vdim,
+                                     scale=scale)
+        elif not isinstance(config, AttentionConfig):
             raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._setup(config, rotary=rotary, backend=backend, device=device, dtype=dtype)
-        return self
-
-    def _setup(self, config: AttentionConfig, *, rotary: RotaryEmbedding | None, backend: str,
-               device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        elif (d_model, n_heads, n_kv_heads, d_head, kdim, vdim, scale, out_bias) != (None,) * 8 \
+                or (bias, dropout) != (True, 0.0):
+            raise ValueError("pass either config= or the individual fields (d_model, n_heads, ...), not both")
         if backend not in hwf.available_backends():
             raise ValueError(f"backend must be one of {hwf.available_backends()}, got {backend!r}")
         if rotary is not None:
@@ -109,138 +112,87 @@ class MultiHeadAttention(nn.Module):
                 raise TypeError(f"rotary must be a RotaryEmbedding, got {type(rotary).__name__}")
             if rotary.d_head != config.d_head:
                 raise ValueError(f"rotary was built for d_head={rotary.d_head}, the layer has d_head={config.d_head}")
+        check_dtype("dtype", dtype)
         self.config = config
         self.backend = backend
-        kw = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(config.d_model, config.inner_dim, bias=config.bias, **kw)
-        self.k_proj = nn.Linear(config.kdim, config.kv_dim, bias=config.bias, **kw)
-        self.v_proj = nn.Linear(config.vdim, config.kv_dim, bias=config.bias, **kw)
-        self.out_proj = nn.Linear(config.inner_dim, config.d_model, bias=config.out_bias, **kw)
+        self.q_proj = _projection(config.d_model, config.inner_dim, config.bias, device, dtype)
+        self.k_proj = _projection(config.kdim, config.kv_dim, config.bias, device, dtype)
+        self.v_proj = _projection(config.vdim, config.kv_dim, config.bias, device, dtype)
+        self.out_proj = _projection(config.inner_dim, config.d_model, config.out_bias, device, dtype)
         self.rotary = rotary
-        self._gemm_rows: int | None = None  # see use_packed_gemm
-        self._packed: dict[str, packed_gemm.PackedWeight] = {}
+        self._chunk_queries: bool | int = True
 
-    # -- sizes ------------------------------------------------------------------------------------
-    @property
-    def d_model(self) -> int:
-        return self.config.d_model
-
-    @property
-    def n_heads(self) -> int:
-        return self.config.n_heads
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.config.n_kv_heads
-
-    @property
-    def d_head(self) -> int:
-        return self.config.d_head
-
-    # -- packed GEMM (opt-in, CPU float32 inference) ------------------------------------------------------
-    def use_packed_gemm(self, rows: int | None = 1) -> "MultiHeadAttention":
-        """Run the four projections on MKL's packed GEMM for calls of ``rows`` rows (``b * s_q``; 1 decodes one
-        sequence a token at a time); ``None`` turns it off and frees the packed copies. Returns the layer.
-
-        The weights are blocked once, here, into the layout MKL's GEMM consumes; calls with another row count,
-        calls that need gradients and compiled calls run the ordinary path. A packed copy is rebuilt after any
-        in-place change of its weight; it costs memory next to the weight (see :mod:`headwise.packed_gemm`).
-
-        Raises:
-            ValueError: ``rows`` is not a positive int or None, or the weights are inference tensors (made
-                under ``torch.inference_mode``: no version counter, so a later write could not be detected).
-            TypeError: the weights are not float32 on the CPU.
-            RuntimeError: this PyTorch build has no MKL packed GEMM (:func:`headwise.packed_gemm.available`).
-
-        Shapes:
-            calls served: x (b, s_q, d) with b * s_q == rows
+    @classmethod
+    def from_config(cls, config: AttentionConfig, **kwargs) -> "MultiHeadAttention":  # type: ignore[no-untyped-def]
+        """``MultiHeadAttention(config=config, **kwargs)`` (rotary, backend, device, dtype).
 
         Example:
-            >>> attn = MultiHeadAttention(d_model=32, n_heads=4).eval()
-            >>> cache = attn.new_cache(batch_size=1, max_len=4)
-            >>> x = torch.randn(1, 4, 32)
-            >>> with torch.no_grad():
-            ...     plain = attn(x, causal=True)
-            ...     if packed_gemm.available():
-            ...         _ = attn.use_packed_gemm(rows=1)
-            ...     steps = torch.cat([attn(x[:, t:t + 1], cache=cache) for t in range(4)], dim=1)
-            >>> torch.testing.assert_close(steps, plain)
+            >>> cfg = AttentionConfig(d_model=32, n_heads=4, kdim=16, vdim=24, out_bias=False)
+            >>> attn = MultiHeadAttention.from_config(cfg)
+            >>> attn(torch.randn(2, 3, 32), key=torch.randn(2, 7, 16), value=torch.randn(2, 7, 24)).shape
+            torch.Size([2, 3, 32])
         """
-        rows = packed_gemm.check_rows(rows)
-        self._packed = {}
-        if rows is None:
-            self._gemm_rows = None
-            return self
-        if not packed_gemm.available():
-            raise RuntimeError("this PyTorch build has no MKL packed GEMM (torch.backends.mkl.is_available() is "
-                               f"{torch.backends.mkl.is_available()}); use_packed_gemm needs an x86 build with MKL")
-        names = ("q_proj", "k_proj", "v_proj", "out_proj")
-        for name in names:
-            packed_gemm.check_weight(name, getattr(self, name).weight)
-        self._packed = {name: packed_gemm.PackedWeight(getattr(self, name).weight, rows) for name in names}
-        self._gemm_rows = rows
-        return self
+        return cls(config=config, **kwargs)
+
+    # -- sizes --------------------------------------------------------------------------------------------
+    d_model = property(lambda self: self.config.d_model, doc="Model width d.")
+    n_heads = property(lambda self: self.config.n_heads, doc="Query heads h.")
+    n_kv_heads = property(lambda self: self.config.n_kv_heads, doc="Key/value heads h_kv.")
+    d_head = property(lambda self: self.config.d_head, doc="Head width d_h.")
 
     @property
-    def packed_gemm_rows(self) -> int | None:
-        """The row count the projections run MKL's packed GEMM for (None: off; see :meth:`use_packed_gemm`)."""
-        return self._gemm_rows
+    def chunk_queries(self) -> bool | int:
+        """Long no-grad forwards run their queries in chunks (:mod:`headwise.chunking`): True (by size, the
+        default), False (never) or an int (that many query positions per chunk whenever chunking is allowed)."""
+        return self._chunk_queries
 
-    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        if self._gemm_rows is None:
-            return getattr(self, name)(x)
-        return packed_gemm.linear(getattr(self, name), x, self._gemm_rows, self._packed, name)
+    @chunk_queries.setter
+    def chunk_queries(self, value: bool | int) -> None:
+        if not isinstance(value, int) or (not isinstance(value, bool) and value <= 0):
+            raise TypeError(f"chunk_queries must be True, False or a positive int, got {value!r}")
+        self._chunk_queries = value
 
-    def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-        # .to()/.float()/.cuda() replace the weights: drop the packed copies (they would keep the old storage
-        # alive); they are rebuilt on the next call that can use them.
-        self._packed = {}
-        return super()._apply(fn, *args, **kwargs)
-
-    def __getstate__(self):  # type: ignore[no-untyped-def]
-        # Packed copies are opaque MKL buffers tied to this process's weights: pickles and deep copies drop them
-        # (keeping the row count, so the copy packs its own weights on first use).
-        state = dict(super().__getstate__())
-        state["_packed"] = {}
-        return state
-
-    def __setstate__(self, state):  # type: ignore[no-untyped-def]
-        super().__setstate__(state)
-        self.__dict__.setdefault("_gemm_rows", None)  # pickled before use_packed_gemm existed
-        self.__dict__.setdefault("_packed", {})
-
-    # -- the forward, in composable steps -----------------------------------------------------------
+    # -- the forward, in composable steps -----------------------------------------------------------------
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         """Queries of every head. Shapes: x (b, s_q, d) -> (b, h, s_q, d_h)."""
-        return hwf.split_heads(self._linear("q_proj", x), self.config.n_heads)  # (b, h, s_q, d_h)
+        return hwf.split_heads(self.q_proj(x), self.config.n_heads)  # (b, h, s_q, d_h)
 
     def project_kv(self, key: torch.Tensor, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every K/V head. Shapes: key (b, s_kv, kdim), value (b, s_kv, vdim)
         -> (b, h_kv, s_kv, d_h) each."""
         value = key if value is None else value
-        k = hwf.split_heads(self._linear("k_proj", key), self.config.n_kv_heads)  # (b, h_kv, s_kv, d_h)
-        v = hwf.split_heads(self._linear("v_proj", value), self.config.n_kv_heads)  # (b, h_kv, s_kv, d_h)
+        k = hwf.split_heads(self.k_proj(key), self.config.n_kv_heads)  # (b, h_kv, s_kv, d_h)
+        v = hwf.split_heads(self.v_proj(value), self.config.n_kv_heads)  # (b, h_kv, s_kv, d_h)
         return k, v
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Self-attention's queries, keys and values (a subclass with a fused projection overrides this).
+
+        Shapes: x (b, s, d) -> (b, h, s, d_h), (b, h_kv, s, d_h), (b, h_kv, s, d_h)"""
+        return (self.project_q(x), *self.project_kv(x))
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
         causal: bool = False, return_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-head attention on already split heads (the layer's dropout, scale and backend).
+        """Per-head attention on already split heads, with the layer's dropout, scale and backend.
 
         Shapes:
             q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h) -> (b, h, s_q, d_h), weights or None
         """
-        backend = "eager" if return_weights else self.backend  # hwf.attention validates q, k, v and mask
-        if backend == "eager":
-            warn_if_eager_too_large(q, k)
-        dropout_p = self.config.dropout if self.training else 0.0
-        return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=dropout_p, causal=causal,
-                            backend=backend)
+        backend = "eager" if return_weights is True else self.backend
+        return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
+                             causal=causal, backend=backend, return_weights=return_weights)
 
-    def project_out(self, context: torch.Tensor) -> torch.Tensor:
+    def project_out(self, z: torch.Tensor) -> torch.Tensor:
         """Merge heads and apply W_O, the only place heads mix. Shapes: (b, h, s_q, d_h) -> (b, s_q, d)."""
-        return self._linear("out_proj", hwf.merge_heads(context))  # (b, s_q, d)
+        return self.out_proj(hwf.merge_heads(z))  # (b, s_q, d)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding of Q and K at ``positions`` (identity without rotary).
+
+        Shapes: q (b, h, s, d_h), k (b, h_kv, s, d_h), positions (s,) or (b, s) -> q, k"""
+        return (q, k) if self.rotary is None else self.rotary.rotate(q, k, positions)
 
     def forward(
         self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
@@ -249,74 +201,82 @@ class MultiHeadAttention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to itself, to ``context``, or to separate ``key``/``value`` inputs.
 
-        With ``cache``, the new keys/values are appended and ``x`` attends causally (bottom-right) over
-        everything cached, so prefill-then-decode equals one causal pass. ``positions`` (rotary only)
-        default to ``cache.length + arange(s_q)``.
+        Args:
+            x: the queries' inputs.
+            context: inputs of keys and values (cross-attention); None: ``x`` itself.
+            key, value: separate key and value inputs (widths kdim, vdim); pass both or neither.
+            mask: bool (True = may attend) or floating (added to the scores).
+            causal: bottom-right causal masking (query i sits at position s_kv - s_q + i).
+            cache: a :class:`KVCache` (self-attention): new keys/values are appended and ``x`` attends
+                causally over everything cached, so prefill-then-decode equals one causal pass. If the call
+                fails, the cache is left exactly as it was.
+            positions: rotary positions (rotary layers only); default ``cache.length + arange(s_q)``.
+            return_weights: also return every head's probabilities (the eager path).
 
         Shapes:
             x: (b, s_q, d) or (s_q, d); context: (b, s_kv, d); key: (b, s_kv, kdim); value: (b, s_kv, vdim)
             mask: broadcastable to (b, h, s_q, s_kv); positions: (s_q,) or (b, s_q)
             -> (b, s_q, d) [, weights (b, h, s_q, s_kv)]
         """
-        check_causal(causal)
-        x, key, value, batched = self._check_inputs(x, context, key, value, cache)
-        cross = key is not None
-        chunk = self._query_chunk(x, key, value, cache, return_weights)
-        if chunk is not None:
-            y = self._forward_in_chunks(x, key, value, mask=mask, causal=causal, positions=positions, chunk=chunk)
+        x, key, value, mask, positions, batched = self._validate(x, context, key, value, mask, causal, cache,
+                                                                 positions, return_weights)
+        plan = self._plan_call(x, key, value, mask, causal, cache, return_weights)
+        if plan.warn:
+            warnings.warn(forward_warning(plan), stacklevel=2)
+        if plan.chunk is not None:
+            with torch.no_grad():
+                y = self._forward_in_chunks(plan, x, key, value, mask, positions)
             return y if batched else y.squeeze(0)
-        q = self.project_q(x)
-        k, v = self.project_kv(key, value) if cross else self.project_kv(x)
-        offset = 0
-        if cache is not None:
-            offset = cache.length
-            causal = True
-        if self.rotary is not None:
-            if positions is None:
-                positions = torch.arange(offset, offset + x.shape[1], device=x.device)
-            else:
-                positions = check_positions(positions, x.shape[0], x.shape[1])
-            q, k = self.rotary.rotate(q, k, positions)
-        if cache is not None:
-            if mask is not None:  # checked before the write, so a failed call leaves the cache untouched
-                mask = validate_mask(mask, (q.shape[0], q.shape[1], q.shape[2], offset + k.shape[2]), q.dtype,
-                                     q.device)
-            k, v = cache.update(k, v)
-        out, weights = self.attend(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
-        # Free Q/K/V (3 x s x d floats without autograd) before W_O allocates the output: the forward's peak
-        # is then Q/K/V + context, not Q/K/V + context + output.
-        del q, k, v
-        y = self.project_out(out)
+        # Project and split: (b, h, s_q, d_h) queries; (b, h_kv, s_kv, d_h) keys and values.
+        q, k, v = self.project_qkv(x) if key is None else (self.project_q(x), *self.project_kv(key, value))
+        q, k = self.rotate(q, k, positions)
+        # Attend: every head on its own (over the cache's positions too, when there is one).
+        if cache is None:
+            z, weights = hwf.attend(plan, q, k, v, mask)  # (b, h, s_q, d_h)
+        else:
+            z, weights = self._attend_cached(plan, cache, q, k, v, mask)
+        del q, k, v  # without autograd, freed before W_O allocates the output
+        # Merge and project out: W_O is the only place heads mix.
+        y = self.project_out(z)  # (b, s_q, d)
         if not batched:
-            y = y.squeeze(0)
-            weights = weights.squeeze(0) if weights is not None else None
+            y, weights = y.squeeze(0), None if weights is None else weights.squeeze(0)
         return (y, weights) if return_weights else y
 
-    def _query_chunk(self, x, key, value, cache, return_weights):  # type: ignore[no-untyped-def]
-        """Positions per query chunk when this forward may run chunked (see :mod:`headwise.chunking`), else None."""
-        if (not self.chunk_queries or cache is not None or return_weights or self.backend != "sdpa"
-                or (self.training and self.config.dropout)):
-            return None
-        s_kv = x.shape[1] if key is None else key.shape[1]
-        chunk = chunk_length(self, x.shape[0], x.shape[1], s_kv, x.dtype)
-        if chunk is None or not torch.is_grad_enabled():
-            return chunk
-        # With autograd on, chunking saves nothing (the graph keeps every chunk's activations).
-        tracked = any(t is not None and t.requires_grad for t in (x, key, value))
-        return None if tracked or any(p.requires_grad for p in self.parameters()) else chunk
+    def _attend_cached(self, plan, cache, q, k, v, mask):  # type: ignore[no-untyped-def]
+        # A failed attention step rolls the cache back: the write is undone, never left half-done.
+        saved = cache.checkpoint(k.shape[2])
+        k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
+        try:
+            return hwf.attend(plan, q, k, v, mask)
+        except BaseException:
+            cache.restore(saved)
+            raise
 
-    def _forward_in_chunks(self, x, key, value, *, mask, causal, positions, chunk):  # type: ignore[no-untyped-def]
-        s_kv = x.shape[1] if key is None else key.shape[1]
-        if mask is not None:
-            mask = validate_mask(mask, (x.shape[0], self.n_heads, x.shape[1], s_kv), x.dtype, x.device)
-        if positions is not None and self.rotary is not None:
-            positions = check_positions(positions, x.shape[0], x.shape[1])
-        with torch.no_grad():
-            return forward_in_chunks(self, x, key, value, mask=mask, causal=causal, positions=positions,
-                                     chunk=chunk)
+    def _forward_in_chunks(self, plan: Plan, x, key, value, mask, positions):  # type: ignore[no-untyped-def]
+        k, v = self.project_kv(x) if key is None else self.project_kv(key, value)  # (b, h_kv, s_kv, d_h)
+        cos = sin = None
+        if self.rotary is not None:  # self-attention only, so s_kv == s_q
+            cos, sin = (t.to(x.dtype) for t in self.rotary(positions, x.dtype))  # (b or 1, 1, s, r)
+            k = apply_rotary(k, cos, sin)
+        y = x.new_empty(x.shape[0], x.shape[1], self.config.d_model)
 
-    def _check_inputs(self, x, context, key, value, cache):  # type: ignore[no-untyped-def]
-        """Validate the forward's inputs; return them batched, with ``key``/``value`` None for self-attention."""
+        def queries(i0: int, i1: int) -> torch.Tensor:
+            q = self.project_q(x[:, i0:i1])  # (b, h, c, d_h)
+            return q if cos is None else apply_rotary(q, cos[:, :, i0:i1], sin[:, :, i0:i1])
+
+        def write(i0: int, i1: int, z: torch.Tensor) -> None:
+            y[:, i0:i1] = self.project_out(z)  # (b, c, d)
+
+        attend_in_chunks(plan, queries, k, v, mask, write)
+        return y
+
+    # -- the public edge: validate once, then plan --------------------------------------------------------
+    def _validate(self, x, context, key, value, mask, causal, cache, positions, return_weights,  # type: ignore[no-untyped-def]
+                  bind: bool = True):
+        """The forward's inputs, checked and batched; ``key``/``value`` are None for self-attention.
+        ``bind``: claim the cache for this layer (explaining only checks that it is not another layer's)."""
+        check_causal(causal)
+        check_bool("return_weights", return_weights)
         cfg = self.config
         w = self.q_proj.weight
         x = check_input("x", x, cfg.d_model, "d_model", w.dtype, w.device)
@@ -336,9 +296,10 @@ class MultiHeadAttention(nn.Module):
             x = x.unsqueeze(0)
             key = None if key is None else key.unsqueeze(0)
             value = None if value is None else value.unsqueeze(0)
+        b, s_q = x.shape[0], x.shape[1]
         if key is not None:
-            if key.shape[0] != x.shape[0] or value.shape[0] != x.shape[0]:
-                raise ValueError(f"batch mismatch: x has b={x.shape[0]}, key/context has b={key.shape[0]}, "
+            if key.shape[0] != b or value.shape[0] != b:
+                raise ValueError(f"batch mismatch: x has b={b}, key/context has b={key.shape[0]}, "
                                  f"value has b={value.shape[0]}")
             if key.shape[1] != value.shape[1]:
                 raise ValueError(f"key has s_kv={key.shape[1]} but value has s_kv={value.shape[1]}")
@@ -346,11 +307,71 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("cache= is for self-attention decoding; cross-attention keys need no cache")
             if self.rotary is not None:
                 raise ValueError("rotary embeddings apply to self-attention only; got context/key inputs")
-        if cache is not None and not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
-        return x, key, value, batched
+        offset = 0
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
+            offset = cache.length
+        s_kv = offset + s_q if key is None else key.shape[1]
+        if mask is not None:
+            mask = validate_mask(mask, (b, cfg.n_heads, s_q, s_kv), w.dtype, w.device)
+        if self.rotary is None:
+            if positions is not None:
+                raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
+        elif positions is None:
+            positions = torch.arange(offset, offset + s_q, device=x.device)
+        else:
+            positions = check_positions(positions, b, s_q)
+        if cache is not None and (bind or cache.owner is not None):
+            cache.claim(self)  # last: a refused call never binds a cache
+        return x, key, value, mask, positions, batched
 
-    # -- heads as objects ---------------------------------------------------------------------------
+    def _dropout_p(self) -> float:
+        return self.config.dropout if self.training else 0.0
+
+    def _records_grad(self, *inputs: torch.Tensor | None) -> bool:
+        return torch.is_grad_enabled() and (any(t is not None and t.requires_grad for t in inputs)
+                                            or any(p.requires_grad for p in self.parameters()))
+
+    def _plan_call(self, x, key, value, mask, causal, cache, return_weights) -> Plan:  # type: ignore[no-untyped-def]
+        s_kv = (cache.length + x.shape[1]) if cache is not None else (x.shape[1] if key is None else key.shape[1])
+        return plan_attention(
+            self.config, b=x.shape[0], s_q=x.shape[1], s_kv=s_kv, dtype=x.dtype, device=x.device,
+            backend=self.backend, causal=causal, has_mask=mask is not None, cached=cache is not None,
+            return_weights=return_weights, dropout_p=self._dropout_p(), chunk_queries=self._chunk_queries,
+            records_grad=lambda: self._records_grad(x, key, value))
+
+    def explain_dispatch(
+        self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+        causal: bool = False, cache: KVCache | None = None, return_weights: bool = False,
+        warn_bytes: int | None = None,
+    ) -> DispatchInfo:
+        """Which backend and kernel :meth:`forward` would run for these inputs, and why (nothing is computed).
+
+        It formats the same :class:`~headwise.plan.Plan` that ``forward`` executes. Warns
+        (:class:`headwise.MaterializationWarning`) if the path would materialise more than ``warn_bytes``
+        (default :data:`headwise.dispatch.WARN_BYTES`) of probabilities.
+
+        Shapes:
+            x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); mask: broadcastable to (b, h, s_q, s_kv)
+
+        Example:
+            >>> attn = MultiHeadAttention(d_model=32, n_heads=4)
+            >>> info = attn.explain_dispatch(torch.randn(2, 6, 32), causal=True)
+            >>> info.backend, info.causal_via, info.materializes_probabilities
+            ('sdpa', 'kernel is_causal', False)
+            >>> attn.explain_dispatch(torch.randn(2, 6, 32), return_weights=True).probability_bytes
+            1152
+        """
+        x, key, value, mask, _, _ = self._validate(x, context, None, None, mask, causal, cache, None,
+                                                   return_weights, bind=False)
+        plan = self._plan_call(x, key, value, mask, causal, cache, return_weights)
+        w = self.q_proj.weight
+        return describe(plan, d_head=self.d_head, n_kv_heads=self.n_kv_heads, dtype=w.dtype, device=w.device,
+                        mask=mask, grad=self._records_grad(x, key, value), causal_given=causal,
+                        cache_length=0 if cache is None else cache.length, warn_bytes=warn_bytes)
+
+    # -- heads as objects ---------------------------------------------------------------------------------
     def head(self, index: int) -> AttentionHead:
         """Head ``index`` as an :class:`AttentionHead` whose weights are views of this layer's (no copy):
         writing to them changes the layer, and gradients through the head reach the layer's parameters.
@@ -367,11 +388,17 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"head index must be an int, got {type(index).__name__}")
         if not -self.n_heads <= index < self.n_heads:
             raise IndexError(f"head index must be in [0, {self.n_heads}), got {index}")
-        return AttentionHead._view_of(self, index % self.n_heads)
+        return AttentionHead.view(self, index % self.n_heads)
 
     def heads(self) -> list[AttentionHead]:
         """Every head, in order (see :meth:`head`)."""
         return [self.head(i) for i in range(self.n_heads)]
+
+    def head_mask_row(self, index: int, n: int) -> int:
+        """Which row of an ``n``-head mask belongs to head ``index`` (for :class:`AttentionHead`)."""
+        if n != self.n_heads:
+            raise ValueError(f"a per-head mask must have h={self.n_heads} heads on its head axis, got {n}")
+        return index
 
     @classmethod
     def from_heads(
@@ -393,49 +420,28 @@ class MultiHeadAttention(nn.Module):
             >>> all(torch.equal(a, b) for a, b in zip(attn.state_dict().values(), again.state_dict().values()))
             True
         """
-        from .head import _pack_heads
+        config, tensors = pack_heads(heads, out_proj=out_proj, n_kv_heads=n_kv_heads)
+        w = tensors["q_proj.weight"]
+        attn = cls(config=config, rotary=heads[0].rotary, backend=backend, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for name, p in attn.named_parameters():
+                p.copy_(tensors[name])
+        return attn
 
-        return _pack_heads(cls, heads, out_proj=out_proj, n_kv_heads=n_kv_heads, backend=backend)
-
-    # -- checkpoints: the config rides in the state dict's metadata (see headwise._checkpoint) ---------
+    # -- checkpoints: the config rides in the state dict's metadata (see headwise.checkpoint) -------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        _checkpoint.record(destination, prefix, self.config)
+        checkpoint.record(destination, prefix, self.config)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):  # type: ignore[no-untyped-def]
-        _checkpoint.check(local_metadata, prefix, self.config)  # before any weight is copied
+        checkpoint.check(local_metadata, prefix, self.config)  # before any weight is copied
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
-    # -- dispatch ---------------------------------------------------------------------------------------
-    def explain_dispatch(
-        self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-        causal: bool = False, cache: KVCache | None = None, return_weights: bool = False,
-        warn_bytes: int | None = None,
-    ) -> DispatchInfo:
-        """Which backend and kernel :meth:`forward` would run for these inputs, and why (nothing is computed).
-
-        Warns (:class:`headwise.MaterializationWarning`) if the path would materialise more than
-        ``warn_bytes`` (default :data:`headwise.dispatch.WARN_BYTES`) of probabilities. See
-        :mod:`headwise.dispatch` for the rules.
-
-        Shapes:
-            x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); mask: broadcastable to (b, h, s_q, s_kv)
-
-        Example:
-            >>> attn = MultiHeadAttention(d_model=32, n_heads=4)
-            >>> info = attn.explain_dispatch(torch.randn(2, 6, 32), causal=True)
-            >>> info.backend, info.causal_via, info.materializes_probabilities
-            ('sdpa', 'kernel is_causal', False)
-            >>> attn.explain_dispatch(torch.randn(2, 6, 32), return_weights=True).probability_bytes
-            1152
-        """
-        return explain(self, x, context=context, mask=mask, causal=causal, cache=cache,
-                       return_weights=return_weights, warn_bytes=warn_bytes)
-
-    # -- decoding -------------------------------------------------------------------------------------
+    # -- decoding -----------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None) -> KVCache:
-        """A preallocated :class:`KVCache` for this layer (n_kv_heads heads, the weights' dtype/device).
+        """A preallocated :class:`KVCache` for this layer (n_kv_heads heads, the weights' dtype/device),
+        bound to it: another layer refuses it.
 
         Example:
             >>> attn = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=1)
@@ -446,8 +452,10 @@ class MultiHeadAttention(nn.Module):
             >>> torch.testing.assert_close(torch.cat(steps, dim=1), full)
         """
         w = self.k_proj.weight
-        return KVCache(batch_size, max_len, self.n_kv_heads, self.d_head, dtype=dtype or w.dtype,
-                       device=device or w.device)
+        cache = KVCache(batch_size, max_len, self.n_kv_heads, self.d_head, dtype=dtype or w.dtype,
+                        device=device or w.device)
+        cache.claim(self)
+        return cache
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,11 +1,12 @@
-"""The functional core: splitting and merging heads, and the attention math itself.
+"""The math of multi-head attention: split the heads, attend within each head, merge them back.
 
-Everything here is a pure function of tensors (no modules, no parameters), so it can be read against the
-formula line by line. The modules in :mod:`headwise.attention` and :mod:`headwise.head` only hold weights
-and call these.
+Pure functions of tensors (no modules, no parameters). :func:`attention` is the validated public entry;
+:func:`attend` runs a :class:`~headwise.plan.Plan` on inputs its maker already validated (the layer's
+forward). The eager path has one readable reference, :func:`_softmax_attention`, which is the formula; its
+no-autograd speed variant, :func:`_softmax_attention_in_place`, sits beside it and is tested equal to it.
 
-Shapes (one glossary for the whole package):
-    b: batch, s / s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
     d: model width (d_model), d_h: head width (d_head), g = h // h_kv: query heads per K/V head.
 """
 
@@ -14,18 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_causal
+from .config import AttentionConfig
 from .masks import causal_mask, combine_masks, validate_mask
+from .plan import Plan, plan_attention
+from .validation import check_bool, check_causal, check_qkv, check_tensor
 
-__all__ = [
-    "split_heads",
-    "merge_heads",
-    "eager_attention",
-    "sdpa_attention",
-    "attention",
-]
+__all__ = ["split_heads", "merge_heads", "attention", "attend", "available_backends"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_BACKENDS = ("eager", "sdpa")
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -47,8 +45,8 @@ def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
         True
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"split_heads expects a packed projection (b, s, h * d_h), got {got}")
+        check_tensor("x", x)
+        raise ValueError(f"split_heads expects a packed projection (b, s, h * d_h), got {tuple(x.shape)}")
     if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads <= 0:
         raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
     b, s, width = x.shape
@@ -72,185 +70,147 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
         True
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"merge_heads expects split heads (b, h, s, d_h), got {got}")
+        check_tensor("x", x)
+        raise ValueError(f"merge_heads expects split heads (b, h, s, d_h), got {tuple(x.shape)}")
     b, h, s, d_h = x.shape
     return x.transpose(1, 2).reshape(b, s, h * d_h)  # (b, s, h * d_h)
 
 
-def _causal_as_mask(mask: torch.Tensor | None, s_q: int, s_kv: int, device: torch.device) -> torch.Tensor | None:
-    return combine_masks(mask, causal_mask(s_q, s_kv, device=device))
+def _softmax_attention(q, k, v, mask, scale, dropout_p):  # type: ignore[no-untyped-def]
+    """The reference: ``softmax(Q K^T * scale + mask) V`` for every head; query head i reads K/V head i // g.
 
-
-def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
-    scale: float | None = None, dropout_p: float = 0.0, causal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention that materialises every head's softmax: ``softmax(Q K^T * scale + mask) V``.
-
-    Under GQA query head ``i`` reads K/V head ``i // g``; the g query heads of a group are folded into
-    one matrix so K and V are never repeated in memory. Half-precision inputs are computed in float32
-    (scores of large inputs overflow float16). A row that may read nothing gets zero weights and a zero
-    context. ``causal`` is bottom-right aligned (see :mod:`headwise.masks`).
-
-    Shapes:
-        q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h); mask: broadcastable to (b, h, s_q, s_kv)
-        -> context (b, h, s_q, d_h), weights (b, h, s_q, s_kv)
-
-    Example:
-        >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
-        >>> out, w = eager_attention(q, k, v)
-        >>> out.shape, w.shape, bool(torch.allclose(w.sum(-1), torch.ones(1, 4, 3)))
-        (torch.Size([1, 4, 3, 8]), torch.Size([1, 4, 3, 5]), True)
+    A row that may read nothing gets zero weights and a zero context (softmax of a finite row, then
+    zeroed), so neither the forward nor the backward sees 0/0. Half precision runs in float32.
     """
     b, h, s_q, d_h = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
-    g = h // h_kv
-    scale = d_h ** -0.5 if scale is None else scale
-    out_dtype = q.dtype
-    if q.dtype in _LOW_PRECISION:
+    dtype = q.dtype
+    if dtype in _LOW_PRECISION:  # half-precision scores of large inputs overflow
         q, k, v = q.float(), k.float(), v.float()
-    if causal:
-        mask = _causal_as_mask(mask, s_q, s_kv, q.device)
-    # Scale the queries, not the scores: q has s_kv / d_h times fewer entries (8x at s 512, d_h 64). Without
-    # autograd one pass both scales q and lays it out contiguously, the copy the batched matmul makes anyway.
-    if torch.is_grad_enabled() and q.requires_grad:
-        q = q * scale
-    else:
-        q = torch.mul(q, scale, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
-    q_grouped = q.reshape(b, h_kv, g * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries stacked
-    if b > 1 and h_kv > 1 and k.stride(0) != h_kv * k.stride(1):
-        # The head split leaves K as a strided view whose (b, h_kv) axes cannot merge into one batch axis,
-        # so the batched matmul below would copy K^T element by element (2 ms of a 10 ms step at b4 s128
-        # h32 d_h 128). A row-wise copy of K is 25x cheaper and K^T is then read through BLAS's transpose
-        # flag. A KV-cache slice (mergeable axes) is left alone: copying it would cost O(context) per token.
-        k = k.contiguous()
-    scores = (q_grouped @ k.transpose(-2, -1)).view(b, h, s_q, s_kv)  # (b, h, s_q, s_kv)
+    q = q.reshape(b, h_kv, h // h_kv * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries share K
+    scores = (q @ k.transpose(-2, -1) * scale).view(b, h, s_q, s_kv)  # (b, h, s_q, s_kv)
     blocked = None
     if mask is not None:
-        # scores is this function's own buffer: mask it in place (neither op needs it for autograd).
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores = scores.add_(mask)
-        # A fully blocked row is all -inf; softmax would give 0/0. Zero is the only answer that
-        # adds nothing to the residual stream, and it keeps NaN from genuinely bad inputs visible.
-        blocked = (scores == float("-inf")).all(-1, keepdim=True)
-    if torch.is_grad_enabled() and scores.requires_grad:
-        weights = torch.softmax(scores, dim=-1)
-        weights = weights.masked_fill(blocked, 0.0) if blocked is not None else weights
-    else:
-        # Without autograd the scores are dead after the softmax: reuse their buffer, so one
-        # (b, h, s_q, s_kv) tensor is allocated, not two (a fresh s x s buffer costs about a softmax).
-        weights = torch.softmax(scores, dim=-1, out=scores)
-        weights = weights.masked_fill_(blocked, 0.0) if blocked is not None else weights
-    probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p > 0 else weights
-    out = probs.view(b, h_kv, g * s_q, s_kv) @ v  # (b, h_kv, g * s_q, d_h)
-    return out.view(b, h, s_q, d_h).to(out_dtype), weights.to(out_dtype)  # (b, h, s_q, d_h)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        blocked = (scores == float("-inf")).all(-1, keepdim=True)  # (b, h, s_q, 1)
+        scores = scores.masked_fill(blocked, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    if blocked is not None:
+        weights = weights.masked_fill(blocked, 0.0)
+    probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p else weights
+    z = probs.view(b, h_kv, h // h_kv * s_q, s_kv) @ v  # (b, h_kv, g * s_q, d_h)
+    return z.view(b, h, s_q, v.shape[-1]).to(dtype), weights.to(dtype)  # (b, h, s_q, d_h)
 
 
-def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
-    scale: float | None = None, dropout_p: float = 0.0, causal: bool = False,
-) -> tuple[torch.Tensor, None]:
-    """Fused attention through ``F.scaled_dot_product_attention``: never materialises probabilities
-    when no mask is given, uses native GQA (no repeated K/V), and the kernel's own causal path.
+def _softmax_attention_in_place(q, k, v, mask, scale, dropout_p):  # type: ignore[no-untyped-def]
+    """:func:`_softmax_attention` without autograd, with its buffers reused: equal to it (tests/test_functional.py).
 
-    SDPA's ``is_causal`` is top-left aligned, so it is used only when ``s_q == s_kv`` (where both
-    alignments agree); a single query reads every key and needs no mask; any other causal case gets an
-    explicit bottom-right mask.
+    Three tricks, each about memory traffic: the queries are scaled (one pass that also lays them out for
+    the batched matmul, which would copy them anyway) instead of the ``s_kv / d_h`` times larger scores;
+    a K whose (b, h_kv) axes cannot merge is copied row-wise once, rather than element by element inside the
+    batched matmul (a cache slice merges and is never copied); the mask and the softmax write into the
+    score buffer, so one (b, h, s_q, s_kv) tensor is allocated instead of two or three (a fresh buffer of
+    that size costs about as much as the softmax, in page faults).
+    """
+    b, h, s_q, d_h = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    if dtype in _LOW_PRECISION:
+        q, k, v = q.float(), k.float(), v.float()
+    q = torch.mul(q, scale, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+    if b > 1 and h_kv > 1 and k.stride(0) != h_kv * k.stride(1):
+        k = k.contiguous()
+    scores = (q.view(b, h_kv, h // h_kv * s_q, d_h) @ k.transpose(-2, -1)).view(b, h, s_q, s_kv)
+    blocked = None
+    if mask is not None:
+        scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
+        blocked = (scores == float("-inf")).all(-1, keepdim=True)  # (b, h, s_q, 1)
+        scores.masked_fill_(blocked, 0.0)
+    weights = torch.softmax(scores, dim=-1, out=scores)
+    if blocked is not None:
+        weights.masked_fill_(blocked, 0.0)
+    probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p else weights
+    z = probs.view(b, h_kv, h // h_kv * s_q, s_kv) @ v  # (b, h_kv, g * s_q, d_h)
+    return z.view(b, h, s_q, v.shape[-1]).to(dtype), weights.to(dtype)  # (b, h, s_q, d_h)
+
+
+def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``plan``'s attention step: every head on its own, nothing shared between heads.
+
+    Inputs are trusted (the plan's maker validated them; ``mask`` is already a validated 4-D mask). Use
+    :func:`attention` for unvalidated tensors.
 
     Shapes:
-        q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h) -> context (b, h, s_q, d_h), None
-
-    Example:
-        >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
-        >>> a, _ = sdpa_attention(q, k, v, causal=True)
-        >>> b, _ = eager_attention(q, k, v, causal=True)
-        >>> torch.testing.assert_close(a, b)
+        q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h); mask: broadcastable to (b, h, s_q, s_kv)
+        -> context (b, h, s_q, d_h), weights (b, h, s_q, s_kv) on the eager path, else None
     """
-    s_q, s_kv = q.shape[-2], k.shape[-2]
-    is_causal = False
-    if causal and s_q > 1:  # bottom-right: a single query reads every key, so needs no mask
-        if mask is None and s_q == s_kv:
-            is_causal = True
-        else:
-            mask = _causal_as_mask(mask, s_q, s_kv, q.device)
-    b, h, _, d_h = q.shape
-    h_kv = k.shape[1]
-    if s_q == 1 and h != h_kv and mask is None:
-        # Decoding under GQA/MQA: fold each group's g query heads into g query rows of its K/V head, so the
-        # kernel reads every K/V head once for g queries instead of g times (1.6-2.6x faster at h 32,
-        # h_kv 8, 4096 cached positions on CPU; HF does the same). Query head i still reads K/V head i // g.
-        out = F.scaled_dot_product_attention(q.reshape(b, h_kv, h // h_kv, d_h), k, v, dropout_p=dropout_p,
-                                             scale=scale)  # (b, h_kv, g, d_v)
-        return out.reshape(b, h, 1, v.shape[-1]), None  # (b, h, 1, d_v)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=h != h_kv,
-    )
-    return out, None
-
-
-_BACKENDS = {"sdpa": sdpa_attention, "eager": eager_attention}
+    b, h, s_q, s_kv = plan.shape
+    if plan.backend == "empty":
+        weights = q.new_zeros(b, h, s_q, s_kv) if plan.return_weights else None
+        return q.new_zeros(b, h, s_q, v.shape[-1]), weights
+    if plan.causal_via == "explicit mask":
+        mask = combine_masks(mask, causal_mask(s_q, s_kv, device=q.device))  # bottom-right
+    if plan.backend == "eager":
+        run = _softmax_attention_in_place if plan.in_place else _softmax_attention
+        return run(q, k, v, mask, plan.scale, plan.dropout_p)
+    if plan.fold_decode:
+        h_kv, d_h = k.shape[1], q.shape[-1]
+        z = F.scaled_dot_product_attention(q.reshape(b, h_kv, h // h_kv, d_h), k, v, dropout_p=plan.dropout_p,
+                                           scale=plan.scale)  # (b, h_kv, g, d_h): one query row per head
+        return z.reshape(b, h, 1, v.shape[-1]), None  # (b, h, 1, d_h)
+    z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=plan.dropout_p,
+                                       is_causal=plan.is_causal, scale=plan.scale, enable_gqa=plan.enable_gqa)
+    return z, None
 
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
     scale: float | None = None, dropout_p: float = 0.0, causal: bool = False, backend: str = "sdpa",
+    return_weights: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run one backend, with the edge cases every backend must agree on handled once here.
+    """Attention on split heads, validated: ``softmax(Q K^T * scale + mask) V`` for every head.
 
-    Empty queries or keys give an empty or zero context (and zero weights) instead of a kernel error.
+    Under GQA query head ``i`` reads K/V head ``i // g`` (K and V are never repeated in memory).
+    ``causal`` is bottom-right aligned (see :mod:`headwise.masks`). A row that may read nothing gets a zero
+    context (and zero weights). Empty queries or keys give an empty or zero context.
+
+    Args:
+        q, k, v: split heads.
+        mask: bool (True = may attend) or floating (added to the scores); int masks are refused.
+        scale: score scale (default ``1 / sqrt(d_h)``).
+        dropout_p: dropout on the probabilities.
+        causal: bottom-right causal masking.
+        backend: ``"sdpa"`` (fused) or ``"eager"`` (materialises and returns the weights).
+        return_weights: default: True exactly for the eager backend.
 
     Shapes:
         q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h) -> (b, h, s_q, d_h), weights (b, h, s_q, s_kv) or None
 
     Example:
-        >>> q = torch.randn(2, 4, 0, 8); k = v = torch.randn(2, 4, 5, 8)
-        >>> attention(q, k, v)[0].shape
-        torch.Size([2, 4, 0, 8])
+        >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+        >>> fused, _ = attention(q, k, v, causal=True)
+        >>> eager, w = attention(q, k, v, causal=True, backend="eager")
+        >>> torch.testing.assert_close(fused, eager)
+        >>> w.shape, attention(torch.randn(2, 4, 0, 8), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))[0].shape
+        (torch.Size([1, 4, 3, 3]), torch.Size([2, 4, 0, 8]))
     """
-    try:
-        fn = _BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}") from None
-    _check_qkv(q, k, v)
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {list(_BACKENDS)}, got {backend!r}")
+    check_qkv(q, k, v)
     check_causal(causal)
+    return_weights = backend == "eager" if return_weights is None else return_weights
+    check_bool("return_weights", return_weights)
     b, h, s_q, d_h = q.shape
-    s_kv = k.shape[-2]
+    s_kv = k.shape[2]
     if mask is not None:
         mask = validate_mask(mask, (b, h, s_q, s_kv), q.dtype, q.device)
-    if s_q == 0 or s_kv == 0 or b == 0:
-        out = q.new_zeros(b, h, s_q, v.shape[-1])
-        weights = q.new_zeros(b, h, s_q, s_kv) if backend == "eager" else None
-        return out, weights
-    return fn(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, causal=causal)
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Shape/dtype/device agreement of split heads (metadata only: nothing reads tensor data)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            want = "(b, h, s_q, d_h)" if name == "q" else "(b, h_kv, s_kv, d_h)"
-            raise ValueError(f"{name} must be a 4-D tensor {want}, got {got}")
-    qs, ks, vs = q.shape, k.shape, v.shape
-    if qs[0] == ks[0] and ks[:3] == vs[:3] and qs[3] == ks[3] and ks[1] and not qs[1] % ks[1]:
-        if q.dtype == k.dtype == v.dtype and q.device == k.device == v.device:
-            return  # the common case: no message is built
-    got = f"q {tuple(qs)}, k {tuple(ks)}, v {tuple(vs)}"
-    if not qs[0] == ks[0] == vs[0]:
-        raise ValueError(f"q, k, v must share the batch size b; got {got}")
-    if ks[:3] != vs[:3]:
-        raise ValueError(f"k and v must share (b, h_kv, s_kv); got {got}")
-    if qs[3] != ks[3]:
-        raise ValueError(f"q and k must share d_h; got {got}")
-    if ks[1] == 0 or qs[1] % ks[1]:
-        raise ValueError(f"query heads h={qs[1]} must be a multiple of K/V heads h_kv={ks[1]}; got {got}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    cfg = AttentionConfig(d_model=h * d_h, n_heads=h, n_kv_heads=k.shape[1], d_head=d_h, scale=scale)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    plan = plan_attention(cfg, b=b, s_q=s_q, s_kv=s_kv, dtype=q.dtype, device=q.device, backend=backend,
+                          causal=causal, has_mask=mask is not None, return_weights=return_weights,
+                          dropout_p=dropout_p, chunk_queries=False, records_grad=lambda: grad)
+    return attend(plan, q, k, v, mask)
 
 
 def available_backends() -> list[str]:
@@ -260,4 +220,4 @@ def available_backends() -> list[str]:
         >>> available_backends()
         ['eager', 'sdpa']
     """
-    return sorted(_BACKENDS)
+    return list(_BACKENDS)

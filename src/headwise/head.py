@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from . import functional as hwf
-from ._checks import check_input, check_positions
+from .validation import check_input, check_positions, check_tensor
 from .masks import validate_mask
 
 if TYPE_CHECKING:
-    from .attention import MultiHeadAttention
+    from .config import AttentionConfig
     from .rotary import RotaryEmbedding
 
-__all__ = ["AttentionHead"]
+__all__ = ["AttentionHead", "pack_heads"]
 
 _WEIGHTS = ("w_q", "w_k", "w_v")
 _BIASES = ("b_q", "b_k", "b_v")
@@ -32,7 +32,7 @@ class AttentionHead(nn.Module):
     Two kinds exist. ``attn.head(i)`` is a *view*: its weights are slices of the layer's packed
     parameters (no copy), so writing to them changes the layer and gradients flow into the layer; it
     owns no parameters of its own. ``AttentionHead(w_q, w_k, w_v, ...)`` is *standalone* and owns its
-    weights as parameters; :meth:`MultiHeadAttention.from_heads` packs such heads into a layer.
+    weights as parameters; a layer's ``from_heads`` packs such heads into one layer.
 
     Under GQA/MQA a view head owns its W_Q slice and *shares* W_K/W_V with the other query heads of its
     group (``kv_index``); changing its ``w_k`` changes every head of the group.
@@ -56,9 +56,20 @@ class AttentionHead(nn.Module):
                  rotary: "RotaryEmbedding | None" = None) -> None:
         super().__init__()
         for name, t in zip(_WEIGHTS, (w_q, w_k, w_v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be a 2-D tensor (d_in, d_head), got {got}")
+            check_tensor(name, t)
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be a 2-D tensor (d_in, d_head), got {tuple(t.shape)}")
+        tensors = [("w_q", w_q), ("w_k", w_k), ("w_v", w_v)] + [(n, t) for n, t in zip(_BIASES, (b_q, b_k, b_v))
+                                                              if t is not None]
+        for name, t in tensors[3:]:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if not w_q.dtype.is_floating_point:
+            raise TypeError(f"w_q must be floating point, got {w_q.dtype}")
+        for name, t in tensors[1:]:
+            if t.dtype != w_q.dtype or t.device != w_q.device:
+                raise TypeError(f"every weight and bias must share w_q's dtype and device ({w_q.dtype} on "
+                                f"{w_q.device}); {name} is {t.dtype} on {t.device}")
         d_head = w_q.shape[1]
         if w_k.shape[1] != d_head or w_v.shape[1] != d_head:
             raise ValueError(f"w_q, w_k, w_v must share d_head; got {tuple(w_q.shape)}, {tuple(w_k.shape)}, "
@@ -68,7 +79,7 @@ class AttentionHead(nn.Module):
         for name, b in zip(_BIASES, (b_q, b_k, b_v)):
             if b is not None and tuple(b.shape) != (d_head,):
                 raise ValueError(f"{name} must have shape (d_head={d_head},), got {tuple(b.shape)}")
-        self._parent: MultiHeadAttention | None = None
+        self._parent: nn.Module | None = None
         self.index = 0
         self._n_kv_heads: int | None = None
         self.kv_index = 0
@@ -78,16 +89,22 @@ class AttentionHead(nn.Module):
         self.rotary = rotary
 
     @classmethod
-    def _view_of(cls, attn: "MultiHeadAttention", index: int) -> "AttentionHead":
+    def view(cls, layer: nn.Module, index: int) -> "AttentionHead":
+        """Head ``index`` of ``layer`` as a view of its weights (what ``layer.head(index)`` returns).
+
+        ``layer`` is anything with ``config`` (an :class:`~headwise.AttentionConfig`), ``q_proj``/``k_proj``/
+        ``v_proj``/``out_proj`` holding ``weight`` (out, in) and ``bias``, ``rotary``, and
+        ``head_mask_row(index, n)`` (which row of an ``n``-head mask belongs to head ``index``).
+        """
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         # Not a registered submodule: the head is a window onto the layer, not its owner.
-        object.__setattr__(self, "_parent", attn)
+        object.__setattr__(self, "_parent", layer)
         self.index = index
-        self._n_kv_heads = attn.n_kv_heads
-        self.kv_index = attn.config.kv_head_of(index)
-        self.scale = attn.config.scale
-        object.__setattr__(self, "rotary", attn.rotary)
+        self._n_kv_heads = layer.config.n_kv_heads
+        self.kv_index = layer.config.kv_head_of(index)
+        self.scale = layer.config.scale
+        object.__setattr__(self, "rotary", layer.rotary)
         return self
 
     # -- weights: own parameters, or views of the layer's ----------------------------------------------
@@ -193,16 +210,10 @@ class AttentionHead(nn.Module):
         return (out, weights) if return_weights else out
 
     def _mask_row(self, n: int) -> int:
-        """This head's row along the head axis of a per-head mask with ``n`` heads."""
-        parent = self._parent
-        if parent is None:
+        """This head's row along the head axis of a per-head mask with ``n`` heads (the layer decides)."""
+        if self._parent is None:
             raise ValueError(f"a standalone head takes masks without a head axis (size 1 there), got {n} heads")
-        if n == parent.n_heads:
-            return self.index
-        global_index = getattr(self, "global_index", None)  # set on heads of a tensor-parallel layer
-        if global_index is not None and n == parent.global_config.n_heads:
-            return global_index  # a mask laid out for every head of the unsharded layer
-        raise ValueError(f"a per-head mask must have h={parent.n_heads} heads on its head axis, got {n}")
+        return self._parent.head_mask_row(self.index, n)
 
     def detach_copy(self) -> "AttentionHead":
         """A standalone head with copies of this head's weights (independent of the layer)."""
@@ -214,9 +225,18 @@ class AttentionHead(nn.Module):
         return f"d_model={self.d_model}, d_head={self.d_head}, {where}"
 
 
-def _pack_heads(cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_kv_heads: int | None,
-               backend: str) -> "MultiHeadAttention":
-    """Implementation of :meth:`MultiHeadAttention.from_heads`."""
+def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
+               n_kv_heads: int | None = None) -> tuple["AttentionConfig", dict[str, torch.Tensor]]:
+    """The config and packed tensors of a layer made of ``heads`` and ``out_proj`` (copies nothing yet).
+
+    Returns ``(config, tensors)`` with tensors named like a layer's state dict (``q_proj.weight``...).
+    The heads of one K/V group must have identical W_K/W_V (and biases); otherwise this raises, naming the
+    heads that differ.
+
+    Shapes:
+        each head: w_q (d, d_h), w_k (kdim, d_h), w_v (vdim, d_h); out_proj: Linear(h * d_h -> d)
+        -> q_proj.weight (h * d_h, d), k_proj.weight / v_proj.weight (h_kv * d_h, kdim / vdim)
+    """
     from .config import AttentionConfig
 
     heads = list(heads)
@@ -239,8 +259,8 @@ def _pack_heads(cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_k
     if n_kv_heads is None:
         recorded = {h._n_kv_heads for h in heads}
         n_kv_heads = recorded.pop() if len(recorded) == 1 and None not in recorded else n
-    if n % n_kv_heads:
-        raise ValueError(f"n_kv_heads={n_kv_heads} does not divide the {n} heads given")
+    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads <= 0 or n % n_kv_heads:
+        raise ValueError(f"n_kv_heads must be a positive int dividing the {n} heads given, got {n_kv_heads!r}")
     group = n // n_kv_heads
     for g in range(n_kv_heads):
         ref = heads[g * group]
@@ -258,18 +278,15 @@ def _pack_heads(cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_k
                          f"{expected}), got weight {tuple(out_proj.weight.shape)}")
     cfg = AttentionConfig(d_model=d_model, n_heads=n, n_kv_heads=n_kv_heads, d_head=d_head, bias=has_bias,
                           out_bias=out_proj.bias is not None, kdim=kdim, vdim=vdim, scale=first.scale)
-    w = first.w_q
-    attn = cls.from_config(cfg, rotary=first.rotary, backend=backend, device=w.device, dtype=w.dtype)
     kv_heads = [heads[g * group] for g in range(n_kv_heads)]
-    with torch.no_grad():
-        attn.q_proj.weight.copy_(torch.cat([h.w_q.T for h in heads]))
-        attn.k_proj.weight.copy_(torch.cat([h.w_k.T for h in kv_heads]))
-        attn.v_proj.weight.copy_(torch.cat([h.w_v.T for h in kv_heads]))
-        attn.out_proj.weight.copy_(out_proj.weight)
-        if has_bias:
-            attn.q_proj.bias.copy_(torch.cat([h.b_q for h in heads]))
-            attn.k_proj.bias.copy_(torch.cat([h.b_k for h in kv_heads]))
-            attn.v_proj.bias.copy_(torch.cat([h.b_v for h in kv_heads]))
-        if out_proj.bias is not None:
-            attn.out_proj.bias.copy_(out_proj.bias)
-    return attn
+    tensors = {"q_proj.weight": torch.cat([h.w_q.T for h in heads]),
+               "k_proj.weight": torch.cat([h.w_k.T for h in kv_heads]),
+               "v_proj.weight": torch.cat([h.w_v.T for h in kv_heads]),
+               "out_proj.weight": out_proj.weight}
+    if has_bias:
+        tensors.update({"q_proj.bias": torch.cat([h.b_q for h in heads]),
+                        "k_proj.bias": torch.cat([h.b_k for h in kv_heads]),
+                        "v_proj.bias": torch.cat([h.b_v for h in kv_heads])})
+    if out_proj.bias is not None:
+        tensors["out_proj.bias"] = out_proj.bias
+    return cfg, {k: t.detach() for k, t in tensors.items()}

@@ -62,6 +62,29 @@ class KVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.batch_size, self.max_len, self.n_kv_heads, self.d_head = batch_size, max_len, n_kv_heads, d_head
         self._length = 0
+        self._owner = None
+
+    # TEMPORARY (replaced by the leaf branch's implementation at merge)
+    @property
+    def owner(self):
+        return self._owner
+
+    def claim(self, owner):
+        if self._owner is None:
+            self._owner = owner
+        elif self._owner is not owner:
+            raise ValueError("one cache per layer")
+
+    def checkpoint(self, n):
+        end = min(self._length + n, self.max_len)
+        return (self._length, self.keys[:, :, self._length:end].clone(), self.values[:, :, self._length:end].clone())
+
+    def restore(self, saved):
+        length, k, v = saved
+        with torch.no_grad():
+            self.keys[:, :, length:length + k.shape[2]].copy_(k)
+            self.values[:, :, length:length + v.shape[2]].copy_(v)
+        self._length = length
 
     @property
     def length(self) -> int:

@@ -16,7 +16,8 @@ from headwise import masks as hwm
 
 # headwise.dispatch as the layer sees it: collecting doctests with --import-mode=importlib can put a second copy
 # of the module in sys.modules, so thresholds are patched through the functions' own globals.
-DISPATCH = MultiHeadAttention.explain_dispatch.__globals__["explain"].__globals__
+DISPATCH = MultiHeadAttention.explain_dispatch.__globals__["describe"].__globals__
+PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
 
 D, H, H_KV = 16, 4, 2
 KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
@@ -125,14 +126,14 @@ def test_explanation_predicts_what_forward_runs(monkeypatch, kw):
         calls.append(("sdpa", is_causal, attn_mask is not None))
         return real_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **rest)
 
-    real_eager = hwf._BACKENDS["eager"]
+    real_softmax = torch.softmax
 
-    def spy_eager(*a, **k):
+    def spy_eager(*a, **k):  # only the eager path computes a softmax of its own
         calls.append(("eager", False, True))
-        return real_eager(*a, **k)
+        return real_softmax(*a, **k)
 
     monkeypatch.setattr(hwf.F, "scaled_dot_product_attention", spy_sdpa)
-    monkeypatch.setitem(hwf._BACKENDS, "eager", spy_eager)
+    monkeypatch.setattr(torch, "softmax", spy_eager)
     attn = make()
     x = torch.randn(2, 4, D)
     ctx = torch.randn(2, 6, D) if kw.get("cross") else None
@@ -176,7 +177,7 @@ def test_explain_default_threshold(monkeypatch):
 
 
 def test_forward_warns_only_on_the_eager_path_above_its_threshold(monkeypatch):
-    monkeypatch.setitem(DISPATCH, "FORWARD_WARN_BYTES", 1000)
+    monkeypatch.setitem(PLAN, "FORWARD_WARN_BYTES", 1000)
     x = torch.randn(2, 6, D)  # 2*4*6*6*4 = 1152 bytes of probabilities
     with pytest.warns(MaterializationWarning, match="the eager path materialises b\\*h\\*s_q\\*s_kv = 2\\*4\\*6\\*6"):
         make()(x, return_weights=True)
@@ -187,14 +188,14 @@ def test_forward_warns_only_on_the_eager_path_above_its_threshold(monkeypatch):
         make()(x)  # default fused path: never warns
         make().train()(x)
         make()(torch.randn(2, 5, D), return_weights=True)  # 800 bytes: under the threshold
-    monkeypatch.setitem(DISPATCH, "FORWARD_WARN_BYTES", 0)
+    monkeypatch.setitem(PLAN, "FORWARD_WARN_BYTES", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make()(x, causal=True)
 
 
 def test_default_thresholds_are_large():
-    assert dispatch.WARN_BYTES == 256 * 2**20 and dispatch.FORWARD_WARN_BYTES == 2**30
+    assert dispatch.WARN_BYTES == 256 * 2**20 and headwise.plan.FORWARD_WARN_BYTES == 2**30
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make()(torch.randn(2, 64, D), return_weights=True)

@@ -208,10 +208,16 @@ class TensorParallelAttention(MultiHeadAttention):
                 f"head {index} is on rank {owner}, not on this rank {self.rank} (which holds heads "
                 f"{list(self.partition.q_heads)}); call head({index}) on rank {owner}", owner)
         local = self.partition.local_index(index)
-        view = AttentionHead._view_of(self, local)
+        view = AttentionHead.view(self, local)
         view.global_index = index
         view.global_kv_index = self.partition.global_kv_head_of_local(local)
         return view
+
+    def head_mask_row(self, index: int, n: int) -> int:
+        """A per-head mask may be laid out for this rank's heads or for every head of the unsharded layer."""
+        if n == self.global_config.n_heads and n != self.n_heads:
+            return self.partition.q_heads[index]
+        return super().head_mask_row(index, n)
 
     def heads(self) -> list[AttentionHead]:
         """This rank's heads, in global order (see :meth:`head`)."""
@@ -228,8 +234,8 @@ class TensorParallelAttention(MultiHeadAttention):
             q_proj: (h * d_h, d); k_proj, v_proj: (h_kv * d_h, kdim / vdim); out_proj: (d, h * d_h)
         """
         cfg = self.global_config
-        full = MultiHeadAttention.from_config(cfg, rotary=copy.deepcopy(self.rotary), backend=self.backend,
-                                              device="meta")
+        full = MultiHeadAttention(config=cfg, rotary=copy.deepcopy(self.rotary), backend=self.backend,
+                                  device="meta")
 
         def gather(t: torch.Tensor) -> list[torch.Tensor]:
             t = t.detach().contiguous()
@@ -343,10 +349,9 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
     local_cfg = cfg.replace(n_heads=part.n_local_heads, n_kv_heads=part.n_local_kv_heads, d_head=cfg.d_head,
                             scale=cfg.scale)
 
-    tp = TensorParallelAttention.__new__(TensorParallelAttention)
-    nn.Module.__init__(tp)
     # Built on the meta device, then given copies of the slices: no throw-away initialisation of the weights.
-    tp._setup(local_cfg, rotary=copy.deepcopy(attn.rotary), backend=attn.backend, device="meta", dtype=None)
+    tp = TensorParallelAttention(config=local_cfg, rotary=copy.deepcopy(attn.rotary), backend=attn.backend,
+                                 device="meta")
     q_rows, kv_rows = part.q_rows(cfg.d_head), part.kv_rows(cfg.d_head)
 
     def take(t: torch.Tensor, index: Any) -> nn.Parameter:

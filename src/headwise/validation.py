@@ -48,3 +48,43 @@ def check_positions(positions: object, b: int, s: int) -> torch.Tensor:
     if tuple(positions.shape) not in ((s,), (1, s), (b, s)):
         raise ValueError(f"positions must have shape (s_q={s},) or (b={b}, s_q={s}), got {tuple(positions.shape)}")
     return positions
+
+
+def check_bool(name: str, value: object) -> None:
+    # A string such as "no" is truthy: flags must be real bools.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def check_qkv(q: object, k: object, v: object) -> None:
+    """Split heads that agree: q (b, h, s_q, d_h), k and v (b, h_kv, s_kv, d_h), h a multiple of h_kv,
+    one dtype (floating) and one device. Metadata only: nothing reads tensor data."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dim() != 4:
+            want = "(b, h, s_q, d_h)" if name == "q" else "(b, h_kv, s_kv, d_h)"
+            raise ValueError(f"{name} must be a 4-D tensor {want}, got {tuple(t.shape)}")
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if qs[0] == ks[0] and ks[:3] == vs[:3] and qs[3] == ks[3] and ks[1] and not qs[1] % ks[1]:
+        if q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point and q.device == k.device == v.device:
+            return  # the common case: no message is built
+    got = f"q {tuple(qs)}, k {tuple(ks)}, v {tuple(vs)}"
+    if not qs[0] == ks[0] == vs[0]:
+        raise ValueError(f"q, k, v must share the batch size b; got {got}")
+    if ks[:3] != vs[:3]:
+        raise ValueError(f"k and v must share (b, h_kv, s_kv); got {got}")
+    if qs[3] != ks[3]:
+        raise ValueError(f"q and k must share d_h; got {got}")
+    if ks[1] == 0 or qs[1] % ks[1]:
+        raise ValueError(f"query heads h={qs[1]} must be a multiple of K/V heads h_kv={ks[1]}; got {got}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q, k, v must be floating point, got {q.dtype}")
+    raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def check_dtype(name: str, dtype: object) -> None:
+    """``dtype`` is None or a floating torch.dtype (attention weights and activations are floats)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{name} must be a floating torch.dtype (e.g. torch.float32) or None, got {dtype!r}")
