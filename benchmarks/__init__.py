@@ -12,7 +12,9 @@ Cases: ``forward``/``backward``/``causal`` (1), ``gqa`` (2), ``weights`` (3), ``
 ``long`` and ``memory`` (5: a long forward timed, and peak memory with each measurement in its own process),
 ``peak`` (6, the matmul throughput the forward is held to), all float32 on CPU; ``gpu`` (bfloat16 against
 flash-attn and SDPA) only where CUDA is present. Timing via ``torch.utils.benchmark.Timer`` in interleaved
-rounds.
+rounds. Each run also lists the headwise rows that got more than 2 % slower than in the ``results.json`` it
+overwrites (:mod:`benchmarks.regression`). Run it from the repository root; the ``headwise`` package never
+imports it.
 
 Shapes:
     b: batch, s: sequence, d: d_model, h: heads, h_kv: key/value heads, d_h: head width.

@@ -93,7 +93,8 @@ def regression_lines(cmp: dict) -> list[str]:
                         f"({cmp['compared']} rows compared).", "", note, ""]
     lines += [note, "", f"{len(cmp['slower'])} of {cmp['compared']} rows compared are slower by more than {pct}"
               + (f" ({cmp['new']} rows are new)." if cmp["new"] else "."), "",
-              "| case | group | entry | previous ms | now ms | now / previous |", "| --- | --- | --- | --- | --- | --- |"]
+              "| case | group | entry | previous ms | now ms | now / previous |",
+              "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['case']} | {r['group']} | {r['entry']} | {r['previous_s'] * 1e3:.3f} | {r['now_s'] * 1e3:.3f} "
               f"| {r['ratio']:.3f} |" for r in cmp["slower"]]
     return lines + [""]

@@ -261,7 +261,8 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
         for e in g["entries"]:
             if e["name"].startswith("HF "):
                 hfd.append(_pair_row(f"{g['group']} vs {e['name']}", _ref_of(g, e), e))
-    goals.append(_goal("decode vs Hugging Face DynamicCache / StaticCache", "<= 1.0", hfd, 1.0, notes.get("hf_dec", "")))
+    goals.append(_goal("decode vs Hugging Face DynamicCache / StaticCache", "<= 1.0", hfd, 1.0,
+                       notes.get("hf_dec", "")))
     graphs = {}
     for g in dec:
         e = _entry(g, "headwise torch.compile")
@@ -442,10 +443,11 @@ def write_summary(path: str | os.PathLike, machine: dict, goals: list[dict], gro
     m = machine
     lines = [
         "## Performance", "",
-        "`make bench` (`python -m benchmarks --processes 3` from the repository root, about 45 minutes on 2 cores: "
-        "every timed case three times, each time in a fresh process of its own, see below; `python -m benchmarks` alone "
-        "runs one process, about 15 minutes; `--quick` for a seconds-long check of the machinery, `--only forward,decode` or case numbers "
-        "1-6 for a subset, `--only gpu` for the optional CUDA case) runs headwise and every peer in one "
+        "`make bench` (`python -m benchmarks --processes 3` from the repository root, about 45 minutes on 2 "
+        "cores: every timed case three times, each time in a fresh process of its own, see below; "
+        "`python -m benchmarks` alone runs one process, about 15 minutes; `--quick` for a seconds-long check of "
+        "the machinery, `--only forward,decode` or case numbers 1-6 for a subset, `--only gpu` for the optional "
+        "CUDA case) runs headwise and every peer in one "
         "interleaved run on the same inputs with the same weights, checks that their outputs agree, prints a "
         "table per comparison and writes `benchmarks/RESULTS.md` and `benchmarks/results.json`. The peers: a "
         "minimal packed module (one fused QKV projection, `F.scaled_dot_product_attention`, merge, output "
