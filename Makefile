@@ -20,10 +20,10 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -n $(JOBS) --dist loadgroup -q
 
 bench: $(STAMP)
-	$(PY) -m headwise.bench --processes 3
+	$(PY) -m benchmarks --processes 3
 
 bench-quick: $(STAMP)
-	$(PY) -m headwise.bench --quick
+	$(PY) -m benchmarks --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

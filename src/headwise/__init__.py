@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 # Optional parts, imported on first attribute access so that `import headwise` needs only torch.
-_LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "bench", "cli", "presets"}
+_LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "cli", "presets"}
 
 
 def __getattr__(name: str) -> Any:

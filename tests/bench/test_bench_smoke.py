@@ -9,9 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from headwise import packed_gemm
-from headwise.bench import QUICK, resolve_only, run_suite
-from headwise.bench.report import evaluate_goals, machine_info, paired_ratio, write_results
+from benchmarks import QUICK, resolve_only, run_suite
+from benchmarks.report import evaluate_goals, machine_info, paired_ratio, write_results
 
 pytestmark = pytest.mark.xdist_group("bench")  # it spawns a process for the memory case
 
@@ -61,32 +60,24 @@ def test_peers_compute_what_headwise_computes(suite):
                  "HF Llama sdpa", "HF Llama eager", "packed SDPA repeat K/V", "nn.MHA need_weights, per head",
                  "minimal prealloc cache (limit)", "torch.cat cache", "HF Llama DynamicCache",
                  "HF Llama StaticCache", "SDPA + explicit s x s mask", "repeat_interleave K/V + SDPA",
-                 "headwise one pass") + (("headwise packed GEMM", "headwise (RoPE) packed GEMM")
-                                         if packed_gemm.available() else ()):
+                 "headwise one pass", "x @ W preallocated loop"):
         assert peer in names, peer
     assert checked >= 20
 
 
-def _worst(groups: list[dict], a: str, b: str, pred=lambda e: True) -> float:
-    pick = lambda g, name: next(e for e in g["entries"] if e["name"] == name)  # noqa: E731
-    return max(paired_ratio(pick(g, a), e) for g in groups if g["case"] == "4 decode"
-               for e in g["entries"] if (e["name"] == b if b else pred(e)))
-
-
-@pytest.mark.skipif(not packed_gemm.available(), reason="this PyTorch build has no MKL packed GEMM")
-def test_packed_gemm_decode_rows_sit_beside_the_default_ones(suite):
+def test_decode_goal_rows_read_their_own_entries(suite):
+    # Each decode goal's worst ratio is the worst paired ratio of exactly the entries it names.
     groups, memory = suite
     goals = {g["goal"]: g for g in evaluate_goals(groups, memory)}
-    limit = "minimal prealloc cache (limit)"
-    hf_eager = lambda e: e["name"] in ("HF Llama DynamicCache", "HF Llama StaticCache")  # noqa: E731
-    expected = {
-        "decode vs minimal preallocated cache": _worst(groups, "headwise", limit),
-        "decode vs minimal preallocated cache (opt-in use_packed_gemm)": _worst(groups, "headwise packed GEMM", limit),
-        "decode vs Hugging Face caches (eager) (opt-in use_packed_gemm)":
-            _worst(groups, "headwise (RoPE) packed GEMM", "", hf_eager),
-    }
-    for goal, worst in expected.items():
+    dec = [g for g in groups if g["case"] == "4 decode"]
+    pick = lambda g, name: next((e for e in g["entries"] if e["name"] == name), None)  # noqa: E731
+    for goal, peer in (("decode vs minimal preallocated cache", "minimal prealloc cache (limit)"),
+                       ("decode vs x @ W preallocated loop (d 2048, h 16, context 2048)", "x @ W preallocated loop")):
+        worst = max(paired_ratio(pick(g, "headwise"), pick(g, peer)) for g in dec if pick(g, peer) is not None)
         assert goals[goal]["measured"].startswith(f"worst {worst:.3f}"), (goal, goals[goal]["measured"])
+    (xw,) = [g for g in dec if g["meta"].get("peer") == "x @ W"]
+    assert (xw["meta"]["d"], xw["meta"]["h"], xw["meta"]["h_kv"]) == (*TINY.decode_xw[:2], TINY.decode_xw[1])
+    assert not any("packed GEMM" in e["name"] for g in groups for e in g["entries"])
 
 
 def test_goals_and_files(suite, tmp_path):
@@ -111,8 +102,8 @@ def test_only_resolves_names_and_numbers():
 
 def test_gpu_case_machinery_on_cpu():
     # The GPU case's groups, built on the CPU in bfloat16: headwise, the packed limit and SDPA must agree.
-    from headwise.bench.gpu import gpu_groups
-    from headwise.bench.timing import run_group
+    from benchmarks.gpu import gpu_groups
+    from benchmarks.timing import run_group
 
     factories = gpu_groups(TINY, device="cpu")
     assert len(factories) == 2 * len(TINY.forward) + 2 * len(TINY.gpu_step)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from headwise.bench import main
-from headwise.bench.processes import merge_processes
-from headwise.bench.report import evaluate_goals, group_table_rows, paired_ratio, ratio_rows
+from benchmarks import main
+from benchmarks.processes import merge_processes
+from benchmarks.report import evaluate_goals, group_table_rows, paired_ratio, ratio_rows
 
 pytestmark = pytest.mark.xdist_group("bench")  # the end-to-end test spawns benchmark processes
 
@@ -84,8 +84,10 @@ def test_mismatched_processes_raise():
         merge_processes([_run(1.0, 1.0), fewer])
 
 
-def test_processes_end_to_end(tmp_path):
-    # Two real child processes on tiny shapes: the merged file holds both processes' medians per entry.
+def test_processes_end_to_end(tmp_path, monkeypatch):
+    # Two real child processes on tiny shapes: the merged file holds both processes' medians per entry. Run
+    # from another folder: the children must still find the benchmarks package.
+    monkeypatch.chdir(tmp_path)
     assert main(["--quick", "--processes", "2", "--only", "weights", "--out", str(tmp_path), "--no-tables"]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["machine"]["processes"] == 2
@@ -101,11 +103,11 @@ def test_processes_end_to_end(tmp_path):
 
 def test_every_case_gets_its_own_process(monkeypatch, tmp_path):
     # A case's timings must not depend on the heap earlier cases left behind: one child per case and round.
-    import headwise.bench.processes as proc
+    import benchmarks.processes as proc
 
     calls = []
 
-    def fake_run(cmd):
+    def fake_run(cmd, **kw):
         case, out = cmd[cmd.index("--only") + 1], Path(cmd[cmd.index("--out") + 1])
         calls.append(case)
         out.mkdir(parents=True)
@@ -126,7 +128,7 @@ def test_processes_must_be_positive(capsys):
 
 def test_a_failing_process_stops_the_run():
     # A merged result must never silently hold fewer processes than asked for.
-    from headwise.bench.processes import run_processes
+    from benchmarks.processes import run_processes
 
     with pytest.raises(RuntimeError, match=r"benchmark process 1 of 2 \(weights\) exited with 2"):
         run_processes(["weights"], 2, ["--quick", "--threads", "not-a-number"])

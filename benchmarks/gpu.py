@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..attention import MultiHeadAttention
+from headwise import MultiHeadAttention
 from . import peers
 from .timing import Entry, Group, forward_flops
 

@@ -73,8 +73,8 @@ def forward_flops(b: int, s: int, d: int, inner: int, kv: int, causal: bool = Fa
 def refresh_memory(*modules: Any) -> None:
     """Give every parameter and buffer of ``modules`` a freshly allocated copy, in order.
 
-    On the (virtualised) machines this suite runs on, a GEMV over weights allocated early in the process
-    measured 3-5 % slower than over a later copy of the same weights. Every group builds headwise first and
+    On a virtualised machine a GEMV over weights allocated early in a process can run slower than over a
+    later copy of the same weights (docs/benchmarks.md). Every group builds headwise first and
     its peers by copying headwise's weights, which would hand the peers the faster memory; re-allocating
     every entry's tensors after all are built removes that bias.
     """

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from ..attention import MultiHeadAttention
+from headwise import MultiHeadAttention
 from . import peers
 from .timing import Entry, Group, forward_flops, refresh_memory
 

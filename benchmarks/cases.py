@@ -1,7 +1,7 @@
 """The benchmark cases (issue 5, cases 1-6) as groups of entries that share their inputs.
 
-Every builder takes a :class:`Sizes` (``FULL`` or ``QUICK``) and returns :class:`~headwise.bench.timing.Group`
-objects; nothing runs until :func:`~headwise.bench.timing.run_group` times them. Peers get the headwise
+Every builder takes a :class:`Sizes` (``FULL`` or ``QUICK``) and returns :class:`~benchmarks.timing.Group`
+objects; nothing runs until :func:`~benchmarks.timing.run_group` times them. Peers get the headwise
 layer's weights, so each group's outputs must agree (checked on the warm-up call).
 
 Shapes:
@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..attention import MultiHeadAttention
-from ..rotary import RotaryEmbedding
+from headwise import MultiHeadAttention
+from headwise import RotaryEmbedding
 from . import peers
 from .timing import Entry, Group, forward_flops as _fwd_flops, refresh_memory
 
@@ -39,6 +39,7 @@ class Sizes:
     causal_step: tuple[int, int, int, int]  # (b, h, s, d_h) for the attention step alone
     decode: tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (d, h, h_kv values, contexts)
     decode_tokens: int
+    decode_xw: tuple[int, int, int]  # (d, h, context): decode against the x @ W preallocated loop (MHA, b 1)
     memory: tuple[int, int, tuple[int, ...]]  # (h, d_h, s values)
     memory_peers_upto: int  # packed SDPA and eager math also run up to this s
     long: tuple[Shape, ...]  # timed long-context forwards (queries chunked), non-causal and causal
@@ -63,6 +64,7 @@ FULL = Sizes(
     causal_step=(1, 32, 2048, 128),
     decode=(4096, 32, (32, 8), (128, 1024, 4096)),
     decode_tokens=8,
+    decode_xw=(2048, 16, 2048),
     memory=(32, 128, (4096, 8192, 16384)),
     memory_peers_upto=4096,
     long=((1, 16384, 4096, 32),),
@@ -87,6 +89,7 @@ QUICK = Sizes(
     causal_step=(1, 4, 64, 16),
     decode=(128, 8, (2,), (16,)),
     decode_tokens=4,
+    decode_xw=(64, 4, 16),
     memory=(4, 16, (256,)),
     memory_peers_upto=0,
     long=((1, 64, 16, 2),),

@@ -8,7 +8,7 @@ A fresh process per case keeps allocator caches and earlier peaks out of the num
 ``headwise`` is the layer as shipped (long no-grad forwards run their queries in chunks, see
 :mod:`headwise.chunking`); ``headwise one pass`` is the same layer with ``chunk_queries = False``.
 
-Run one case by hand: ``python -m headwise.bench.memory headwise 4096 32 128``.
+Run one case by hand: ``python -m benchmarks.memory headwise 4096 32 128``.
 
 Shapes:
     x: (1, s, h * d_h); the materialised probabilities a naive layer needs: (1, h, s, s).
@@ -25,6 +25,7 @@ import time
 
 __all__ = ["measure", "IMPLS", "materialised_bytes"]
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds the benchmarks package
 IMPLS = ("headwise", "headwise one pass", "packed SDPA", "eager math")
 
 
@@ -70,7 +71,7 @@ def _child(impl: str, s: int, h: int, d_h: int) -> dict:
     import torch
 
     from headwise import MultiHeadAttention
-    from headwise.bench.peers import PackedSDPA
+    from benchmarks.peers import PackedSDPA
 
     torch.manual_seed(0)
     attn = MultiHeadAttention(h * d_h, h, backend="eager" if impl == "eager math" else "sdpa").eval()
@@ -112,9 +113,9 @@ def _chunk_of(layer, x) -> int | None:  # type: ignore[no-untyped-def]
 
 def measure(impl: str, s: int, h: int, d_h: int, *, timeout: float = 900.0) -> dict:
     """Run one case in a child process; return its JSON result (or ``{"error": ...}``)."""
-    cmd = [sys.executable, "-m", "headwise.bench.memory", impl, str(s), str(h), str(d_h)]
+    cmd = [sys.executable, "-m", "benchmarks.memory", impl, str(s), str(h), str(d_h)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=_ROOT)
     except subprocess.TimeoutExpired:
         return {"impl": impl, "s": s, "h": h, "d_head": d_h, "error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:

@@ -5,8 +5,9 @@ peer computes the same function on the same inputs (the smoke test checks that t
   ``scaled_dot_product_attention``, the merge and the output projection, nothing else.
 * ``nn.MultiheadAttention``: its CPU fast path (eval, no_grad, ``need_weights=False``) and its default call.
 * Hugging Face ``BertSelfAttention`` (+ the output dense) and ``LlamaAttention``, "sdpa" and "eager".
-* Decoding: a ``torch.cat``-grown cache, a minimal preallocated cache, Hugging Face's DynamicCache and
-  StaticCache on a Llama layer.
+* Decoding: a ``torch.cat``-grown cache, a minimal preallocated cache (``nn.Linear``, fused QKV), the same
+  loop written with ``x @ W`` weights (:class:`XWDecoder`), Hugging Face's DynamicCache and StaticCache on a
+  Llama layer.
 
 Shapes:
     b: batch, s: sequence, d: d_model, h: query heads, h_kv: key/value heads, d_h: head width.
@@ -20,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import MultiHeadAttention
+from headwise import MultiHeadAttention
 
 __all__ = ["PackedSDPA", "mha_peer", "bert_peer", "llama_peer", "hf_available", "CatCacheDecoder",
-           "PreallocDecoder", "llama_decoder"]
+           "PreallocDecoder", "XWDecoder", "llama_decoder"]
 
 
 def hf_available() -> str | None:
@@ -242,6 +243,64 @@ class PreallocDecoder(nn.Module):
         o = F.scaled_dot_product_attention(q, self.keys[:, :, :end], self.values[:, :, :end],
                                            enable_gqa=p.h != p.h_kv)
         return p.out(o.transpose(1, 2).reshape(b, s, p.h * p.d_h))  # (b, 1, d)
+
+
+class XWDecoder:
+    """The minimal preallocated-cache decode loop written with ``x @ W`` weights, as a plain object (no
+    ``nn.Module`` call machinery): W_Q, W_K, W_V and W_O stored (d_in, d_out), contiguous, with their biases
+    as separate vectors; per token ``x @ W + b`` as one ``addmm`` each, the new key and value written in
+    place into a preallocated buffer, ``F.scaled_dot_product_attention`` over the filled prefix, the merge
+    (a view: one token) and ``@ W_O``. Nothing else, so it is the fastest honest plain loop.
+
+    ``attn``'s weights are copied (``.t().contiguous()``), never shared; it must have no rotary embedding.
+    One token per call.
+
+    Shapes:
+        x: (b, 1, d) -> (b, 1, d); w_q: (d, h * d_h); w_k, w_v: (d, h_kv * d_h); w_o: (h * d_h, d);
+        buffers: (b, h_kv, max_len, d_h)
+    """
+
+    def __init__(self, attn: MultiHeadAttention, batch_size: int, max_len: int) -> None:
+        if attn.rotary is not None:
+            raise ValueError("XWDecoder computes no rotary embedding; expected a layer with rotary=None, "
+                             f"got {type(attn.rotary).__name__}")
+        cfg = attn.config
+        self.h, self.h_kv, self.d_h, self.scale = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.scale
+        self.gqa = self.h != self.h_kv
+        with torch.no_grad():
+            self.w_q, self.w_k, self.w_v, self.w_o = (
+                m.weight.detach().t().contiguous() for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
+            self.b_q, self.b_k, self.b_v, self.b_o = (
+                None if m.bias is None else m.bias.detach().clone()
+                for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
+        w = self.w_q
+        self.keys = torch.zeros(batch_size, self.h_kv, max_len, self.d_h, dtype=w.dtype, device=w.device)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+
+    def fill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[2]
+        self.keys[:, :, :n].copy_(k)
+        self.values[:, :, :n].copy_(v)
+        self.length = n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, d = x.shape
+        x2 = x.view(b, d)  # one token: (b, d)
+        bq, bk, bv, bo = self.b_q, self.b_k, self.b_v, self.b_o
+        q = x2 @ self.w_q if bq is None else torch.addmm(bq, x2, self.w_q)  # (b, h * d_h)
+        k = x2 @ self.w_k if bk is None else torch.addmm(bk, x2, self.w_k)  # (b, h_kv * d_h)
+        v = x2 @ self.w_v if bv is None else torch.addmm(bv, x2, self.w_v)  # (b, h_kv * d_h)
+        n = self.length
+        self.keys[:, :, n].copy_(k.view(b, self.h_kv, self.d_h))  # slot n of (b, h_kv, max_len, d_h)
+        self.values[:, :, n].copy_(v.view(b, self.h_kv, self.d_h))
+        self.length = n + 1
+        o = F.scaled_dot_product_attention(q.view(b, self.h, 1, self.d_h), self.keys[:, :, :n + 1],
+                                           self.values[:, :, :n + 1], scale=self.scale,
+                                           enable_gqa=self.gqa)  # (b, h, 1, d_h)
+        o2 = o.reshape(b, self.h * self.d_h)  # merge: (b, h * d_h), a view for one token
+        out = o2 @ self.w_o if bo is None else torch.addmm(bo, o2, self.w_o)  # (b, d)
+        return out.view(b, 1, d)
 
 
 def llama_decoder(attn: MultiHeadAttention, kind: str, batch_size: int, max_len: int, built=None):

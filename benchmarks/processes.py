@@ -1,17 +1,15 @@
 """``--processes N``: the timed cases run in N fresh processes, and each ratio is the median of N paired ratios.
 
-Why: on the shared virtual machines this suite runs on, rounds within one process agree to under 1 %, but
-two processes measuring the same comparison differ by up to 5 % (how the allocator and the page cache serve
-that process, which core it lands on). A parity goal read from a single process is then a coin toss
-between runs. Each process still measures headwise and its peers side by side, interleaved, on identical
-inputs; only the summary changes: per comparison, the median over processes of that process's
-``headwise / peer`` ratio (paired, never a ratio of medians taken in different processes), with the
-per-process range shown next to it.
+Why: on a shared virtual machine the rounds within one process agree closely, but two processes measuring
+the same comparison can differ by several per cent (how the allocator and the page cache serve that
+process, which core it lands on; docs/benchmarks.md has the measurements). A parity goal read from a single
+process is then a coin toss between runs. Each process still measures headwise and its peers side by side,
+interleaved, on identical inputs; only the summary changes: per comparison, the median over processes of
+that process's ``headwise / peer`` ratio (paired, never a ratio of medians taken in different processes),
+with the per-process range shown next to it.
 
 Each case also gets its own fresh process in every round: a case's timings must not depend on the heap that
-earlier cases left behind. In the 2026-11-30 09:32 run (all cases in one process per round) headwise decoded
-at 1.053-1.074x the minimal preallocated cache after the other cases had run; in 16 fresh processes that ran
-the decode group alone it measured 0.984-1.042x.
+earlier cases left behind.
 
 Shapes:
     none: this module handles result dictionaries, not tensors.
@@ -28,14 +26,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["merge_processes", "run_processes"]
+__all__ = ["merge_processes", "run_processes", "ROOT"]
+
+#: The folder that holds the ``benchmarks`` package: children run there, so ``-m benchmarks`` finds it.
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_processes(cases: list[str], n: int, passthrough: list[str], *,
                   on_start: Callable[[int], None] | None = None,
                   on_done: Callable[[int, float], None] | None = None) -> list[list[dict]]:
     """Run the cases ``n`` times, one after the other; every round runs each case in its own fresh process
-    (``python -m headwise.bench --only <case>``). Returns each round's group results, in case order (the
+    (``python -m benchmarks --only <case>``). Returns each round's group results, in case order (the
     ``groups`` of the children's ``results.json``).
 
     ``passthrough`` are flags every child gets (``--quick``, ``--threads 2``, ...). A child that fails
@@ -53,10 +54,10 @@ def run_processes(cases: list[str], n: int, passthrough: list[str], *,
             groups: list[dict] = []
             for case in cases:
                 out = Path(tmp) / f"p{i}" / case
-                cmd = [sys.executable, "-m", "headwise.bench", "--only", case, "--out", str(out), "--no-tables",
+                cmd = [sys.executable, "-m", "benchmarks", "--only", case, "--out", str(out), "--no-tables",
                        *passthrough]
                 # The child's progress bar and goal lines go straight to this terminal (its tables are off).
-                done = subprocess.run(cmd)
+                done = subprocess.run(cmd, cwd=ROOT)
                 if done.returncode != 0:
                     raise RuntimeError(f"benchmark process {i + 1} of {n} ({case}) exited with {done.returncode} "
                                        f"(its output is above): {' '.join(cmd)}")

@@ -3,7 +3,9 @@
 Every decoder starts each round from the same cache content (random keys/values of the context length,
 untimed) and then decodes ``decode_tokens`` tokens; the time per token is the block time over the tokens.
 Compiled entries share one compiled module over all contexts of a configuration, and count the graphs
-dynamo compiled for them (the goal: one for every position).
+dynamo compiled for them (the goal: one for every position). One more group decodes at ``Sizes.decode_xw``
+(MHA, batch 1) against the same loop written with ``x @ W`` weights (:class:`~benchmarks.peers.XWDecoder`)
+and the ``nn.Linear`` minimal cache.
 
 Shapes:
     x: (1, 1, d) per token; cached keys/values: (1, h_kv, context, d_h).
@@ -11,15 +13,13 @@ Shapes:
 
 from __future__ import annotations
 
-import copy
 from functools import partial
 from typing import Callable
 
 import torch
 
-from .. import packed_gemm
-from ..attention import MultiHeadAttention
-from ..kv_cache import KVCache
+from headwise import KVCache, MultiHeadAttention, RotaryEmbedding
+
 from . import peers
 from .timing import Entry, Group, refresh_memory
 
@@ -57,25 +57,12 @@ class _Shared:
         self.hf_note = hf_note
         self.compiled: dict[str, CompileCounter] = {}
         if hf_note is None:
-            from ..rotary import RotaryEmbedding
-
             self.rope = MultiHeadAttention(d, h, h_kv, bias=False, rotary=RotaryEmbedding(d // h)).eval()
             self.rope_cache = self.rope.new_cache(1, self.max_len)
             self.hf_built = peers._llama_layer(self.rope, "sdpa")  # one HF layer for every HF decoder here
         mods = [self.plain, self.cache, self.prealloc]
         if hf_note is None:
             mods += [self.rope, self.rope_cache, self.hf_built[1]]
-        # The opt-in packed GEMM (MultiHeadAttention.use_packed_gemm): copies of the layers, packed before every
-        # other entry's weights are re-allocated, so that the packed copies do not get the later (faster) memory.
-        self.packed: dict[str, tuple[MultiHeadAttention, KVCache]] = {}
-        if packed_gemm.available():
-            for key, layer in (("plain", self.plain), ("rope", getattr(self, "rope", None))):
-                if layer is not None:
-                    twin = copy.deepcopy(layer)
-                    self.packed[key] = (twin, twin.new_cache(1, self.max_len))
-            refresh_memory(*(m for pair in self.packed.values() for m in pair))
-            for twin, _ in self.packed.values():
-                twin.use_packed_gemm(rows=1)
         refresh_memory(*mods)
         self.prefill_graphs = None
         if sz.compile:
@@ -139,14 +126,6 @@ def _decode_group(sz, h_kv: int, ctx: int, shared: dict, hf_note: str | None) ->
         Entry("torch.cat cache", module_step(sh.cat), number=n, reset=partial(sh.cat.fill, k0, v0)),
     ]
     notes = []
-    packed_note = ("use_packed_gemm(rows=1): the same layer on MKL's packed GEMM (opt-in; the packed copies take "
-                   "1.13x the projection weights' memory at d 4096); its ratio column is default / packed")
-    if "plain" in sh.packed:
-        twin, cache = sh.packed["plain"]
-        es.append(Entry("headwise packed GEMM", hw_step(twin, cache), role="headwise-packed", ref="headwise",
-                        number=n, reset=partial(_fill, cache, k0, v0), note=packed_note))
-    else:
-        notes.append("packed GEMM not timed: this PyTorch build has no MKL packed GEMM")
     if sz.compile:
         counter = sh.compiled["headwise"]
         extra = {"compiled_graphs_so_far": lambda: counter.graphs, "prefill_graphs": sh.prefill_graphs}
@@ -158,11 +137,6 @@ def _decode_group(sz, h_kv: int, ctx: int, shared: dict, hf_note: str | None) ->
     if hf_note is None:
         es.append(Entry("headwise (RoPE, no bias)", hw_step(sh.rope, sh.rope_cache), role="headwise2", number=n,
                         reset=partial(_fill, sh.rope_cache, k0, v0)))
-        if "rope" in sh.packed:
-            twin, cache = sh.packed["rope"]
-            es.append(Entry("headwise (RoPE) packed GEMM", hw_step(twin, cache), role="headwise-packed",
-                            ref="headwise (RoPE, no bias)", number=n, reset=partial(_fill, cache, k0, v0),
-                            note=packed_note))
         max_len = ctx + n * (sz.rounds + 4) + 8
         for kind in ("dynamic", "static"):
             fill, step = peers.llama_decoder(sh.rope, kind, 1, max_len, sh.hf_built)
@@ -192,6 +166,41 @@ def _decode_group(sz, h_kv: int, ctx: int, shared: dict, hf_note: str | None) ->
     return group
 
 
+def _xw_group(sz, shared: dict) -> Group:
+    """headwise with its own KVCache against the x @ W preallocated loop and the nn.Linear minimal cache."""
+    shared.clear()  # the other configurations' layers are no longer needed
+    d, h, ctx = sz.decode_xw
+    n = sz.decode_tokens
+    max_len = ctx + n * (sz.rounds + 4) + 8
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(d, h).eval()
+    cache = attn.new_cache(1, max_len)
+    xw = peers.XWDecoder(attn, 1, max_len)
+    prealloc = peers.PreallocDecoder(attn, 1, max_len).eval()
+    refresh_memory(attn, cache, xw, prealloc)
+    d_h = d // h
+    torch.manual_seed(ctx)
+    k0, v0 = torch.randn(1, h, ctx, d_h), torch.randn(1, h, ctx, d_h)
+    x = torch.randn(1, 1, d)
+
+    def hw() -> torch.Tensor:
+        with torch.no_grad():
+            return attn(x, cache=cache)
+
+    es = [
+        Entry("headwise", hw, role="headwise", number=n, reset=partial(_fill, cache, k0, v0)),
+        Entry("x @ W preallocated loop", partial(_call_no_grad, xw, x), number=n, reset=partial(xw.fill, k0, v0),
+              note="plain function: W (d_in, d_out) contiguous, addmm per projection, slot write, SDPA over "
+                   "the filled prefix, merge, @ W_O"),
+        Entry("minimal prealloc cache (limit)", partial(_call_no_grad, prealloc, x), role="limit", number=n,
+              reset=partial(prealloc.fill, k0, v0), note="nn.Linear, fused QKV, attends over the filled prefix"),
+    ]
+    return Group("4 decode", f"decode vs x @ W d{d} h{h} h_kv{h} context {ctx}", es, rounds=sz.rounds,
+                 tol=(2e-4, 2e-5), flops=None,
+                 meta={"d": d, "h": h, "h_kv": h, "context": ctx, "tokens_per_round": n, "cache_max_len": max_len,
+                       "peer": "x @ W"})
+
+
 def _call_no_grad(step, x):
     with torch.no_grad():
         return step(x)
@@ -211,4 +220,5 @@ def decode_groups(sz, *, hf: bool = True) -> list[Callable[[], Group]]:
     for h_kv in kvs:
         for ctx in contexts:
             out.append(partial(_decode_group, sz, h_kv, ctx, shared, hf_note))
+    out.append(partial(_xw_group, sz, shared))
     return out
