@@ -252,7 +252,7 @@ class XWDecoder:
     place into a preallocated buffer, ``F.scaled_dot_product_attention`` over the filled prefix, the merge
     (a view: one token) and ``@ W_O``. Nothing else, so it is the fastest honest plain loop.
 
-    ``attn``'s weights are copied (``.t().contiguous()``), never shared; it must have no rotary embedding.
+    ``attn``'s weights are copied (``.t().clone(memory_format=torch.contiguous_format)``), never shared; it must have no rotary embedding.
     One token per call.
 
     Shapes:
@@ -269,7 +269,7 @@ class XWDecoder:
         self.gqa = self.h != self.h_kv
         with torch.no_grad():
             self.w_q, self.w_k, self.w_v, self.w_o = (
-                m.weight.detach().t().contiguous() for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
+                m.weight.detach().t().clone(memory_format=torch.contiguous_format) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
             self.b_q, self.b_k, self.b_v, self.b_o = (
                 None if m.bias is None else m.bias.detach().clone()
                 for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
