@@ -205,7 +205,8 @@ def attention(
     s_kv = k.shape[2]
     if mask is not None:
         mask = validate_mask(mask, (b, h, s_q, s_kv), q.dtype, q.device)
-    cfg = AttentionConfig(d_model=h * d_h, n_heads=h, n_kv_heads=k.shape[1], d_head=d_h, scale=scale)
+    cfg = AttentionConfig(d_model=h * d_h, n_heads=h, n_kv_heads=k.shape[1], d_head=d_h, scale=scale,
+                          dropout=dropout_p)  # validates scale and dropout_p
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     plan = plan_attention(cfg, b=b, s_q=s_q, s_kv=s_kv, dtype=q.dtype, device=q.device, backend=backend,
                           causal=causal, has_mask=mask is not None, return_weights=return_weights,
