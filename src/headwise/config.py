@@ -30,6 +30,8 @@ def valid_head_counts(d_model: int) -> list[int]:
     Example:
         >>> valid_head_counts(12)
         [1, 2, 3, 4, 6, 12]
+        >>> valid_head_counts(10**12 + 1)   # 73 * 137 * 99990001
+        [1, 73, 137, 10001, 99990001, 7299270073, 13698630137, 1000000000001]
     """
     if isinstance(d_model, bool) or not isinstance(d_model, int) or not 1 <= d_model <= MAX_SIZE:
         exc = ValueError if isinstance(d_model, int) and not isinstance(d_model, bool) else TypeError
