@@ -10,9 +10,47 @@ Shapes:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "KVCheckpoint"]
+
+
+def _overflow_message(cached: int, new: int, max_len: int) -> str:
+    return (f"cache overflow: {cached} cached + {new} new > max_len={max_len}; "
+            f"allocate a larger cache or reset() it")
+
+
+def _short(obj: object) -> str:
+    return f"<{type(obj).__qualname__} at {id(obj):#x}>"
+
+
+# Under torch.compile(fullgraph=True) a Python ``raise`` cannot leave the graph (dynamo reports
+# "Observed exception"), and an f-string of the symbolic cache length does not even trace ("BUILD_STRING").
+# So the compiled overflow branch calls this op instead: its kernel runs when the graph runs, with the
+# concrete lengths, and raises the same ValueError as eager code. The normal path never calls it (that
+# branch is only traced after the length guard fails), so it costs nothing per decoding step.
+if not hasattr(torch.ops.headwise, "kv_cache_overflow"):
+    @torch.library.custom_op("headwise::kv_cache_overflow", mutates_args=())
+    def _overflow_op(new: torch.Tensor, cached: int, max_len: int) -> torch.Tensor:
+        raise ValueError(_overflow_message(cached, new.shape[-2], max_len))
+
+    @_overflow_op.register_fake
+    def _(new: torch.Tensor, cached: int, max_len: int) -> torch.Tensor:
+        return torch.empty_like(new)
+
+
+class KVCheckpoint:
+    """What :meth:`KVCache.checkpoint` saved: the length and the slots the next write may overwrite."""
+
+    __slots__ = ("cache", "length", "resets", "keys", "values")
+
+    def __init__(self, cache: "KVCache", length: int, resets: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.cache, self.length, self.resets, self.keys, self.values = cache, length, resets, keys, values
+
+    def __repr__(self) -> str:
+        return f"KVCheckpoint(length={self.length}, saved={self.keys.shape[-2]})"
 
 
 class KVCache:
@@ -24,6 +62,12 @@ class KVCache:
     modules as constants, so a module's ``length`` would recompile the decode step at every position;
     a plain attribute becomes a dynamic size after the first recompile, and one graph serves all positions.
 
+    One cache belongs to one layer: :meth:`claim` binds it to its first owner and refuses any other.
+    Not thread-safe: two threads decoding into one cache lose updates without an error (each reads the
+    same ``length`` and overwrites the other's slots), so use one cache per decoding thread.
+    :meth:`checkpoint` and :meth:`restore` undo a write (say, of a forward that fails after it), at the
+    cost of copying the new tokens' slots, never the cached context.
+
     Shapes:
         keys, values: (b, h_kv, max_len, d_h); the filled prefix is ``[:, :, :length]``.
 
@@ -34,6 +78,11 @@ class KVCache:
         >>> k, v = cache.update(torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8))
         >>> k.shape, cache.length
         (torch.Size([2, 4, 3, 8]), 3)
+        >>> saved = cache.checkpoint(2)
+        >>> _ = cache.update(torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8))
+        >>> cache.restore(saved)
+        >>> cache.length
+        3
     """
 
     keys: torch.Tensor
@@ -62,29 +111,27 @@ class KVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.batch_size, self.max_len, self.n_kv_heads, self.d_head = batch_size, max_len, n_kv_heads, d_head
         self._length = 0
-        self._owner = None
+        self._owner: Any = None
+        self._resets = 0
 
-    # TEMPORARY (replaced by the leaf branch's implementation at merge)
     @property
-    def owner(self):
+    def owner(self) -> Any:
+        """The object (a layer) this cache was :meth:`claim`-ed by, or None."""
         return self._owner
 
-    def claim(self, owner):
+    def claim(self, owner: object) -> None:
+        """Bind this cache to ``owner`` (a layer); a later claim by any other object raises ValueError.
+
+        The first call binds (and keeps a reference to ``owner``); calls with the same object are no-ops,
+        cheap enough for every forward. :meth:`reset` keeps the owner.
+        """
+        if self._owner is owner:
+            return
         if self._owner is None:
             self._owner = owner
-        elif self._owner is not owner:
-            raise ValueError("one cache per layer")
-
-    def checkpoint(self, n):
-        end = min(self._length + n, self.max_len)
-        return (self._length, self.keys[:, :, self._length:end].clone(), self.values[:, :, self._length:end].clone())
-
-    def restore(self, saved):
-        length, k, v = saved
-        with torch.no_grad():
-            self.keys[:, :, length:length + k.shape[2]].copy_(k)
-            self.values[:, :, length:length + v.shape[2]].copy_(v)
-        self._length = length
+            return
+        raise ValueError(f"this KVCache belongs to {_short(self._owner)}, not {_short(owner)}: one cache per "
+                         f"layer; make another with layer.new_cache(...)")
 
     @property
     def length(self) -> int:
@@ -103,9 +150,55 @@ class KVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept; stale values are never read)."""
         self._length = 0
+        self._resets += 1
+
+    def checkpoint(self, n: int) -> KVCheckpoint:
+        """Save what a write of ``n`` new positions would change: the length and those ``n`` slots.
+
+        Pass the result to :meth:`restore` to put the cache back, bit for bit, after at most ``n``
+        positions were written. Costs a copy of ``n`` slots (clamped to ``max_len``), not of the context.
+
+        Shapes:
+            saved keys, values: (b, h_kv, min(n, max_len - length), d_h)
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"checkpoint needs a non-negative int count of new positions, got {n!r}")
+        start = self._length
+        end = min(start + n, self.max_len)
+        with torch.no_grad():
+            keys = self.keys[:, :, start:end].clone()  # (b, h_kv, n, d_h)
+            values = self.values[:, :, start:end].clone()
+        return KVCheckpoint(self, start, self._resets, keys, values)
+
+    def restore(self, checkpoint: KVCheckpoint) -> None:
+        """Undo every write since ``checkpoint`` (taken by :meth:`checkpoint` on this cache).
+
+        Refused, with the cache unchanged, if the checkpoint is another cache's, if the cache was reset
+        since, or if more positions were written than the checkpoint saved.
+        """
+        if not isinstance(checkpoint, KVCheckpoint):
+            raise TypeError(f"restore needs a KVCheckpoint from cache.checkpoint(n), got {type(checkpoint).__name__}")
+        if checkpoint.cache is not self:
+            raise ValueError("this checkpoint was taken on another KVCache")
+        start, saved = checkpoint.length, checkpoint.keys.shape[-2]
+        if checkpoint.resets != self._resets or not start <= self._length <= start + saved:
+            raise ValueError(
+                f"cannot restore: the checkpoint saved {saved} positions after length {start}, but the cache "
+                f"now holds {self._length}" + (" and was reset since" if checkpoint.resets != self._resets else "")
+            )
+        with torch.no_grad():
+            self.keys[:, :, start:start + saved].copy_(checkpoint.keys)
+            self.values[:, :, start:start + saved].copy_(checkpoint.values)
+        self._length = start
 
     def check_update(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise, without writing, if ``k``/``v`` cannot be appended."""
+        self._check_write(k, v)
+        if self._length + k.shape[-2] > self.max_len:
+            raise ValueError(_overflow_message(self._length, k.shape[-2], self.max_len))
+
+    def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every check of :meth:`check_update` but the overflow."""
         for name, t in (("keys", k), ("values", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"cache {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -122,11 +215,6 @@ class KVCache:
                 raise ValueError(f"cache is on {self.keys.device}, got {name} on {t.device}")
         if k.shape[-2] != v.shape[-2]:
             raise ValueError(f"keys and values must have the same length, got {k.shape[-2]} and {v.shape[-2]}")
-        if self._length + k.shape[-2] > self.max_len:
-            raise ValueError(
-                f"cache overflow: {self._length} cached + {k.shape[-2]} new > max_len={self.max_len}; "
-                f"allocate a larger cache or reset() it"
-            )
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values; return views of everything cached so far (no copy).
@@ -134,13 +222,24 @@ class KVCache:
         Shapes:
             k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each
         """
-        self.check_update(k, v)
+        self._check_write(k, v)
+        if self._length + k.shape[-2] > self.max_len:
+            if torch.compiler.is_compiling():
+                return self._overflow_in_graph(k, v)
+            raise ValueError(_overflow_message(self._length, k.shape[-2], self.max_len))
         start, end = self._length, self._length + k.shape[-2]
         with torch.no_grad():
             self.keys[:, :, start:end].copy_(k)
             self.values[:, :, start:end].copy_(v)
         self._length = end
         return self.keys[:, :, :end], self.values[:, :, :end]  # (b, h_kv, length, d_h)
+
+    def _overflow_in_graph(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The traced overflow branch: a graph that raises the eager ValueError when it runs, writing nothing."""
+        # The op's output is what the caller attends over, so no compiler can drop it as dead code.
+        k = torch.ops.headwise.kv_cache_overflow(k, self._length, self.max_len)
+        return (torch.cat([self.keys[:, :, :self._length], k], 2),  # (b, h_kv, length + s, d_h)
+                torch.cat([self.values[:, :, :self._length], v], 2))
 
     def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, n_kv_heads={self.n_kv_heads}, "

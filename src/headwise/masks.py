@@ -39,9 +39,17 @@ def _check_align(align: str) -> None:
         raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
 
 
-def _check_len(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+def _type_name(value: object) -> str:
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_len(name: str, value: int, low: int = 0) -> None:
+    kind = "non-negative" if low == 0 else "positive"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a {kind} int, got {value!r} ({_type_name(value)})")
+    if value < low:
+        raise ValueError(f"{name} must be a {kind} int, got {value!r}")
 
 
 def causal_mask(
@@ -84,8 +92,7 @@ def sliding_window_mask(
         [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     """
     s_kv = s_q if s_kv is None else s_kv
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
+    _check_len("window", window, low=1)
     allowed = causal_mask(s_q, s_kv, align=align, device=device)
     offset = s_kv - s_q if align == "bottom_right" else 0
     i = torch.arange(s_q, device=device).unsqueeze(-1) + offset
@@ -100,7 +107,8 @@ def padding_mask(
     """Key padding mask shaped to broadcast over heads and queries, True = real token.
 
     Pass either ``keep`` (bool ``(b, s_kv)``, True = real token; Hugging Face's ``attention_mask``
-    as bool) or ``lengths`` with ``s_kv`` (padding on the right, or on the left with ``left=True``).
+    as bool) or ``lengths`` (a tensor, list or numpy array of ints) with ``s_kv`` (padding on the right,
+    or on the left with ``left=True``).
     To convert ``nn.MultiheadAttention``'s ``key_padding_mask`` (True = ignore), pass ``keep=~kpm``.
 
     Shapes:
@@ -116,12 +124,15 @@ def padding_mask(
         raise ValueError("pass exactly one of keep= (bool (b, s_kv)) or lengths= (with s_kv=)")
     if keep is not None:
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.dim() != 2:
-            got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+            got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else _type_name(keep)
             raise TypeError(f"keep must be a bool tensor of shape (b, s_kv), got {got}")
         return keep[:, None, None, :]  # (b, 1, 1, s_kv)
     if s_kv is not None:
         _check_len("s_kv", s_kv)
-    lengths_t = torch.as_tensor(lengths)
+    try:
+        lengths_t = torch.as_tensor(lengths)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"lengths must be a 1-D integer sequence (b,), got {lengths!r} ({_type_name(lengths)})") from None
     if lengths_t.numel() == 0 and not isinstance(lengths, torch.Tensor):
         lengths_t = lengths_t.long()  # [] parses as float32, but an empty batch is still a valid batch
     if lengths_t.dim() != 1 or lengths_t.dtype.is_floating_point or lengths_t.dtype == torch.bool:
@@ -188,20 +199,31 @@ def _to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _check_dtype(mask: torch.Tensor) -> None:
     if not isinstance(mask, torch.Tensor):
+        hint = "; convert it with torch.from_numpy(mask)" if type(mask).__module__ == "numpy" else ""
         raise TypeError(f"mask must be a torch.Tensor (bool: True = may attend; or floating: added to scores), "
-                        f"got {type(mask).__name__}")
+                        f"got {_type_name(mask)}{hint}")
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise TypeError(f"mask must be bool (True = may attend) or floating (added to the scores), got {mask.dtype}")
+        hint = "; a 0/1 integer mask is not added to the scores: pass mask.bool()" if not mask.dtype.is_complex else ""
+        raise TypeError(f"mask must be bool (True = may attend) or floating (added to the scores), "
+                        f"got {mask.dtype}{hint}")
 
 
 def validate_mask(mask: torch.Tensor, target: tuple[int, int, int, int], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
-    """Check that ``mask`` broadcasts to ``target = (b, h, s_q, s_kv)``; return it ready for a kernel.
+    """Check that ``mask`` broadcasts to ``target = (b, h, s_q, s_kv)``; return it 4-D, ready for a kernel.
 
-    Floating masks are cast to the query dtype (SDPA requires it); bool masks pass unchanged.
+    A mask of fewer than 4 dims comes back as a 4-D view (leading size-1 axes, no copy), so every backend
+    sees the same rank: ``(s_kv,)`` means one key mask for every query, ``()`` one value for everything.
+    Floating masks are cast to the query dtype (SDPA requires it); bool masks keep their values.
+    Only metadata (type, dtype, shape, device) is checked: no tensor data is read.
 
     Shapes:
-        mask: broadcastable to (b, h, s_q, s_kv).
+        mask: any shape broadcastable to (b, h, s_q, s_kv) -> returns a 4-D view of it.
+
+    Example:
+        >>> m = validate_mask(torch.tensor([True, False]), (2, 4, 3, 2), torch.float32, torch.device("cpu"))
+        >>> m.shape
+        torch.Size([1, 1, 1, 2])
     """
     _check_dtype(mask)
     if mask.device != device:
@@ -215,4 +237,6 @@ def validate_mask(mask: torch.Tensor, target: tuple[int, int, int, int], dtype: 
         )
     if mask.dtype.is_floating_point and mask.dtype != dtype:
         mask = mask.to(dtype)
+    if mask.dim() < 4:
+        mask = mask.view((1,) * (4 - mask.dim()) + shape)  # (1.., *shape): leading unit axes are always a view
     return mask

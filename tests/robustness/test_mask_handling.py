@@ -110,16 +110,22 @@ def test_bool_and_additive_float_masks_mean_the_same(backend):
 
 @pytest.mark.parametrize("shape", [(), (5,), (5, 5), (1, 5), (2, 1, 1, 5), (2, 4, 5, 5), (1, 1, 5, 5), (4, 5, 5)])
 def test_validate_mask_accepts_every_broadcastable_shape(shape):
-    m = torch.ones(shape, dtype=torch.bool)
-    assert hwm.validate_mask(m, (2, 4, 5, 5), torch.float32, torch.device("cpu")) is m  # bool passes unchanged
+    m = torch.rand(shape) > 0.5
+    out = hwm.validate_mask(m, (2, 4, 5, 5), torch.float32, torch.device("cpu"))
+    # bool masks come back as a 4-D view of the same memory (no copy); 4-D ones unchanged
+    assert out.shape == (1,) * (4 - len(shape)) + shape and out.dtype == torch.bool
+    assert out.data_ptr() == m.data_ptr() and torch.equal(out.reshape(shape), m)
+    assert (out is m) == (len(shape) == 4)
 
 
 def test_validate_mask_casts_float_masks_to_the_compute_dtype():
     m = torch.zeros(5, 5, dtype=torch.float64)
     out = hwm.validate_mask(m, (2, 4, 5, 5), torch.bfloat16, torch.device("cpu"))
     assert out.dtype == torch.bfloat16
-    same = torch.zeros(5, 5)
+    same = torch.zeros(1, 1, 5, 5)
     assert hwm.validate_mask(same, (2, 4, 5, 5), torch.float32, torch.device("cpu")) is same
+    low = torch.zeros(5, 5)
+    assert hwm.validate_mask(low, (2, 4, 5, 5), torch.float32, torch.device("cpu"))._base is low  # a view
 
 
 def test_sliding_window_through_the_layer_matches_the_reference():
