@@ -23,10 +23,9 @@ from .config import AttentionConfig
 from .dispatch import DispatchInfo, describe
 from .head import AttentionHead, pack_heads
 from .kv_cache import KVCache
-from .masks import validate_mask
 from .plan import Plan, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
-from .validation import check_bool, check_causal, check_dtype, check_input, check_positions
+from .validation import check_dtype, check_forward
 
 __all__ = ["MultiHeadAttention"]
 
@@ -273,58 +272,14 @@ class MultiHeadAttention(nn.Module):
     # -- the public edge: validate once, then plan --------------------------------------------------------
     def _validate(self, x, context, key, value, mask, causal, cache, positions, return_weights,  # type: ignore[no-untyped-def]
                   bind: bool = True):
-        """The forward's inputs, checked and batched; ``key``/``value`` are None for self-attention.
+        """The forward's inputs, checked once and batched (:func:`headwise.validation.check_forward`);
         ``bind``: claim the cache for this layer (explaining only checks that it is not another layer's)."""
-        check_causal(causal)
-        check_bool("return_weights", return_weights)
-        cfg = self.config
         w = self.q_proj.weight
-        x = check_input("x", x, cfg.d_model, "d_model", w.dtype, w.device)
-        batched = x.dim() == 3
-        if (key is None) != (value is None):
-            raise ValueError("pass both key= and value= (or neither)")
-        if key is not None and context is not None:
-            raise ValueError("pass either context= or key=/value=, not both")
-        if key is not None:
-            key = check_input("key", key, cfg.kdim, "kdim", w.dtype, w.device, batched=batched)
-            value = check_input("value", value, cfg.vdim, "vdim", w.dtype, w.device, batched=batched)
-        elif context is not None:
-            if cfg.kdim != cfg.vdim:
-                raise ValueError(f"kdim={cfg.kdim} != vdim={cfg.vdim}: pass key= and value= separately")
-            key = value = check_input("context", context, cfg.kdim, "kdim", w.dtype, w.device, batched=batched)
-        if not batched:
-            x = x.unsqueeze(0)
-            key = None if key is None else key.unsqueeze(0)
-            value = None if value is None else value.unsqueeze(0)
-        b, s_q = x.shape[0], x.shape[1]
-        if key is not None:
-            if key.shape[0] != b or value.shape[0] != b:
-                raise ValueError(f"batch mismatch: x has b={b}, key/context has b={key.shape[0]}, "
-                                 f"value has b={value.shape[0]}")
-            if key.shape[1] != value.shape[1]:
-                raise ValueError(f"key has s_kv={key.shape[1]} but value has s_kv={value.shape[1]}")
-            if cache is not None:
-                raise ValueError("cache= is for self-attention decoding; cross-attention keys need no cache")
-            if self.rotary is not None:
-                raise ValueError("rotary embeddings apply to self-attention only; got context/key inputs")
-        offset = 0
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
-            offset = cache.length
-        s_kv = offset + s_q if key is None else key.shape[1]
-        if mask is not None:
-            mask = validate_mask(mask, (b, cfg.n_heads, s_q, s_kv), w.dtype, w.device)
-        if self.rotary is None:
-            if positions is not None:
-                raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
-        elif positions is None:
-            positions = torch.arange(offset, offset + s_q, device=x.device)
-        else:
-            positions = check_positions(positions, b, s_q)
+        checked = check_forward(self.config, w.dtype, w.device, self.rotary is not None, x, context, key, value,
+                                mask, causal, cache, positions, return_weights)
         if cache is not None and (bind or cache.owner is not None):
             cache.claim(self)  # last: a refused call never binds a cache
-        return x, key, value, mask, positions, batched
+        return checked
 
     def _dropout_p(self) -> float:
         return self.config.dropout if self.training else 0.0

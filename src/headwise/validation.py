@@ -1,10 +1,22 @@
-"""Input validation shared by the public entry points: every message names expected and received."""
+"""Input validation shared by the public entry points: every message names expected and received.
+
+Checks read metadata only (shapes, dtypes, devices, types), never tensor data, so they cost a few Python
+comparisons per call.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
+    d: model width (d_model), d_h: head width (d_head).
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-_SHAPES = "b: batch, s: sequence"
+from .config import AttentionConfig
+from .kv_cache import KVCache
+from .masks import validate_mask
 
 
 def check_tensor(name: str, x: object) -> torch.Tensor:
@@ -88,3 +100,73 @@ def check_dtype(name: str, dtype: object) -> None:
     """``dtype`` is None or a floating torch.dtype (attention weights and activations are floats)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"{name} must be a floating torch.dtype (e.g. torch.float32) or None, got {dtype!r}")
+
+
+class ForwardInputs(NamedTuple):
+    """A forward's inputs after :func:`check_forward`: batched, ``key``/``value`` None for self-attention,
+    the mask a validated 4-D view, rotary positions resolved."""
+
+    x: torch.Tensor
+    key: torch.Tensor | None
+    value: torch.Tensor | None
+    mask: torch.Tensor | None
+    positions: torch.Tensor | None
+    batched: bool
+
+
+def check_forward(config: AttentionConfig, dtype: torch.dtype, device: torch.device, rotary: bool,
+                  x: object, context: object, key: object, value: object, mask: object, causal: object,
+                  cache: object, positions: object, return_weights: object) -> ForwardInputs:
+    """Every check of a layer's forward, once, before any work or state change.
+
+    Shapes:
+        x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); key: (b, s_kv, kdim); value: (b, s_kv, vdim)
+        mask: broadcastable to (b, h, s_q, s_kv) with s_kv = cache.length + s_q under a cache
+        positions: (s_q,), (1, s_q) or (b, s_q)
+    """
+    check_causal(causal)
+    check_bool("return_weights", return_weights)
+    x = check_input("x", x, config.d_model, "d_model", dtype, device)
+    batched = x.dim() == 3
+    if (key is None) != (value is None):
+        raise ValueError("pass both key= and value= (or neither)")
+    if key is not None and context is not None:
+        raise ValueError("pass either context= or key=/value=, not both")
+    if key is not None:
+        key = check_input("key", key, config.kdim, "kdim", dtype, device, batched=batched)
+        value = check_input("value", value, config.vdim, "vdim", dtype, device, batched=batched)
+    elif context is not None:
+        if config.kdim != config.vdim:
+            raise ValueError(f"kdim={config.kdim} != vdim={config.vdim}: pass key= and value= separately")
+        key = value = check_input("context", context, config.kdim, "kdim", dtype, device, batched=batched)
+    if not batched:
+        x = x.unsqueeze(0)
+        key = None if key is None else key.unsqueeze(0)
+        value = None if value is None else value.unsqueeze(0)
+    b, s_q = x.shape[0], x.shape[1]
+    if key is not None:
+        if key.shape[0] != b or value.shape[0] != b:
+            raise ValueError(f"batch mismatch: x has b={b}, key/context has b={key.shape[0]}, "
+                             f"value has b={value.shape[0]}")
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key has s_kv={key.shape[1]} but value has s_kv={value.shape[1]}")
+        if cache is not None:
+            raise ValueError("cache= is for self-attention decoding; cross-attention keys need no cache")
+        if rotary:
+            raise ValueError("rotary embeddings apply to self-attention only; got context/key inputs")
+    offset = 0
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
+        offset = cache.length
+    s_kv = offset + s_q if key is None else key.shape[1]
+    if mask is not None:
+        mask = validate_mask(mask, (b, config.n_heads, s_q, s_kv), dtype, device)
+    if not rotary:
+        if positions is not None:
+            raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
+    elif positions is None:
+        positions = torch.arange(offset, offset + s_q, device=x.device)
+    else:
+        positions = check_positions(positions, b, s_q)
+    return ForwardInputs(x, key, value, mask, positions, batched)
