@@ -87,6 +87,11 @@ class MultiHeadAttention(nn.Module):
         >>> torch.testing.assert_close(attn.out_proj(heads), y)               # ...then W_O: the same layer
     """
 
+    #: While a :func:`headwise.trace` is active, the object that captures and edits this layer's heads:
+    #: ``wants_weights(layer)``, ``qkv(layer, q, k, v)``, ``context(layer, z, weights) -> z`` and
+    #: ``output(layer, z, y)`` are called at those steps of the forward. None (the default) costs one check.
+    tracer = None
+
     def __init__(
         self, d_model: int | None = None, n_heads: int | None = None, n_kv_heads: int | None = None, *,
         d_head: int | None = None, bias: bool = True, out_bias: bool | None = None, dropout: float = 0.0,
@@ -219,7 +224,9 @@ class MultiHeadAttention(nn.Module):
         """
         x, key, value, mask, positions, batched = self._validate(x, context, key, value, mask, causal, cache,
                                                                  positions, return_weights)
-        plan = self._plan_call(x, key, value, mask, causal, cache, return_weights)
+        tracer = self.tracer  # headwise.trace: capture and edit (None outside a trace)
+        wants_weights = return_weights or (tracer is not None and tracer.wants_weights(self))
+        plan = self._plan_call(x, key, value, mask, causal, cache, wants_weights, chunk=tracer is None)
         if plan.warn:
             warnings.warn(forward_warning(plan), stacklevel=2)
         if plan.chunk is not None:
@@ -229,24 +236,29 @@ class MultiHeadAttention(nn.Module):
         # Project and split: (b, h, s_q, d_h) queries; (b, h_kv, s_kv, d_h) keys and values.
         q, k, v = self.project_qkv(x) if key is None else (self.project_q(x), *self.project_kv(key, value))
         q, k = self.rotate(q, k, positions)
+        if tracer is not None:
+            tracer.qkv(self, q, k, v)
         # Attend: every head on its own (over the cache's positions too, when there is one).
-        if cache is None:
-            z, weights = hwf.attend(plan, q, k, v, mask)  # (b, h, s_q, d_h)
-        else:
-            z, weights = self._attend_cached(plan, cache, q, k, v, mask)
+        z, weights = self._attend(plan, cache, tracer, q, k, v, mask)  # (b, h, s_q, d_h)
         del q, k, v  # without autograd, freed before W_O allocates the output
         # Merge and project out: W_O is the only place heads mix.
         y = self.project_out(z)  # (b, s_q, d)
+        if tracer is not None:
+            tracer.output(self, z, y)
         if not batched:
             y, weights = y.squeeze(0), None if weights is None else weights.squeeze(0)
         return (y, weights) if return_weights else y
 
-    def _attend_cached(self, plan, cache, q, k, v, mask):  # type: ignore[no-untyped-def]
-        # A failed attention step rolls the cache back: the write is undone, never left half-done.
+    def _attend(self, plan, cache, tracer, q, k, v, mask):  # type: ignore[no-untyped-def]
+        if cache is None:
+            z, weights = hwf.attend(plan, q, k, v, mask)
+            return (z, weights) if tracer is None else (tracer.context(self, z, weights), weights)
+        # A failed step after the cache write rolls the cache back: the write is undone, never left half-done.
         saved = cache.checkpoint(k.shape[2])
         k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
         try:
-            return hwf.attend(plan, q, k, v, mask)
+            z, weights = hwf.attend(plan, q, k, v, mask)
+            return (z, weights) if tracer is None else (tracer.context(self, z, weights), weights)
         except BaseException:
             cache.restore(saved)
             raise
@@ -288,12 +300,12 @@ class MultiHeadAttention(nn.Module):
         return torch.is_grad_enabled() and (any(t is not None and t.requires_grad for t in inputs)
                                             or any(p.requires_grad for p in self.parameters()))
 
-    def _plan_call(self, x, key, value, mask, causal, cache, return_weights) -> Plan:  # type: ignore[no-untyped-def]
+    def _plan_call(self, x, key, value, mask, causal, cache, return_weights, chunk=True) -> Plan:  # type: ignore[no-untyped-def]
         s_kv = (cache.length + x.shape[1]) if cache is not None else (x.shape[1] if key is None else key.shape[1])
         return plan_attention(
             self.config, b=x.shape[0], s_q=x.shape[1], s_kv=s_kv, dtype=x.dtype, device=x.device,
             backend=self.backend, causal=causal, has_mask=mask is not None, cached=cache is not None,
-            return_weights=return_weights, dropout_p=self._dropout_p(), chunk_queries=self._chunk_queries,
+            return_weights=return_weights, dropout_p=self._dropout_p(), chunk_queries=self._chunk_queries if chunk else False,
             records_grad=lambda: self._records_grad(x, key, value))
 
     def explain_dispatch(
