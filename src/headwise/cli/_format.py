@@ -7,6 +7,7 @@ The width is ``$COLUMNS``, else the terminal's, else 80. A table wider than that
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -71,7 +72,9 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
             t.add_column(c, overflow="fold")
         for r in body:
             t.add_row(*r)
-        Console(file=sys.stdout, width=width(), soft_wrap=False).print(t)
+        buffer = io.StringIO()  # rendered off-terminal (no colour codes), so trailing padding can be cut
+        Console(file=buffer, width=width(), soft_wrap=False).print(t)
+        sys.stdout.write("".join(ln.rstrip() + "\n" for ln in buffer.getvalue().splitlines()))
     if dropped:
         line(f"(columns left out to fit {width()} columns: {', '.join(dropped)}; a wider terminal or --json "
              f"shows them)")

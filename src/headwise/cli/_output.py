@@ -32,10 +32,10 @@ def _reason(exc: OSError) -> str:
 def check_out(out: str, suffixes: Sequence[str], option: str = "--out") -> Path:
     """The path to write ``out`` to, once it is known that writing there can work (module doc)."""
     path = Path(out)
-    if path.suffix.lower() not in suffixes:
-        raise CliError(f"{option} must end in {' or '.join(suffixes)}, got {out!r}")
     if path.is_dir():
         raise CliError(f"{option} {out!r} is a directory; name a file in it, e.g. {str(path / ('heads' + suffixes[0]))!r}")
+    if path.suffix.lower() not in suffixes:
+        raise CliError(f"{option} must end in {' or '.join(suffixes)}, got {out!r}")
     real = Path(os.path.realpath(path))
     for root in VIRTUAL_ROOTS:
         if real == Path(root) or Path(root) in real.parents:
@@ -43,7 +43,8 @@ def check_out(out: str, suffixes: Sequence[str], option: str = "--out") -> Path:
                            f"choose a path on a disk")
     parent = real.parent
     if not parent.is_dir():
-        raise CliError(f"{option}: directory {str(path.parent)!r} does not exist")
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise CliError(f"{option}: directory {str(path.parent)!r} {what}")
     if real.exists():
         mode = real.stat().st_mode
         if not stat.S_ISREG(mode):
