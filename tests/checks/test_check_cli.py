@@ -59,7 +59,7 @@ def test_the_docs_property_example_runs(capsys):
     argv = [f"{GALLERY}:LAYER", "--causal", "--property", "causality", "--seed", "3", "--seq", "12", "--batch", "4"]
     assert main(["check", *argv]) == 0
     out = capsys.readouterr().out
-    assert "causality" in out and "OK (1 properties: 1 ran (1 passed, 0 failed), 0 skipped" in out
+    assert "causality" in out and "OK. 1 properties: 1 ran (1 passed, 0 failed), 0 skipped" in out
     # without --causal the layer claims nothing: the one property asked for is skipped, and that is said
     assert main(["check", *argv[:1], *argv[2:]]) == 1
     out, err = capsys.readouterr()

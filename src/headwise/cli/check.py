@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                  f"seed {report.seed}")
         fmt.table("Properties", ["property", "verdict", "deviation / tolerance", "counterexample or note"],
                   report.rows(), optional=["deviation / tolerance"])
-        fmt.line(f"{report.verdict} ({report.tally}; {report.seconds:.2f} s)")
+        fmt.line(f"{report.verdict}. {report.tally}; {report.seconds:.2f} s.")
     if not report.ok:
         sys.stdout.flush()
         print(f"headwise check: {' '.join(report.verdict.split())}", file=sys.stderr)

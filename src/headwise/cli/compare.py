@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             fmt.table("Presets", ["name", "model", "d_model", "h / h_kv", "d_head", "layers", "rope theta"],
                       [(p["name"], p["title"], p["config"]["d_model"],
                         f"{p['config']['n_heads']} / {p['config']['n_kv_heads']}", p["config"]["d_head"],
-                        p["n_layers"], p["rope_theta"] or "-") for p in listing])
+                        p["n_layers"], p["rope_theta"] or "-") for p in listing], optional=["rope theta"])
             fmt.line("Sources:")
             for p in listing:
                 fmt.line(f"  {p['name']}: {p['citation']}")
