@@ -90,7 +90,7 @@ def test_a_layer_calling_sys_exit_fails_the_properties_it_ran(capsys):
     (["no_colon"], "MODULE:FACTORY"),
     ([f"{GALLERY}:reference", "--property", "nope"], "invalid choice: 'nope'"),
     ([f"{GALLERY}:ExitsAlways", "--d-model", "8"], "SystemExit"),
-    ([f"{GALLERY}:reference", "--d-model", "0"], "--d-model: must be a positive integer, got 0"),
+    ([f"{GALLERY}:reference", "--d-model", "0"], "--d-model must be a positive integer, got 0"),
     ([f"{GALLERY}:reference", "--d-model", str(10 ** 12)], "over the limit of 256 MiB"),
     ([f"{GALLERY}:reference", "--d-model", "8"], "d_model=8"),
 ])

@@ -64,10 +64,10 @@ def test_explain_overrides_preset(capsys) -> None:
     (["--d-model", "64", "--n-heads", "8", "--n-kv-heads", "3"], "valid n_kv_heads"),
     (["--preset", "llama3-8b"], "did you mean: llama-3-8b"),
     (["--d-model", "64", "--n-heads", "8", "--dtype", "float17"], "dtype must be"),
-    (["--d-model", "64", "--n-heads", "8", "--seq", "0"], "--seq: must be a positive"),
-    (["--d-model", "-4", "--n-heads", "8"], "--d-model: must be a positive"),
+    (["--d-model", "64", "--n-heads", "8", "--seq", "0"], "--seq must be a positive"),
+    (["--d-model", "-4", "--n-heads", "8"], "--d-model must be a positive"),
     (["--n-heads", "8"], "give --preset NAME"),
-    (["--d-model", "x"], "expected a positive integer, got 'x'"),
+    (["--d-model", "x"], "invalid int value: 'x'"),
 ])
 def test_explain_bad_input(capsys, argv: list[str], message: str) -> None:
     assert message in _bad(capsys, "explain", *argv)
@@ -102,7 +102,7 @@ def test_compare_list(capsys) -> None:
 @pytest.mark.parametrize("argv,message", [
     (["gpt2-smal"], "did you mean: gpt2-small"),
     ([], "name at least one preset"),
-    (["gpt2-small", "--seq", "-1"], "--seq: must be a positive"),
+    (["gpt2-small", "--seq", "-1"], "--seq must be a positive"),
     (["gpt2-small", "--dtype", "int3"], "dtype must be"),
 ])
 def test_compare_bad_input(capsys, argv: list[str], message: str) -> None:

@@ -48,7 +48,7 @@ ROWS = [
     ("tour-batch-1e7-seq-1000", ["tour", "--batch", "10000000", "--seq", "1000"], 2, "over its limit of 2.0 GiB",
      None),
     ("tour-gpt3", ["tour", "--preset", "gpt3-175b"], 2, "`headwise explain` walks any size", None),
-    ("tour-seq-not-a-number", ["tour", "--seq", "x"], 2, "expected a positive integer, got 'x'", None),
+    ("tour-seq-not-a-number", ["tour", "--seq", "x"], 2, "invalid int value: 'x'", None),
     ("explain-storage-overflow", ["explain", "--d-model", str(10 ** 12), "--n-heads", "8"], 2,
      "more than the 2**63 - 1 a torch tensor can address", None),
     ("explain-seq-1e15", ["explain", "--preset", "llama-2-7b", "--seq", str(10 ** 15)], 2,

@@ -33,7 +33,7 @@ def test_tour_sizes_text(capsys) -> None:
     (["--preset", "gpt3-175b"], "headwise explain"),  # too big for real tensors: points to explain
     (["--preset", "nope"], "unknown preset"),
     (["--d-model", "30", "--n-heads", "7"], "does not divide"),
-    (["--seq", "0"], "--seq: must be a positive"),
+    (["--seq", "0"], "--seq must be a positive"),
 ])
 def test_tour_bad_input(capsys, argv: list[str], message: str) -> None:
     code = main(["tour", *argv])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from typing import NoReturn, Sequence
 
@@ -55,7 +56,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its usage errors on one line (the usage itself stays in --help)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+        message = " ".join(message.split())
+        # "argument --seq: must be ..." reads better as "--seq must be ..."
+        message = re.sub(r"^argument (--[\w-]+): must be ", r"\1 must be ", message)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ def size(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     if value > INT64_MAX:
