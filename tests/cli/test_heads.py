@@ -102,3 +102,17 @@ def test_a_failed_write_leaves_the_old_file(capsys, monkeypatch, tmp_path) -> No
     err = capsys.readouterr().err
     assert "No space left on device" in err and len(err.strip().splitlines()) == 1
     assert page.read_text() == "the old page" and [p.name for p in tmp_path.iterdir()] == ["h.html"]
+
+
+def test_truncation_is_announced(capsys, minilm) -> None:
+    tokenizer, _ = minilm
+    text = " ".join([TEXT] * 4)
+    n = len(tokenizer(text)["input_ids"])  # the tokenizer's own count, untruncated
+    assert main(["heads", text, "--max-tokens", "10"]) == 0
+    out = capsys.readouterr().out
+    assert f"Note: the text has {n} tokens; only the first 10 are shown" in out
+    assert main(["heads", text, "--max-tokens", "10", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["truncated"] and r["text_tokens"] == n and len(r["tokens"]) == 10
+    assert main(["heads", TEXT, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["truncated"] is False

@@ -71,6 +71,7 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
         step(f"running layer {args.layer} head by head")
         maps = vmaps.text_head_maps(args.text, layer=args.layer, tokenizer=tokenizer, model=model,
                                     max_tokens=args.max_tokens)
+        n_tokens = len(tokenizer(args.text, verbose=False)["input_ids"])  # before truncation, to say so
         if out is not None:
             step(f"drawing {out}")
             if out.suffix.lower() == ".png":
@@ -81,7 +82,8 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
                 from ..viz.html import save_html
 
                 save(out, lambda tmp: save_html(maps, tmp))
-    return {"maps": maps, "summary": maps.summary(), "out": None if out is None else str(out)}
+    return {"maps": maps, "summary": maps.summary(), "out": None if out is None else str(out),
+            "text_tokens": n_tokens, "truncated": n_tokens > len(maps.tokens)}
 
 
 def _quiet_transformers() -> None:
@@ -98,8 +100,12 @@ def run(args: argparse.Namespace) -> int:
     r = heads(args)
     maps = r["maps"]
     if args.json:
-        fmt.emit_json(maps.to_dict() | {"summary": r["summary"], "out": r["out"]})
+        fmt.emit_json(maps.to_dict() | {"summary": r["summary"], "out": r["out"], "text_tokens": r["text_tokens"],
+                                        "truncated": r["truncated"]})
         return 0
+    if r["truncated"]:
+        fmt.line(f"Note: the text has {r['text_tokens']} tokens; only the first {len(maps.tokens)} are shown "
+                 f"(--max-tokens, at most {_bundled()[1]}).")
     fmt.line(f"all-MiniLM-L6-v2, layer {maps.layer}, {maps.n_heads} heads, {len(maps.tokens)} tokens: "
              + " ".join(maps.tokens))
     fmt.table("Where each head reads from, and what it actually writes (weight x ||value W_O||)",
