@@ -34,8 +34,8 @@ def config(family: str, impl: str = "sdpa", **kw) -> transformers.PreTrainedConf
     cfg_cls, _, base = FAMILIES[family]
     extra = {} if family in ("bert", "gpt2") else dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     layers = {"gpt2": "n_layer"}.get(family, "num_hidden_layers")
-    return getattr(transformers, cfg_cls)(vocab_size=VOCAB, attn_implementation=impl, **{layers: 2}, **base,
-                                          **extra, **kw)
+    return getattr(transformers, cfg_cls)(**{"vocab_size": VOCAB, "attn_implementation": impl, layers: 2, **base,
+                                             **extra, **kw})
 
 
 def build(family: str, impl: str = "sdpa", seed: int = 0, **kw) -> nn.Module:

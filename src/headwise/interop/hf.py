@@ -187,9 +187,9 @@ def patch(model: nn.Module) -> nn.Module:
                 targets.append((name, module, family, mixin))
     if not targets and not layers(model):
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
-        seen = f"found attention modules {found}, none of a supported class" if found else "found none"
-        raise TypeError(f"patch: {type(model).__name__} contains no attention module headwise can patch ({seen}); "
-                        f"supported: {_supported()}")
+        seen = f"; it has {found}, none of them a supported class" if found else ""
+        raise TypeError(f"patch: {type(model).__name__} contains no attention module headwise can patch; "
+                        f"supported: {_supported()}{seen}")
     views = [(module, family.from_module(module, share=True), family, mixin) for _, module, family, mixin in targets]
     for (name, *_), (module, attn, family, mixin) in zip(targets, views):
         host, suffix = family.host_of(module)
