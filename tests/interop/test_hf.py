@@ -255,7 +255,7 @@ def test_bert_patch_keeps_dense_where_it_is_and_the_layer_reads_it():
     assert type(block.self) is transformers.models.bert.modeling_bert.BertSelfAttention and block.output.dense is dense
 
 
-def test_gpt2_edits_while_patched_are_written_back():
+def test_gpt2_edits_through_a_head_are_edits_of_the_model():
     model = gpt2("gpt2-21x3", "eager")
     original = model.transformer.h[0].attn
     patch(model)

@@ -78,6 +78,18 @@ def test_weight_init_after_patch_equals_unpatched(family):
     assert any(not torch.equal(v, build(family).state_dict()[k]) for k, v in want.items())  # init did something
 
 
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_a_patched_model_pickles_and_unpatches_after_loading(family, tmp_path):
+    model = patch(build(family))
+    batch = inputs(6)
+    want = output(model, batch)
+    torch.save(model, tmp_path / "m.pt")
+    again = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert len(layers(again)) == 2 and layers(again)[0][1].host is again.get_submodule(layers(again)[0][0])
+    torch.testing.assert_close(output(again, batch), want, rtol=0, atol=0)
+    torch.testing.assert_close(output(unpatch(again), batch), want)  # HF's own kernel: float32 rounding
+
+
 def on_meta(family: str, patched: bool) -> nn.Module:
     """Build under the meta device (as from_pretrained and FSDP do), optionally patch there, then materialise
     and run HF's init_weights (which also fills the rotary buffers)."""
@@ -123,7 +135,8 @@ def test_tensor_parallel_plans_still_name_the_parameters(family):
     model = build(family)
     plans = {"model._tp_plan": (model._tp_plan, model), "config.base_model_tp_plan":
              (model.config.base_model_tp_plan, model.base_model)}
-    before = {label: {k: tp_rule(k, plan) for k, _ in owner.named_parameters()} for label, (plan, owner) in plans.items()}
+    before = {label: {k: tp_rule(k, plan) for k, _ in owner.named_parameters()}
+              for label, (plan, owner) in plans.items()}
     patch(model)
     for label, (plan, owner) in plans.items():
         after = {k: tp_rule(k, plan) for k, _ in owner.named_parameters()}
@@ -191,7 +204,8 @@ def test_unsupported_attention_implementations_are_refused_before_anything_chang
     model = build(family)
     before = fingerprint(model)
     model.config._attn_implementation_internal = impl
-    with pytest.raises(ValueError, match=rf"attn_implementation='{impl}' is not supported.*supported: \('eager', 'sdpa'\)"):
+    refused = rf"attn_implementation='{impl}' is not supported.*supported: \('eager', 'sdpa'\)"
+    with pytest.raises(ValueError, match=refused):
         patch(model)
     assert_unchanged(model, before)
 

@@ -308,7 +308,8 @@ def test_key_padding_mask_is_checked_against_the_query():
         m(batched, batched[:, :3], batched[:, :3], key_padding_mask=kpm)
     with pytest.raises(ValueError, match=r"key_padding_mask \(3,\) is 1-D .* the query \(2, 4, 16\) is batched"):
         torch_masks_to_headwise(key_padding_mask=kpm, query=batched)
-    with pytest.raises(ValueError, match=r"key_padding_mask \(2, 3\) must be 1-D \(s_kv,\) for the unbatched query \(4, 16\)"):
+    with pytest.raises(ValueError, match=r"key_padding_mask \(2, 3\) must be 1-D \(s_kv,\) for the unbatched "
+                                         r"query \(4, 16\)"):
         torch_masks_to_headwise(key_padding_mask=kpm.expand(2, 3), query=single)
     with pytest.raises(ValueError, match=r"key_padding_mask \(3, 3\) has b=3 but the query \(2, 4, 16\) has b=2"):
         torch_masks_to_headwise(key_padding_mask=kpm.expand(3, 3), query=batched)

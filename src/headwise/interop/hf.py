@@ -1,8 +1,9 @@
 """Hugging Face interop: take over the attention of BERT, GPT-2 and Llama-family models, and give it back.
 
 * :func:`from_hf` / :func:`to_hf`: one HF attention module <-> one :class:`MultiHeadAttention` (copies).
-* :func:`patch` / :func:`unpatch`: swap every supported attention module of a model, in place, for a
-  headwise-backed module with the same call signature and return convention; :func:`layers` lists them.
+* :func:`patch` / :func:`unpatch`: make every supported attention module of a model compute with headwise, in
+  place (same objects, same parameters under the same names; only the class changes), and back;
+  :func:`layers` lists the headwise layers, each a live view of its module's weights.
 
 Supported modules (the per-family name maps are in :mod:`~headwise.interop.hf_bert`,
 :mod:`~headwise.interop.hf_gpt2`, :mod:`~headwise.interop.hf_llama`):

@@ -21,7 +21,8 @@ Hugging Face                        headwise        note
 ``query``/``key``/``value``) that computes the heads' context with headwise and returns it *before* W_O, as
 HF's does; ``BertSelfOutput`` still applies ``dense``, dropout and LayerNorm. The layer (a
 :class:`BertView`) reads ``self.query/key/value`` and the sibling ``output.dense`` live, so
-``attn(x)`` and ``attn.head(i).w_o`` use W_O although the patched forward does not. Cross-attention (``BertCrossAttention`` in BERT decoders) is not converted.
+``attn(x)`` and ``attn.head(i).w_o`` use W_O although the patched forward does not. Cross-attention
+(``BertCrossAttention`` in BERT decoders) is not converted.
 
 Shapes:
     b: batch, s: sequence, h: heads, d: model width (hidden_size), d_h: head width.

@@ -1,4 +1,5 @@
-"""Llama-style attention (``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention``, ``Qwen3Attention``) <-> headwise.
+"""Llama-style attention (``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention``, ``Qwen3Attention``)
+<-> headwise.
 
 Name map (one attention module -> one :class:`MultiHeadAttention`):
 

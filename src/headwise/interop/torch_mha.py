@@ -181,7 +181,8 @@ class TorchMHAView(LayerView):
         rows = slice(i * d, (i + 1) * d)
         bias = (lambda: None) if m.in_proj_bias is None else (lambda: m.in_proj_bias[rows])  # (d,)
         if m._qkv_same_embed_dim:
-            return ProjectionView(lambda: m.in_proj_weight[rows], bias, what=f"in_proj_weight[{rows.start}:{rows.stop}]")
+            return ProjectionView(lambda: m.in_proj_weight[rows], bias,
+                                  what=f"in_proj_weight[{rows.start}:{rows.stop}]")
         return ProjectionView(lambda: getattr(m, f"{name}_weight"), bias, what=f"{name}_weight")
 
     def sources(self) -> list[tuple[str, nn.Module]]:
@@ -260,7 +261,8 @@ def torch_masks_to_headwise(
 def _check_against_query(key_padding_mask: torch.Tensor, query: object) -> None:
     if not isinstance(query, torch.Tensor) or query.dim() not in (2, 3):
         got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-        raise ValueError(f"query must be (b, s_q, d) or (s_q, d) (batch-first, as the headwise layer takes it), got {got}")
+        raise ValueError(f"query must be (b, s_q, d) or (s_q, d) (batch-first, as the headwise layer takes it), "
+                         f"got {got}")
     kpm, q = tuple(key_padding_mask.shape), tuple(query.shape)
     if query.dim() == 3 and key_padding_mask.dim() == 1:
         raise ValueError(f"key_padding_mask {kpm} is 1-D (s_kv,), for an unbatched query, but the query {q} is "
