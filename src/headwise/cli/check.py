@@ -21,7 +21,7 @@ from typing import Any
 from ..checks import CORE_PROPERTIES, PROPERTY_NAMES
 from ..checks.sizes import check_input_size
 from . import CliError
-from . import _format as fmt
+from . import format as fmt
 from ._progress import steps
 from ._sizes import size
 

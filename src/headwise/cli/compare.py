@@ -9,7 +9,7 @@ from ..analysis import dtype_info, summarize
 from ..analysis.memory import DTYPE_NAMES
 from ..presets import PRESETS, get_preset
 from . import CliError
-from . import _format as fmt
+from . import format as fmt
 from ._sizes import human_bytes, human_count, size
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from ..analysis import dtype_info, summarize
 from ..analysis.memory import DTYPE_NAMES
 from . import CliError
-from . import _format as fmt
+from . import format as fmt
 from ._progress import steps
 from ._sizes import add_layer_options, human_bytes, human_count, layer_from_args, refuse_unrepresentable, size
 

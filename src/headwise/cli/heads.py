@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from . import CliError, require
-from . import _format as fmt
+from . import format as fmt
 from ._output import check_out, save
 from ._progress import steps
 from ._sizes import size

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from . import CliError
-from . import _format as fmt
+from . import format as fmt
 from ._progress import steps
 from ._sizes import add_layer_options, human_bytes, layer_from_args, layer_tensors, numel, size
 

@@ -98,22 +98,15 @@ class QKNormAttention(QKNormMixin, MultiHeadAttention):
     """A :class:`MultiHeadAttention` with per-head Q/K norms that it owns (registered submodules).
 
     Args:
-        q_norm, k_norm: modules normalising the last axis (d_h) of the split queries / keys.
+        q_norm, k_norm: modules normalising the last axis (d_h) of the split queries / keys (None: identity).
         everything else: as :class:`MultiHeadAttention`.
 
     Shapes:
         as :class:`MultiHeadAttention`
     """
 
-    def __init__(self, *args: Any, q_norm: nn.Module, k_norm: nn.Module, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.q_norm, self.k_norm = q_norm, k_norm
-
-    @classmethod
-    def from_config(cls, config: Any, *, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-                    **kwargs: Any) -> "QKNormAttention":
-        """As :meth:`MultiHeadAttention.from_config`, plus the two norms (None: ``nn.Identity``)."""
-        self = super().from_config(config, **kwargs)
         self.q_norm = nn.Identity() if q_norm is None else q_norm
         self.k_norm = nn.Identity() if k_norm is None else k_norm
-        return self
