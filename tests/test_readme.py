@@ -1,4 +1,4 @@
-"""The README's Python examples run as written."""
+"""Every Python block of README.md and docs/*.md runs as written (each in a fresh namespace)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [(doc, i, block) for doc in DOCS
+          for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S))]
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs(index):
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {"__name__": "readme"})
+@pytest.mark.parametrize("doc, index, block", BLOCKS, ids=[f"{d.name}[{i}]" for d, i, _ in BLOCKS])
+def test_python_block_runs(doc, index, block):
+    exec(compile(block, f"{doc.name}[python block {index}]", "exec"), {"__name__": "docs"})
