@@ -14,16 +14,17 @@ Example:
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import functional, masks
-from .attention import MultiHeadAttention
-from .config import AttentionConfig
-from .dispatch import DispatchInfo, MaterializationWarning
-from .head import AttentionHead
-from .kv_cache import KVCache
-from .plan import Plan
-from .rotary import RotaryEmbedding
+if TYPE_CHECKING:  # pragma: no cover - for type checkers; at run time the names load on first use
+    from . import functional, masks
+    from .attention import MultiHeadAttention
+    from .config import AttentionConfig
+    from .dispatch import DispatchInfo, MaterializationWarning
+    from .head import AttentionHead
+    from .kv_cache import KVCache
+    from .plan import Plan
+    from .rotary import RotaryEmbedding
 
 __version__ = "0.1.0"
 
@@ -40,13 +41,25 @@ __all__ = [
     "masks",
 ]
 
+# Every public name loads on first attribute access, so that `python -m headwise --help` (which imports
+# this package) does not pay for importing torch.
+_NAMES = {"AttentionConfig": "config", "AttentionHead": "head", "DispatchInfo": "dispatch",
+          "MultiHeadAttention": "attention", "KVCache": "kv_cache", "MaterializationWarning": "dispatch",
+          "Plan": "plan", "RotaryEmbedding": "rotary"}
 # Optional parts, imported on first attribute access so that `import headwise` needs only torch.
-_LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "cli", "presets", "trace", "patching"}
+_LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "cli", "presets", "functional", "masks",
+                 "plan", "dispatch", "chunking", "validation", "trace", "patching"}
 
 
 def __getattr__(name: str) -> Any:
     if name == "check":  # headwise.check(layer, ...) is headwise.checks.check, loaded on first use
         return importlib.import_module(".checks", __name__).check
+    if name in _NAMES:
+        return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'headwise' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | _LAZY_MODULES | {"check"})

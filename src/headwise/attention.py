@@ -226,7 +226,7 @@ class MultiHeadAttention(nn.Module):
             causal: bottom-right causal masking (query i sits at position s_kv - s_q + i).
             cache: a :class:`KVCache` (self-attention): new keys/values are appended and ``x`` attends
                 causally over everything cached, so prefill-then-decode equals one causal pass. If the call
-                fails, the cache is left exactly as it was.
+                fails, the cache's length and every position it reads are as before.
             positions: rotary positions (rotary layers only); default ``cache.length + arange(s_q)``.
             return_weights: also return every head's probabilities (the eager path).
 
@@ -266,14 +266,15 @@ class MultiHeadAttention(nn.Module):
         if cache is None:
             z, weights = hwf.attend(plan, q, k, v, mask)
             return (z, weights) if tracer is None else (tracer.context(self, z, weights), weights)
-        # A failed step after the cache write rolls the cache back: the write is undone, never left half-done.
-        saved = cache.checkpoint(k.shape[2])
+        # A failed step after the cache write rolls the cache back to the length it had: the positions it
+        # reads are exactly as before (the write's slots are past the length again, never read).
+        start = cache.length
         k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
         try:
             z, weights = hwf.attend(plan, q, k, v, mask)
             return (z, weights) if tracer is None else (tracer.context(self, z, weights), weights)
         except BaseException:
-            cache.restore(saved)
+            cache.crop(start)
             raise
 
     def _forward_in_chunks(self, plan: Plan, x, key, value, mask, positions):  # type: ignore[no-untyped-def]

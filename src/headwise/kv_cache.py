@@ -152,6 +152,15 @@ class KVCache:
         self._length = 0
         self._resets += 1
 
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on (no-op if fewer are cached). Like :meth:`reset`, the buffers
+        are kept and the forgotten positions are never read again; a layer whose forward fails after its write
+        crops back to the length it started with. Use :meth:`checkpoint` to restore the slots bit for bit too.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"crop needs a non-negative int length, got {length!r}")
+        self._length = min(self._length, length)
+
     def checkpoint(self, n: int) -> KVCheckpoint:
         """Save what a write of ``n`` new positions would change: the length and those ``n`` slots.
 
@@ -199,6 +208,11 @@ class KVCache:
 
     def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every check of :meth:`check_update` but the overflow."""
+        keys = self.keys
+        if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape == v.shape and k.dim() == 4
+                and k.shape[0] == keys.shape[0] and k.shape[1] == keys.shape[1] and k.shape[3] == keys.shape[3]
+                and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
+            return  # the common case (every decode step): no message is built
         for name, t in (("keys", k), ("values", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"cache {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -228,11 +242,12 @@ class KVCache:
                 return self._overflow_in_graph(k, v)
             raise ValueError(_overflow_message(self._length, k.shape[-2], self.max_len))
         start, end = self._length, self._length + k.shape[-2]
-        with torch.no_grad():
-            self.keys[:, :, start:end].copy_(k)
-            self.values[:, :, start:end].copy_(v)
+        # Cached keys carry no autograd history (detached, as under no_grad), at no context-manager cost.
+        n = end - start  # narrow, not slicing: a decode step's fixed cost is mostly Python
+        self.keys.narrow(2, start, n).copy_(k.detach())
+        self.values.narrow(2, start, n).copy_(v.detach())
         self._length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]  # (b, h_kv, length, d_h)
+        return self.keys.narrow(2, 0, end), self.values.narrow(2, 0, end)  # (b, h_kv, length, d_h)
 
     def _overflow_in_graph(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The traced overflow branch: a graph that raises the eager ValueError when it runs, writing nothing."""

@@ -56,8 +56,30 @@ def test_causal_is_counted_in_full_unless_skipped() -> None:
 def test_causal_pairs_against_the_mask() -> None:
     from headwise.masks import causal_mask
 
-    for s_q, s_kv in [(1, 1), (4, 4), (3, 8), (8, 3), (1, 9)]:
-        assert causal_pairs(s_q, s_kv) == int(causal_mask(s_q, s_kv).sum())
+    for s_q in range(1, 13):
+        for s_kv in range(1, 13):
+            assert causal_pairs(s_q, s_kv) == int(causal_mask(s_q, s_kv).sum()), (s_q, s_kv)
+
+
+def test_causal_pairs_at_huge_sizes_is_exact() -> None:
+    n = 10 ** 20
+    assert causal_pairs(3, n) == (n - 2) + (n - 1) + n  # three decode-like queries at the end of n keys
+    assert causal_pairs(n, 3) == 1 + 2 + 3  # only the last three queries see any key
+    assert causal_pairs(n, n) * 2 == n * (n + 1)  # the full lower triangle
+
+
+def test_calculators_need_no_torch_and_no_time_at_huge_sizes() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from headwise.analysis import summarize\n"
+            "from headwise.presets import get_preset\n"
+            "s = summarize(get_preset('llama-2-7b').config, 10 ** 30, dtype='bf16', n_layers=32)\n"
+            "assert s['probabilities']['materialised'] == 32 * 10 ** 60 * 2, s['probabilities']\n"
+            "assert s['flops']['layer_attention_causal_skip'] == 4 * 32 * 128 * (10 ** 30 * (10 ** 30 + 1) // 2)\n"
+            "assert 'torch' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_seed_attention_grows_with_s_squared() -> None:

@@ -171,3 +171,26 @@ def failing_factory() -> nn.Module:
 
 LAYER = RefAttention()
 NOT_A_LAYER = 42
+
+
+class ExitsAfterFirstCall(RefAttention):
+    """Correct on its first call, then calls sys.exit(0): a layer must not end the check with success."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor, **kw):  # type: ignore[override]
+        type(self).calls += 1
+        if type(self).calls > 1:
+            raise SystemExit(0)
+        return super().forward(x, **kw)
+
+
+class ExitsAlways(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise SystemExit(0)
+
+
+def exits_after_first_call() -> ExitsAfterFirstCall:
+    torch.manual_seed(0)
+    ExitsAfterFirstCall.calls = 0
+    return ExitsAfterFirstCall()

@@ -46,8 +46,39 @@ def test_options_causal_property_and_plain_function(capsys):
     assert main(["check", f"{GALLERY}:LAYER", "--causal", "--property", "causality", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in payload["results"]] == ["causality"] and payload["ok"]
-    assert main(["check", f"{GALLERY}:plain_callable", "--d-model", "16", "--seq", "6", "--batch", "2"]) == 0
-    assert "plain_callable" in capsys.readouterr().out
+    # a plain function passes what it can, but exposes no weights and no heads: not verified, exit 1
+    assert main(["check", f"{GALLERY}:plain_callable", "--d-model", "16", "--seq", "6", "--batch", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert "plain_callable" in out and "7 properties: 3 ran (3 passed, 0 failed), 4 skipped" in out
+    assert err.startswith("headwise check: NOT VERIFIED: core properties could not run: softmax_sanity")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_docs_property_example_runs(capsys):
+    # docs/check.md: `headwise check mypkg.layers:layer --causal --property causality --seed 3 --seq 12 --batch 4`
+    argv = [f"{GALLERY}:LAYER", "--causal", "--property", "causality", "--seed", "3", "--seq", "12", "--batch", "4"]
+    assert main(["check", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "causality" in out and "OK. 1 properties: 1 ran (1 passed, 0 failed), 0 skipped" in out
+    # without --causal the layer claims nothing: the one property asked for is skipped, and that is said
+    assert main(["check", *argv[:1], *argv[2:]]) == 1
+    out, err = capsys.readouterr()
+    assert "does not claim causality" in out and "NOTHING CHECKED" in err
+
+
+def test_not_attention_is_not_ok(capsys):
+    assert main(["check", "torch.nn:Identity", "--d-model", "16"]) == 1
+    out, err = capsys.readouterr()
+    assert "OK" not in out.replace("NOT VERIFIED", "")
+    assert "NOT VERIFIED: core properties could not run: softmax_sanity" in err and "head_independence" in err
+
+
+def test_a_layer_calling_sys_exit_fails_the_properties_it_ran(capsys):
+    assert main(["check", f"{GALLERY}:exits_after_first_call", "--json"]) == 1
+    payload = json.loads(capsys.readouterr().out)
+    failed = [r for r in payload["results"] if r["verdict"] == "fail"]
+    assert failed and not payload["ok"]
+    assert all("SystemExit" in r["counterexample"]["summary"] for r in failed)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -57,7 +88,10 @@ def test_options_causal_property_and_plain_function(capsys):
     ([f"{GALLERY}:missing"], "no attribute"),
     (["no_such_module_xyz:f"], "cannot import module"),
     (["no_colon"], "MODULE:FACTORY"),
-    ([f"{GALLERY}:reference", "--property", "nope"], "unknown properties"),
+    ([f"{GALLERY}:reference", "--property", "nope"], "invalid choice: 'nope'"),
+    ([f"{GALLERY}:ExitsAlways", "--d-model", "8"], "SystemExit"),
+    ([f"{GALLERY}:reference", "--d-model", "0"], "--d-model must be a positive integer, got 0"),
+    ([f"{GALLERY}:reference", "--d-model", str(10 ** 12)], "over the limit of 256 MiB"),
     ([f"{GALLERY}:reference", "--d-model", "8"], "d_model=8"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):

@@ -71,7 +71,10 @@ def test_plain_callable_is_enough_for_properties_1_to_3():
     assert rep.failed == ["causality"]
     assert rep["permutation_equivariance"].verdict == "skipped"  # causal only: order is its function
     rep = check(lambda x: ref(x, causal=True), d_model=32, causal=True)
-    assert rep.ok and rep["causality"].passed and "no cache path" in rep["causality"].detail
+    assert rep["causality"].passed and "no cache path" in rep["causality"].detail
+    # nothing failed, but a plain function exposes no weights and no heads: not verified, never OK
+    assert not rep.ok and rep.not_verified == ["softmax_sanity", "head_independence"]
+    assert rep.verdict.startswith("NOT VERIFIED: core properties could not run: softmax_sanity (the layer")
     # the layer is float32 inside: the function cannot take float64, so the check runs in float32
     assert rep.dtype == "float32" and rep["dtype_stability"].verdict == "skipped"
 
@@ -92,7 +95,8 @@ def test_report_is_deterministic_and_serialisable():
     alone = check(_make(FlattenNoTranspose), seed=3, properties=["head_independence"]).to_dict()["results"]
     assert alone == [r for r in a["results"] if r["name"] == "head_independence"]  # each property stands alone
     text = str(check(_make(RefAttention)))
-    assert text.splitlines()[0].endswith("OK") and "head_independence" in text
+    assert text.splitlines()[0].endswith("OK; 7 properties: 6 ran (6 passed, 0 failed), 1 skipped"), text
+    assert "head_independence" in text
 
 
 def test_selected_properties_and_report_access():
@@ -115,7 +119,8 @@ def test_custom_adapter_is_used_as_is():
     ref = _make(RefAttention)
     adapter = CallableAdapter(lambda x: ref(x), d_model=32)
     rep = check(adapter)
-    assert rep.ok and rep.layer == "<lambda>"
+    assert rep.layer == "<lambda>" and not rep.failed
+    assert rep.not_verified == ["softmax_sanity", "head_independence"] and not rep.ok  # a bare f(x) exposes neither
 
 
 @pytest.mark.parametrize("call,match", [
@@ -146,3 +151,18 @@ def test_import_headwise_and_checking_a_headwise_layer_need_no_transformers():
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_property_names_are_the_properties():
+    from headwise.checks.properties import PROPERTIES
+    from headwise.checks.report import CORE_PROPERTIES
+
+    assert PROPERTY_NAMES == tuple(PROPERTIES) and set(CORE_PROPERTIES) <= set(PROPERTIES)
+
+
+def test_a_causal_layer_is_verified_by_causality_instead_of_permutation():
+    ref = _make(RefAttention)
+    rep = check(lambda x, **kw: ref(x, causal=True, **kw), d_model=32, causal=True,
+                properties=["permutation_equivariance", "causality", "batch_independence"])
+    assert rep["permutation_equivariance"].verdict == "skipped" and rep["causality"].passed
+    assert rep.not_verified == [] and rep.ok

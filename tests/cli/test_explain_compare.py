@@ -67,7 +67,7 @@ def test_explain_overrides_preset(capsys) -> None:
     (["--d-model", "64", "--n-heads", "8", "--seq", "0"], "--seq must be a positive"),
     (["--d-model", "-4", "--n-heads", "8"], "--d-model must be a positive"),
     (["--n-heads", "8"], "give --preset NAME"),
-    (["--d-model", "x"], "invalid int value"),
+    (["--d-model", "x"], "invalid int value: 'x'"),
 ])
 def test_explain_bad_input(capsys, argv: list[str], message: str) -> None:
     assert message in _bad(capsys, "explain", *argv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -60,12 +61,58 @@ def test_heads_json_and_files(capsys, tmp_path) -> None:
     ([TEXT, "--layer", "6"], "layer must be an int in [0, 6)"),
     ([TEXT, "--layer", "-1"], "layer must be an int in [0, 6)"),
     ([TEXT, "--out", "heads.jpg"], "--out must end in .png or .html"),
+    ([TEXT, "--max-tokens", "513"], "at most 512"),
     ([TEXT, "--out", "/nonexistent-dir/x.png"], "does not exist"),
     ([TEXT, "--max-tokens", "2"], "--max-tokens must be at least 3"),
     ([TEXT, "--layer", "two"], "invalid int value"),
 ])
-def test_heads_bad_input(capsys, argv: list[str], message: str) -> None:
+def test_heads_bad_input(capsys, monkeypatch, argv: list[str], message: str) -> None:
+    import headwise.viz.maps as vmaps
+
+    def no_model():
+        raise AssertionError("the model must not load before the arguments are checked")
+
+    monkeypatch.setattr(vmaps, "load_minilm", no_model)
     code = main(["heads", *argv])
     out, err = capsys.readouterr()
     assert code == 2 and message in err, (code, err)
-    assert "Traceback" not in err + out
+    assert "Traceback" not in err + out and len(err.strip().splitlines()) == 1
+
+
+def test_heads_fits_80_columns(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["heads", TEXT, "--layer", "2"]) == 0
+    out = capsys.readouterr().out
+    assert all(len(ln) <= 80 for ln in out.splitlines()), out
+    assert "[CLS] the cat sat" in out and "reads most from" in out
+
+
+def test_a_failed_write_leaves_the_old_file(capsys, monkeypatch, tmp_path) -> None:
+    import headwise.viz.html as vhtml
+
+    page = tmp_path / "h.html"
+    page.write_text("the old page")
+
+    def full_disk(maps, path):
+        Path(path).write_text("half a page")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(vhtml, "save_html", full_disk)
+    assert main(["heads", TEXT, "--out", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and len(err.strip().splitlines()) == 1
+    assert page.read_text() == "the old page" and [p.name for p in tmp_path.iterdir()] == ["h.html"]
+
+
+def test_truncation_is_announced(capsys, minilm) -> None:
+    tokenizer, _ = minilm
+    text = " ".join([TEXT] * 4)
+    n = len(tokenizer(text)["input_ids"])  # the tokenizer's own count, untruncated
+    assert main(["heads", text, "--max-tokens", "10"]) == 0
+    out = capsys.readouterr().out
+    assert f"Note: the text has {n} tokens; only the first 10 are shown" in out
+    assert main(["heads", text, "--max-tokens", "10", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["truncated"] and r["text_tokens"] == n and len(r["tokens"]) == 10
+    assert main(["heads", TEXT, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["truncated"] is False

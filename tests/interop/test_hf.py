@@ -243,19 +243,19 @@ def test_patch_keeps_classes_shares_weights_and_unpatch_restores_identity():
     assert layers(model) == []
 
 
-def test_bert_patch_moves_dense_into_attn_and_back():
+def test_bert_patch_keeps_dense_where_it_is_and_the_layer_reads_it():
     model = bert("bert-20x4", "sdpa")
     block = model.encoder.layer[0].attention
     self_attn, dense = block.self, block.output.dense
     patch(model)
+    assert block.self is self_attn and block.output.dense is dense  # nothing moved
     assert isinstance(block.self, transformers.models.bert.modeling_bert.BertSelfAttention)
-    assert block.self.attn.out_proj is dense and isinstance(block.output.dense, nn.Identity)
-    assert block.self.attn.q_proj is self_attn.query
+    assert block.self.attn.out_proj is dense and block.self.attn.q_proj is self_attn.query
     unpatch(model)
-    assert block.self is self_attn and block.output.dense is dense
+    assert type(block.self) is transformers.models.bert.modeling_bert.BertSelfAttention and block.output.dense is dense
 
 
-def test_gpt2_edits_while_patched_are_written_back():
+def test_gpt2_edits_through_a_head_are_edits_of_the_model():
     model = gpt2("gpt2-21x3", "eager")
     original = model.transformer.h[0].attn
     patch(model)
@@ -469,5 +469,5 @@ def test_unsupported_layouts_raise_clear_errors():
 def test_unsupported_attention_implementation_raises():
     model = llama("llama-gqa", "eager")
     model.config._attn_implementation = "flex_attention"
-    with pytest.raises(NotImplementedError, match="attn_implementation='flex_attention' is not supported"):
+    with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
         patch(model)

@@ -63,7 +63,7 @@ def test_sentence_embeddings_unchanged_by_patching(tokens, impl):
     patch(model)
     assert len(layers(model)) == 6
     after, _ = embed(model, tokens)
-    assert (after - before).abs().max().item() < 1e-5
+    assert (after - before).abs().max().item() <= 1e-6
     torch.testing.assert_close(after, before)
     unpatch(model)
     torch.testing.assert_close(embed(model, tokens)[0], before, rtol=0, atol=0)
@@ -83,6 +83,22 @@ def test_attention_weights_per_head_match_output_attentions(tokens, impl):
         x = out.hidden_states[L]  # the input of layer L
         alone = torch.stack([attn.head(h)(x, mask=keep, return_weights=True)[1] for h in range(12)], dim=1)
         torch.testing.assert_close(alone, reference.attentions[L])
+
+
+def test_state_dict_unchanged_and_a_patched_save_reloads_plainly(tokens, tmp_path):
+    model = load("sdpa")
+    before, _ = embed(model, tokens)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    patch(model)
+    after = model.state_dict()
+    assert list(after) == list(state) and all(torch.equal(after[k], state[k]) for k in state)
+    model.save_pretrained(tmp_path)
+    again, info = transformers.AutoModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert layers(again) == []
+    reloaded, _ = embed(again.eval(), tokens)
+    assert (reloaded - before).abs().max().item() <= 1e-6
+    torch.testing.assert_close(reloaded, embed(model, tokens)[0], rtol=0, atol=0)
 
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "interop_hf.md"

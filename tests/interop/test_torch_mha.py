@@ -244,3 +244,74 @@ def test_headwise_round_trip_is_exact(dtype, cfg):
     attn.eval(), back.eval()
     k, v = torch.randn(2, 4, cfg.kdim, dtype=dtype), torch.randn(2, 4, cfg.vdim, dtype=dtype)
     assert torch.equal(attn(x, key=k, value=v), back(x, key=k, value=v))
+
+
+# -- share=True: a view of the module's own parameters -------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [{}, {"bias": False}, {"kdim": 10, "vdim": 7}])
+def test_shared_layer_is_a_view_gradients_and_steps_reach_both(kw):
+    m = _mha(**kw)
+    view = from_torch(m, share=True)
+    copied = from_torch(m)  # the default stays a copy
+    assert {id(p) for p in view.parameters()} == {id(p) for p in m.parameters()}
+    assert not {id(p) for p in copied.parameters()} & {id(p) for p in m.parameters()}
+    x = torch.randn(3, 5, 16)
+    k, v = torch.randn(3, 4, m.kdim), torch.randn(3, 4, m.vdim)
+    kpm = torch.zeros(3, 4, dtype=torch.bool)
+    kpm[1, 3:] = True
+    mask = torch_masks_to_headwise(key_padding_mask=kpm, query=x)
+
+    def ours() -> torch.Tensor:
+        return view(x, key=k, value=v, mask=mask)
+
+    def torch_own() -> torch.Tensor:
+        return m(x, k, v, key_padding_mask=kpm, need_weights=False)[0]
+
+    torch.testing.assert_close(ours(), torch_own())
+    ours().square().sum().backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    torch_own().square().sum().backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, msg=n)  # gradients through the view land on m's parameters
+    opt = torch.optim.SGD(view.parameters(), lr=0.1)
+    opt.step()  # a step through the view is a step of m
+    torch.testing.assert_close(ours(), torch_own())
+    with torch.no_grad():
+        m.out_proj.weight.mul_(0.5)  # and an edit of m is seen by the view
+    torch.testing.assert_close(ours(), torch_own())
+    assert not torch.allclose(copied(x, key=k, value=v, mask=mask), torch_own())  # the copy went stale
+
+
+def test_shared_layer_heads_write_through_and_follow_train_mode():
+    m = _mha(dropout=0.5)
+    view = from_torch(m, share=True)
+    assert view.head(2).w_q.data_ptr() == m.in_proj_weight[8:12].data_ptr()
+    new = torch.randn(16, 4)
+    view.head(2).w_k = new  # (d, d_h): x @ w_k are head 2's keys
+    torch.testing.assert_close(m.in_proj_weight[16 + 8:16 + 12], new.T, rtol=0, atol=0)
+    assert not view.training and not m.training
+    m.train()
+    assert view.training
+    view.eval()
+    assert not m.training
+    assert "view of MultiheadAttention (MultiheadAttention: q_proj=in_proj_weight[0:16]" in repr(view)
+    with pytest.raises(TypeError, match="is a view"):
+        view.q_proj = nn.Linear(16, 16)
+
+
+def test_key_padding_mask_is_checked_against_the_query():
+    kpm = torch.tensor([False, True, False])
+    batched, single = torch.randn(2, 4, 16), torch.randn(4, 16)
+    m = nn.MultiheadAttention(16, 4, batch_first=True)
+    with pytest.raises(AssertionError, match="expected `key_padding_mask` to be `None` or 2-D"):  # torch refuses too
+        m(batched, batched[:, :3], batched[:, :3], key_padding_mask=kpm)
+    with pytest.raises(ValueError, match=r"key_padding_mask \(3,\) is 1-D .* the query \(2, 4, 16\) is batched"):
+        torch_masks_to_headwise(key_padding_mask=kpm, query=batched)
+    with pytest.raises(ValueError, match=r"key_padding_mask \(2, 3\) must be 1-D \(s_kv,\) for the unbatched "
+                                         r"query \(4, 16\)"):
+        torch_masks_to_headwise(key_padding_mask=kpm.expand(2, 3), query=single)
+    with pytest.raises(ValueError, match=r"key_padding_mask \(3, 3\) has b=3 but the query \(2, 4, 16\) has b=2"):
+        torch_masks_to_headwise(key_padding_mask=kpm.expand(3, 3), query=batched)
+    ok = torch_masks_to_headwise(key_padding_mask=kpm, query=single)
+    assert ok.shape == (1, 1, 1, 3) and ok[0, 0, 0].tolist() == [True, False, True]

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import AttentionConfig
-from .params import _check_config
+from .params import check_config
 
-__all__ = ["FlopCount", "forward_flops", "causal_pairs"]
+__all__ = ["FlopCount", "forward_flops", "causal_pairs", "check_positive"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class FlopCount:
         return asdict(self) | {"projections": self.projections, "attention": self.attention, "total": self.total}
 
 
-def _positive(name: str, value: object) -> int:
+def check_positive(name: str, value: object) -> int:
+    """``value`` if it is a positive int (any size), else a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
@@ -72,10 +73,14 @@ def causal_pairs(s_q: int, s_kv: int) -> int:
     Example:
         >>> causal_pairs(4, 4), causal_pairs(1, 10), causal_pairs(3, 2)
         (10, 10, 3)
+        >>> causal_pairs(10 ** 30, 10 ** 30) == 10 ** 30 * (10 ** 30 + 1) // 2   # a closed form: no loop over s_q
+        True
     """
-    offset = s_kv - s_q
-    # query i sees keys 0 .. offset + i, clipped to [0, s_kv]
-    return sum(min(s_kv, max(0, offset + i + 1)) for i in range(s_q))
+    s_q, s_kv = check_positive("s_q", s_q), check_positive("s_kv", s_kv)
+    # Query i sees keys 0 .. offset + i with offset = s_kv - s_q; the last query sees all s_kv keys, so the
+    # count is 1 + 2 + ... + s_kv minus the 1 + ... + offset keys that no query before the first one has.
+    offset = max(0, s_kv - s_q)
+    return (s_kv * (s_kv + 1) - offset * (offset + 1)) // 2
 
 
 def forward_flops(config: AttentionConfig, seq_len: int, *, batch: int = 1, kv_len: int | None = None,
@@ -97,10 +102,10 @@ def forward_flops(config: AttentionConfig, seq_len: int, *, batch: int = 1, kv_l
         >>> f.projections == 2 * 4096 * 4 * 4096 ** 2, f.attention == 4 * 4096 ** 2 * 4096
         (True, True)
     """
-    _check_config(config)
-    s_q = _positive("seq_len", seq_len)
-    b = _positive("batch", batch)
-    s_kv = s_q if kv_len is None else _positive("kv_len", kv_len)
+    check_config(config)
+    s_q = check_positive("seq_len", seq_len)
+    b = check_positive("batch", batch)
+    s_kv = s_q if kv_len is None else check_positive("kv_len", kv_len)
     c = config
     pairs = causal_pairs(s_q, s_kv) if causal_skip else s_q * s_kv
     per_product = 2 * b * c.n_heads * pairs * c.d_head

@@ -17,61 +17,92 @@ Shapes:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..config import AttentionConfig
-from .flops import _positive
-from .params import _check_config
+from .flops import check_positive
+from .params import check_config
+
+if TYPE_CHECKING:  # the calculators themselves never import torch: they are plain integer arithmetic
+    import torch
 
 __all__ = ["AttentionMemory", "attention_memory", "kv_cache_bytes", "kv_cache_bytes_per_token", "dtype_itemsize",
-           "parse_dtype", "DTYPES"]
+           "dtype_info", "parse_dtype", "DTYPES", "DTYPE_NAMES"]
 
-# Names accepted for dtypes (the CLI's --dtype), mapped to torch dtypes.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn,
+# Names accepted for dtypes (the CLI's --dtype): name -> (torch's name for it, bytes per element).
+DTYPE_NAMES: dict[str, tuple[str, int]] = {
+    "float32": ("float32", 4), "fp32": ("float32", 4), "float": ("float32", 4),
+    "float16": ("float16", 2), "fp16": ("float16", 2), "half": ("float16", 2),
+    "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
+    "float64": ("float64", 8), "fp64": ("float64", 8), "double": ("float64", 8),
+    "float8_e4m3fn": ("float8_e4m3fn", 1), "fp8": ("float8_e4m3fn", 1),
 }
 
 # Bytes of the fused path's per-row statistic (log-sum-exp), kept in float32 whatever the input dtype.
 _LSE_BYTES = 4
 
 
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A torch dtype from a dtype or one of the names in :data:`DTYPES`.
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # name -> torch.dtype; built on first use, as it needs torch
+        import torch
+
+        return {k: getattr(torch, v) for k, (v, _) in DTYPE_NAMES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def dtype_info(dtype: "torch.dtype | str") -> tuple[str, int]:
+    """(torch's name, bytes per element) of a torch dtype or one of the names in :data:`DTYPE_NAMES`,
+    without importing torch for a name.
+
+    Shapes:
+        none (a dtype in, a name and an int out)
+
+    Example:
+        >>> dtype_info("bf16"), dtype_info("FP32")
+        (('bfloat16', 2), ('float32', 4))
+    """
+    if isinstance(dtype, str) and dtype.lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower()]
+    torch = sys.modules.get("torch")  # a torch.dtype can only exist once torch is imported
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch."), dtype.itemsize
+    raise ValueError(f"dtype must be a torch.dtype or one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+
+
+def parse_dtype(dtype: "torch.dtype | str") -> "torch.dtype":
+    """A torch dtype from a dtype or one of the names in :data:`DTYPE_NAMES`.
 
     Shapes:
         none (a dtype in, a dtype out)
 
     Example:
+        >>> import torch
         >>> parse_dtype("bf16"), parse_dtype(torch.float16)
         (torch.bfloat16, torch.float16)
     """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in DTYPES:
-        return DTYPES[dtype.lower()]
-    raise ValueError(f"dtype must be a torch.dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+    name, _ = dtype_info(dtype)
+    import torch
+
+    return getattr(torch, name)
 
 
-def dtype_itemsize(dtype: torch.dtype | str) -> int:
-    """Bytes per element of ``dtype`` (a torch dtype or a name in :data:`DTYPES`).
+def dtype_itemsize(dtype: "torch.dtype | str") -> int:
+    """Bytes per element of ``dtype`` (a torch dtype or a name in :data:`DTYPE_NAMES`).
 
     Shapes:
         none (a dtype in, an int out)
 
     Example:
+        >>> import torch
         >>> dtype_itemsize("float32"), dtype_itemsize(torch.bfloat16)
         (4, 2)
     """
-    return parse_dtype(dtype).itemsize
+    return dtype_info(dtype)[1]
 
 
-def kv_cache_bytes_per_token(config: AttentionConfig, *, dtype: torch.dtype | str = torch.float16,
+def kv_cache_bytes_per_token(config: AttentionConfig, *, dtype: "torch.dtype | str" = "float16",
                              n_layers: int = 1) -> int:
     """Bytes one token adds to the KV cache: ``2 * h_kv * d_h * itemsize * n_layers``.
 
@@ -83,12 +114,12 @@ def kv_cache_bytes_per_token(config: AttentionConfig, *, dtype: torch.dtype | st
         >>> kv_cache_bytes_per_token(AttentionConfig(d_model=4096, n_heads=32, n_kv_heads=8), n_layers=32)
         131072
     """
-    _check_config(config)
-    n_layers = _positive("n_layers", n_layers)
+    check_config(config)
+    n_layers = check_positive("n_layers", n_layers)
     return 2 * config.n_kv_heads * config.d_head * dtype_itemsize(dtype) * n_layers
 
 
-def kv_cache_bytes(config: AttentionConfig, seq_len: int, *, batch: int = 1, dtype: torch.dtype | str = torch.float16,
+def kv_cache_bytes(config: AttentionConfig, seq_len: int, *, batch: int = 1, dtype: "torch.dtype | str" = "float16",
                    n_layers: int = 1) -> int:
     """Bytes of a KV cache holding ``seq_len`` tokens for ``batch`` sequences; equals the ``nbytes`` of
     ``MultiHeadAttention.new_cache(batch, seq_len)`` per layer.
@@ -101,8 +132,8 @@ def kv_cache_bytes(config: AttentionConfig, seq_len: int, *, batch: int = 1, dty
         >>> kv_cache_bytes(AttentionConfig(d_model=32, n_heads=4), 16, batch=2, dtype="float32")
         8192
     """
-    seq_len = _positive("seq_len", seq_len)
-    batch = _positive("batch", batch)
+    seq_len = check_positive("seq_len", seq_len)
+    batch = check_positive("batch", batch)
     return kv_cache_bytes_per_token(config, dtype=dtype, n_layers=n_layers) * seq_len * batch
 
 
@@ -138,7 +169,7 @@ class AttentionMemory:
 
 
 def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, kv_len: int | None = None,
-                     dtype: torch.dtype | str = torch.float32, n_layers: int = 1) -> AttentionMemory:
+                     dtype: "torch.dtype | str" = "float32", n_layers: int = 1) -> AttentionMemory:
     """Memory of the attention probabilities on the eager path versus the fused path (module doc).
 
     Shapes:
@@ -150,11 +181,11 @@ def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, k
         >>> m.materialised == 32 * 4096 ** 2 * 2, m.fused == 32 * 4096 * 4
         (True, True)
     """
-    _check_config(config)
-    s_q = _positive("seq_len", seq_len)
-    b = _positive("batch", batch)
-    s_kv = s_q if kv_len is None else _positive("kv_len", kv_len)
-    n_layers = _positive("n_layers", n_layers)
+    check_config(config)
+    s_q = check_positive("seq_len", seq_len)
+    b = check_positive("batch", batch)
+    s_kv = s_q if kv_len is None else check_positive("kv_len", kv_len)
+    n_layers = check_positive("n_layers", n_layers)
     rows = b * config.n_heads * s_q
     return AttentionMemory(materialised=rows * s_kv * dtype_itemsize(dtype), fused=rows * _LSE_BYTES,
                            n_layers=n_layers)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import AttentionConfig
 
-__all__ = ["ParamCount", "param_count"]
+__all__ = ["ParamCount", "param_count", "check_config"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ParamCount:
         return asdict(self) | {"total": self.total}
 
 
-def _check_config(config: AttentionConfig) -> None:
+def check_config(config: AttentionConfig) -> None:
     if not isinstance(config, AttentionConfig):
         raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
 
@@ -58,7 +58,7 @@ def param_count(config: AttentionConfig, *, bias: bool | None = None) -> ParamCo
         >>> param_count(AttentionConfig(d_model=4096, n_heads=32, n_kv_heads=8, bias=False)).k
         4194304
     """
-    _check_config(config)
+    check_config(config)
     if bias is not None and not isinstance(bias, bool):
         raise TypeError(f"bias must be a bool or None, got {bias!r}")
     in_bias = config.bias if bias is None else bias

@@ -6,19 +6,20 @@ Shapes:
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..config import AttentionConfig
 from .flops import forward_flops
-from .memory import attention_memory, kv_cache_bytes, kv_cache_bytes_per_token, parse_dtype
+from .memory import attention_memory, kv_cache_bytes, kv_cache_bytes_per_token, dtype_info
 from .params import param_count
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["summarize"]
 
 
-def summarize(config: AttentionConfig, seq_len: int, *, batch: int = 1, dtype: torch.dtype | str = torch.float16,
+def summarize(config: AttentionConfig, seq_len: int, *, batch: int = 1, dtype: "torch.dtype | str" = "float16",
               n_layers: int = 1) -> dict[str, Any]:
     """Parameters, FLOPs, KV cache and probability memory of one layer and of ``n_layers`` layers.
 
@@ -31,7 +32,7 @@ def summarize(config: AttentionConfig, seq_len: int, *, batch: int = 1, dtype: t
         >>> s["kv_cache"]["per_1k_tokens_bytes"] == 1000 * 131072, s["params"]["layer"]["k"] == 4096 * 1024 + 1024
         (True, True)
     """
-    dt = parse_dtype(dtype)
+    dt, _ = dtype_info(dtype)
     params = param_count(config)
     flops = forward_flops(config, seq_len, batch=batch)
     flops_causal = forward_flops(config, seq_len, batch=batch, causal_skip=True)
@@ -39,7 +40,7 @@ def summarize(config: AttentionConfig, seq_len: int, *, batch: int = 1, dtype: t
     per_token = kv_cache_bytes_per_token(config, dtype=dt, n_layers=n_layers)
     return {
         "config": config.to_dict() | {"kind": config.kind, "group_size": config.group_size},
-        "seq_len": seq_len, "batch": batch, "dtype": str(dt).removeprefix("torch."), "n_layers": n_layers,
+        "seq_len": seq_len, "batch": batch, "dtype": dt, "n_layers": n_layers,
         "params": {
             "layer": params.to_dict(),
             "layer_without_bias": param_count(config, bias=False).total,

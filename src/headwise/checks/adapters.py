@@ -133,7 +133,7 @@ def _keywords(fn: Callable) -> set[str]:
     return {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
-def _causal_keep(s: int, device: torch.device) -> torch.Tensor:
+def causal_keep(s: int, device: torch.device) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).tril()  # (s, s) True = may attend
 
 
@@ -239,8 +239,8 @@ class ModuleAdapter(CallableAdapter):
         if not self.exposes_heads:
             return None
         m = self.module
-        q = _split(m.q_proj(x), self.n_heads)  # (b, h, s, d_h)
-        k = _split(m.k_proj(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
+        q = split(m.q_proj(x), self.n_heads)  # (b, h, s, d_h)
+        k = split(m.k_proj(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
         rotary = getattr(m, "rotary", None)
         if rotary is not None:
             if not callable(getattr(rotary, "rotate", None)):
@@ -249,9 +249,9 @@ class ModuleAdapter(CallableAdapter):
         return q, k
 
     def contexts(self, x, *, causal=None):
-        with _capture_input(self.module.out_proj) as got:
+        with capture_input(self.module.out_proj) as got:
             self.run(x, causal=causal)
-        return _split(got[0], self.n_heads)  # (b, h, s, d_h)
+        return split(got[0], self.n_heads)  # (b, h, s, d_h)
 
     def head_slices(self, which, index):
         proj = {"q": self.module.q_proj, "k": self.module.k_proj, "v": self.module.v_proj}[which]
@@ -268,7 +268,7 @@ class ModuleAdapter(CallableAdapter):
         return torch.cat(steps, dim=1)
 
     def converted(self, dtype):
-        return _copy_adapter(self, dtype)
+        return copy_adapter(self, dtype)
 
 
 class TorchMHAAdapter(Adapter):
@@ -310,7 +310,7 @@ class TorchMHAAdapter(Adapter):
         m = self.module
         causal = self.causal_flag(causal)
         xt = x if m.batch_first else x.transpose(0, 1)
-        attn_mask = ~_causal_keep(x.shape[1], x.device) if causal else None  # torch: True = blocked
+        attn_mask = ~causal_keep(x.shape[1], x.device) if causal else None  # torch: True = blocked
         kpm = None if keep is None else ~keep  # torch: True = ignore
         y, w = m(xt, xt, xt, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights,
                  average_attn_weights=False)
@@ -329,14 +329,14 @@ class TorchMHAAdapter(Adapter):
         b = m.in_proj_bias
         q = x @ m.in_proj_weight[:d].T + (0 if b is None else b[:d])
         k = x @ m.in_proj_weight[d:2 * d].T + (0 if b is None else b[d:2 * d])
-        return _split(q, self.n_heads), _split(k, self.n_heads)  # (b, h, s, d_h) each
+        return split(q, self.n_heads), split(k, self.n_heads)  # (b, h, s, d_h) each
 
     def contexts(self, x, *, causal=None):
         y = self.run(x, causal=causal)
         w_o, b_o = self.module.out_proj.weight, self.module.out_proj.bias
         rhs = (y if b_o is None else y - b_o).reshape(-1, self.d_model).T  # (d, b * s)
         ctx = torch.linalg.solve(w_o, rhs).T.reshape(y.shape)  # (b, s, h * d_h)
-        return _split(ctx, self.n_heads)
+        return split(ctx, self.n_heads)
 
     def head_slices(self, which, index):
         m, d = self.module, self.d_model
@@ -347,10 +347,10 @@ class TorchMHAAdapter(Adapter):
         return out
 
     def converted(self, dtype):
-        return _copy_adapter(self, dtype)
+        return copy_adapter(self, dtype)
 
 
-def _copy_adapter(adapter: Any, dtype: torch.dtype) -> Any:
+def copy_adapter(adapter: Any, dtype: torch.dtype) -> Any:
     new = copy.copy(adapter)
     module = copy.deepcopy(adapter.module).to(dtype).eval()
     new.module = module
@@ -364,13 +364,13 @@ def _linear_in(module: nn.Module, name: str) -> int | None:
     return lin.in_features if isinstance(lin, nn.Linear) else None
 
 
-def _split(t: torch.Tensor, n: int) -> torch.Tensor:
+def split(t: torch.Tensor, n: int) -> torch.Tensor:
     b, s, width = t.shape
     return t.reshape(b, s, n, width // n).transpose(1, 2)  # (b, n, s, d_h)
 
 
 @contextlib.contextmanager
-def _capture_input(module: nn.Module) -> Iterator[list[torch.Tensor]]:
+def capture_input(module: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Record the first positional input of ``module`` (e.g. W_O's input: the merged head contexts)."""
     got: list[torch.Tensor] = []
     handle = module.register_forward_pre_hook(lambda mod, args: got.append(args[0]))

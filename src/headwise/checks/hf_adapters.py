@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .adapters import Adapter, _capture_input, _causal_keep, _copy_adapter, _split
+from .adapters import Adapter, capture_input, causal_keep, copy_adapter, split
 
 __all__ = ["HFAdapter", "BertAdapter", "GPT2Adapter", "LlamaAdapter", "hf_adapter"]
 
@@ -59,7 +59,7 @@ class HFAdapter(Adapter):
     def _mask(self, b: int, s_q: int, s_kv: int, keep, causal: bool, dtype, device) -> torch.Tensor:
         allowed = torch.ones(b, 1, s_q, s_kv, dtype=torch.bool, device=device)
         if causal:
-            allowed = allowed & _causal_keep(s_kv, device)[s_kv - s_q:]  # bottom-right: query i is s_kv - s_q + i
+            allowed = allowed & causal_keep(s_kv, device)[s_kv - s_q:]  # bottom-right: query i is s_kv - s_q + i
         if keep is not None:
             allowed = allowed & keep[:, None, None, :]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
@@ -117,13 +117,13 @@ class HFAdapter(Adapter):
     def contexts(self, x, *, causal=None):
         out_module = self._out_module()
         if out_module is None:  # no W_O in this module: its output is the merged contexts
-            return _split(self.run(x, causal=causal), self.n_heads)
-        with _capture_input(out_module) as got:
+            return split(self.run(x, causal=causal), self.n_heads)
+        with capture_input(out_module) as got:
             self.run(x, causal=causal)
-        return _split(got[0], self.n_heads)  # (b, h, s, d_h)
+        return split(got[0], self.n_heads)  # (b, h, s, d_h)
 
     def converted(self, dtype):
-        new = _copy_adapter(self, dtype)
+        new = copy_adapter(self, dtype)
         new.config = new.module.config if hasattr(new.module, "config") else self._find_config(new.module)
         if new.config._attn_implementation is None:  # a module built outside a model: what HF falls back to
             new.config._attn_implementation = "eager"
@@ -148,7 +148,7 @@ class BertAdapter(HFAdapter):
         return self.module.output.dense if hasattr(self.module, "output") else None
 
     def qk(self, x):
-        return _split(self.core.query(x), self.n_heads), _split(self.core.key(x), self.n_heads)
+        return split(self.core.query(x), self.n_heads), split(self.core.key(x), self.n_heads)
 
     def head_slices(self, which, index):
         lin = {"q": self.core.query, "k": self.core.key, "v": self.core.value}[which]
@@ -183,7 +183,7 @@ class GPT2Adapter(HFAdapter):
 
     def qk(self, x):
         q, k, _ = self.module.c_attn(x).split(self.d_model, dim=2)
-        return _split(q, self.n_heads), _split(k, self.n_heads)
+        return split(q, self.n_heads), split(k, self.n_heads)
 
     def head_slices(self, which, index):
         c = self.module.c_attn
@@ -227,8 +227,8 @@ class LlamaAdapter(HFAdapter):
         return self.module.o_proj
 
     def qk(self, x):
-        q = _split(self.module.q_proj(x), self.n_heads)  # (b, h, s, d_h)
-        k = _split(self.module.k_proj(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
+        q = split(self.module.q_proj(x), self.n_heads)  # (b, h, s, d_h)
+        k = split(self.module.k_proj(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
         cos, sin = self._position_embeddings(x, None)
         return self._apply_rotary(q, k, cos, sin)
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PropertyResult", "Report", "PASS", "FAIL", "SKIPPED"]
+__all__ = ["PropertyResult", "Report", "PASS", "FAIL", "SKIPPED", "PROPERTY_NAMES", "CORE_PROPERTIES"]
 
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
+
+# Every property, in check order (the functions are in :mod:`headwise.checks.properties`).
+PROPERTY_NAMES = ("permutation_equivariance", "batch_independence", "causality", "padding_invariance",
+                  "softmax_sanity", "head_independence", "dtype_stability")
+# Without these a layer has not been shown to be attention at all: a report whose core properties were
+# asked for but could not run (skipped) is not OK, whatever else passed.
+CORE_PROPERTIES = ("permutation_equivariance", "batch_independence", "softmax_sanity", "head_independence")
+# A causal-only layer cannot be run on permuted tokens; its passing causality check stands in.
+_STANDS_IN = {"permutation_equivariance": "causality"}
 
 
 @dataclass(frozen=True)
@@ -49,16 +58,20 @@ class PropertyResult:
 
 @dataclass(frozen=True)
 class Report:
-    """Every property checked on one layer. ``ok`` is True only when no applicable property failed
-    (and at least one ran).
+    """Every property checked on one layer. ``ok`` is True only when at least one property ran, none
+    failed, and none of the :data:`CORE_PROPERTIES` that were asked for was skipped (``not_verified``).
 
     Shapes:
         none.
 
     Example:
         >>> rep = Report("f", 8, "torch.float64", 0, [PropertyResult("causality", "skipped", "not causal")])
-        >>> rep.ok, rep.failed
-        (False, [])
+        >>> rep.ok, rep.failed, rep.verdict
+        (False, [], 'NOTHING CHECKED: every property asked for was skipped')
+        >>> rep = Report("f", 8, "float64", 0, [PropertyResult("batch_independence", "pass"),
+        ...                                     PropertyResult("softmax_sanity", "skipped", "no weights")])
+        >>> rep.ok, rep.not_verified, rep.verdict
+        (False, ['softmax_sanity'], 'NOT VERIFIED: core properties could not run: softmax_sanity (no weights)')
     """
 
     layer: str
@@ -70,7 +83,38 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return any(r.passed for r in self.results) and not any(r.failed for r in self.results)
+        return any(r.passed for r in self.results) and not self.failed and not self.not_verified
+
+    @property
+    def not_verified(self) -> list[str]:
+        """Core properties (:data:`CORE_PROPERTIES`) that were asked for but skipped."""
+        passed = {r.name for r in self.results if r.passed}
+        return [r.name for r in self.results if r.name in CORE_PROPERTIES and r.verdict == SKIPPED
+                and _STANDS_IN.get(r.name) not in passed]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many properties passed, failed and were skipped."""
+        return {v: sum(r.verdict == v for r in self.results) for v in (PASS, FAIL, SKIPPED)}
+
+    @property
+    def verdict(self) -> str:
+        """One line: ``OK``, ``FAILED: names``, ``NOT VERIFIED: ...`` or ``NOTHING CHECKED: ...``."""
+        if self.failed:
+            return "FAILED: " + ", ".join(self.failed)
+        if self.not_verified:
+            why = [f"{r.name} ({r.detail})" if r.detail else r.name for r in self.results if r.name in self.not_verified]
+            return "NOT VERIFIED: core properties could not run: " + ", ".join(why)
+        if not any(r.passed for r in self.results):
+            return "NOTHING CHECKED: every property asked for was skipped"
+        return "OK"
+
+    @property
+    def tally(self) -> str:
+        """``"7 properties: 5 ran (5 passed, 0 failed), 2 skipped"``."""
+        n = self.counts
+        return (f"{len(self.results)} properties: {n[PASS] + n[FAIL]} ran ({n[PASS]} passed, {n[FAIL]} failed), "
+                f"{n[SKIPPED]} skipped")
 
     @property
     def failed(self) -> list[str]:
@@ -85,7 +129,8 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.layer, "d_model": self.d_model, "dtype": self.dtype, "seed": self.seed,
-                "ok": self.ok, "failed": self.failed, "seconds": round(self.seconds, 3),
+                "ok": self.ok, "verdict": self.verdict, "failed": self.failed, "not_verified": self.not_verified,
+                "counts": self.counts, "seconds": round(self.seconds, 3),
                 "results": [r.to_dict() for r in self.results]}
 
     def rows(self) -> list[tuple[str, str, str, str]]:
@@ -101,7 +146,7 @@ class Report:
         rows = [("property", "verdict", "deviation / tol", "counterexample or note")] + self.rows()
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"headwise check: {self.layer} (d_model={self.d_model}, {self.dtype}, seed {self.seed}): "
-                 + ("OK" if self.ok else "FAILED: " + ", ".join(self.failed) if self.failed else "nothing checked")]
+                 f"{self.verdict}; {self.tally}"]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
         return "\n".join(line.rstrip() for line in lines)

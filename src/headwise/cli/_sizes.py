@@ -1,33 +1,58 @@
-"""Shared options of the subcommands that describe one layer: ``--preset`` or explicit sizes, and units."""
+"""Shared options of the subcommands that describe one layer (``--preset`` or explicit sizes), the checks
+of every size argument, and the size guards that refuse, before anything is allocated, what could not be
+allocated. Standard library and torch-free headwise modules only.
+
+Shapes:
+    b: batch, s: sequence, h: query heads, h_kv: key/value heads, d: d_model, d_h: d_head.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from ..config import AttentionConfig
 from . import CliError
+
+if TYPE_CHECKING:
+    from ..config import AttentionConfig
+
+# The largest size torch can give a dimension, or a whole tensor in elements or bytes (int64).
+INT64_MAX = 2 ** 63 - 1
+
+
+def size(text: str) -> int:
+    """argparse ``type=`` for sizes: a positive integer no larger than a tensor dimension can be."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most 2**63 - 1 = {INT64_MAX} (the largest size torch can "
+                                         f"give a tensor), got {value:.3e}")
+    return value
 
 
 def add_layer_options(p: argparse.ArgumentParser, *, default_d_model: int | None = None,
                       default_n_heads: int | None = None) -> None:
     """``--preset NAME`` and ``--d-model/--n-heads/--n-kv-heads/--d-head`` (these override the preset's)."""
     p.add_argument("--preset", default=None, help="a published configuration (see `headwise compare --list`)")
-    p.add_argument("--d-model", type=int, default=None,
+    p.add_argument("--d-model", type=size, default=None,
                    help=f"model width{f' (default {default_d_model})' if default_d_model else ''}")
-    p.add_argument("--n-heads", type=int, default=None,
+    p.add_argument("--n-heads", type=size, default=None,
                    help=f"query heads{f' (default {default_n_heads})' if default_n_heads else ''}")
-    p.add_argument("--n-kv-heads", type=int, default=None, help="key/value heads (default: n_heads, MHA)")
-    p.add_argument("--d-head", type=int, default=None, help="head width (default: d_model / n_heads)")
+    p.add_argument("--n-kv-heads", type=size, default=None, help="key/value heads (default: n_heads, MHA)")
+    p.add_argument("--d-head", type=size, default=None, help="head width (default: d_model / n_heads)")
     p.set_defaults(_default_d_model=default_d_model, _default_n_heads=default_n_heads)
 
 
-def layer_from_args(args: argparse.Namespace) -> tuple[AttentionConfig, int | None, str | None]:
+def layer_from_args(args: argparse.Namespace) -> tuple["AttentionConfig", int | None, str | None]:
     """(config, the preset's n_layers or None, the preset's name or None). Sizes given override the preset."""
+    from ..config import AttentionConfig
+
     overrides = {k: getattr(args, k) for k in ("d_model", "n_heads", "n_kv_heads", "d_head")
                  if getattr(args, k) is not None}
-    for k, v in overrides.items():
-        if v <= 0:
-            raise CliError(f"--{k.replace('_', '-')} must be a positive integer, got {v}")
     if args.preset is not None:
         from ..presets import get_preset
 
@@ -41,24 +66,47 @@ def layer_from_args(args: argparse.Namespace) -> tuple[AttentionConfig, int | No
     return AttentionConfig(d_model=d_model, n_heads=n_heads, **overrides), None, None
 
 
-def positive(name: str, value: int) -> int:
-    if value <= 0:
-        raise CliError(f"--{name} must be a positive integer, got {value}")
-    return value
+def layer_tensors(config: "AttentionConfig", seq: int, batch: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the tensors one eager self-attention forward of ``config`` holds (the shape walk's)."""
+    c, b, s = config, batch, seq
+    return {
+        "W_Q": (c.inner_dim, c.d_model), "W_K": (c.kv_dim, c.kdim), "W_V": (c.kv_dim, c.vdim),
+        "W_O": (c.d_model, c.inner_dim),
+        "x": (b, s, c.d_model), "Q": (b, s, c.inner_dim), "K": (b, s, c.kv_dim), "V": (b, s, c.kv_dim),
+        "scores": (b, c.n_heads, s, s), "context": (b, c.n_heads, s, c.d_head), "y": (b, s, c.d_model),
+    }
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def refuse_unrepresentable(config: "AttentionConfig", seq: int, batch: int, itemsize: int) -> None:
+    """CliError if a tensor of the layer could not even be described by torch (more than 2**63 - 1 bytes)."""
+    for name, shape in layer_tensors(config, seq, batch).items():
+        nbytes = numel(shape) * itemsize
+        if nbytes > INT64_MAX:
+            raise CliError(f"{name} {shape} would take {nbytes:.3e} bytes, more than the 2**63 - 1 a torch tensor "
+                           f"can address; choose smaller sizes")
 
 
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
 
 def human_count(n: float, unit: str = "") -> str:
-    """2_362_368 -> '2.36 M'; with unit 'FLOP' -> '2.36 MFLOP'."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    """2_362_368 -> '2.36 M'; with unit 'FLOP' -> '2.36 MFLOP'; beyond 1e21, scientific notation."""
+    if abs(n) >= 1e21:
+        return f"{float(n):.2e} {unit}".rstrip()
+    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {prefix}{unit}"
     return f"{n:.0f} {unit}".rstrip()

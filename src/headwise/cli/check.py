@@ -2,8 +2,11 @@
 
 ``FACTORY`` names, in the importable ``MODULE``, either a layer (an ``nn.Module`` or a function
 ``f(x) -> y``) or something that returns one when called without arguments (a class or a function with no
-required parameters). The current directory is importable, as with ``python -m``.
-Exit codes: 0 every applicable property passed, 1 a property failed, 2 bad input.
+required parameters). The current directory is importable, as with ``python -m``. This imports and runs
+that code, with your privileges: check only code you would run yourself.
+
+Exit codes: 0 every property asked for ran or was rightly skipped and passed, 1 a property failed or a
+core property could not run (one line on stderr says which), 2 bad input.
 """
 
 from __future__ import annotations
@@ -15,39 +18,56 @@ import os
 import sys
 from typing import Any
 
+from ..checks import CORE_PROPERTIES, PROPERTY_NAMES
+from ..checks.sizes import check_input_size
 from . import CliError
-from . import _format as fmt
+from . import format as fmt
+from ._progress import steps
+from ._sizes import size
+
+WARNING = "This imports MODULE and runs its code (and the layer's) with your privileges."
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="property-test an attention layer (is it really attention?)",
-                       description="Run the seven attention properties on MODULE:FACTORY. Exit 1 if any fails.")
+                       description=f"Run the seven attention properties on MODULE:FACTORY. {WARNING} Exit 0: "
+                                   f"OK; 1: a property failed, or a core property ({', '.join(CORE_PROPERTIES)}) "
+                                   f"could not run; 2: bad input.")
     p.add_argument("target", metavar="MODULE:FACTORY",
-                   help="e.g. mypkg.layers:make_attention (a layer, or a callable returning one)")
-    p.add_argument("--d-model", type=int, default=None, help="width of x; required for plain functions")
+                   help="e.g. mypkg.layers:make_attention (a layer, or a callable returning one); imported and run")
+    p.add_argument("--d-model", type=size, default=None, help="width of x; required for plain functions")
     causal = p.add_mutually_exclusive_group()
     causal.add_argument("--causal", dest="causal", action="store_true", default=None,
                         help="the layer claims causality (check it)")
     causal.add_argument("--not-causal", dest="causal", action="store_false", help="the layer is not causal")
-    p.add_argument("--batch", type=int, default=3)
-    p.add_argument("--seq", type=int, default=8, help="tokens (default 8)")
+    p.add_argument("--batch", type=size, default=3, help="samples (default 3)")
+    p.add_argument("--seq", type=size, default=8, help="tokens, at least 2 (default 8)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--property", action="append", dest="properties", metavar="NAME",
-                   help="run only this property (repeatable)")
+    p.add_argument("--property", action="append", dest="properties", metavar="NAME", choices=PROPERTY_NAMES,
+                   help=f"run only this property (repeatable): {', '.join(PROPERTY_NAMES)}")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Everything that can be judged before importing torch or the user's module."""
+    module_name, sep, attr = args.target.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"expected MODULE:FACTORY (e.g. mypkg.layers:make_attention), got {args.target!r}")
+    if args.seq < 2:
+        raise CliError(f"--seq must be at least 2, got {args.seq}")
+    if args.d_model is not None:
+        check_input_size(args.batch, args.seq, args.d_model)
+
+
 def load_target(target: str) -> Any:
     """Import ``MODULE:NAME`` and return the layer it names (calling a factory)."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise CliError(f"expected MODULE:FACTORY (e.g. mypkg.layers:make_attention), got {target!r}")
+    module_name, _, attr = target.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is bad input, not a crash
+    except (Exception, SystemExit) as exc:  # any import-time failure of user code is bad input, not a crash
         raise CliError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
     obj: Any = module
     for part in attr.split("."):
@@ -57,7 +77,7 @@ def load_target(target: str) -> Any:
     if _is_factory(obj):
         try:
             obj = obj()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise CliError(f"{target}() raised {type(exc).__name__}: {exc}") from None
     if not callable(obj):
         raise CliError(f"{target} is a {type(obj).__name__}, not a layer or a factory returning one")
@@ -82,22 +102,28 @@ def _is_factory(obj: Any) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checks import check
+    check_args(args)
+    with steps(3, enabled=not args.json) as step:
+        step("importing torch")
+        from ..checks import check
 
-    layer = load_target(args.target)
-    try:
-        report = check(layer, d_model=args.d_model, causal=args.causal, batch=args.batch, seq_len=args.seq,
-                       seed=args.seed, properties=args.properties)
-    except (ValueError, TypeError) as exc:
-        raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        step(f"importing {args.target}")
+        layer = load_target(args.target)
+        step("checking the properties")
+        try:
+            report = check(layer, d_model=args.d_model, causal=args.causal, batch=args.batch, seq_len=args.seq,
+                           seed=args.seed, properties=args.properties)
+        except (ValueError, TypeError) as exc:
+            raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     if args.json:
         fmt.emit_json(report.to_dict())
     else:
-        verdict = "OK" if report.ok else ("FAILED: " + ", ".join(report.failed) if report.failed else
-                                          "nothing applicable was checked")
         fmt.line(f"headwise check {args.target}: {report.layer}, d_model={report.d_model}, {report.dtype}, "
                  f"seed {report.seed}")
         fmt.table("Properties", ["property", "verdict", "deviation / tolerance", "counterexample or note"],
-                  report.rows())
-        fmt.line(f"{verdict} ({report.seconds:.2f} s)")
+                  report.rows(), optional=["deviation / tolerance"])
+        fmt.line(f"{report.verdict}. {report.tally}; {report.seconds:.2f} s.")
+    if not report.ok:
+        sys.stdout.flush()
+        print(f"headwise check: {' '.join(report.verdict.split())}", file=sys.stderr)
     return 0 if report.ok else 1

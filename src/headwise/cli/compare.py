@@ -5,28 +5,28 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..analysis import parse_dtype, summarize
-from ..analysis.memory import DTYPES
+from ..analysis import dtype_info, summarize
+from ..analysis.memory import DTYPE_NAMES
 from ..presets import PRESETS, get_preset
 from . import CliError
-from . import _format as fmt
-from ._sizes import human_bytes, human_count, positive
+from . import format as fmt
+from ._sizes import human_bytes, human_count, size
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="costs of published configurations side by side (e.g. MHA vs GQA KV cache)")
     p.add_argument("presets", nargs="*", metavar="PRESET", help=f"preset names: {', '.join(PRESETS)}")
     p.add_argument("--list", action="store_true", help="list the presets with their citations")
-    p.add_argument("--seq", type=int, default=4096, help="context length (default 4096)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="float16", help=f"storage dtype (default float16; one of {sorted(DTYPES)})")
+    p.add_argument("--seq", type=size, default=4096, help="context length (default 4096)")
+    p.add_argument("--batch", type=size, default=1)
+    p.add_argument("--dtype", default="float16", help=f"storage dtype (default float16; one of {sorted(DTYPE_NAMES)})")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run)
 
 
 def compare(names: list[str], seq: int, batch: int, dtype: str) -> list[dict[str, Any]]:
     try:
-        dt = parse_dtype(dtype)
+        dt, _ = dtype_info(dtype)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     out = []
@@ -63,14 +63,14 @@ def run(args: argparse.Namespace) -> int:
             fmt.table("Presets", ["name", "model", "d_model", "h / h_kv", "d_head", "layers", "rope theta"],
                       [(p["name"], p["title"], p["config"]["d_model"],
                         f"{p['config']['n_heads']} / {p['config']['n_kv_heads']}", p["config"]["d_head"],
-                        p["n_layers"], p["rope_theta"] or "-") for p in listing])
+                        p["n_layers"], p["rope_theta"] or "-") for p in listing], optional=["rope theta"])
             fmt.line("Sources:")
             for p in listing:
                 fmt.line(f"  {p['name']}: {p['citation']}")
         return 0
     if not args.presets:
         raise CliError(f"name at least one preset (or --list); known: {', '.join(PRESETS)}")
-    results = compare(args.presets, positive("seq", args.seq), positive("batch", args.batch), args.dtype)
+    results = compare(args.presets, args.seq, args.batch, args.dtype)
     if args.json:
         fmt.emit_json(results)
         return 0

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..analysis import parse_dtype, summarize
-from ..analysis.memory import DTYPES
-from ..walkthrough import walk
+from ..analysis import dtype_info, summarize
+from ..analysis.memory import DTYPE_NAMES
 from . import CliError
-from . import _format as fmt
-from ._sizes import add_layer_options, human_bytes, human_count, layer_from_args, positive
+from . import format as fmt
+from ._progress import steps
+from ._sizes import add_layer_options, human_bytes, human_count, layer_from_args, refuse_unrepresentable, size
 
 # Above this many bytes of weights + activations + scores the walk runs on meta tensors (shapes only).
 REAL_TENSOR_LIMIT = 256 * 2 ** 20
@@ -19,10 +19,10 @@ REAL_TENSOR_LIMIT = 256 * 2 ** 20
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explain", help="shape walk-through and costs of one layer (parameters, FLOPs, memory)")
     add_layer_options(p)
-    p.add_argument("--seq", type=int, default=4096, help="tokens (default 4096)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", default="float16", help=f"storage dtype (default float16; one of {sorted(DTYPES)})")
-    p.add_argument("--n-layers", type=int, default=None, help="layers (default: the preset's, else 1)")
+    p.add_argument("--seq", type=size, default=4096, help="tokens (default 4096)")
+    p.add_argument("--batch", type=size, default=1)
+    p.add_argument("--dtype", default="float16", help=f"storage dtype (default float16; one of {sorted(DTYPE_NAMES)})")
+    p.add_argument("--n-layers", type=size, default=None, help="layers (default: the preset's, else 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run)
 
@@ -30,20 +30,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def explain(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``explain`` shows, as data."""
     config, preset_layers, preset = layer_from_args(args)
-    seq, batch = positive("seq", args.seq), positive("batch", args.batch)
-    n_layers = positive("n-layers", args.n_layers) if args.n_layers is not None else (preset_layers or 1)
+    seq, batch = args.seq, args.batch
+    n_layers = args.n_layers if args.n_layers is not None else (preset_layers or 1)
     try:
-        dtype = parse_dtype(args.dtype)
+        dtype, itemsize = dtype_info(args.dtype)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    refuse_unrepresentable(config, seq, batch, itemsize)  # before torch: the walk could not describe it
     summary = summarize(config, seq, batch=batch, dtype=dtype, n_layers=n_layers)
-    itemsize = dtype.itemsize
     live = (summary["params"]["layer"]["total"] + 6 * batch * seq * max(config.d_model, config.inner_dim)
             + 2 * batch * config.n_heads * seq * seq) * itemsize
     device = "meta" if live > REAL_TENSOR_LIMIT else "cpu"
-    walk_dtype = dtype if device == "meta" else parse_dtype("float32")  # strides do not depend on dtype
-    steps = walk(config, seq_len=seq, batch=batch, device=device, dtype=walk_dtype)
-    return summary | {"preset": preset, "walk_device": device, "steps": [s.to_dict() for s in steps]}
+    with steps(2, enabled=not args.json) as step:
+        step("importing torch")
+        from ..analysis import parse_dtype
+        from ..walkthrough import walk
+
+        step(f"walking the layer on {device} tensors")
+        walk_dtype = parse_dtype(dtype if device == "meta" else "float32")  # strides do not depend on dtype
+        walked = walk(config, seq_len=seq, batch=batch, device=device, dtype=walk_dtype)
+    return summary | {"preset": preset, "walk_device": device, "steps": [s.to_dict() for s in walked]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     where = ("meta tensors (shapes and strides only, no memory)" if r["walk_device"] == "meta"
              else "real CPU tensors")
     fmt.table(f"Shape walk of one layer, on {where}", ["step", "code", "shape", "stride", "view or new", "note"],
-              [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in r["steps"]])
-    fmt.table("Costs", ["quantity", "one layer", f"{r['n_layers']} layers", "how"], cost_rows(r))
+              [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in r["steps"]],
+              optional=["note", "code"])
+    fmt.table("Costs", ["quantity", "one layer", f"{r['n_layers']} layers", "how"], cost_rows(r), optional=["how"])
     return 0
 
 

@@ -1,47 +1,70 @@
-"""``headwise tour``: the seeds' layer, step by step, with the head-by-head check."""
+"""``headwise tour``: one attention layer, step by step, with the head-by-head check."""
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..attention import MultiHeadAttention
-from ..config import AttentionConfig
-from ..walkthrough import flatten_bug_error, head_by_head_error, walk
 from . import CliError
-from . import _format as fmt
-from ._sizes import add_layer_options, human_bytes, layer_from_args, positive
+from . import format as fmt
+from ._progress import steps
+from ._sizes import add_layer_options, human_bytes, layer_from_args, layer_tensors, numel, size
 
-# The tour runs real float32 tensors; beyond this much weight memory it points to `explain` (meta tensors).
-MAX_WEIGHT_BYTES = 2 * 2 ** 30
+if TYPE_CHECKING:
+    from ..config import AttentionConfig
+
+# The tour runs real float32 tensors; beyond this much memory it points to `explain` (meta tensors).
+MAX_TOUR_BYTES = 2 * 2 ** 30
+
+
+def tour_bytes(config: "AttentionConfig", seq: int, batch: int) -> tuple[int, int]:
+    """(about how many bytes the tour holds at its peak, of which the (b, h, s, s) scores), in float32.
+
+    The walk keeps every step's tensor; the scores exist three times (product, scaled, softmax) and the
+    per-head run and the flatten check add a few more activations.
+    """
+    shapes = layer_tensors(config, seq, batch)
+    weights = sum(numel(shapes[w]) for w in ("W_Q", "W_K", "W_V", "W_O"))
+    widest = max(numel(shapes[a]) for a in ("x", "Q", "K", "y"))
+    scores = 3 * numel(shapes["scores"])
+    return 4 * (weights + 16 * widest + scores), 4 * scores
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tour", help="walk one attention layer step by step (shapes, views, copies)")
     add_layer_options(p, default_d_model=4096, default_n_heads=32)
-    p.add_argument("--seq", type=int, default=128, help="tokens (default 128)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=size, default=128, help="tokens (default 128)")
+    p.add_argument("--batch", type=size, default=1)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run)
 
 
-def tour(config: AttentionConfig, seq: int, batch: int) -> dict:
-    """Everything the tour shows, as data."""
+def tour(config: "AttentionConfig", seq: int, batch: int, *, progress: bool = False) -> dict:
+    """Everything the tour shows, as data (``progress``: a progress line on stderr when it is a terminal)."""
     start = time.perf_counter()
-    torch.manual_seed(0)
-    attn = MultiHeadAttention.from_config(config.replace(bias=False))
-    steps = walk(attn.config, seq_len=seq, batch=batch, attn=attn)
-    x = torch.randn(batch, seq, config.d_model)
-    err = head_by_head_error(attn, x)
-    with torch.no_grad():
-        y = attn(x)
-        bug = flatten_bug_error(attn.project_q(x))  # any (b, h, s, d_h) tensor shows the flatten bug
-    n_params = sum(p.numel() for p in attn.parameters())
+    with steps(4, enabled=progress) as step:
+        step("importing torch")
+        import torch
+
+        from ..attention import MultiHeadAttention
+        from ..walkthrough import flatten_bug_error, head_by_head_error, walk
+
+        step("building the layer and walking it step by step")
+        torch.manual_seed(0)
+        attn = MultiHeadAttention.from_config(config.replace(bias=False))
+        walked = walk(attn.config, seq_len=seq, batch=batch, attn=attn)
+        step("running every head alone")
+        x = torch.randn(batch, seq, config.d_model)
+        err = head_by_head_error(attn, x)
+        step("the flatten-without-transpose bug")
+        with torch.no_grad():
+            y = attn(x)
+            bug = flatten_bug_error(attn.project_q(x))  # any (b, h, s, d_h) tensor shows the flatten bug
+        n_params = sum(p.numel() for p in attn.parameters())
     return {
         "config": config.to_dict() | {"d_head": config.d_head, "n_kv_heads": config.n_kv_heads},
-        "steps": [s.to_dict() for s in steps],
+        "steps": [s.to_dict() for s in walked],
         "parameters_without_bias": n_params,
         "four_d_model_squared": 4 * config.d_model ** 2,
         "head_by_head_max_abs_diff": err,
@@ -53,13 +76,16 @@ def tour(config: AttentionConfig, seq: int, batch: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     config, _, _ = layer_from_args(args)
-    positive("seq", args.seq), positive("batch", args.batch)
-    weight_bytes = 4 * (2 * config.d_model * config.inner_dim + config.kdim * config.kv_dim
-                        + config.vdim * config.kv_dim)
-    if weight_bytes > MAX_WEIGHT_BYTES:
-        raise CliError(f"this layer's weights alone take {human_bytes(weight_bytes)} in float32 (the tour runs real "
-                       f"tensors, limit {human_bytes(MAX_WEIGHT_BYTES)}); `headwise explain` walks it on meta tensors")
-    result = tour(config, args.seq, args.batch)
+    total, scores = tour_bytes(config, args.seq, args.batch)
+    if total > MAX_TOUR_BYTES:
+        raise CliError(f"the tour runs real float32 tensors and this one would hold about {human_bytes(total)} "
+                       f"({human_bytes(scores)} of them the (b, h, s, s) scores), over its limit of "
+                       f"{human_bytes(MAX_TOUR_BYTES)}; `headwise explain` walks any size on meta tensors")
+    result = tour(config, args.seq, args.batch, progress=not args.json)
+    if not result["head_by_head_equal"]:
+        import sys
+
+        print("headwise tour: FAILED: the heads run one by one do not add up to the packed layer", file=sys.stderr)
     if args.json:
         fmt.emit_json(result)
         return 0 if result["head_by_head_equal"] else 1
@@ -68,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
              f"d_head = {c.d_model} / {c.n_heads} = {c.d_head}, {args.seq} tokens, batch {args.batch}")
     fmt.table("Shape walk (eager path; the fused default never materialises scores/softmax)",
               ["step", "code", "shape", "stride", "view or new", "note"],
-              [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in result["steps"]])
+              [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in result["steps"]],
+              optional=["note", "code"])
     p = result["parameters_without_bias"]
     fmt.line(f"Parameters (W_Q, W_K, W_V, W_O, no bias): {p:,}"
              + (f" = 4 x {c.d_model}^2" if p == result["four_d_model_squared"] else " (GQA shrinks W_K, W_V)"))

@@ -1,8 +1,10 @@
 """Conversions between headwise and other attention implementations, one file per source format.
 
-* :mod:`headwise.interop.torch_mha`: ``torch.nn.MultiheadAttention`` (``from_torch`` / ``to_torch``).
-* :mod:`headwise.interop.hf`: Hugging Face BERT, GPT-2 and Llama-family attention (``patch`` / ``unpatch`` /
-  ``from_hf`` / ``to_hf`` / ``layers``); needs the optional ``transformers`` package.
+* :mod:`headwise.interop.torch_mha`: ``torch.nn.MultiheadAttention`` (``from_torch`` / ``to_torch``; ``share=True``
+  for a view of the module's own parameters).
+* :mod:`headwise.interop.hf`: Hugging Face BERT, GPT-2, Llama/Mistral/Qwen2 and Qwen3 attention (``patch`` /
+  ``unpatch`` / ``from_hf`` / ``to_hf`` / ``layers``); needs the optional ``transformers`` package.
+* :mod:`headwise.interop.qk_norm`: per-head Q/K normalisation (Qwen3's QK-norm) for layers and heads.
 
 Names are resolved on first use, so importing this package imports neither peer.
 """

@@ -12,6 +12,7 @@ Shapes:
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -21,11 +22,10 @@ from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..rotary import RotaryEmbedding
 
-__all__ = ["HeadwiseHFModule", "hf_attend", "check_linear", "new_attention", "patched_class", "SUPPORTED_IMPLS"]
+__all__ = ["HeadwiseHFModule", "hf_attend", "check_linear", "new_copy", "patched_class", "patch_in_place",
+           "unpatch_in_place", "SUPPORTED_IMPLS"]
 
 SUPPORTED_IMPLS = ("eager", "sdpa")
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
 
 
 def check_linear(owner: str, name: str, layer: object, out_features: int, in_features: int) -> nn.Linear:
@@ -61,30 +61,6 @@ def check_same(owner: str, want: AttentionConfig, got: AttentionConfig) -> None:
         raise ValueError(f"cannot write this MultiHeadAttention into {owner}: {detail}")
 
 
-def new_attention(cfg: AttentionConfig, *, rotary: RotaryEmbedding | None, backend: str,
-                  like: torch.Tensor, training: bool, share: dict[str, nn.Linear] | None = None,
-                  copy: dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None) -> MultiHeadAttention:
-    """A layer whose projections are either the given ``nn.Linear`` modules themselves (``share``: no copy,
-    for :func:`patch`) or fresh parameters filled with the given ``(weight (out, in), bias)`` (``copy``)."""
-    if share is not None:
-        # Build on "meta" so no memory is allocated for weights that are about to be replaced.
-        attn = MultiHeadAttention.from_config(cfg, rotary=rotary, backend=backend, device="meta")
-        for name, layer in share.items():
-            setattr(attn, name, layer)
-    else:
-        attn = MultiHeadAttention.from_config(cfg, rotary=rotary, backend=backend, device=like.device,
-                                              dtype=like.dtype)
-        with torch.no_grad():
-            for name, (weight, bias) in copy.items():
-                layer = getattr(attn, name)
-                layer.weight.copy_(weight)
-                if bias is not None:
-                    layer.bias.copy_(bias)
-    if attn.rotary is not None:
-        attn.rotary.to(like.device)
-    return attn.train(training)  # a fresh module is in training mode: dropout must follow the HF module
-
-
 def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     """In-place copy that refuses a shape change (the HF module keeps its own layout)."""
     if tuple(dst.shape) != tuple(src.shape):
@@ -99,7 +75,7 @@ def check_impl(config: Any, where: str) -> str:
     """The model's attention implementation, if headwise can reproduce its masks; raise otherwise."""
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_IMPLS:
-        raise NotImplementedError(
+        raise ValueError(
             f"{where}: attn_implementation={impl!r} is not supported (its masks are not 4-D tensors); "
             f"supported: {SUPPORTED_IMPLS}. Load the model with attn_implementation='sdpa' or 'eager', or call "
             "model.set_attn_implementation('sdpa') before patching"
@@ -144,71 +120,91 @@ def hf_attend(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return module.attn.attend(q, k, v, mask=attention_mask, causal=causal, return_weights=want_weights)
 
 
-class HeadwiseHFModule(nn.Module):
-    """Base of every patched Hugging Face attention module.
+def new_copy(cfg: AttentionConfig, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], *,
+             rotary: RotaryEmbedding | None, backend: str, like: torch.Tensor, training: bool,
+             cls: type = MultiHeadAttention, **extra: Any) -> MultiHeadAttention:
+    """A standalone layer (its own parameters) holding copies of ``weights`` (``(weight (out, in), bias)``)."""
+    attn = cls.from_config(cfg, rotary=rotary, backend=backend, device=like.device, dtype=like.dtype, **extra)
+    with torch.no_grad():
+        for name, (weight, bias) in weights.items():
+            layer = getattr(attn, name)
+            layer.weight.copy_(weight)
+            if bias is not None:
+                layer.bias.copy_(bias)
+    if attn.rotary is not None:
+        attn.rotary.to(like.device)
+    return attn.train(training)  # a fresh module is in training mode: dropout must follow the HF module
 
-    A patched class is created per original class as ``(family mixin, HeadwiseHFModule, OriginalClass)``,
-    so ``isinstance(patched, LlamaAttention)`` still holds: Hugging Face records ``output_attentions`` with
-    forward hooks chosen by ``isinstance``, installed once per model, possibly before patching; so the
-    forward hooks are shared with the original module (the same dicts). The original module is kept (not
-    registered as a submodule) for :func:`headwise.interop.unpatch`.
+
+class HeadwiseHFModule(nn.Module):
+    """Marker base of every patched Hugging Face attention module (see :func:`patch_in_place`).
+
+    :func:`headwise.interop.patch` does not replace the module: it changes its class, in place, to
+    ``Headwise<Original>``, a subclass of ``(family mixin, HeadwiseHFModule, Original)`` whose ``forward``
+    computes with :attr:`attn`. Every parameter, buffer, submodule, hook and attribute stays where it was,
+    under its own name, so ``state_dict``, weight init, tensor-parallel plans and PEFT see the original.
+    The headwise layer is kept out of the module tree (it is a view, never a registered submodule).
 
     Shapes:
-        as the replaced module: hidden_states (b, s, d) -> (b, s, d), weights (b, h, s, s_kv) or None
+        as the original module: hidden_states (b, s, d) -> (b, s, d), weights (b, h, s, s_kv) or None
     """
 
-    attn: MultiHeadAttention
-
-    def __init__(self, original: nn.Module, attn: MultiHeadAttention, restore: list[tuple[nn.Module, str, nn.Module]]):
-        nn.Module.__init__(self)
-        for key, value in vars(original).items():
-            # Plain attributes HF code may read (config, layer_idx, is_causal, scaling, head_dim, ...); never
-            # an instance-level ``forward`` (accelerate's hooks put one there), which would run the original.
-            if not key.startswith("_") and key != "forward" and not isinstance(value, nn.Module):
-                self.__dict__[key] = value
-        self.training = original.training
-        self.attn = attn
-        for name in getattr(self, "_hw_keep", ()):
-            setattr(self, name, getattr(original, name))  # shared submodules the forward still uses
-        for name in _HOOK_DICTS:
-            if hasattr(original, name):
-                object.__setattr__(self, name, getattr(original, name))
-        object.__setattr__(self, "_hw_original", original)
-        object.__setattr__(self, "_hw_restore", restore)
+    @property
+    def attn(self) -> MultiHeadAttention:
+        """The headwise layer computing this module's attention: a view of this module's own weights."""
+        return self.__dict__["_hw_attn"]
 
     @property
-    def original(self) -> nn.Module:
-        """The Hugging Face module this one replaced (restored by ``unpatch``)."""
-        return self._hw_original
-
-    def write_back(self) -> None:
-        """Copy weights that are not shared back into the original module (only GPT-2's Conv1D)."""
+    def original_class(self) -> type:
+        """The Hugging Face class this module had before patching (restored by ``unpatch``)."""
+        return self.__dict__["_hw_class"]
 
     def extra_repr(self) -> str:
-        return f"patched {type(self._hw_original).__name__}"
+        base = self.__dict__["_hw_class"].extra_repr(self)
+        attn = self.__dict__["_hw_attn"]
+        own = (f"patched by headwise (was {self.__dict__['_hw_class'].__name__}): {type(attn).__name__}("
+               f"{MultiHeadAttention.extra_repr(attn)})")
+        return f"{base}, {own}" if base else own
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
 def patched_class(mixin: type, base: type) -> type:
-    """``Headwise<Base>``: the family ``mixin``'s forward over ``base`` (cached, one per pair)."""
+    """``Headwise<Base>``: the family ``mixin``'s forward over ``base`` (cached, one per pair).
+
+    The class is also published in the mixin's module under its name, so pickle finds it by reference.
+    """
     key = (mixin, base)
     if key not in _CLASSES:
         name = f"Headwise{base.__name__}"
-        _CLASSES[key] = type(name, (mixin, HeadwiseHFModule, base), {"__module__": mixin.__module__,
-                                                                     "__qualname__": name})
+        home = sys.modules[mixin.__module__]
+        if getattr(home, name, None) is not None:  # two bases of one name (e.g. a remote-code copy)
+            name = f"{name}_{len(_CLASSES)}"
+        cls = type(name, (mixin, HeadwiseHFModule, base), {"__module__": mixin.__module__, "__qualname__": name})
+        setattr(home, name, cls)
+        _CLASSES[key] = cls
     return _CLASSES[key]
 
 
-def replace_in_parent(model: nn.Module, name: str, module: nn.Module, attn: MultiHeadAttention,
-                      mixin: type) -> nn.Module:
-    """Put a patched twin of ``module`` (at ``name`` in ``model``) in its place; return the twin."""
-    parent_name, _, attr = name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    patched = patched_class(mixin, type(module))(module, attn, [(parent, attr, module)])
-    setattr(parent, attr, patched)
-    return patched
+def patch_in_place(module: nn.Module, attn: MultiHeadAttention, mixin: type) -> nn.Module:
+    """Turn ``module`` into its patched class (same object, same state) computing with ``attn``."""
+    original = type(module)
+    stash = module.__dict__.pop("forward", None)  # accelerate-style instance forward: it would run the original
+    module.__class__ = patched_class(mixin, original)
+    module.__dict__.update(_hw_attn=attn, _hw_class=original, _hw_forward=stash)
+    return module
+
+
+def unpatch_in_place(module: nn.Module) -> nn.Module:
+    """Undo :func:`patch_in_place`: the original class and instance forward come back; nothing else moved."""
+    state = module.__dict__
+    module.__class__ = state.pop("_hw_class")
+    state.pop("_hw_attn")
+    stash = state.pop("_hw_forward")
+    if stash is not None:
+        state["forward"] = stash
+    return module
 
 
 def pop_cache(cache: Any, kwargs: dict) -> Any:

@@ -1,18 +1,21 @@
 """Hugging Face interop: take over the attention of BERT, GPT-2 and Llama-family models, and give it back.
 
 * :func:`from_hf` / :func:`to_hf`: one HF attention module <-> one :class:`MultiHeadAttention` (copies).
-* :func:`patch` / :func:`unpatch`: swap every supported attention module of a model, in place, for a
-  headwise-backed module with the same call signature and return convention; :func:`layers` lists them.
+* :func:`patch` / :func:`unpatch`: make every supported attention module of a model compute with headwise, in
+  place (same objects, same parameters under the same names; only the class changes), and back;
+  :func:`layers` lists the headwise layers, each a live view of its module's weights.
 
 Supported modules (the per-family name maps are in :mod:`~headwise.interop.hf_bert`,
 :mod:`~headwise.interop.hf_gpt2`, :mod:`~headwise.interop.hf_llama`):
 
 * BERT: ``BertAttention`` (``.self.query/key/value`` + ``.output.dense`` as W_O); not ``BertCrossAttention``.
 * GPT-2: ``GPT2Attention`` (``Conv1D`` weights, stored (in, out)); not its cross-attention variant.
-* Llama family: ``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention`` (GQA/MQA, explicit ``head_dim``,
-  biases, rotary from ``rope_parameters``; sliding-window layers work because HF's masks carry the window).
+* Llama family: ``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention``, ``Qwen3Attention`` (GQA/MQA,
+  explicit ``head_dim``, biases, rotary from ``rope_parameters``, Qwen3's per-head Q/K RMSNorm; sliding-window
+  layers work because HF's masks carry the window).
 
-Models must use ``attn_implementation`` ``"eager"`` or ``"sdpa"``; flash/flex attention raise. transformers
+Models must use ``attn_implementation`` ``"eager"`` or ``"sdpa"``; flash/flex attention raise ``ValueError``
+before anything changes. transformers
 is imported only here and in the family modules (``pip install headwise[hf]``).
 
 Shapes:
@@ -26,16 +29,18 @@ Example:
     >>> model = transformers.LlamaForCausalLM(cfg).eval()
     >>> ids = torch.tensor([[1, 5, 7, 3]])
     >>> before = model(ids).logits
-    >>> original = model.model.layers[0].self_attn
+    >>> keys = list(model.state_dict())
     >>> _ = patch(model)
     >>> [name for name, attn in layers(model)]
     ['model.layers.0.self_attn', 'model.layers.1.self_attn']
     >>> torch.testing.assert_close(model(ids).logits, before)
-    >>> model.model.layers[0].self_attn.attn.head(3).kv_index      # a real head object of the real model
-    1
-    >>> _ = unpatch(model)
-    >>> model.model.layers[0].self_attn is original
+    >>> list(model.state_dict()) == keys                              # nothing renamed, nothing added
     True
+    >>> head = model.model.layers[0].self_attn.attn.head(3)           # a real head object of the real model
+    >>> head.kv_index, head.w_q.data_ptr() == model.model.layers[0].self_attn.q_proj.weight[12:].data_ptr()
+    (1, True)
+    >>> type(unpatch(model).model.layers[0].self_attn).__name__
+    'LlamaAttention'
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from types import ModuleType
 from torch import nn
 
 from ..attention import MultiHeadAttention
-from ._hf_common import HeadwiseHFModule, check_impl
+from ._hf_common import HeadwiseHFModule, check_impl, patch_in_place, unpatch_in_place
 
 __all__ = ["from_hf", "to_hf", "patch", "unpatch", "layers", "HeadwiseHFModule"]
 
@@ -62,6 +67,10 @@ def _families() -> list[tuple[ModuleType, type]]:
             (hf_llama, hf_llama.PatchedLlamaStyle)]
 
 
+def _supported() -> str:
+    return "; ".join(family.NAME for family, _ in _families())
+
+
 def _family_of(module: object) -> tuple[ModuleType, type] | None:
     if isinstance(module, HeadwiseHFModule):
         return None
@@ -73,7 +82,6 @@ def _family_of(module: object) -> tuple[ModuleType, type] | None:
 
 def _unsupported(module: object, what: str) -> Exception:
     name = type(module).__name__
-    supported = "; ".join(family.NAME for family, _ in _families())
     if isinstance(module, HeadwiseHFModule):
         return TypeError(f"{what}: {name} is already patched by headwise; use its .attn (a MultiHeadAttention) "
                          "or unpatch the model first")
@@ -83,7 +91,7 @@ def _unsupported(module: object, what: str) -> Exception:
     if isinstance(module, (self_cls, cross_cls)):
         return TypeError(f"{what}: {name} holds only W_Q, W_K, W_V (W_O is the sibling BertSelfOutput.dense); "
                          "pass the enclosing BertAttention (e.g. model.encoder.layer[0].attention)")
-    return TypeError(f"{what}: {name} is not a supported attention module; supported: {supported}")
+    return TypeError(f"{what}: {name} is not a supported attention module; supported: {_supported()}")
 
 
 def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
@@ -143,22 +151,25 @@ def to_hf(attn: MultiHeadAttention, like: nn.Module) -> nn.Module:
 
 
 def patch(model: nn.Module) -> nn.Module:
-    """Replace, in place, every supported attention module of ``model`` with a headwise-backed one.
+    """Make, in place, every supported attention module of ``model`` compute its attention with headwise.
 
-    Each patched module keeps the original's forward signature and ``(output, weights)`` return, holds its
-    layer as ``.attn`` (a :class:`MultiHeadAttention` whose ``nn.Linear`` projections *are* the model's
-    modules for BERT and Llama: no copy; GPT-2's Conv1D weights are copied, see
-    :mod:`~headwise.interop.hf_gpt2`) and computes with it: ``attn.project_q/project_kv``, HF's rotary cos/sin
-    (equal to ``attn.rotary``), the model's own cache via ``cache.update(k, v, layer_idx)``,
-    ``attn.attend`` on HF's prepared mask, ``attn.project_out``. It is still an instance of the original
-    class, so ``output_attentions`` recording keeps working; forward hooks are shared with the original.
-    Already patched modules are left as they are; cross-attention modules are not patched.
+    Nothing is replaced, copied or renamed: each module keeps its identity, parameters, buffers, submodules
+    (under their Hugging Face names), hooks and attributes, and only its class changes to
+    ``Headwise<Original>`` (a subclass of the original, so ``isinstance`` checks, weight init and
+    ``output_attentions`` recording still work). Its ``.attn`` is a :class:`MultiHeadAttention` that is a
+    *view* of the module's current weights (never a registered submodule, so ``state_dict`` keys,
+    ``save_pretrained``, tensor-parallel plans and PEFT targets are unchanged) and its forward computes with
+    it: ``attn.project_qkv``, HF's rotary cos/sin (equal to ``attn.rotary``), the model's own cache via
+    ``cache.update(k, v, layer_idx)``, ``attn.attend`` on HF's prepared mask, ``attn.project_out``.
+    Already patched modules are left as they are; cross-attention modules are not patched. No data is read,
+    so a model on the meta device can be patched before its weights arrive.
 
-    Returns ``model``. Raises ``TypeError`` if nothing in ``model`` can be patched and
-    ``NotImplementedError`` for attention implementations other than eager / sdpa.
+    Everything is checked before anything changes. Returns ``model``. Raises ``TypeError`` if nothing in
+    ``model`` can be patched (naming the attention classes found) and ``ValueError`` for attention
+    implementations other than eager / sdpa.
 
     Shapes:
-        per layer, as the replaced module: hidden_states (b, s, d) -> (b, s, d), weights (b, h, s, s_kv) or None
+        per layer, as the original module: hidden_states (b, s, d) -> (b, s, d), weights (b, h, s, s_kv) or None
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -176,35 +187,37 @@ def patch(model: nn.Module) -> nn.Module:
                 check_impl(config, f"patch({type(model).__name__}) at {name!r}")
                 targets.append((name, module, family, mixin))
     if not targets and not layers(model):
-        supported = "; ".join(family.NAME for family, _ in families)
+        found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+        seen = f"; it has {found}, none of them a supported class" if found else ""
         raise TypeError(f"patch: {type(model).__name__} contains no attention module headwise can patch; "
-                        f"supported: {supported}")
-    for name, module, family, mixin in targets:
-        family.patch_one(model, name, module, mixin)
+                        f"supported: {_supported()}{seen}")
+    views = [(module, family.from_module(module, share=True), family, mixin) for _, module, family, mixin in targets]
+    for (name, *_), (module, attn, family, mixin) in zip(targets, views):
+        host, suffix = family.host_of(module)
+        object.__setattr__(attn, "_hw_name", name + suffix)
+        patch_in_place(host, attn, mixin)
     return model
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch`: put the original module objects back (identity restored) and return ``model``.
+    """Undo :func:`patch`: every patched module gets its original class back and returns ``model``.
 
-    Weights that were copied rather than shared (GPT-2) are written back first, so edits made through
-    ``.attn`` while patched survive. A model without patched modules is returned unchanged.
+    The weights never moved, so nothing is copied; edits made through ``.attn`` or its heads while patched
+    are edits of the model's own weights. A model without patched modules is returned unchanged.
 
     Shapes:
-        no tensor is reshaped; every weight keeps the original module's layout
+        no tensor is touched
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"unpatch: model must be a torch.nn.Module, got {type(model).__name__}")
-    for _, module in [(n, m) for n, m in model.named_modules() if isinstance(m, HeadwiseHFModule)]:
-        module.write_back()
-        for parent, attr, original in module._hw_restore:
-            setattr(parent, attr, original)
+    for module in [m for m in model.modules() if isinstance(m, HeadwiseHFModule)]:
+        unpatch_in_place(module)
     return model
 
 
 def layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
     """``(qualified name of the patched module, its MultiHeadAttention)`` for every patched layer, in model
-    order (empty if ``model`` is not patched).
+    order (empty if ``model`` is not patched). Each layer's ``repr`` names the module it is a view of.
 
     Shapes:
         each layer: MultiHeadAttention(d, h, h_kv, d_h); ``attn.head(i)`` gives head i's (d, d_h) weights

@@ -17,10 +17,12 @@ Hugging Face                        headwise        note
 ``BertAttention.output.LayerNorm``  (not part)      stays in ``BertSelfOutput``
 ==================================  ==============  ==============================
 
-:func:`headwise.interop.patch` replaces ``BertAttention.self`` by a patched module that ends with
-``attn.project_out`` (so its output is already through W_O) and sets ``BertAttention.output.dense`` to
-``nn.Identity`` (the same ``nn.Linear`` now lives at ``attn.out_proj``); dropout and LayerNorm still run
-in ``BertSelfOutput``. Cross-attention (``BertCrossAttention`` in BERT decoders) is not converted.
+:func:`headwise.interop.patch` turns ``BertAttention.self`` into a patched module (same object, same
+``query``/``key``/``value``) that computes the heads' context with headwise and returns it *before* W_O, as
+HF's does; ``BertSelfOutput`` still applies ``dense``, dropout and LayerNorm. The layer (a
+:class:`BertView`) reads ``self.query/key/value`` and the sibling ``output.dense`` live, so
+``attn(x)`` and ``attn.head(i).w_o`` use W_O although the patched forward does not. Cross-attention
+(``BertCrossAttention`` in BERT decoders) is not converted.
 
 Shapes:
     b: batch, s: sequence, h: heads, d: model width (hidden_size), d_h: head width.
@@ -33,12 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
-from ._hf_common import (HeadwiseHFModule, check_linear, check_same, copy_into, hf_attend, new_attention,
-                         patched_class, pop_cache, qkv_bias)
+from ._hf_common import HeadwiseHFModule, check_linear, check_same, copy_into, hf_attend, new_copy, pop_cache, qkv_bias
+from ._view import LayerView
 
-__all__ = ["classes", "from_module", "load_into", "PatchedBertSelf"]
+__all__ = ["classes", "from_module", "load_into", "BertView", "PatchedBertSelf"]
 
 NAME = "BERT (BertAttention: .self query/key/value + .output.dense)"
 
@@ -83,24 +86,25 @@ def config_of(module: nn.Module) -> AttentionConfig:
                            out_bias=o.bias is not None, dropout=float(sa.dropout.p), scale=float(sa.scaling))
 
 
+_NAMES = {"q_proj": "self.query", "k_proj": "self.key", "v_proj": "self.value", "out_proj": "output.dense"}
+
+
 def _pairs(module: nn.Module) -> dict[str, nn.Linear]:
-    sa = module.self
-    return {"q_proj": sa.query, "k_proj": sa.key, "v_proj": sa.value, "out_proj": module.output.dense}
+    return {hw: module.get_submodule(path) for hw, path in _NAMES.items()}
 
 
 def from_module(module: nn.Module, *, share: bool = False, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
-    """Convert (copy, or with ``share=True`` reuse the ``nn.Linear`` modules of) one ``BertAttention``.
+    """Convert one ``BertAttention``: a standalone copy, or (``share=True``) a :class:`BertView` of it.
 
     Shapes:
         BertAttention (d, h, d_h) -> MultiHeadAttention(d, h, d_head=d_h)
     """
     cfg = config_of(module)
     backend = "eager" if getattr(module.self.config, "_attn_implementation", None) == "eager" else "sdpa"
-    pairs = _pairs(module)
-    common = {"rotary": None, "backend": backend, "like": module.self.query.weight, "training": module.training}
     if share:
-        return new_attention(cfg, share=pairs, **common)
-    return new_attention(cfg, copy={k: (m.weight, m.bias) for k, m in pairs.items()}, **common)
+        return BertView.build(cfg, module.self, backend=backend, _hw_owner=module)
+    return new_copy(cfg, {k: (m.weight, m.bias) for k, m in _pairs(module).items()}, rotary=None, backend=backend,
+                    like=module.self.query.weight, training=module.training)
 
 
 def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
@@ -111,12 +115,16 @@ def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
     """
     owner = type(module).__name__
     check_same(owner, config_of(module), attn.config)
-    names = {"q_proj": "self.query", "k_proj": "self.key", "v_proj": "self.value", "out_proj": "output.dense"}
     for hw_name, dst in _pairs(module).items():
         src = getattr(attn, hw_name)
-        copy_into(dst.weight, src.weight, f"{owner}.{names[hw_name]}.weight")
+        copy_into(dst.weight, src.weight, f"{owner}.{_NAMES[hw_name]}.weight")
         if dst.bias is not None:
-            copy_into(dst.bias, src.bias, f"{owner}.{names[hw_name]}.bias")
+            copy_into(dst.bias, src.bias, f"{owner}.{_NAMES[hw_name]}.bias")
+
+
+def host_of(module: nn.Module) -> tuple[nn.Module, str]:
+    """The module :func:`patch` turns into a headwise one, and its path below ``module``."""
+    return module.self, ".self"
 
 
 def is_target(module: nn.Module) -> bool:
@@ -125,33 +133,46 @@ def is_target(module: nn.Module) -> bool:
             and not isinstance(module.self, HeadwiseHFModule))
 
 
-def patch_one(model: nn.Module, name: str, module: nn.Module, mixin: type) -> nn.Module:
-    """Replace ``module.self`` (and ``module.output.dense`` by Identity); return the patched ``self``."""
-    attn = from_module(module, share=True)
-    restore = [(module, "self", module.self), (module.output, "dense", module.output.dense)]
-    patched = patched_class(mixin, type(module.self))(module.self, attn, restore)
-    module.self = patched
-    module.output.dense = nn.Identity()
-    return patched
+class BertView(LayerView):
+    """The headwise layer of a patched ``BertSelfAttention``: ``query``/``key``/``value`` of the host and the
+    sibling ``BertSelfOutput.dense`` (W_O) of the enclosing ``BertAttention``, resolved live.
+
+    Shapes:
+        as :class:`MultiHeadAttention`(d, h)
+    """
+
+    _hw_owner: nn.Module
+
+    def resolve(self, name: str) -> nn.Module:
+        return self._hw_owner.get_submodule(_NAMES[name])
+
+    def assign(self, name: str, value: Any) -> None:
+        parent, _, attr = _NAMES[name].rpartition(".")
+        setattr(self._hw_owner.get_submodule(parent), attr, value)
+
+    def sources(self) -> list[tuple[str, nn.Module]]:
+        return [(hw, self.resolve(hw)) for hw in _NAMES]
+
+    def source_names(self) -> dict[str, str]:
+        return {hw: path.replace("self.", "") if path.startswith("self.") else f"(BertAttention).{path}"
+                for hw, path in _NAMES.items()}
 
 
 class PatchedBertSelf:
-    """Forward of a patched ``BertSelfAttention``: HF's signature, but the output is already through W_O.
+    """Forward of a patched ``BertSelfAttention``: HF's signature and return (the heads' context, before W_O).
 
     Shapes:
         hidden_states: (b, s, d); attention_mask: (b, 1, s, s_kv) or None
-        -> (b, s, d), weights (b, h, s, s_kv) or None
+        -> (b, s, h * d_h), weights (b, h, s, s_kv) or None
     """
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: Any = None,
                 **kwargs: Any):
         cache = pop_cache(cache, kwargs)
         kwargs.pop("encoder_hidden_states", None)  # BertAttention always passes it; self-attention ignores it
-        attn = self.attn
-        q = attn.project_q(hidden_states)  # (b, h, s, d_h)
-        k, v = attn.project_kv(hidden_states)  # (b, h, s, d_h)
+        q, k, v = self.attn.project_qkv(hidden_states)  # (b, h, s, d_h) each
         if cache is not None:
             current = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache in BERT decoders
             k, v = current.update(k, v, self.layer_idx, kwargs=kwargs)
         out, weights = hf_attend(self, q, k, v, attention_mask, kwargs)
-        return attn.project_out(out), weights
+        return hwf.merge_heads(out), weights  # (b, s, h * d_h): BertSelfOutput applies W_O

@@ -18,8 +18,10 @@ Hugging Face                          headwise        conversion
 ``resid_dropout``                     (kept)          applied after ``out_proj`` by the patched module
 ====================================  ==============  =================================
 
-Since the orientation differs, a patched GPT-2 layer holds *copies* of the weights; ``unpatch`` writes
-them back into the original ``Conv1D`` modules. Cross-attention (``is_cross_attention=True``) is not
+A patched GPT-2 module keeps its ``Conv1D`` modules; its layer is a :class:`GPT2View` that runs ``c_attn``
+once (one fused GEMM, then the split, as HF does) and ``c_proj`` itself, and whose ``q_proj`` .. ``out_proj``
+(what ``attn.head(i)`` reads) are transposed column views of ``c_attn`` / ``c_proj``: no copy, so an edit
+through a head is an edit of the model. Cross-attention (``is_cross_attention=True``) is not
 converted. ``reorder_and_upcast_attn`` only changes float16/bfloat16 rounding in HF's eager path; headwise
 always computes the eager softmax in float32 for those dtypes.
 
@@ -34,11 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
-from ._hf_common import check_same, copy_into, hf_attend, new_attention, pop_cache, replace_in_parent
+from ._hf_common import check_same, copy_into, hf_attend, new_copy, pop_cache
+from ._view import LayerView, ProjectionView, split_fused
 
-__all__ = ["classes", "from_module", "load_into", "split_c_attn", "PatchedGPT2"]
+__all__ = ["classes", "from_module", "load_into", "split_c_attn", "GPT2View", "PatchedGPT2"]
 
 NAME = "GPT-2 (GPT2Attention: Conv1D c_attn/c_proj)"
 
@@ -95,25 +99,32 @@ def split_c_attn(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tenso
     return out
 
 
+def _backend(module: nn.Module) -> str:
+    return "eager" if getattr(module.config, "_attn_implementation", None) == "eager" else "sdpa"
+
+
 def from_module(module: nn.Module, *, share: bool = False, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
-    """Convert one ``GPT2Attention`` (always a copy: the layouts differ, see the module docstring).
+    """Convert one ``GPT2Attention``: a standalone copy (weights transposed to ``(out, in)``), or
+    (``share=True``) a :class:`GPT2View` of its ``Conv1D`` weights.
 
     Shapes:
-        GPT2Attention (d, h) -> MultiHeadAttention(d, h), weights transposed to (out, in)
+        GPT2Attention (d, h) -> MultiHeadAttention(d, h), weights (out, in)
     """
     cfg = config_of(module)
-    backend = "eager" if getattr(module.config, "_attn_implementation", None) == "eager" else "sdpa"
-    return new_attention(cfg, rotary=None, backend=backend, like=module.c_attn.weight, training=module.training,
-                         copy=split_c_attn(module))
+    if share:
+        return GPT2View.build(cfg, module, backend=_backend(module))
+    return new_copy(cfg, split_c_attn(module), rotary=None, backend=_backend(module), like=module.c_attn.weight,
+                    training=module.training)
+
+
+def host_of(module: nn.Module) -> tuple[nn.Module, str]:
+    """The module :func:`patch` turns into a headwise one (the module itself), and its path below it."""
+    return module, ""
 
 
 def is_target(module: nn.Module) -> bool:
     """A ``GPT2Attention`` that :func:`patch` should take over (self-attention)."""
     return isinstance(module, classes()) and not getattr(module, "is_cross_attention", False)
-
-
-def patch_one(model: nn.Module, name: str, module: nn.Module, mixin: type) -> nn.Module:
-    return replace_in_parent(model, name, module, from_module(module), mixin)
 
 
 def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
@@ -132,14 +143,47 @@ def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
     copy_into(module.c_proj.bias, attn.out_proj.bias, f"{owner}.c_proj.bias")
 
 
+class GPT2View(LayerView):
+    """The headwise layer of a patched ``GPT2Attention``: ``c_attn`` / ``c_proj`` run as they are (so PEFT
+    wrappers on them run too); ``q_proj`` .. ``out_proj`` are ``(out, in)`` views of their weights.
+
+    Shapes:
+        q/k/v_proj.weight: c_attn.weight[:, i * d:(i + 1) * d].T (d, d); out_proj.weight: c_proj.weight.T (d, d)
+    """
+
+    def resolve(self, name: str) -> ProjectionView:
+        host, d = self._hw_host, self.config.d_model
+        if name == "out_proj":
+            return ProjectionView(lambda: host.c_proj.weight.T, lambda: host.c_proj.bias,  # (d_out, d_in)
+                                  call=lambda x: host.c_proj(x), what="c_proj.weight.T")
+        i = ("q_proj", "k_proj", "v_proj").index(name)
+        cols = slice(i * d, (i + 1) * d)
+        return ProjectionView(lambda: host.c_attn.weight[:, cols].T, lambda: host.c_attn.bias[cols],  # (d_out, d_in)
+                              what=f"c_attn.weight[:, {i * d}:{(i + 1) * d}].T")
+
+    def sources(self) -> list[tuple[str, nn.Module]]:
+        return [("c_attn", self._hw_host.c_attn), ("c_proj", self._hw_host.c_proj)]
+
+    def source_names(self) -> dict[str, str]:
+        d = self.config.d_model
+        names = {n: f"c_attn[{i * d}:{(i + 1) * d}]" for i, n in enumerate(("q_proj", "k_proj", "v_proj"))}
+        return {**names, "out_proj": "c_proj"}
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ``c_attn`` call, split into heads. Shapes: x (b, s, d) -> (b, h, s, d_h) x3."""
+        return split_fused(self._hw_host.c_attn(x), self.config)  # (b, h, s, d_h) each
+
+    def project_out(self, context: torch.Tensor) -> torch.Tensor:
+        """Merge heads and run ``c_proj``. Shapes: (b, h, s, d_h) -> (b, s, d)."""
+        return self._hw_host.c_proj(hwf.merge_heads(context))  # (b, s, d)
+
+
 class PatchedGPT2:
     """Forward of a patched ``GPT2Attention``: HF's signature and ``(output, weights)`` return.
 
     Shapes:
         hidden_states: (b, s, d); attention_mask: (b, 1, s, s_kv) or None -> (b, s, d), weights or None
     """
-
-    _hw_keep = ("resid_dropout",)
 
     def forward(self, hidden_states: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
                 encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: Any = None,
@@ -151,16 +195,9 @@ class PatchedGPT2:
         if output_attentions:
             kwargs["output_attentions"] = True
         attn = self.attn
-        q = attn.project_q(hidden_states)  # (b, h, s, d_h)
-        k, v = attn.project_kv(hidden_states)  # (b, h, s, d_h)
+        q, k, v = attn.project_qkv(hidden_states)  # (b, h, s, d_h) each
         if cache is not None:
             current = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache with cross-attention
             k, v = current.update(k, v, self.layer_idx, kwargs=kwargs)
         out, weights = hf_attend(self, q, k, v, attention_mask, kwargs)
         return self.resid_dropout(attn.project_out(out)), weights
-
-    def write_back(self) -> None:
-        w = self.attn.q_proj.weight
-        # The original sat outside the module tree while patched: follow any .to() made meanwhile.
-        self._hw_original.to(device=w.device, dtype=w.dtype)
-        load_into(self._hw_original, self.attn)

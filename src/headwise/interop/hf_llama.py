@@ -1,4 +1,5 @@
-"""Llama-style attention (``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention``) <-> headwise.
+"""Llama-style attention (``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention``, ``Qwen3Attention``)
+<-> headwise.
 
 Name map (one attention module -> one :class:`MultiHeadAttention`):
 
@@ -9,9 +10,14 @@ Hugging Face           headwise                note
 ``k_proj``             ``k_proj``              ``(h_kv * d_h, d)``; GQA/MQA via num_key_value_heads
 ``v_proj``             ``v_proj``              ``(h_kv * d_h, d)``
 ``o_proj``             ``out_proj``            ``(d, h * d_h)``
+``q_norm`` / ``k_norm``  ``q_norm`` / ``k_norm``  Qwen3 only: RMSNorm over each head's d_h (QK-norm)
 ``scaling``            ``config.scale``        copied exactly (not recomputed)
 rotary (model-level)   ``rotary``              :class:`RotaryEmbedding` from ``rope_parameters``
 =====================  ======================  ============================================
+
+A patched module's layer is a :class:`LlamaView`: its projections *are* the module's current ``q_proj`` ..
+``o_proj`` (and norms), resolved on every call, and its ``rotary`` is derived from the config on first use
+(so patching reads no data and works on the meta device).
 
 Shapes:
     b: batch, s: sequence, h: query heads, h_kv: key/value heads, d: model width, d_h: head width.
@@ -19,6 +25,7 @@ Shapes:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -27,38 +34,34 @@ from torch import nn
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..rotary import RotaryEmbedding, apply_rotary
-from ._hf_common import (check_linear, check_same, copy_into, hf_attend, new_attention, pop_cache, qkv_bias,
-                         replace_in_parent)
+from ._hf_common import check_linear, check_same, copy_into, hf_attend, new_copy, pop_cache, qkv_bias
+from ._view import LayerView
+from .qk_norm import QKNormAttention, QKNormMixin
 
-__all__ = ["classes", "from_module", "load_into", "rotary_from_hf", "PatchedLlamaStyle"]
+__all__ = ["classes", "from_module", "load_into", "rotary_from_hf", "LlamaView", "QKNormLlamaView",
+           "PatchedLlamaStyle"]
 
-NAME = "Llama-family (LlamaAttention, MistralAttention, Qwen2Attention)"
+NAME = "Llama-family (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention with QK-norm)"
 
 
 def classes() -> tuple[type, ...]:
     from transformers.models.llama.modeling_llama import LlamaAttention
     from transformers.models.mistral.modeling_mistral import MistralAttention
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-    return (LlamaAttention, MistralAttention, Qwen2Attention)
-
-
-def rotary_classes() -> tuple[type, ...]:
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-
-    return (LlamaRotaryEmbedding, MistralRotaryEmbedding, Qwen2RotaryEmbedding)
+    return (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention)
 
 
 def rotary_from_hf(config: Any, d_head: int, rotary_emb: nn.Module | None = None) -> RotaryEmbedding:
-    """A :class:`RotaryEmbedding` equal to the model's.
+    """A :class:`RotaryEmbedding` equal to the model's, computed from ``config`` (no model data is read).
 
-    ``rope_type == "default"`` is rebuilt from ``rope_theta`` (bit-identical to HF's ``inv_freq``). Any other
+    ``rope_type == "default"`` is rebuilt from ``rope_theta`` (bit-identical to HF's ``inv_freq``); any other
     type (linear, dynamic, yarn, llama3, longrope, ...) takes ``inv_freq`` and ``attention_scaling`` from
-    ``rotary_emb`` (the model's ``rotary_emb`` module; its ``original_inv_freq`` for dynamic variants) or,
-    without one, from transformers' own ``ROPE_INIT_FUNCTIONS`` applied to ``config``. Variants whose
-    frequencies change with sequence length at run time are frozen at their initial value here.
+    transformers' own ``ROPE_INIT_FUNCTIONS`` applied to ``config`` (what HF's weight init does), or from
+    ``rotary_emb`` (the model's rotary module; its ``original_inv_freq`` for dynamic variants) when one is
+    given whose buffers hold data. Variants whose frequencies change with sequence length at run time are
+    frozen at their initial value here.
 
     Shapes:
         inv_freq: (rotary_dim // 2,), rotary_dim <= d_head
@@ -69,24 +72,30 @@ def rotary_from_hf(config: Any, d_head: int, rotary_emb: nn.Module | None = None
                                   f"({sorted(params)}); headwise supports one rotary embedding per model")
     rope_type = params.get("rope_type", "default")
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if rope_type == "default" and rotary_emb is None:
-        if theta is None:
-            raise ValueError(f"{type(config).__name__} has no rope_theta in rope_parameters={params}")
-        return RotaryEmbedding(d_head, base=float(theta))
+    inv_freq = None
     if rotary_emb is not None:
         inv_freq = getattr(rotary_emb, "original_inv_freq", None)
         inv_freq = rotary_emb.inv_freq if inv_freq is None else inv_freq
-        scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
-    else:
+        if inv_freq.is_meta:
+            inv_freq = None  # not materialised yet: derive from the config instead
+        else:
+            scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
+    if inv_freq is None and rope_type == "default":
+        if theta is None:
+            raise ValueError(f"{type(config).__name__} has no rope_theta in rope_parameters={params}")
+        with torch.device("cpu"):  # real numbers even when called under a meta-device context
+            return RotaryEmbedding(d_head, base=float(theta))
+    if inv_freq is None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise NotImplementedError(f"rope_type={rope_type!r} is unknown to this transformers; known: "
                                       f"{sorted(ROPE_INIT_FUNCTIONS)} and 'default'")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu")
     inv_freq = inv_freq.detach().float().cpu()
-    return RotaryEmbedding(d_head, base=float(theta or 10000.0), rotary_dim=2 * inv_freq.numel(),
-                           inv_freq=inv_freq, attention_scaling=float(scaling))
+    with torch.device("cpu"):
+        return RotaryEmbedding(d_head, base=float(theta or 10000.0), rotary_dim=2 * inv_freq.numel(),
+                               inv_freq=inv_freq, attention_scaling=float(scaling))
 
 
 def _sizes(module: nn.Module) -> tuple[str, int, int, int, int]:
@@ -95,16 +104,28 @@ def _sizes(module: nn.Module) -> tuple[str, int, int, int, int]:
     return owner, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim
 
 
+def has_qk_norm(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "q_norm", None), nn.Module) or isinstance(getattr(module, "k_norm", None),
+                                                                                  nn.Module)
+
+
 def config_of(module: nn.Module) -> AttentionConfig:
     """The :class:`AttentionConfig` of a Llama-style attention module, every projection shape checked.
 
     Shapes:
-        q_proj (h * d_h, d), k_proj / v_proj (h_kv * d_h, d), o_proj (d, h * d_h)
+        q_proj (h * d_h, d), k_proj / v_proj (h_kv * d_h, d), o_proj (d, h * d_h); q_norm / k_norm over d_h
     """
     owner, d, h, h_kv, d_h = _sizes(module)
-    for name in ("q_norm", "k_norm"):
-        if isinstance(getattr(module, name, None), nn.Module):
-            raise NotImplementedError(f"{owner} normalises Q/K per head ({name}); headwise does not model it")
+    if has_qk_norm(module):
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(module, name, None)
+            if not isinstance(norm, nn.Module):
+                raise NotImplementedError(f"{owner} has q_norm and k_norm only in part ({name} is "
+                                          f"{type(norm).__name__}); headwise needs both or neither")
+            weight = getattr(norm, "weight", None)
+            if weight is not None and tuple(weight.shape) != (d_h,):
+                raise ValueError(f"{owner}.{name} must normalise each head's d_h={d_h} features (weight ({d_h},)), "
+                                 f"got weight {tuple(weight.shape)}")
     q = check_linear(owner, "q_proj", module.q_proj, h * d_h, d)
     k = check_linear(owner, "k_proj", module.k_proj, h_kv * d_h, d)
     v = check_linear(owner, "v_proj", module.v_proj, h_kv * d_h, d)
@@ -118,20 +139,35 @@ def _backend(module: nn.Module) -> str:
     return "eager" if getattr(module.config, "_attn_implementation", None) == "eager" else "sdpa"
 
 
+_NAMES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "o_proj"}
+
+
 def from_module(module: nn.Module, *, share: bool = False, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
-    """Convert (copy, or with ``share=True`` reuse the ``nn.Linear`` modules of) one attention module.
+    """Convert one attention module: a standalone copy, or (``share=True``) a :class:`LlamaView` of it.
+
+    A module with QK-norm (Qwen3) gives a :class:`~headwise.interop.qk_norm.QKNormAttention` holding copies of
+    its norms (or a :class:`QKNormLlamaView`).
 
     Shapes:
         module (d, h, h_kv, d_h) -> MultiHeadAttention(d, h, h_kv, d_head=d_h, rotary=RotaryEmbedding(d_h))
     """
     cfg = config_of(module)
-    rotary = rotary_from_hf(module.config, cfg.d_head, rotary_emb)
-    pairs = {"q_proj": module.q_proj, "k_proj": module.k_proj, "v_proj": module.v_proj, "out_proj": module.o_proj}
-    common = {"rotary": rotary, "backend": _backend(module), "like": module.q_proj.weight,
-              "training": module.training}
+    norm = has_qk_norm(module)
     if share:
-        return new_attention(cfg, share=pairs, **common)
-    return new_attention(cfg, copy={k: (m.weight, m.bias) for k, m in pairs.items()}, **common)
+        cls = QKNormLlamaView if norm else LlamaView
+        return cls.build(cfg, module, backend=_backend(module))
+    rotary = rotary_from_hf(module.config, cfg.d_head, rotary_emb)
+    weights = {hw: (getattr(module, hf).weight, getattr(module, hf).bias) for hw, hf in _NAMES.items()}
+    extra: dict[str, Any] = {}
+    if norm:
+        extra = {"cls": QKNormAttention, "q_norm": copy.deepcopy(module.q_norm), "k_norm": copy.deepcopy(module.k_norm)}
+    return new_copy(cfg, weights, rotary=rotary, backend=_backend(module), like=module.q_proj.weight,
+                    training=module.training, **extra)
+
+
+def host_of(module: nn.Module) -> tuple[nn.Module, str]:
+    """The module :func:`patch` turns into a headwise one (the module itself), and its path below it."""
+    return module, ""
 
 
 def is_target(module: nn.Module) -> bool:
@@ -139,23 +175,8 @@ def is_target(module: nn.Module) -> bool:
     return isinstance(module, classes())
 
 
-def rotary_module_for(model: nn.Module, name: str) -> nn.Module | None:
-    """The model's rotary module serving the attention at ``name`` (the deepest one whose owner contains it)."""
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, rotary_classes())]
-    owners = [(n.rpartition(".")[0], m) for n, m in found]
-    inside = [(o, m) for o, m in owners if o == "" or name == o or name.startswith(o + ".")]
-    if inside:
-        return max(inside, key=lambda om: len(om[0]))[1]
-    return found[0][1] if len(found) == 1 else None
-
-
-def patch_one(model: nn.Module, name: str, module: nn.Module, mixin: type) -> nn.Module:
-    attn = from_module(module, share=True, rotary_emb=rotary_module_for(model, name))
-    return replace_in_parent(model, name, module, attn, mixin)
-
-
 def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
-    """Write ``attn``'s weights into a Llama-style module of the same shape (in place).
+    """Write ``attn``'s weights (and Q/K norms) into a Llama-style module of the same shape (in place).
 
     Shapes:
         attn.q_proj -> q_proj, attn.k_proj -> k_proj, attn.v_proj -> v_proj, attn.out_proj -> o_proj, same (out, in)
@@ -163,15 +184,84 @@ def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
     owner = type(module).__name__
     cfg = config_of(module)
     check_same(owner, cfg, attn.config)
-    for hf_name, hw_name in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"), ("o_proj", "out_proj")):
+    norm = has_qk_norm(module)
+    if norm != isinstance(attn, QKNormMixin):
+        raise ValueError(f"cannot write this {type(attn).__name__} into {owner}: the module "
+                         f"{'has' if norm else 'has no'} per-head q_norm/k_norm and the layer "
+                         f"{'has' if isinstance(attn, QKNormMixin) else 'has none'}")
+    for hw_name, hf_name in _NAMES.items():
         dst, src = getattr(module, hf_name), getattr(attn, hw_name)
         copy_into(dst.weight, src.weight, f"{owner}.{hf_name}.weight")
         if dst.bias is not None:
             copy_into(dst.bias, src.bias, f"{owner}.{hf_name}.bias")
+    if norm:
+        for name in ("q_norm", "k_norm"):
+            dst, src = getattr(module, name), getattr(attn, name)
+            want, got = dst.state_dict(), src.state_dict()
+            if want.keys() != got.keys():
+                raise ValueError(f"{owner}.{name} has {sorted(want)}, the layer's {name} has {sorted(got)}")
+            for key in want:
+                copy_into(want[key], got[key], f"{owner}.{name}.{key}")
+
+
+class LlamaView(LayerView):
+    """The headwise layer of a patched Llama/Mistral/Qwen2 module: a view of its ``q_proj`` .. ``o_proj``.
+
+    Shapes:
+        as :class:`MultiHeadAttention`; rotary: RotaryEmbedding(d_h) derived from the host's config
+    """
+
+    def resolve(self, name: str) -> nn.Module:
+        return getattr(self._hw_host, _NAMES[name])
+
+    def assign(self, name: str, value: Any) -> None:
+        setattr(self._hw_host, _NAMES[name], value)
+
+    def sources(self) -> list[tuple[str, nn.Module]]:
+        return [(hw, getattr(self._hw_host, hf)) for hw, hf in _NAMES.items()]
+
+    def source_names(self) -> dict[str, str]:
+        return dict(_NAMES)
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The model's rotary embedding as a :class:`RotaryEmbedding`, derived from its config on first use."""
+        rotary = self.__dict__.get("_hw_rotary")
+        if rotary is None:
+            rotary = rotary_from_hf(self._hw_host.config, self.config.d_head)
+            self.__dict__["_hw_rotary"] = rotary
+        return rotary
+
+    @rotary.setter
+    def rotary(self, value: RotaryEmbedding | None) -> None:
+        if value is not None or self.__dict__.get("_hw_host") is not None:
+            raise TypeError("the rotary embedding of a patched layer follows the model's config; it cannot be set")
+
+
+class QKNormLlamaView(QKNormMixin, LlamaView):
+    """The layer of a patched ``Qwen3Attention``: :class:`LlamaView` plus the host's ``q_norm`` / ``k_norm``.
+
+    Shapes:
+        as :class:`LlamaView`; the norms run over d_h of each split head
+    """
+
+    @property
+    def q_norm(self) -> nn.Module:
+        return self._hw_host.q_norm
+
+    @property
+    def k_norm(self) -> nn.Module:
+        return self._hw_host.k_norm
+
+    def sources(self) -> list[tuple[str, nn.Module]]:
+        return super().sources() + [("q_norm", self._hw_host.q_norm), ("k_norm", self._hw_host.k_norm)]
+
+    def source_names(self) -> dict[str, str]:
+        return {**_NAMES, "q_norm": "q_norm", "k_norm": "k_norm"}
 
 
 class PatchedLlamaStyle:
-    """Forward of a patched Llama/Mistral/Qwen2 attention: same signature and return as HF's.
+    """Forward of a patched Llama/Mistral/Qwen2/Qwen3 attention: same signature and return as HF's.
 
     Shapes:
         hidden_states: (b, s, d); position_embeddings: cos, sin (b or 1, s, d_h)
@@ -182,8 +272,7 @@ class PatchedLlamaStyle:
                 attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any):
         cache = pop_cache(cache, kwargs)
         attn = self.attn
-        q = attn.project_q(hidden_states)  # (b, h, s, d_h)
-        k, v = attn.project_kv(hidden_states)  # (b, h_kv, s, d_h)
+        q, k, v = attn.project_qkv(hidden_states)  # (b, h, s, d_h), (b, h_kv, s, d_h) x2
         if position_embeddings is not None:
             cos, sin = (t.unsqueeze(1) for t in position_embeddings)  # (b or 1, 1, s, d_h)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -14,6 +14,10 @@ Calling conventions differ in three places, all handled by :func:`torch_masks_to
 * ``is_causal=True`` is only a hint that ``attn_mask`` is the causal mask; headwise's ``causal=True`` is
   the same mask when ``s_q == s_kv`` (headwise aligns causal masks bottom-right when ``s_q != s_kv``).
 
+:func:`from_torch` copies by default; ``share=True`` returns a :class:`TorchMHAView` instead, a layer whose
+projections are views of ``m``'s own parameters (``in_proj_weight`` rows, ``out_proj``): gradients reach
+them and an optimizer step on either module is seen by both.
+
 The layer returned by :func:`from_torch` is always batch-first: transpose ``(s, b, d)`` inputs of a
 ``batch_first=False`` module to ``(b, s, d)``. It returns per-head weights ``(b, h, s_q, s_kv)``; torch's
 ``average_attn_weights=True`` is their mean over heads, ``weights.mean(1)``.
@@ -30,18 +34,23 @@ import math
 import torch
 from torch import nn
 
+from torch.nn import functional as F
+
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import combine_masks, padding_mask
+from ._view import LayerView, ProjectionView, split_fused
 
-__all__ = ["from_torch", "to_torch", "torch_masks_to_headwise"]
+__all__ = ["from_torch", "to_torch", "torch_masks_to_headwise", "TorchMHAView"]
 
 
-def from_torch(m: nn.MultiheadAttention, *, backend: str = "sdpa") -> MultiHeadAttention:
+def from_torch(m: nn.MultiheadAttention, *, backend: str = "sdpa", share: bool = False) -> MultiHeadAttention:
     """A headwise layer with ``m``'s weights (copied), biases, dropout, kdim/vdim, dtype and device.
 
     The result is batch-first whatever ``m.batch_first`` is, and in ``m``'s train/eval mode.
     ``add_bias_kv`` and ``add_zero_attn`` have no headwise equivalent and raise ``ValueError``.
+    With ``share=True`` nothing is copied: the result is a :class:`TorchMHAView` of ``m``'s parameters
+    (its ``parameters()`` are ``m``'s; its train/eval flag is ``m``'s).
 
     Shapes:
         in_proj_weight (3d, d) -> q_proj, k_proj, v_proj weights (d, d) each;
@@ -54,6 +63,9 @@ def from_torch(m: nn.MultiheadAttention, *, backend: str = "sdpa") -> MultiHeadA
         >>> attn = from_torch(m)
         >>> x = torch.randn(2, 5, 16)
         >>> torch.testing.assert_close(attn(x), m(x, x, x, need_weights=False)[0])
+        >>> view = from_torch(m, share=True)
+        >>> view.head(1).w_q.data_ptr() == m.in_proj_weight[4:8].data_ptr()
+        True
     """
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
@@ -69,6 +81,8 @@ def from_torch(m: nn.MultiheadAttention, *, backend: str = "sdpa") -> MultiHeadA
     has_bias = m.in_proj_bias is not None
     config = AttentionConfig(d_model=d, n_heads=h, bias=has_bias, out_bias=m.out_proj.bias is not None,
                              dropout=float(m.dropout), kdim=m.kdim, vdim=m.vdim)
+    if share:
+        return TorchMHAView.build(config, m, backend=backend)
     if m._qkv_same_embed_dim:
         w = m.in_proj_weight
         w_q, w_k, w_v = w[:d], w[d:2 * d], w[2 * d:]
@@ -148,9 +162,51 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
     return m
 
 
+class TorchMHAView(LayerView):
+    """A headwise layer that is a view of an ``nn.MultiheadAttention``'s parameters (``from_torch(m, share=True)``).
+
+    ``q_proj``/``k_proj``/``v_proj`` are row blocks of ``in_proj_weight`` (or the separate
+    ``q/k/v_proj_weight``) and of ``in_proj_bias``; ``out_proj`` is ``m.out_proj`` itself. With a packed
+    ``in_proj_weight``, self-attention projects Q, K, V in one GEMM, as torch does.
+
+    Shapes:
+        q_proj.weight (d, d), k_proj.weight (d, kdim), v_proj.weight (d, vdim), out_proj.weight (d, d)
+    """
+
+    def resolve(self, name: str) -> object:
+        m, d = self._hw_host, self.config.d_model
+        if name == "out_proj":
+            return m.out_proj
+        i = ("q_proj", "k_proj", "v_proj").index(name)
+        rows = slice(i * d, (i + 1) * d)
+        bias = (lambda: None) if m.in_proj_bias is None else (lambda: m.in_proj_bias[rows])  # (d,)
+        if m._qkv_same_embed_dim:
+            return ProjectionView(lambda: m.in_proj_weight[rows], bias,
+                                  what=f"in_proj_weight[{rows.start}:{rows.stop}]")
+        return ProjectionView(lambda: getattr(m, f"{name}_weight"), bias, what=f"{name}_weight")
+
+    def sources(self) -> list[tuple[str, nn.Module]]:
+        return [("mha", self._hw_host)]
+
+    def source_names(self) -> dict[str, str]:
+        d = self.config.d_model
+        if self._hw_host._qkv_same_embed_dim:
+            names = {n: f"in_proj_weight[{i * d}:{(i + 1) * d}]" for i, n in enumerate(("q_proj", "k_proj", "v_proj"))}
+        else:
+            names = {n: f"{n}_weight" for n in ("q_proj", "k_proj", "v_proj")}
+        return {**names, "out_proj": "out_proj"}
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V in one GEMM when ``in_proj_weight`` is packed. Shapes: x (b, s, d) -> (b, h, s, d_h) x3."""
+        m = self._hw_host
+        if not m._qkv_same_embed_dim:
+            return super().project_qkv(x)
+        return split_fused(F.linear(x, m.in_proj_weight, m.in_proj_bias), self.config)  # (b, h, s, d_h) each
+
+
 def torch_masks_to_headwise(
     attn_mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None, *,
-    n_heads: int | None = None,
+    n_heads: int | None = None, query: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Turn ``nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask`` into one headwise mask.
 
@@ -160,9 +216,13 @@ def torch_masks_to_headwise(
     needs ``n_heads``. ``is_causal`` needs no conversion: pass ``causal=True`` to headwise instead of the
     causal ``attn_mask`` (identical when ``s_q == s_kv``).
 
+    Pass ``query`` (the batch-first query the mask is for) to have ``key_padding_mask`` checked as torch
+    checks it: ``(b, s_kv)`` for a batched query, ``(s_kv,)`` for an unbatched one; a 1-D mask with a batched
+    query (which would silently apply to every sample) raises ``ValueError``.
+
     Shapes:
         attn_mask: (s_q, s_kv) or (b * h, s_q, s_kv); key_padding_mask: (b, s_kv) or (s_kv,) (unbatched)
-        -> broadcastable to (b, h, s_q, s_kv), or None when both are None
+        query: (b, s_q, d) or (s_q, d) -> broadcastable to (b, h, s_q, s_kv), or None when both are None
 
     Example:
         >>> kpm = torch.tensor([[False, False, True]])            # torch: ignore key 2
@@ -185,6 +245,8 @@ def torch_masks_to_headwise(
         masks.append(~attn_mask if attn_mask.dtype == torch.bool else attn_mask)
     if key_padding_mask is not None:
         _check_mask("key_padding_mask", key_padding_mask)
+        if query is not None:
+            _check_against_query(key_padding_mask, query)
         if key_padding_mask.dim() == 1:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # unbatched: (1, s_kv)
         if key_padding_mask.dim() != 2:
@@ -194,6 +256,21 @@ def torch_masks_to_headwise(
         else:
             masks.append(key_padding_mask[:, None, None, :])  # (b, 1, 1, s_kv)
     return combine_masks(*masks)
+
+
+def _check_against_query(key_padding_mask: torch.Tensor, query: object) -> None:
+    if not isinstance(query, torch.Tensor) or query.dim() not in (2, 3):
+        got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"query must be (b, s_q, d) or (s_q, d) (batch-first, as the headwise layer takes it), "
+                         f"got {got}")
+    kpm, q = tuple(key_padding_mask.shape), tuple(query.shape)
+    if query.dim() == 3 and key_padding_mask.dim() == 1:
+        raise ValueError(f"key_padding_mask {kpm} is 1-D (s_kv,), for an unbatched query, but the query {q} is "
+                         f"batched (b, s_q, d): pass a (b={q[0]}, s_kv) mask (torch rejects this pair too)")
+    if query.dim() == 2 and key_padding_mask.dim() != 1:
+        raise ValueError(f"key_padding_mask {kpm} must be 1-D (s_kv,) for the unbatched query {q} (s_q, d)")
+    if query.dim() == 3 and key_padding_mask.dim() == 2 and kpm[0] != q[0]:
+        raise ValueError(f"key_padding_mask {kpm} has b={kpm[0]} but the query {q} has b={q[0]}")
 
 
 def _check_mask(name: str, mask: object) -> None:

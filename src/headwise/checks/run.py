@@ -1,0 +1,133 @@
+"""The driver of :func:`headwise.check`: adapt the layer, draw seeded inputs, run each property, gather the
+:class:`~headwise.checks.report.Report`.
+
+Shapes:
+    b: batch, s: tokens, d: d_model, h: heads, d_h: head width; the layer maps (b, s, d) -> (b, s, d).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+
+from .adapters import Adapter, adapt
+from .properties import PROPERTIES, Probe
+from .report import FAIL, PropertyResult, Report
+from .sizes import check_input_size
+
+__all__ = ["check"]
+
+# What a layer may raise on the check's inputs and still be reported, not crash the check: any error,
+# and SystemExit (user code calling sys.exit must not end the caller's process with a success code).
+_LAYER_ERRORS = (Exception, SystemExit)
+
+
+def _keep_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
+    """Sample 0 unpadded, sample 1 padded on the right, sample 2 on the left, the rest unpadded."""
+    keep = torch.ones(b, s, dtype=torch.bool, device=device)
+    if b > 1:
+        keep[1, s - max(1, s // 3):] = False
+    if b > 2:
+        keep[2, :max(1, s // 4)] = False
+    return keep  # (b, s)
+
+
+def _working_adapter(adapter: Adapter, x64: torch.Tensor) -> tuple[Adapter, torch.Tensor]:
+    """The adapter in float64 when the layer runs in it (else float32, else its own dtype), and x in that dtype."""
+    errors = []
+    for dtype in (torch.float64, torch.float32, None):
+        work = adapter if dtype is None else (adapter.converted(dtype) or adapter)
+        dt = dtype or work.dtype
+        x = x64.to(dt).to(work.device)
+        try:
+            with torch.no_grad():
+                y = work.run(x)
+        except _LAYER_ERRORS as exc:  # the layer's own error: try the next dtype, report all if none works
+            errors.append(f"{dt}: {type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(x.shape):
+            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"{adapter.name}: expected an output of shape (b, s, d_model) = {tuple(x.shape)}, "
+                             f"got {got}")
+        return work, x
+    raise ValueError(f"{adapter.name} fails on x of shape (b, s, d_model) = {tuple(x64.shape)}: "
+                     + " | ".join(errors))
+
+
+def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None, batch: int = 3,
+          seq_len: int = 8, seed: int = 0, properties: Iterable[str] | None = None) -> Report:
+    """Check that ``layer`` behaves like attention; returns a :class:`Report` (``report.ok``, ``report.failed``).
+
+    Args:
+        layer: a headwise ``MultiHeadAttention``, ``nn.MultiheadAttention``, a Hugging Face BERT / GPT-2 /
+            Llama-family attention module, any module or ``f(x) -> y`` (see
+            :mod:`headwise.checks.adapters` for how mask/causal/weights/heads are found), or an
+            :class:`Adapter`.
+        d_model: width of ``x``; required for plain callables, checked against modules.
+        causal: the layer claims causality (property 3 applies). None: the layer's own claim (Hugging
+            Face decoders yes, everything else no).
+        batch, seq_len: input size (batch >= 3 and seq_len >= 4 exercise left and right padding).
+        seed: every input and perturbation is drawn from it; the report is deterministic.
+        properties: names to run (default all, in order: ``PROPERTY_NAMES``).
+
+    Modules are copied (float64 when they run in it, eval mode); the layer passed in is not changed.
+    The check runs with one intra-op thread (its tensors are tiny), restoring the setting afterwards.
+
+    Shapes:
+        layer: (b, s, d) -> (b, s, d)
+
+    Example:
+        >>> import torch, headwise
+        >>> headwise.check(headwise.MultiHeadAttention(16, 4, n_kv_heads=2), d_model=16, causal=True).ok
+        True
+        >>> bad = lambda x: x.cumsum(1)                  # causal, but not attention: order matters
+        >>> rep = headwise.check(bad, d_model=16)
+        >>> rep.failed
+        ['permutation_equivariance']
+        >>> rep["causality"].verdict                     # a plain f(x) claims nothing unless causal=True
+        'skipped'
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the inputs are tiny: extra intra-op threads only add contention
+    try:
+        return _check(layer, d_model=d_model, causal=causal, batch=batch, seq_len=seq_len, seed=seed,
+                      properties=properties)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(layer: Any, *, d_model: int | None, causal: bool | None, batch: int, seq_len: int, seed: int,
+           properties: Iterable[str] | None) -> Report:
+    start = time.perf_counter()
+    names = list(PROPERTIES) if properties is None else list(properties)
+    unknown = [n for n in names if n not in PROPERTIES]
+    if unknown:
+        raise ValueError(f"unknown properties {unknown}; choose from {list(PROPERTIES)}")
+    for label, value, low in (("batch", batch, 1), ("seq_len", seq_len, 2), ("d_model", d_model, 1)):
+        if label == "d_model" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
+    if d_model is not None:
+        check_input_size(batch, seq_len, d_model)
+    adapter = adapt(layer, d_model=d_model, causal=causal)
+    if d_model is not None and adapter.d_model != d_model:
+        raise ValueError(f"d_model={d_model} but {adapter.name} has d_model={adapter.d_model}")
+    check_input_size(batch, seq_len, adapter.d_model)
+    generator = torch.Generator().manual_seed(seed)
+    x64 = torch.randn(batch, seq_len, adapter.d_model, generator=generator, dtype=torch.float64)
+    work, x = _working_adapter(adapter, x64)
+    probe = Probe(work, x, _keep_mask(batch, seq_len, x.device), generator, seed)
+    results = []
+    for name in names:
+        probe.generator.manual_seed(seed + 1 + list(PROPERTIES).index(name))  # each property alone is reproducible
+        try:
+            with torch.no_grad():
+                results.append(PROPERTIES[name](probe))
+        except _LAYER_ERRORS as exc:  # a layer that breaks on the property's input fails it, with the reason
+            results.append(PropertyResult(name, FAIL, f"the layer raised {type(exc).__name__}", {
+                "summary": f"raised {type(exc).__name__}: {str(exc)[:160]}"}))
+    return Report(adapter.name, adapter.d_model, str(x.dtype).replace("torch.", ""), seed, results,
+                  time.perf_counter() - start)

@@ -1,0 +1,100 @@
+"""Files the commands write (``--out``): checked before any model loads, written atomically.
+
+:func:`check_out` refuses, in a fraction of a second, every path the write would fail on later: a
+directory, a missing or virtual (``/proc``, ``/sys``, ``/dev``) directory, something that is not a regular
+file, a directory this process cannot create files in, a full disk. It does so by creating, writing,
+syncing and removing a small scratch file next to the target, so the answer is the file system's own.
+:func:`write_atomically` writes to a scratch file in the same directory and renames it over the target
+only once complete: a failed write leaves the target as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from . import CliError
+
+# Bytes the pre-flight writes (and syncs) to find out whether the disk has room at all.
+PROBE_BYTES = 64 * 1024
+# File systems that are views of the kernel, not storage.
+VIRTUAL_ROOTS = ("/proc", "/sys", "/dev")
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def check_out(out: str, suffixes: Sequence[str], option: str = "--out") -> Path:
+    """The path to write ``out`` to, once it is known that writing there can work (module doc)."""
+    path = Path(out)
+    if path.is_dir():
+        raise CliError(f"{option} {out!r} is a directory; name a file in it, e.g. {str(path / ('heads' + suffixes[0]))!r}")
+    if path.suffix.lower() not in suffixes:
+        raise CliError(f"{option} must end in {' or '.join(suffixes)}, got {out!r}")
+    real = Path(os.path.realpath(path))
+    for root in VIRTUAL_ROOTS:
+        if real == Path(root) or Path(root) in real.parents:
+            raise CliError(f"{option} {out!r} is under {root}, a virtual file system, not storage; "
+                           f"choose a path on a disk")
+    parent = real.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise CliError(f"{option}: directory {str(path.parent)!r} {what}")
+    if real.exists():
+        mode = real.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise CliError(f"{option} {out!r} exists and is not a regular file")
+    try:
+        fd, scratch = tempfile.mkstemp(prefix=".headwise-probe-", dir=parent)
+    except OSError as exc:
+        raise CliError(f"{option}: cannot create files in {str(parent)!r}: {_reason(exc)}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise CliError(f"{option}: cannot write to {str(parent)!r}: {_reason(exc)}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(scratch)
+    return path
+
+
+@contextlib.contextmanager
+def write_atomically(path: Path, option: str = "--out") -> Iterator[Path]:
+    """``with write_atomically(p) as tmp: save(tmp)``: ``tmp`` (same directory and suffix) replaces ``p``
+    when the block succeeds; on any failure it is removed and ``p`` is untouched (OSError -> CliError)."""
+    real = Path(os.path.realpath(path))
+    try:
+        fd, name = tempfile.mkstemp(prefix=".headwise-", suffix=path.suffix, dir=real.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise CliError(f"{option}: cannot create files in {str(real.parent)!r}: {_reason(exc)}") from None
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644 & ~_umask())
+        os.replace(tmp, real)
+    except OSError as exc:
+        raise CliError(f"{option}: writing {str(path)!r} failed: {_reason(exc)}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save(path: Path, writer: Callable[[Path], object], option: str = "--out") -> None:
+    """Write ``path`` with ``writer(tmp_path)``, atomically (see :func:`write_atomically`)."""
+    with write_atomically(path, option) as tmp:
+        writer(tmp)

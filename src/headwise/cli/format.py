@@ -1,0 +1,101 @@
+"""Output helpers shared by the subcommands: tables and text that fit the terminal's width (rich tables
+when rich is installed, aligned plain text otherwise), and JSON for ``--json``.
+
+The width is ``$COLUMNS``, else the terminal's, else 80. A table wider than that first drops its
+``optional`` columns (saying so), then wraps its cells; no line is ever wider than the width.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+import textwrap
+from typing import Any, Sequence
+
+# Narrower than this and a table cannot show anything legibly; the width is clamped up to it.
+MIN_WIDTH = 40
+
+
+def width() -> int:
+    """Columns available on stdout: $COLUMNS, else the terminal's width, else 80."""
+    try:
+        cols = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        cols = 0
+    if cols <= 0:
+        cols = shutil.get_terminal_size((80, 24)).columns
+    return max(MIN_WIDTH, cols)
+
+
+def emit_json(payload: Any) -> None:
+    json.dump(payload, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def line(text: str = "", *, indent: str = "    ") -> None:
+    """Print ``text``, wrapped to the width; continuation lines get ``indent`` beyond the text's own."""
+    if not text.strip():
+        sys.stdout.write(text.rstrip() + "\n")
+        return
+    lead = text[:len(text) - len(text.lstrip())]
+    wrapped = textwrap.wrap(text.strip(), width=width(), initial_indent=lead, subsequent_indent=lead + indent,
+                            break_long_words=True, break_on_hyphens=False)
+    sys.stdout.write("\n".join(wrapped) + "\n")
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
+          optional: Sequence[str] = ()) -> None:
+    """Print a table to stdout, fitted to the width (see the module doc)."""
+    cells = [[str(c) for c in r] for r in rows]
+    keep = list(range(len(columns)))
+    dropped: list[str] = []
+    for name in optional:  # the least needed first
+        if _natural_width([columns[i] for i in keep], [[r[i] for i in keep] for r in cells]) <= width():
+            break
+        if name in columns and columns.index(name) in keep and len(keep) > 1:
+            keep.remove(columns.index(name))
+            dropped.append(name)
+    cols = [str(columns[i]) for i in keep]
+    body = [[r[i] for i in keep] for r in cells]
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich is optional: aligned plain text
+        _plain(title, cols, body)
+    else:
+        t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
+        for c in cols:
+            t.add_column(c, overflow="fold")
+        for r in body:
+            t.add_row(*r)
+        buffer = io.StringIO()  # rendered off-terminal (no colour codes), so trailing padding can be cut
+        Console(file=buffer, width=width(), soft_wrap=False).print(t)
+        sys.stdout.write("".join(ln.rstrip() + "\n" for ln in buffer.getvalue().splitlines()))
+    if dropped:
+        line(f"(columns left out to fit {width()} columns: {', '.join(dropped)}; a wider terminal or --json "
+             f"shows them)")
+
+
+def _natural_width(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> int:
+    """Width of the table with no cell wrapped: the widest cell of each column, plus separators."""
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    return sum(widths) + 2 * (len(widths) - 1)
+
+
+def _plain(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    avail = width()
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    floor = max(4, (avail - 2 * (len(widths) - 1)) // max(1, len(widths)) // 2)
+    while sum(widths) + 2 * (len(widths) - 1) > avail and max(widths) > floor:
+        widths[widths.index(max(widths))] -= 1  # shrink the widest column; its cells wrap
+    line(title)
+    for r in [columns, ["-" * w for w in widths], *rows]:
+        wrapped = [textwrap.wrap(c, width=w, break_long_words=True, break_on_hyphens=False) or [""]
+                   for c, w in zip(r, widths)]
+        for k in range(max(len(w) for w in wrapped)):
+            text = "  ".join((w[k] if k < len(w) else "").ljust(wd) for w, wd in zip(wrapped, widths)).rstrip()
+            sys.stdout.write(text[:avail] + "\n")

@@ -1,0 +1,132 @@
+"""The CLI in a terminal: --help without torch, output within 80 columns (rich and plain text), a
+progress line on stderr only when stderr is a terminal, and the `all` extra."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from headwise.cli import SUBCOMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[2]
+GALLERY = "tests.checks.check_gallery"
+ENV = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+
+
+@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in SUBCOMMANDS]],
+                         ids=lambda a: " ".join(a))
+def test_help_imports_no_torch(argv: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "headwise", *argv], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "usage: headwise" in proc.stdout, proc.stderr
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
+    heavy = {m for m in imported if m.split(".")[0] in ("torch", "transformers", "matplotlib", "rich", "numpy")}
+    assert not heavy, sorted(heavy)
+    assert "headwise.cli" in imported  # the measurement did see the CLI's own imports
+
+
+def test_check_help_says_it_runs_user_code(capsys) -> None:
+    assert main(["check", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "imports MODULE and runs its code" in out and "with your privileges" in out
+
+
+COMMANDS = [
+    ["tour", "--preset", "gpt2-small", "--seq", "16"],
+    ["tour", "--d-model", "64", "--n-heads", "8", "--n-kv-heads", "2", "--seq", "4"],
+    ["explain", "--preset", "llama-3-8b", "--seq", "4096"],
+    ["explain", "--d-model", "768", "--n-heads", "12", "--seq", "64"],
+    ["compare", "llama-2-7b", "llama-3-8b", "mistral-7b", "gpt3-175b", "--seq", "1024"],
+    ["compare", "--list"],
+    ["check", f"{GALLERY}:reference"],
+    ["check", f"{GALLERY}:flatten_bug"],
+]
+
+
+def _block_rich(monkeypatch) -> None:
+    for name in [m for m in sys.modules if m == "rich" or m.startswith("rich.")] + ["rich"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize("rich", [True, False], ids=["rich", "plain"])
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_output_fits_80_columns(capsys, monkeypatch, argv: list[str], rich: bool) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("COLUMNS", "80")
+    if rich:
+        pytest.importorskip("rich")
+    else:
+        _block_rich(monkeypatch)
+    code = main(argv)
+    out = capsys.readouterr().out
+    assert code in (0, 1), out
+    lines = out.splitlines()
+    assert len(lines) > 5
+    too_wide = [ln for ln in lines if len(ln) > 80]
+    assert not too_wide, "\n".join(too_wide)
+    # the narrow layout keeps what matters: every shape of the walk, every figure, every verdict
+    if argv[0] in ("tour", "explain"):
+        assert main([*argv, "--json"]) in (0, 1)
+        steps = json.loads(capsys.readouterr().out)["steps"]
+        for step in steps:  # every shape, unbroken, on the row of its step
+            shape = str(tuple(step["shape"]))
+            assert any(shape in ln and ln.split()[0] == step["name"].split()[0] for ln in lines), shape
+        assert "columns left out to fit 80 columns: note, code" in " ".join(out.split())
+    if argv[0] == "compare" and "--list" not in argv:
+        assert all(name in out for name in argv[1:5]) and "KV cache" in out
+    if argv[0] == "check":
+        assert "head_independence" in out and "properties:" in out
+
+
+def test_wide_terminal_keeps_every_column(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["tour", "--d-model", "64", "--n-heads", "8", "--seq", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "q.transpose(1, 2)" in out and "columns left out" not in out
+
+
+def _run_with_tty_stderr(argv: list[str]) -> tuple[int, str, str]:
+    """Run the CLI with stderr on a pseudo-terminal (stdout a pipe); returns (code, stdout, terminal text)."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "headwise", *argv], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=slave, text=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out = proc.stdout.read()
+    code = proc.wait(timeout=120)
+    os.close(master)
+    return code, out, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.timeout(240)
+def test_progress_only_on_a_terminal_and_never_with_json() -> None:
+    argv = ["tour", "--d-model", "64", "--n-heads", "8", "--seq", "4"]
+    code, out, tty = _run_with_tty_stderr(argv)
+    assert code == 0 and "[1/4] importing torch" in tty and "running every head alone" in tty
+    assert "importing torch" not in out and "Shape walk" in out  # stdout has the result only
+    assert tty.endswith("\r\x1b[K")  # the progress line is erased at the end
+    code, out, tty = _run_with_tty_stderr([*argv, "--json"])
+    assert code == 0 and tty == "" and out.lstrip().startswith("{")
+    # stderr not a terminal: no progress (tests/cli/test_failures.py sees exactly one line on stderr)
+
+
+def test_all_extra_is_the_union_of_the_others() -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert sorted(extras["all"]) == sorted({*extras["hf"], *extras["cli"], *extras["viz"]})

@@ -1,0 +1,86 @@
+"""PEFT LoRA on a patched model equals LoRA on the unpatched one: targets found by their usual names, the
+same outputs, gradients and optimizer step, and the same merged model. The peer is PEFT on plain transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from headwise.interop import layers, patch, unpatch  # noqa: E402
+
+from tests.interop.tiny_models import FAMILIES, LORA_TARGETS, build, inputs  # noqa: E402
+
+# PEFT asks transformers a deprecated question; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+NO_DROPOUT = {"bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+              "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
+
+
+def lora(model: torch.nn.Module, family: str) -> torch.nn.Module:
+    # init_lora_weights=False: B is random too, so the adapter changes outputs and both A and B get gradients.
+    cfg = peft.LoraConfig(target_modules=LORA_TARGETS[family], r=2, lora_alpha=4, lora_dropout=0.0,
+                          init_lora_weights=False, fan_in_fan_out=family == "gpt2")
+    torch.manual_seed(11)
+    return peft.get_peft_model(model, cfg)
+
+
+def loss_of(model: torch.nn.Module, family: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    if family == "bert":
+        out = model(**batch).last_hidden_state
+        return out, out.pow(2).mean()
+    out = model(**batch, labels=batch["input_ids"])
+    return out.logits, out.loss
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lora_on_a_patched_model_equals_lora_on_the_plain_one(family):
+    base = build(family, **NO_DROPOUT.get(family, {}))
+    plain = lora(copy.deepcopy(base), family)
+    ours = lora(patch(copy.deepcopy(base)), family)
+    assert len(layers(ours)) == 2  # still patched, under PEFT's prefixes
+    attn = layers(ours)[0][1]
+    wrapped = attn.host.c_attn if family == "gpt2" else attn.q_proj
+    assert isinstance(wrapped, peft.tuners.lora.LoraLayer)  # the headwise forward runs the LoRA module
+    trainable = [n for n, p in plain.named_parameters() if p.requires_grad]
+    assert trainable and trainable == [n for n, p in ours.named_parameters() if p.requires_grad]
+    assert all("lora_" in n for n in trainable)
+
+    batch = inputs(4)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (plain, ours)]
+    for model in (plain, ours):
+        model.train()
+    (want, want_loss), (got, got_loss) = loss_of(plain, family, batch), loss_of(ours, family, batch)
+    torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        assert not torch.allclose(want, loss_of(base.train(), family, batch)[0])  # the adapter is active
+    want_loss.backward()
+    got_loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    for n, p in ours.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+            torch.testing.assert_close(p.grad, grads[n], msg=n)
+    for opt in opts:
+        opt.step()
+    for model in (plain, ours):
+        model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loss_of(ours, family, batch)[0], loss_of(plain, family, batch)[0])
+
+    merged_plain, merged_ours = plain.merge_and_unload(), ours.merge_and_unload()
+    assert len(layers(merged_ours)) == 2
+    unpatch(merged_ours)
+    assert not any(type(m).__name__.startswith("Headwise") for m in merged_ours.modules())
+    want_state = merged_plain.state_dict()
+    assert list(merged_ours.state_dict()) == list(want_state)
+    for k, v in merged_ours.state_dict().items():
+        torch.testing.assert_close(v, want_state[k], msg=k)
+    with torch.no_grad():
+        torch.testing.assert_close(loss_of(merged_ours, family, batch)[0], loss_of(merged_plain, family, batch)[0])
