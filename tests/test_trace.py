@@ -261,6 +261,10 @@ def test_bad_arguments_are_refused_clearly():
         headwise.trace(attn, edit={(0, 1): float("nan")})
     with pytest.raises(ValueError, match=r"\(d_h=4,\)"):
         headwise.trace(attn, edit={(0, 1): torch.zeros(3)})
+    with pytest.raises(TypeError, match="expected 'zero', 'mean'"):
+        headwise.trace(attn, edit={(0, 1): (torch.zeros(4), 2)})
+    with pytest.raises(TypeError, match="finished headwise.trace"):
+        headwise.trace(attn, edit={(0, 1): ("mean", torch.zeros(4))})
     with pytest.raises(TypeError, match="contains no MultiHeadAttention"):
         headwise.trace(torch.nn.Linear(2, 2))
     with headwise.trace(attn, edit={(0, 1): torch.zeros(5, 4)}):  # fits no query length 3

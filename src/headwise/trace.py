@@ -320,7 +320,7 @@ def _edit_of(value: Any, tr: Trace, li: int, head: int, layer: MultiHeadAttentio
             return None, lambda z_h: z_h.mean(dim=1, keepdim=True).expand_as(z_h)  # over this call's positions
         raise ValueError(f"edit: unknown edit {value!r}; use 'zero', 'mean', ('mean', reference_trace), a number, "
                          "a tensor or a callable (z_h, layer, head) -> z_h")
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == "mean":
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and value[0] == "mean":
         ref = value[1]
         if not isinstance(ref, Trace) or len(ref) != len(tr):
             raise TypeError(f"edit ('mean', reference): reference must be a finished headwise.trace of the same "
