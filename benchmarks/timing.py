@@ -71,7 +71,8 @@ def forward_flops(b: int, s: int, d: int, inner: int, kv: int, causal: bool = Fa
 
 
 def refresh_memory(*modules: Any) -> None:
-    """Give every parameter and buffer of ``modules`` a freshly allocated copy, in order.
+    """Give every parameter and buffer of ``modules`` a freshly allocated copy, in order (tensors that share a
+    storage, such as headwise's packed W_Q, W_K, W_V, get one new shared storage with the same layout).
 
     On a virtualised machine a GEMV over weights allocated early in a process can run slower than over a
     later copy of the same weights (docs/benchmarks.md). Every group builds headwise first and
@@ -79,6 +80,7 @@ def refresh_memory(*modules: Any) -> None:
     every entry's tensors after all are built removes that bias.
     """
     seen: set[int] = set()
+    fresh: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # one new copy per storage: shared storage stays shared
     with torch.no_grad():
         for m in modules:
             if isinstance(m, torch.nn.Module):
@@ -86,9 +88,16 @@ def refresh_memory(*modules: Any) -> None:
             else:  # e.g. a KVCache that is not a module: its tensor attributes
                 tensors = [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
             for t in tensors:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    t.data = t.data.clone()
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                storage = t.untyped_storage()
+                key = (storage.data_ptr(), t.dtype)
+                if key not in fresh:
+                    whole = torch.empty(0, dtype=t.dtype, device=t.device)
+                    whole.set_(storage, 0, (storage.nbytes() // t.element_size(),))
+                    fresh[key] = whole.clone()
+                t.data = fresh[key].as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:

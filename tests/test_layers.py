@@ -14,7 +14,7 @@ LAYERS = [
     {"config"},                                                 # leaves
     {"masks", "rotary", "kv_cache", "checkpoint", "validation"},  # leaves over the config
     {"plan"},                                                   # planning
-    {"functional", "dispatch"},                                 # the math; the plan in words
+    {"functional", "dispatch", "projections"},                  # the math; the plan in words
     {"chunking"},                                               # long forwards, on tensors and callables
     {"head"},                                                   # one head
     {"attention"},                                              # the layer

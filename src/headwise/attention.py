@@ -14,6 +14,7 @@ import warnings
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
@@ -24,23 +25,11 @@ from .dispatch import DispatchInfo, describe
 from .head import AttentionHead, pack_heads
 from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
+from .projections import packed_linears, packed_weight, repack
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_dtype, check_forward
 
 __all__ = ["MultiHeadAttention"]
-
-
-def _projection(d_in: int, d_out: int, bias: bool, device: torch.device | str | None,
-                dtype: torch.dtype | None) -> nn.Linear:
-    """An ``nn.Linear`` whose (d_out, d_in) weight is a transposed view of (d_in, d_out) storage.
-
-    The state dict, ``weight.shape`` and ``F.linear`` are unchanged, but the GEMM reads ``x @ W`` with W in
-    the seeds' orientation (d_in, d_out) row-major, which a one-row product (decoding) streams faster than
-    the (d_out, d_in) layout on CPU. ``.to()``, ``deepcopy`` and ``load_state_dict`` keep the layout.
-    """
-    linear = nn.Linear(d_in, d_out, bias=bias, device=device, dtype=dtype)
-    linear.weight = nn.Parameter(linear.weight.detach().t().contiguous().t())  # (d_out, d_in), strides (1, d_out)
-    return linear
 
 
 class MultiHeadAttention(nn.Module):
@@ -119,10 +108,15 @@ class MultiHeadAttention(nn.Module):
         check_dtype("dtype", dtype)
         self.config = config
         self.backend = backend
-        self.q_proj = _projection(config.d_model, config.inner_dim, config.bias, device, dtype)
-        self.k_proj = _projection(config.kdim, config.kv_dim, config.bias, device, dtype)
-        self.v_proj = _projection(config.vdim, config.kv_dim, config.bias, device, dtype)
-        self.out_proj = _projection(config.inner_dim, config.d_model, config.out_bias, device, dtype)
+        # Weights stored (d_in, d_out), Q, K, V packed into one matrix where their inputs agree (projections.py).
+        if config.kdim == config.vdim == config.d_model:
+            self.q_proj, self.k_proj, self.v_proj = packed_linears(
+                config.d_model, [config.inner_dim, config.kv_dim, config.kv_dim], config.bias, device, dtype)
+        else:
+            self.q_proj, = packed_linears(config.d_model, [config.inner_dim], config.bias, device, dtype)
+            self.k_proj, = packed_linears(config.kdim, [config.kv_dim], config.bias, device, dtype)
+            self.v_proj, = packed_linears(config.vdim, [config.kv_dim], config.bias, device, dtype)
+        self.out_proj, = packed_linears(config.inner_dim, [config.d_model], config.out_bias, device, dtype)
         self.rotary = rotary
         self._chunk_queries: bool | int = True
 
@@ -170,10 +164,20 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Self-attention's queries, keys and values (a subclass with a fused projection overrides this).
+        """Self-attention's queries, keys and values. Without autograd, one product over the packed W_Q, W_K,
+        W_V (:mod:`headwise.projections`) while they are still packed; otherwise the three projections.
 
         Shapes: x (b, s, d) -> (b, h, s, d_h), (b, h_kv, s, d_h), (b, h_kv, s, d_h)"""
-        return (self.project_q(x), *self.project_kv(x))
+        packed = None
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            packed = packed_weight((self.q_proj, self.k_proj, self.v_proj))
+        if packed is None:
+            return (self.project_q(x), *self.project_kv(x))
+        cfg = self.config
+        qkv = F.linear(x, packed[0].t(), packed[1])  # (b, s, h * d_h + 2 * h_kv * d_h)
+        q, k, v = qkv.split((cfg.inner_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+        return (hwf.split_heads(q, cfg.n_heads), hwf.split_heads(k, cfg.n_kv_heads),  # (b, h, s, d_h)
+                hwf.split_heads(v, cfg.n_kv_heads))  # (b, h_kv, s, d_h) each
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
@@ -408,6 +412,27 @@ class MultiHeadAttention(nn.Module):
             for name, p in attn.named_parameters():
                 p.copy_(tensors[name])
         return attn
+
+    # -- the packed layout survives conversions and copies (see headwise.projections) -----------------------
+    def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, *args, **kwargs)  # .to()/.double()/... convert each parameter on its own
+        self._repack()
+        return out
+
+    def __setstate__(self, state):  # type: ignore[no-untyped-def]
+        super().__setstate__(state)  # deepcopy and unpickling copy each parameter on its own
+        self._repack()
+
+    def _repack(self) -> None:
+        own = [self._modules.get(n) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        if any(m is None for m in own) or own != [self.q_proj, self.k_proj, self.v_proj, self.out_proj]:
+            return  # projections that belong to someone else (a view of a host model) are left alone
+        cfg = self.config
+        packed_qkv = cfg.kdim == cfg.vdim == cfg.d_model
+        if packed_qkv:
+            repack(own[:3])
+        for m in own[3:] if packed_qkv else own:
+            repack([m])
 
     # -- checkpoints: the config rides in the state dict's metadata (see headwise.checkpoint) -------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]

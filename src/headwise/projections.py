@@ -1,0 +1,126 @@
+"""The packed projections: W_Q, W_K, W_V as column blocks of one (d_model, h * d_h + 2 * h_kv * d_h) matrix.
+
+The seeds' layout, in memory: every projection weight is an ordinary ``nn.Linear`` parameter of shape
+``(d_out, d_in)`` (state dict, ``F.linear``, optimizers and head views unchanged), but its storage is the
+``(d_in, d_out)`` row-major matrix of ``q = x @ W_Q``, and the three of a self-attention layer are blocks of
+one such matrix. A one-row product (decoding) streams ``(d_in, d_out)`` storage faster on CPU than the
+transposed layout, and one product over the packed matrix costs less than three over its blocks; without
+autograd the layer runs that one product (:func:`packed_weight`). Anything that breaks the packing (a
+``.to()`` that converts each parameter, weights replaced or taken apart, hooks on a projection, a projection
+swapped for another module) only turns the one product back into three.
+
+Shapes:
+    d_in: input width (d_model), d_out: a projection's width; total = sum of the widths packed together.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["packed_linears", "packed_weight", "repack"]
+
+
+def packed_linears(d_in: int, widths: Sequence[int], bias: bool, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> list[nn.Linear]:
+    """``nn.Linear(d_in, width)`` for each width, initialised as ``nn.Linear`` does, whose weights are column
+    blocks of one ``(d_in, sum(widths))`` row-major matrix (and biases blocks of one vector).
+
+    Shapes:
+        each weight: (width, d_in), a transposed view of columns of (d_in, total)
+
+    Example:
+        >>> q, k = packed_linears(8, [8, 4], bias=True)
+        >>> q.weight.shape, k.weight.shape, k.weight.stride()
+        (torch.Size([8, 8]), torch.Size([4, 8]), (1, 12))
+        >>> packed_weight([q, k])[0].shape
+        torch.Size([8, 12])
+    """
+    linears = [nn.Linear(d_in, w, bias=bias, device=device, dtype=dtype) for w in widths]
+    total = sum(widths)
+    weight = torch.empty(d_in, total, device=device, dtype=linears[0].weight.dtype)  # (d_in, total)
+    biases = torch.empty(total, device=device, dtype=linears[0].weight.dtype) if bias else None
+    start = 0
+    for linear, width in zip(linears, widths):
+        block = weight[:, start:start + width]  # (d_in, width)
+        block.copy_(linear.weight.detach().t())
+        linear.weight = nn.Parameter(block.t())  # (width, d_in), strides (1, total)
+        if biases is not None:
+            biases[start:start + width].copy_(linear.bias.detach())
+            linear.bias = nn.Parameter(biases[start:start + width])
+        start += width
+    return linears
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
+                or nn.modules.module._global_forward_pre_hooks)
+
+
+def packed_weight(linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The ``(d_in, total)`` matrix (and ``(total,)`` bias) whose column blocks are these linears' weights,
+    or None when they are not (any more) one packed matrix, or one product would skip something a module
+    call runs (a hook, a subclass such as a LoRA wrapper). Metadata only; nothing reads tensor data.
+
+    Shapes:
+        -> weight (d_in, total), bias (total,) or None
+    """
+    if any(type(m) is not nn.Linear or _hooked(m) for m in linears):
+        return None
+    w0 = linears[0].weight
+    d_in, total = w0.shape[1], sum(m.weight.shape[0] for m in linears)
+    parts = [[m.weight for m in linears]]
+    if linears[0].bias is not None:
+        if any(m.bias is None for m in linears):
+            return None
+        parts.append([m.bias for m in linears])
+    elif any(m.bias is not None for m in linears):
+        return None
+    packed = []
+    for tensors in parts:
+        first = tensors[0]
+        offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+        for t in tensors:
+            stride = (1, total) if t.dim() == 2 else (1,)
+            if (t.stride() != stride or t.dtype != first.dtype or t.device != first.device
+                    or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset
+                    or (t.dim() == 2 and t.shape[1] != d_in)):
+                return None
+            offset += t.shape[0]
+        shape, strides = ((d_in, total), (total, 1)) if first.dim() == 2 else ((total,), (1,))
+        packed.append(first.as_strided(shape, strides, first.storage_offset()))
+    return packed[0], (packed[1] if len(packed) > 1 else None)
+
+
+def repack(linears: Sequence[nn.Module]) -> bool:
+    """Lay these linears' weights (and biases) out packed again, keeping their values and their Parameter
+    objects (only ``.data`` moves): after a ``.to()`` or a deep copy, which copy each parameter on its own.
+    Returns whether they are packed now (plain ``nn.Linear`` of one dtype, device and input width only).
+
+    Shapes:
+        each weight: (width, d_in) -> a transposed view of columns of one (d_in, total) matrix
+    """
+    if packed_weight(linears) is not None:
+        return True
+    if any(type(m) is not nn.Linear for m in linears) or len({(m.weight.dtype, m.weight.device, m.weight.shape[1])
+                                                            for m in linears}) != 1:
+        return False
+    if len({m.bias is None for m in linears}) != 1:
+        return False
+    w0 = linears[0].weight
+    total = sum(m.weight.shape[0] for m in linears)
+    with torch.no_grad():
+        weight = torch.empty(w0.shape[1], total, dtype=w0.dtype, device=w0.device)  # (d_in, total)
+        biases = None if linears[0].bias is None else torch.empty(total, dtype=w0.dtype, device=w0.device)
+        start = 0
+        for m in linears:
+            width = m.weight.shape[0]
+            weight[:, start:start + width].copy_(m.weight.t())
+            m.weight.data = weight[:, start:start + width].t()  # (width, d_in), strides (1, total)
+            if biases is not None:
+                biases[start:start + width].copy_(m.bias)
+                m.bias.data = biases[start:start + width]
+            start += width
+    return packed_weight(linears) is not None

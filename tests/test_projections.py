@@ -1,0 +1,127 @@
+"""Packed projections: W_Q, W_K, W_V stored as blocks of one (d_in, total) matrix, one product without autograd."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from headwise import MultiHeadAttention
+from headwise.projections import packed_weight
+from tests.reference import reference_mha
+
+
+class LinearCalls(torch.overrides.TorchFunctionMode):
+    """Counts F.linear calls (one per projection product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _qkv(attn):
+    return attn.q_proj, attn.k_proj, attn.v_proj
+
+
+@pytest.mark.parametrize("n_kv_heads, bias", [(8, True), (2, False), (1, True)])
+def test_packed_product_equals_the_three_products_and_the_float64_reference(n_kv_heads, bias):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 8, n_kv_heads, bias=bias).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad(), LinearCalls() as calls:
+        packed = attn(x, causal=True)
+    assert calls.n == 2  # Q, K, V in one product, then W_O
+    with LinearCalls() as calls:
+        three = attn(x, causal=True)  # autograd records: three products
+    assert calls.n == 4
+    torch.testing.assert_close(packed, three.detach())
+    torch.testing.assert_close(packed, reference_mha(attn, x, causal=True)[0].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_state_dict_is_the_ordinary_one():
+    attn = MultiHeadAttention(16, 4, 2)
+    sd = attn.state_dict()
+    assert list(sd) == ["q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight",
+                        "v_proj.bias", "out_proj.weight", "out_proj.bias"]
+    assert [tuple(sd[k].shape) for k in ("q_proj.weight", "k_proj.weight", "out_proj.weight")] == \
+        [(16, 16), (8, 16), (16, 16)]
+    plain = nn.Linear(16, 8)
+    plain.load_state_dict({"weight": sd["k_proj.weight"], "bias": sd["k_proj.bias"]})
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(plain(x), attn.k_proj(x))
+
+
+def test_packing_survives_deepcopy_and_load_state_dict_and_both_stay_correct():
+    torch.manual_seed(1)
+    a, b = MultiHeadAttention(16, 4, 2).eval(), MultiHeadAttention(16, 4, 2).eval()
+    b.load_state_dict(a.state_dict())
+    c = copy.deepcopy(a)
+    x = torch.randn(2, 3, 16)
+    for m in (b, c):
+        assert packed_weight(_qkv(m)) is not None and m.out_proj.weight.stride() == (1, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), a(x).detach())
+
+
+@pytest.mark.parametrize("how", ["to float64", "replaced weight", "hook", "subclass"])
+def test_anything_that_breaks_the_packing_falls_back_to_three_products(how):
+    torch.manual_seed(2)
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    x = torch.randn(2, 3, 16)
+    seen = []
+    if how == "to float64":
+        attn, x = attn.double(), x.double()
+    elif how == "replaced weight":
+        attn.k_proj.weight = nn.Parameter(attn.k_proj.weight.detach().clone())
+    elif how == "hook":
+        attn.k_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    else:
+        class Wrapped(nn.Linear):
+            pass
+        w = Wrapped(16, 8)
+        w.load_state_dict(attn.k_proj.state_dict())
+        attn.k_proj = w
+    packed = packed_weight(_qkv(attn))
+    if how == "to float64":  # .to() converts each parameter on its own; the layer packs them again
+        assert packed is not None and packed[0].dtype == torch.float64
+    else:
+        assert packed is None
+    with torch.no_grad():
+        y = attn(x)
+    torch.testing.assert_close(y, attn(x).detach())
+    torch.testing.assert_close(y, reference_mha(attn, x)[0].to(y.dtype), rtol=1e-4, atol=1e-5)
+    if how == "hook":
+        assert seen == [(2, 3, 8), (2, 3, 8)]  # the hook ran on both calls
+
+
+def test_a_write_through_a_head_view_reaches_the_packed_product():
+    attn = MultiHeadAttention(16, 4).eval()
+    with torch.no_grad():
+        attn.head(2).w_v = torch.zeros(16, 4)
+        attn.v_proj.bias[8:12] = 0
+        z = attn.project_qkv(torch.randn(1, 3, 16))[2]
+    assert torch.equal(z[:, 2], torch.zeros(1, 3, 4))
+
+
+def test_checkpoints_round_trip_through_torch_save_and_safetensors(tmp_path):
+    torch.manual_seed(3)
+    attn = MultiHeadAttention(16, 4, 2)
+    x = torch.randn(1, 3, 16)
+    torch.save(attn.state_dict(), tmp_path / "a.pt")
+    other = MultiHeadAttention(16, 4, 2)
+    other.load_state_dict(torch.load(tmp_path / "a.pt", weights_only=True))
+    torch.testing.assert_close(other(x), attn(x))
+    safetensors = pytest.importorskip("safetensors.torch")
+    # safetensors stores contiguous tensors only (its documented rule): pass contiguous copies
+    safetensors.save_file({k: v.contiguous() for k, v in attn.state_dict().items()}, tmp_path / "a.safetensors")
+    third = MultiHeadAttention(16, 4, 2)
+    third.load_state_dict(safetensors.load_file(tmp_path / "a.safetensors"))
+    torch.testing.assert_close(third(x), attn(x))
+    assert packed_weight(_qkv(third)) is not None  # loading copies into the packed storage
