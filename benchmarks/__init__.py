@@ -11,7 +11,8 @@ reports each ratio as the median of the three paired ratios with their range (se
 Cases: ``forward``/``backward``/``causal`` (1), ``gqa`` (2), ``weights`` (3), ``decode`` (4),
 ``long`` and ``memory`` (5: a long forward timed, and peak memory with each measurement in its own process),
 ``peak`` (6, the matmul throughput the forward is held to), all float32 on CPU; ``gpu`` (bfloat16 against
-flash-attn and SDPA) only where CUDA is present. Timing via ``torch.utils.benchmark.Timer`` in interleaved
+flash-attn and SDPA) only where CUDA is present; ``trace`` (issue 16: capturing every head's residual write,
+and the per-head patching sweep on all-MiniLM-L6-v2 against its brute-force loop, :mod:`benchmarks.trace`). Timing via ``torch.utils.benchmark.Timer`` in interleaved
 rounds. Each run also lists the headwise rows that got more than 2 % slower than in the ``results.json`` it
 overwrites (:mod:`benchmarks.regression`). Run it from the repository root; the ``headwise`` package never
 imports it.
@@ -37,7 +38,7 @@ from .timing import Entry, Group, run_group
 
 __all__ = ["main", "run_suite", "Sizes", "FULL", "QUICK", "Entry", "Group", "run_group", "ORDER", "resolve_only"]
 
-ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu")
+ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu", "trace")
 _NUMBERS = {"1": ("forward", "causal", "backward"), "2": ("gqa",), "3": ("weights",), "4": ("decode",),
             "5": ("long", "memory"), "6": ("peak", "forward")}
 

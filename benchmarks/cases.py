@@ -371,6 +371,7 @@ def weights_groups(sz: Sizes) -> list[Factory]:
 from .decode import decode_groups  # noqa: E402  (decode builds on the helpers above)
 from .gpu import gpu_groups  # noqa: E402
 from .long import long_groups  # noqa: E402
+from .trace import trace_groups  # noqa: E402
 
 CASES: dict[str, Callable[..., list[Factory]]] = {
     "forward": forward_groups,
@@ -382,6 +383,7 @@ CASES: dict[str, Callable[..., list[Factory]]] = {
     "peak": peak_groups,
     "long": long_groups,
     "gpu": gpu_groups,
+    "trace": trace_groups,
 }
 
 

@@ -311,6 +311,38 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
         goals.append({"goal": "memory: one forward at long context", "target": "< 1 GiB above inputs",
                       "measured": "", "status": "not measured", "detail": ""})
     goals.append(_gpu_goal(by_case, notes))
+    goals += _trace_goals(by_case, notes)
+    return goals
+
+
+def _trace_goals(by_case: dict[str, list[dict]], notes: dict[str, str]) -> list[dict]:
+    """Issue 16: capturing every head's result, its memory, and the patching sweep (case ``trace``)."""
+    groups = by_case.get("trace", [])
+    if not groups:
+        return []
+    result = [g for g in groups if g["group"].startswith("trace result")]
+    sweep = [g for g in groups if g["group"].startswith("trace sweep")]
+    goals = [_goal("trace: capture every head's result vs a plain forward", "<= 1.5",
+                   [r for g in result if (r := _row(g, g["group"], "headwise trace result", "plain forward"))], 1.5,
+                   notes.get("trace", "")),
+             _goal("trace: per-head patching sweep vs the brute-force loop", "<= 0.25",
+                   [r for g in sweep if (r := _row(g, g["group"], "headwise head_effects", "brute-force loop"))], 0.25,
+                   notes.get("sweep", ""))]
+    for g in result:
+        mem, size = g["meta"].get("memory", {}), g["meta"]["result_bytes"]
+        if any("error" in m for m in mem.values()) or len(mem) < 2:
+            goals.append({"goal": "trace: memory of capturing every head's result", "target": "<= result tensor + 10 %",
+                          "measured": "", "status": "not measured", "detail": str(mem)})
+            continue
+        extra = mem["traced"]["peak_above_inputs"] - mem["plain"]["peak_above_inputs"]
+        met = extra <= 1.1 * size
+        goals.append({"goal": f"trace: memory of capturing every head's result ({g['group']})",
+                      "target": "extra peak over the plain forward <= result tensor + 10 %",
+                      "measured": f"{extra / 2**20:.0f} MiB extra; the result tensor is {size / 2**20:.0f} MiB",
+                      "status": "met" if met else f"missed: {extra / size:.2f} x the result tensor", "met": met,
+                      "detail": (f"peak above inputs: plain {mem['plain']['peak_above_inputs'] / 2**20:.0f} MiB, "
+                                 f"traced {mem['traced']['peak_above_inputs'] / 2**20:.0f} MiB"),
+                      "why": "" if met else notes.get("trace_memory", "")})
     return goals
 
 

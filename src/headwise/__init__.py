@@ -1,7 +1,8 @@
 """headwise: multi-head attention in which the single head is a first-class object.
 
 ``import headwise`` needs only torch; :mod:`headwise.interop`, :mod:`headwise.viz` and the other optional
-parts load on first use.
+parts load on first use. ``headwise.trace(model, capture=..., edit=...)`` (:mod:`headwise.trace`, a callable
+module) captures and edits every head inside a model's own forward; :mod:`headwise.patching` sweeps them.
 
 Example:
     >>> import torch, headwise
@@ -47,7 +48,7 @@ _NAMES = {"AttentionConfig": "config", "AttentionHead": "head", "DispatchInfo": 
           "Plan": "plan", "RotaryEmbedding": "rotary"}
 # Optional parts, imported on first attribute access so that `import headwise` needs only torch.
 _LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "cli", "presets", "functional", "masks",
-                 "plan", "dispatch", "chunking", "validation"}
+                 "plan", "dispatch", "chunking", "validation", "trace", "patching"}
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,7 @@ from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
 from .projections import packed_linears, packed_weight, repack
 from .rotary import RotaryEmbedding, apply_rotary
-from .validation import check_dtype, check_forward
+from .validation import check_bool, check_dtype, check_forward
 
 __all__ = ["MultiHeadAttention"]
 
@@ -185,12 +185,25 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-head attention on already split heads, with the layer's dropout, scale and backend.
 
+        Inside a :func:`headwise.trace` this step is traced like :meth:`forward`'s (patched Hugging Face
+        modules call it directly): the tracer sees ``q, k, v`` as given and may edit the context it returns.
+
         Shapes:
             q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h) -> (b, h, s_q, d_h), weights or None
         """
-        backend = "eager" if return_weights is True else self.backend
-        return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
-                             causal=causal, backend=backend, return_weights=return_weights)
+        tracer = self.tracer  # a headwise.trace sees (and may edit) the heads of this step too
+        if tracer is None:
+            backend = "eager" if return_weights is True else self.backend
+            return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
+                                 causal=causal, backend=backend, return_weights=return_weights)
+        wants = tracer.wants_weights(self)  # "pattern" captured: the eager path, whatever was asked
+        if wants:
+            check_bool("return_weights", return_weights)
+        tracer.qkv(self, q, k, v)
+        z, weights = hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
+                                   causal=causal, backend="eager" if wants or return_weights is True else self.backend,
+                                   return_weights=True if wants else return_weights)
+        return tracer.context(self, z, weights), (weights if return_weights is True else None)
 
     def project_out(self, z: torch.Tensor) -> torch.Tensor:
         """Merge heads and apply W_O, the only place heads mix. Shapes: (b, h, s_q, d_h) -> (b, s_q, d)."""

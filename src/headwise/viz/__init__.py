@@ -1,7 +1,8 @@
 """Per-head pictures of a real model: where each head reads (its attention weights) and what it writes.
 
 * :mod:`headwise.viz.maps`: the numbers: :func:`head_maps` for any :class:`~headwise.MultiHeadAttention`,
-  :func:`text_head_maps` for a text through the bundled all-MiniLM-L6-v2.
+  :func:`model_head_maps` for any layer of a (patched) model's own forward, :func:`text_head_maps` for a text
+  through the bundled all-MiniLM-L6-v2; all captured with :func:`headwise.trace`.
 * :mod:`headwise.viz.png`: a matplotlib grid of every head (needs ``matplotlib``).
 * :mod:`headwise.viz.html`: a self-contained HTML page (inline data, CSS and JS, no network).
 
@@ -16,6 +17,7 @@ from typing import Any
 _EXPORTS = {
     "HeadMaps": "maps",
     "head_maps": "maps",
+    "model_head_maps": "maps",
     "text_head_maps": "maps",
     "load_minilm": "maps",
     "minilm_path": "maps",

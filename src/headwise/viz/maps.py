@@ -7,6 +7,9 @@ head's value of token ``j``, ``W_O^h`` its rows of the output projection). Its n
 zero contributes little (Kobayashi et al. 2020, "Attention is Not Only a Weight", arXiv:2004.10102).
 Summed over heads and tokens, those vectors plus W_O's bias are exactly the layer's output.
 
+Every map is captured with :func:`headwise.trace` from the forward that actually ran (the model's own
+masks, padding, norms and rotary): the pictures can only show what the model did.
+
 Shapes:
     s: tokens, h: heads, d: d_model, d_h: d_head. weights, writes: (h, s_q, s_kv); value_norms: (h, s_kv).
 """
@@ -24,7 +27,7 @@ from ..attention import MultiHeadAttention
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["HeadMaps", "head_maps", "text_head_maps", "load_minilm", "minilm_path", "model_layers"]
+__all__ = ["HeadMaps", "head_maps", "model_head_maps", "text_head_maps", "load_minilm", "minilm_path", "model_layers"]
 
 
 @dataclass(frozen=True)
@@ -76,19 +79,35 @@ class HeadMaps:
                 "weights": r(self.weights), "writes": r(self.writes), "value_norms": r(self.value_norms)}
 
 
+def _maps(record: Any, row: int, tokens: list[str], layer: int) -> HeadMaps:
+    """HeadMaps of batch row ``row`` from a trace record that captured "pattern" and "v"."""
+    attn = record.layer
+    w = record.pattern[row].detach()  # (h, s_q, s_kv): the weights the model's own forward used
+    v = record.v[row].detach()  # (h_kv, s_kv, d_h)
+    h, d_h = attn.n_heads, attn.d_head
+    w_o = attn.out_proj.weight.detach()  # (d, h * d_h)
+    g = h // attn.n_kv_heads
+    norms = torch.stack([(v[i // g] @ w_o[:, i * d_h:(i + 1) * d_h].T.to(v.dtype)).norm(dim=-1)
+                         for i in range(h)])  # (h, s_kv): ||v_j W_O^h||
+    return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=w * norms[:, None, :], value_norms=norms)
+
+
 def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | None = None, layer: int = 0,
-              mask: torch.Tensor | None = None) -> HeadMaps:
-    """Every head of ``attn`` run alone on ``x`` (self-attention): its weights and what it writes.
+              mask: torch.Tensor | None = None, causal: bool = False) -> HeadMaps:
+    """Every head of ``attn`` in its own forward on ``x`` (self-attention, with ``mask`` / ``causal``):
+    its weights and what it writes, captured with :func:`headwise.trace`.
 
     Shapes:
         x: (s, d) or (1, s, d); mask: broadcastable to (1, h, s, s) -> HeadMaps with (h, s, s) arrays
 
     Example:
         >>> attn = MultiHeadAttention(d_model=16, n_heads=4)
-        >>> m = head_maps(attn, torch.randn(5, 16))
-        >>> m.weights.shape, bool(torch.allclose(m.weights.sum(-1), torch.ones(4, 5)))
-        (torch.Size([4, 5, 5]), True)
+        >>> m = head_maps(attn, torch.randn(5, 16), causal=True)
+        >>> m.weights.shape, bool(torch.allclose(m.weights.sum(-1), torch.ones(4, 5))), bool(m.weights.triu(1).eq(0).all())
+        (torch.Size([4, 5, 5]), True, True)
     """
+    from ..trace import trace
+
     if not isinstance(attn, MultiHeadAttention):
         raise TypeError(f"attn must be a MultiHeadAttention, got {type(attn).__name__}")
     if x.dim() == 3:
@@ -102,16 +121,34 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
         tokens = [str(i) for i in range(s)]
     if len(tokens) != s:
         raise ValueError(f"got {len(tokens)} tokens for a sequence of {s} positions")
-    weights, norms = [], []
-    with torch.no_grad():
-        for head in attn.heads():
-            _, w = head(x.unsqueeze(0), mask=mask, return_weights=True)  # (1, s, s)
-            _, _, v = head.project(x)  # (s, d_h)
-            weights.append(w[0])
-            norms.append((v @ head.w_o).norm(dim=-1))  # (s,): ||v_j W_O^h||
-    w = torch.stack(weights)  # (h, s, s)
-    n = torch.stack(norms)  # (h, s)
-    return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=w * n[:, None, :], value_norms=n)
+    with torch.no_grad(), trace(attn, capture=("pattern", "v")) as t:
+        attn(x.unsqueeze(0), mask=mask, causal=causal)
+    return _maps(t[0], 0, tokens, layer)
+
+
+def model_head_maps(model: torch.nn.Module, inputs: Any, *, layer: int, tokens: list[str] | None = None,
+                    row: int = 0) -> HeadMaps:
+    """The heads of attention layer ``layer`` in ``model``'s own forward on ``inputs`` (a dict of keyword
+    inputs or a tensor), batch row ``row``: causal masks, padding, norms and rotary are the model's. A
+    Hugging Face model is patched first (:func:`model_layers`).
+
+    Shapes:
+        inputs: batch b on dim 0, s tokens -> HeadMaps with (h, s, s) arrays of row ``row``
+    """
+    from ..trace import trace
+
+    hw_layers = model_layers(model) if not isinstance(model, MultiHeadAttention) else [("", model)]
+    n = len(hw_layers)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+        raise ValueError(f"layer must be an int in [0, {n}) for this {n}-layer model, got {layer!r}")
+    with torch.no_grad(), trace(model, capture={layer: ("pattern", "v")}) as t:
+        model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    record = t[layer]
+    s = record.pattern.shape[-1]
+    tokens = [str(i) for i in range(s)] if tokens is None else tokens
+    if len(tokens) != s:
+        raise ValueError(f"got {len(tokens)} tokens for a sequence of {s} positions")
+    return _maps(record, row, tokens, layer)
 
 
 # -- the bundled real model ----------------------------------------------------------------------------------
@@ -163,11 +200,11 @@ def model_layers(model: torch.nn.Module) -> list[tuple[str, MultiHeadAttention]]
 def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: Any = None,
                    max_tokens: int = 64) -> HeadMaps:
     """Run ``text`` through a BERT model (default: the bundled all-MiniLM-L6-v2), patched through headwise
-    (:func:`model_layers`), and return the heads of attention layer ``layer``, fed with the hidden states
-    that enter that layer.
+    (:func:`model_layers`), and return the heads of attention layer ``layer`` as that forward ran them
+    (:func:`model_head_maps`).
 
     Shapes:
-        hidden_states[layer]: (1, s, d) -> HeadMaps with (h, s, s) arrays, s <= max_tokens
+        input_ids: (1, s) -> HeadMaps with (h, s, s) arrays, s <= max_tokens
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"text must be a non-empty string, got {text!r}")
@@ -176,11 +213,6 @@ def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: A
     n_layers = model.config.num_hidden_layers
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
         raise ValueError(f"layer must be an int in [0, {n_layers}) for this {n_layers}-layer model, got {layer!r}")
-    hw_layers = model_layers(model)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
-    with torch.no_grad():
-        out = model(**enc, output_hidden_states=True)
-    x = out.hidden_states[layer][0]  # (s, d): what enters layer `layer`
-    _, attn = hw_layers[layer]
     tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
-    return head_maps(attn, x, tokens=tokens, layer=layer)
+    return model_head_maps(model, dict(enc), layer=layer, tokens=tokens)

@@ -1,0 +1,306 @@
+"""Which heads matter: the per-head activation-patching sweep and per-head direct attribution.
+
+* :func:`head_effects`: for every (layer, head), how much ``metric`` changes when that head's context z is
+  patched from the clean run into the corrupted run (the standard sweep). It is *batched over heads*: one
+  forward carries many patched copies of the corrupted input side by side along the batch axis, copy ``j``
+  patching its own (layer, head) through :func:`headwise.trace` edits; by default the copies of one forward
+  are the heads of one layer, so the sweep costs 2 + n_layers forwards (of batch n_heads x b) instead of
+  n_layers x n_heads forwards (of batch b). Each forward also runs the blocks before its patched layer once,
+  at batch b (they are the same for every copy), and saves the per-forward overhead that dominates at the
+  short inputs patching is used on.
+* :func:`direct_effects`: each head's direct contribution to a residual direction (e.g. a logit difference,
+  :func:`logit_direction`) through the final norm, linearised: the norm's scale (LayerNorm's standard
+  deviation, RMSNorm's root mean square) is frozen at this run, so the norm is affine and the heads'
+  contributions plus those of every other residual component sum to the direction's value minus the norm's
+  bias term. Only the direct path is counted (not effects through later layers).
+
+Shapes:
+    b: batch, s: sequence, L: traced layers, h: heads, d: model width (d_model), d_h: head width (d_head).
+
+Example:
+    >>> import torch, headwise
+    >>> torch.manual_seed(0) and None
+    >>> model = torch.nn.Sequential(headwise.MultiHeadAttention(8, 2), headwise.MultiHeadAttention(8, 2)).eval()
+    >>> clean, corrupted = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+    >>> effects = headwise.patching.head_effects(model, clean, corrupted, lambda y: y[0, -1, 0])
+    >>> effects.shape
+    torch.Size([2, 2])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .trace import trace
+
+__all__ = ["head_effects", "direct_effects", "logit_direction", "final_norm"]
+
+
+# -- inputs and outputs along the batch axis -------------------------------------------------------------
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _batch_of(inputs: Any, what: str) -> int:
+    tensors = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, (tuple, list)) \
+        else [inputs]
+    sizes = {t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"{what}: the input tensors must share one batch size on dim 0 (the patched copies are "
+                         f"stacked along it), got dim-0 sizes {sorted(sizes) or 'none'}")
+    return sizes.pop()
+
+
+def _repeat(inputs: Any, n: int) -> Any:
+    """``n`` copies of the batch, copy-major: rows ``j * b .. (j + 1) * b`` are copy ``j``."""
+    def rep(t: Any) -> Any:
+        return t.repeat(n, *([1] * (t.dim() - 1))) if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+
+    if isinstance(inputs, dict):
+        return {k: rep(v) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(rep(v) for v in inputs)
+    return rep(inputs)
+
+
+def _split(out: Any, n: int, b: int) -> list[Any]:
+    """The model output of ``n`` stacked copies as ``n`` outputs of batch ``b`` (tensors, tuples, dicts and
+    Hugging Face ``ModelOutput``s; anything else is shared)."""
+    if isinstance(out, torch.Tensor):
+        if out.dim() > 0 and out.shape[0] == n * b:
+            return [out[j * b:(j + 1) * b] for j in range(n)]
+        return [out] * n
+    if isinstance(out, dict):
+        parts = {k: _split(v, n, b) for k, v in out.items()}
+        return [type(out)(**{k: p[j] for k, p in parts.items()}) for j in range(n)]
+    if isinstance(out, (tuple, list)):
+        parts = [_split(v, n, b) for v in out]
+        return [type(out)(p[j] for p in parts) for j in range(n)]
+    return [out] * n
+
+
+def _scalar(value: Any) -> torch.Tensor:
+    t = torch.as_tensor(value).detach()
+    if t.numel() != 1 or not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
+        raise ValueError(f"metric must return one number (a scalar tensor or float), got "
+                         f"{tuple(t.shape) if t.numel() != 1 else t.dtype}")
+    return t.reshape(()).double()
+
+
+# -- the sweep -------------------------------------------------------------------------------------------
+@torch.no_grad()
+def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[[Any], Any], *,
+                 batch_heads: int | None = None, share_prefix: bool = True) -> torch.Tensor:
+    """``metric(patched) - metric(corrupted)`` for every (layer, head) whose z is patched from ``clean``.
+
+    ``clean`` and ``corrupted`` are the model's inputs (a tensor, a tuple of positional inputs or a dict of
+    keyword inputs, e.g. a tokenizer's encoding) of identical shapes with the batch on dim 0. ``metric``
+    takes one model output of that batch and returns a number. ``batch_heads`` (default: the heads of one
+    layer) is how many patched copies share one forward; memory grows with it. With ``share_prefix`` (the
+    default) the blocks before the first patched layer of a forward run once, at batch b: the copies split
+    off at the block (the numbered child of a ``ModuleList``/``Sequential``) holding that layer, whose
+    batch-b tensor inputs are repeated; where no such block is found, or the model refuses the split
+    batch, every copy runs the whole forward. Run the model in eval mode.
+
+    Args:
+        model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
+        clean, corrupted: the two inputs.
+        metric: output -> number.
+        batch_heads: patched copies per forward.
+        share_prefix: run the unpatched prefix once per forward instead of once per copy.
+
+    Shapes:
+        inputs: batch b on dim 0; each layer's z (b, s, h, d_h) -> (L, h) float64 (NaN where a layer has
+        fewer heads than the widest)
+    """
+    b = _batch_of(clean, "head_effects(clean)")
+    if _batch_of(corrupted, "head_effects(corrupted)") != b:
+        raise ValueError("head_effects: clean and corrupted must have the same batch size")
+    with trace(model, capture=("z",)) as t_clean:
+        _call(model, clean)
+    with trace(model, capture=("z",)) as t_bad:
+        base = _scalar(metric(_call(model, corrupted)))
+    sources = []
+    for rc, rb in zip(t_clean, t_bad):
+        zc, zb = rc.z, rb.z
+        if zc.shape != zb.shape:
+            raise ValueError(f"head_effects: layer {rc.index} ({rc.name!r}) has z of shape {tuple(zc.shape)} on the "
+                             f"clean input and {tuple(zb.shape)} on the corrupted one; they must match")
+        sources.append(zc.detach())  # (b, s, h, d_h)
+    heads = [layer.n_heads for _, layer in t_clean.layers]
+    pairs = [(li, i) for li, h in enumerate(heads) for i in range(h)]
+    per = heads[0] if batch_heads is None else batch_heads
+    if isinstance(per, bool) or not isinstance(per, int) or per < 1:
+        raise ValueError(f"batch_heads must be a positive int, got {batch_heads!r}")
+    blocks = _blocks(model, [name for name, _ in t_clean.layers]) if share_prefix else None
+    effects = torch.full((len(heads), max(heads)), float("nan"), dtype=torch.float64)
+    for start in range(0, len(pairs), per):
+        chunk = pairs[start:start + per]
+        n = len(chunk)
+        edit = {(li, i): _patch_rows(sources[li][:, :, i], j, n, b) for j, (li, i) in enumerate(chunk)}
+        outs = None
+        if blocks is not None and n > 1:
+            try:
+                outs = _split(_forward_split(model, corrupted, edit, blocks[chunk[0][0]:], n, b), n, b)
+            except (RuntimeError, ValueError):  # the model combined batch-b and split tensors: run every copy
+                outs = None
+        if outs is None:
+            with trace(model, edit=edit):
+                outs = _split(_call(model, _repeat(corrupted, n)), n, b)
+        for (li, i), out in zip(chunk, outs):
+            effects[li, i] = _scalar(metric(out)) - base
+    return effects
+
+
+def _patch_rows(source: torch.Tensor, j: int, n: int, b: int) -> Callable[..., torch.Tensor]:
+    """An edit that puts ``source`` (b, s, d_h) into the rows of copy ``j`` and leaves the other copies alone."""
+    def edit(z_h: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+        if z_h.shape[0] != n * b:  # the copies did not reach this layer: never patch the wrong rows
+            raise ValueError(f"layer {layer} saw batch {z_h.shape[0]}, not the {n} x {b} patched copies")
+        out = z_h.clone()  # (n * b, s, d_h)
+        out[j * b:(j + 1) * b] = source.to(z_h.dtype)
+        return out
+    return edit
+
+
+def _blocks(model: nn.Module, names: list[str]) -> list[nn.Module] | None:
+    """Per traced layer, the block holding it: its nearest ancestor that is a numbered child of a
+    ``ModuleList`` or ``Sequential`` (``encoder.layer.3``, ``transformer.h.0``, ``model.layers.1``)."""
+    modules = dict(model.named_modules())
+    found = []
+    for name in names:
+        parts = name.split(".") if name else []
+        block = None
+        for k in range(len(parts), 0, -1):
+            parent = modules.get(".".join(parts[:k - 1]))
+            if parts[k - 1].isdigit() and isinstance(parent, (nn.ModuleList, nn.Sequential)):
+                block = modules[".".join(parts[:k])]
+                break
+        if block is None:
+            return None
+        found.append(block)
+    if len({id(m) for m in found}) != len(found):
+        return None  # two layers in one block: the split point would be ambiguous
+    return found
+
+
+def _forward_split(model: nn.Module, inputs: Any, edit: dict, blocks: list[nn.Module], n: int, b: int) -> Any:
+    """One forward at batch b up to ``blocks[0]``; from there on every batch-b input of a block (rank >= 2)
+    is repeated ``n`` times, copy-major, so the blocks run the ``n`` patched copies."""
+    def expand(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.repeat(n, *([1] * (value.dim() - 1))) if value.dim() >= 2 and value.shape[0] == b else value
+        if isinstance(value, (tuple, list)):
+            return type(value)(expand(v) for v in value)
+        return value
+
+    handles = [blk.register_forward_pre_hook(
+        lambda m, args, kwargs: (expand(args), {k: expand(v) for k, v in kwargs.items()}), with_kwargs=True)
+        for blk in blocks]
+    try:
+        with trace(model, edit=edit):
+            return _call(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# -- direct attribution ----------------------------------------------------------------------------------
+def final_norm(model: nn.Module) -> nn.Module:
+    """The final norm of a GPT-2 (``transformer.ln_f``) or Llama-family (``model.norm``) causal LM.
+
+    Shapes:
+        the norm maps the last residual stream (b, s, d) -> (b, s, d)
+    """
+    for path in ("transformer.ln_f", "model.norm", "model.final_layernorm", "gpt_neox.final_layer_norm"):
+        try:
+            return model.get_submodule(path)
+        except AttributeError:
+            continue
+    raise ValueError(f"no final norm found in {type(model).__name__} (looked for transformer.ln_f, model.norm, ...); "
+                     "pass norm= explicitly (or norm=None for none)")
+
+
+def logit_direction(model: nn.Module, good: Any, bad: Any) -> torch.Tensor:
+    """``W_U[good] - W_U[bad]``: the residual direction whose value (after the final norm) is the logit
+    difference between two tokens (``good``/``bad``: ints, or (b,) tensors of token ids).
+
+    Shapes:
+        W_U: (vocab, d) -> (d,) or (b, d)
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (unembedding) to take a direction from")
+    w = head.weight  # (vocab, d)
+    return (w[torch.as_tensor(good)] - w[torch.as_tensor(bad)]).detach()
+
+
+def _norm_kind(norm: nn.Module) -> tuple[str, float, torch.Tensor | None]:
+    if isinstance(norm, nn.LayerNorm):
+        return "layer", float(norm.eps), norm.weight
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if isinstance(norm, nn.RMSNorm) or "RMSNorm" in type(norm).__name__:
+        return "rms", float(1e-6 if eps is None else eps), getattr(norm, "weight", None)
+    raise TypeError(f"norm must be a LayerNorm or an RMSNorm (or None), got {type(norm).__name__}")
+
+
+@torch.no_grad()
+def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, norm: nn.Module | None = None,
+                   position: int | torch.Tensor = -1) -> torch.Tensor:
+    """Each head's direct write along ``direction`` at ``position``, through ``norm`` with its scale frozen.
+
+    For LayerNorm, head write ``r`` contributes ``gamma * (r - mean(r)) / sigma . direction``; for RMSNorm
+    ``gamma * r / rms . direction``, with ``sigma`` / ``rms`` those of the norm's actual input in this run
+    (the standard linearisation: exact for the run's own residual stream, as the scale is a constant of it).
+    ``norm=None`` projects the raw writes.
+
+    Args:
+        model: a patched Hugging Face model (or any module with headwise layers).
+        inputs: the model's inputs (tensor, tuple or dict).
+        direction: (d,) or (b, d), e.g. :func:`logit_direction`.
+        norm: the final norm (e.g. :func:`final_norm`), or None.
+        position: the query position read (int, or (b,) positions such as each row's last real token).
+
+    Shapes:
+        each layer's result (b, s, h, d) -> (b, L, h) float32/64 as the model
+    """
+    kind = None if norm is None else _norm_kind(norm)
+    seen: list[torch.Tensor] = []
+    handle = None if norm is None else norm.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    try:
+        with trace(model, capture=("result",)) as t:
+            _call(model, inputs)
+    finally:
+        if handle is not None:
+            handle.remove()
+    results = [r.result for r in t]  # each (b, s, h, d)
+    b, s = results[0].shape[:2]
+    rows = torch.arange(b)
+    pos = torch.as_tensor(position).expand(b) % s
+    writes = torch.stack([r[rows, pos] for r in results], dim=1)  # (b, L, h, d)
+    direction = torch.as_tensor(direction).to(writes.dtype)
+    if direction.shape[-1] != writes.shape[-1] or direction.dim() not in (1, 2):
+        raise ValueError(f"direction must be (d={writes.shape[-1]},) or (b, d), got {tuple(direction.shape)}")
+    direction = direction.expand(b, -1)[:, None, None, :]  # (b, 1, 1, d)
+    if kind is not None:
+        if not seen:
+            raise ValueError("the norm was not called during the forward; pass the model's final norm")
+        x = seen[-1][rows, pos].to(writes.dtype)  # (b, d): the residual stream the norm normalised
+        name, eps, gamma = kind
+        if name == "layer":
+            scale = (x.var(-1, unbiased=False) + eps).rsqrt()  # (b,): frozen 1 / sigma
+            writes = writes - writes.mean(-1, keepdim=True)
+        else:
+            scale = (x.pow(2).mean(-1) + eps).rsqrt()  # (b,): frozen 1 / rms
+        writes = writes * scale[:, None, None, None]
+        if gamma is not None:
+            writes = writes * gamma.to(writes.dtype)
+    return (writes * direction).sum(-1)  # (b, L, h)
+

