@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from headwise import MultiHeadAttention
 from headwise import RotaryEmbedding
 from . import peers
+from .patched import patched_groups
 from .timing import Entry, Group, forward_flops as _fwd_flops, refresh_memory
 
 __all__ = ["Sizes", "FULL", "QUICK", "CASES", "build"]
@@ -384,6 +385,7 @@ CASES: dict[str, Callable[..., list[Factory]]] = {
     "long": long_groups,
     "gpu": gpu_groups,
     "trace": trace_groups,
+    "patched": patched_groups,
 }
 
 

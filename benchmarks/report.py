@@ -312,6 +312,12 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
                       "measured": "", "status": "not measured", "detail": ""})
     goals.append(_gpu_goal(by_case, notes))
     goals += _trace_goals(by_case, notes)
+    patched = by_case.get("7 patched", [])
+    if patched:
+        goals.append(_goal("patched HF model vs the same model unpatched (forward, generate)", "<= 1.02",
+                           [r for g in patched for e in g["entries"] if e["name"].startswith("HF ")
+                            and (r := _row(g, g["group"], "headwise (patched)", e["name"]))], 1.02,
+                           notes.get("patched", "")))
     return goals
 
 
