@@ -16,8 +16,8 @@ __all__ = ["MISS_NOTES", "PREAMBLE"]
 _SPREAD = "compare the per-process range: a miss inside it is run-to-run spread of the shared machine."
 
 MISS_NOTES: dict[str, str] = {
-    "limit": "headwise runs the same kernels as the packed module: three Q/K/V GEMMs where the packed module runs "
-             "one fused (N = 3d) GEMM (at parity at these sizes), the merge is a view (SDPA's CPU output is laid "
+    "limit": "headwise runs the same kernels as the packed module: one GEMM over its packed W_Q, W_K, W_V (stored "
+             "(d_in, d_out), the packed module's (d_out, d_in)), the merge is a view (SDPA's CPU output is laid "
              "out (b, s, h, d_h)), and causal runs the kernel's is_causal path. What remains is tens of "
              "microseconds of Python per call (input checks, module attribute lookups), under 0.1 % at these "
              "sizes; torch.profiler shows the same ops with the same counts and self-CPU totals on both sides "
@@ -69,16 +69,16 @@ MISS_NOTES: dict[str, str] = {
               "and SDPA over the filled prefix. The worst row tends to be at the shortest context, where the fixed "
               "per-token work outside the GEMVs weighs most; " + _SPREAD + " Doing less than HF's same GEMVs would "
               "take a weight layout its GEMV kernel reads faster.",
-    "decode": "headwise decodes with the same kernels as the minimal preallocated cache (one slot copy, SDPA over "
-              "the filled prefix) except that it reads W_Q, W_K and W_V in three matrix-vector products where the "
-              "minimal cache reads one fused matrix, plus microseconds of Python per token. Which weights the "
+    "decode": "headwise decodes with the same kernels as the minimal preallocated cache (one packed Q/K/V "
+              "matrix-vector product, one slot copy, SDPA over the filled prefix), plus its per-token Python "
+              "(input checks, the plan, four module calls). Which weights the "
               "process allocated first can decide more than the split does (docs/benchmarks.md); " + _SPREAD,
     "decode_xw": "the x @ W loop does the least a preallocated-cache decode can do in PyTorch: four addmm GEMVs over "
                  "contiguous (d_in, d_out) weights, one slot write per K/V, SDPA over the filled prefix, no module "
-                 "call machinery and no input checks. headwise adds its input checks and cache bookkeeping "
-                 "(microseconds per token) and runs its GEMVs over the weights in its own storage layout; compare "
-                 "the 'minimal prealloc cache (limit)' row of the same group (nn.Linear weights, (d_out, d_in)): "
-                 "where both plain loops differ, the weight layout decides. " + _SPREAD,
+                 "call machinery and no input checks. headwise reads the same (d_in, d_out) layout, W_Q, W_K and W_V in "
+                 "one packed product (fewer bytes of kernel launches than three), and adds its per-token Python: "
+                 "input checks, the plan, module calls, cache bookkeeping (about 100 us more than the loop per "
+                 "token), which at 2 threads is about 3-4 % of a d 2048 token. " + _SPREAD,
 }
 
 PREAMBLE = ("Note: measured on a shared machine while other jobs were running; single rounds can be noisy, which "
