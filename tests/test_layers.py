@@ -18,7 +18,7 @@ LAYERS = [
     {"chunking"},                                               # long forwards, on tensors and callables
     {"head"},                                                   # one head
     {"attention"},                                              # the layer
-    {"interop", "parallel", "analysis", "viz", "checks", "presets", "walkthrough", "examples", "trace",
+    {"interop", "parallel", "analysis", "viz", "checks", "presets", "walkthrough", "trace",
      "patching", "surgery"},                                    # built on the layer
     {"cli", "__main__"},                                        # the command line
 ]

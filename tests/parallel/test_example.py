@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,12 +22,13 @@ def _free_port() -> int:
 
 def _run(*extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "headwise.examples.tensor_parallel", *extra]
+           "--master-port", str(_free_port()), "-m", "examples.tensor_parallel", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTEST_XDIST_WORKER", None)
     if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections stay on loopback
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    root = Path(__file__).resolve().parents[2]  # examples/ lives at the repository root, beside src/
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=root)
 
 
 def test_torchrun_example_reports_heads_and_a_tiny_difference():

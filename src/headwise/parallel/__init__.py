@@ -5,7 +5,7 @@
 * :mod:`headwise.parallel.tensor_parallel`: :func:`tensor_parallel` turns a :class:`~headwise.MultiHeadAttention`
   into this rank's :class:`TensorParallelAttention` (column-parallel Q/K/V, row-parallel W_O, one all-reduce).
 
-See ``docs/parallel.md`` and ``python -m torch.distributed.run --nproc-per-node 2 -m headwise.examples.tensor_parallel``.
+See ``docs/parallel.md`` and ``python -m torch.distributed.run --nproc-per-node 2 -m examples.tensor_parallel``.
 
 Example:
     >>> from headwise.parallel import plan_heads

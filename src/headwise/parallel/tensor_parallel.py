@@ -315,7 +315,7 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
         rank r keeps q_proj rows / out_proj columns ``partition.q_rows(d_h)`` (h_local * d_h of them) and
         k_proj/v_proj rows ``partition.kv_rows(d_h)`` (kv_local * d_h); out_proj.bias is replicated.
 
-    Under ``torchrun --nproc-per-node 2`` (see :mod:`headwise.examples.tensor_parallel`)::
+    Under ``torchrun --nproc-per-node 2`` (see :mod:`examples.tensor_parallel`)::
 
         dist.init_process_group("gloo")       # or "nccl": the same code path
         torch.manual_seed(0)                  # the same layer on every rank

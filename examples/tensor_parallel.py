@@ -1,7 +1,7 @@
 """Tensor parallelism by whole heads, end to end: run with
 
-    torchrun --nproc-per-node 2 -m headwise.examples.tensor_parallel
-    python -m torch.distributed.run --nproc-per-node 4 -m headwise.examples.tensor_parallel --n-kv-heads 2
+    torchrun --nproc-per-node 2 -m examples.tensor_parallel
+    python -m torch.distributed.run --nproc-per-node 4 -m examples.tensor_parallel --n-kv-heads 2
 
 Every rank builds the same layer (same seed), keeps only its heads (:func:`headwise.parallel.tensor_parallel`),
 and checks itself against the single-process layer: the causal forward, KV-cache decoding (prefill, then
@@ -32,7 +32,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m headwise.examples.tensor_parallel", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.tensor_parallel", description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--n-kv-heads", type=int, default=2)
@@ -59,7 +59,7 @@ def _in_rank_order(rank: int, world: int, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if "RANK" not in os.environ:
-        print("run me under torchrun: torchrun --nproc-per-node 2 -m headwise.examples.tensor_parallel",
+        print("run me under torchrun: torchrun --nproc-per-node 2 -m examples.tensor_parallel",
               file=sys.stderr)
         return 2
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
