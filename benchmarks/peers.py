@@ -36,6 +36,14 @@ def hf_available() -> str | None:
     return None
 
 
+def _fill(decoder, k: torch.Tensor, v: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    """Prefill a plain decode loop's preallocated buffers with ``k``, ``v`` (b, h_kv, n, d_h)."""
+    n = k.shape[2]
+    decoder.keys[:, :, :n].copy_(k)
+    decoder.values[:, :, :n].copy_(v)
+    decoder.length = n
+
+
 class PackedSDPA(nn.Module):
     """Minimal packed attention: the fastest a fused-SDPA layer can be written in PyTorch.
 
@@ -226,10 +234,7 @@ class PreallocDecoder(nn.Module):
         self.length = 0
 
     def fill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n = k.shape[2]
-        self.keys[:, :, :n].copy_(k)
-        self.values[:, :, :n].copy_(v)
-        self.length = n
+        _fill(self, k, v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
@@ -279,10 +284,7 @@ class XWDecoder:
         self.length = 0
 
     def fill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n = k.shape[2]
-        self.keys[:, :, :n].copy_(k)
-        self.values[:, :, :n].copy_(v)
-        self.length = n
+        _fill(self, k, v)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         b, _, d = x.shape

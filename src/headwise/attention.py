@@ -267,18 +267,17 @@ class MultiHeadAttention(nn.Module):
         return (y, weights) if return_weights else y
 
     def _attend(self, plan, cache, tracer, q, k, v, mask):  # type: ignore[no-untyped-def]
-        if cache is None:
-            z, weights = hwf.attend(plan, q, k, v, mask)
-            return (z, weights) if tracer is None else (tracer.context(self, z, weights), weights)
-        # A failed step after the cache write rolls the cache back to the length it had: the positions it
-        # reads are exactly as before (the write's slots are past the length again, never read).
-        start = cache.length
-        k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
+        start = 0 if cache is None else cache.length
+        if cache is not None:
+            k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
         try:
             z, weights = hwf.attend(plan, q, k, v, mask)
             return (z, weights) if tracer is None else (tracer.context(self, z, weights), weights)
         except BaseException:
-            cache.crop(start)
+            # A failed step after the cache write rolls the cache back to the length it had: the positions
+            # it reads are exactly as before (the write's slots are past the length again, never read).
+            if cache is not None:
+                cache.crop(start)
             raise
 
     def _forward_in_chunks(self, plan: Plan, x, key, value, mask, positions):  # type: ignore[no-untyped-def]
