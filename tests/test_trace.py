@@ -284,3 +284,39 @@ def test_head_results_is_h_gemms_of_the_right_heads():
     z, w = torch.randn(2, 3, 4, 5, dtype=torch.float64), torch.randn(6, 15, dtype=torch.float64)
     want = torch.stack([z[:, i] @ w[:, 5 * i:5 * i + 5].T for i in range(3)], dim=2)  # (b, s, h, d)
     torch.testing.assert_close(head_results(z, w), want)
+
+
+def test_captured_results_give_the_layer_output_with_and_without_edits():
+    # Capturing every head's write lets the layer sum them instead of a second W_O product: the traced
+    # output must still be the layer's output (reference: the untraced layer, with the edit as a pre-hook).
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(24, 4, 2).double()
+    x = torch.randn(2, 5, 24, dtype=torch.float64, requires_grad=True)
+    for edit in ({}, {(0, 1): "zero"}):
+        def zero_head(module, args):
+            if not edit:
+                return None
+            (h,) = args
+            return (torch.cat([h[..., :6], torch.zeros_like(h[..., 6:12]), h[..., 12:]], dim=-1),)
+        handle = attn.out_proj.register_forward_pre_hook(zero_head)
+        want = attn(x)
+        (gx_want,) = torch.autograd.grad(want.square().sum(), x)
+        handle.remove()
+        with headwise.trace(attn, capture=("result",), edit=edit) as t:
+            got = attn(x)
+        (gx_got,) = torch.autograd.grad(got.square().sum(), x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gx_got, gx_want)
+        torch.testing.assert_close(t[0].result.sum(2) + attn.out_proj.bias, want)
+
+
+def test_a_hook_on_w_o_still_runs_under_a_result_trace():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4)
+    x = torch.randn(1, 3, 16)
+    seen = []
+    attn.out_proj.register_forward_hook(lambda m, a, out: seen.append(out.clone()) or out * 2)
+    with torch.no_grad(), headwise.trace(attn, capture=("result",)):
+        y = attn(x)
+    assert len(seen) == 1  # the module call ran, so did its hook, and its change reached the output
+    torch.testing.assert_close(y, seen[0] * 2)

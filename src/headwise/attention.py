@@ -25,7 +25,7 @@ from .dispatch import DispatchInfo, describe
 from .head import AttentionHead, pack_heads
 from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
-from .projections import packed_linears, packed_weight, repack
+from .projections import packed_linears, packed_weight, plain_linear, repack
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_dtype, check_forward
 
@@ -78,7 +78,8 @@ class MultiHeadAttention(nn.Module):
 
     #: While a :func:`headwise.trace` is active, the object that captures and edits this layer's heads:
     #: ``wants_weights(layer)``, ``qkv(layer, q, k, v)``, ``context(layer, z, weights) -> z`` and
-    #: ``output(layer, z, y)`` are called at those steps of the forward. None (the default) costs one check.
+    #: ``results(layer) -> (b, s_q, h, d) or None`` (every head's write z_h W_O^h, when it computed them)
+    #: are called at those steps of the forward. None (the default) costs one check.
     tracer = None
 
     def __init__(
@@ -205,8 +206,18 @@ class MultiHeadAttention(nn.Module):
                                    return_weights=True if wants else return_weights)
         return tracer.context(self, z, weights), (weights if return_weights is True else None)
 
-    def project_out(self, z: torch.Tensor) -> torch.Tensor:
-        """Merge heads and apply W_O, the only place heads mix. Shapes: (b, h, s_q, d_h) -> (b, s_q, d)."""
+    def project_out(self, z: torch.Tensor, results: torch.Tensor | None = None) -> torch.Tensor:
+        """Merge heads and apply W_O, the only place heads mix.
+
+        ``results``, every head's write ``z_h W_O^h`` already computed (a trace capturing them), make the
+        output their sum plus the bias: the same value without a second product over W_O. They are used only
+        while ``out_proj`` is a plain ``nn.Linear`` (a hook or an adapter on it still runs, through the call).
+
+        Shapes: z (b, h, s_q, d_h); results (b, s_q, h, d) -> (b, s_q, d)
+        """
+        if results is not None and plain_linear(self.out_proj):
+            y = results.sum(2)  # (b, s_q, d)
+            return y if self.out_proj.bias is None else y.add_(self.out_proj.bias)
         return self.out_proj(hwf.merge_heads(z))  # (b, s_q, d)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,9 +270,7 @@ class MultiHeadAttention(nn.Module):
         z, weights = self._attend(plan, cache, tracer, q, k, v, mask)  # (b, h, s_q, d_h)
         del q, k, v  # without autograd, freed before W_O allocates the output
         # Merge and project out: W_O is the only place heads mix.
-        y = self.project_out(z)  # (b, s_q, d)
-        if tracer is not None:
-            tracer.output(self, z, y)
+        y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
         if not batched:
             y, weights = y.squeeze(0), None if weights is None else weights.squeeze(0)
         return (y, weights) if return_weights else y

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["packed_linears", "packed_weight", "repack"]
+__all__ = ["packed_linears", "packed_weight", "plain_linear", "repack"]
 
 
 def packed_linears(d_in: int, widths: Sequence[int], bias: bool, device: torch.device | str | None = None,
@@ -54,9 +54,18 @@ def packed_linears(d_in: int, widths: Sequence[int], bias: bool, device: torch.d
     return linears
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
-                or nn.modules.module._global_forward_pre_hooks)
+def plain_linear(module: nn.Module) -> bool:
+    """Whether calling ``module`` is exactly ``F.linear`` with its weight and bias: an ``nn.Linear`` (not a
+    subclass such as a LoRA wrapper) with no forward hooks, its own or global. Only then may a caller use
+    the weight directly in place of a module call.
+
+    Example:
+        >>> plain_linear(nn.Linear(2, 3)), plain_linear(nn.Identity())
+        (True, False)
+    """
+    return type(module) is nn.Linear and not (
+        module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks)
 
 
 def packed_weight(linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -67,7 +76,7 @@ def packed_weight(linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Ten
     Shapes:
         -> weight (d_in, total), bias (total,) or None
     """
-    if any(type(m) is not nn.Linear or _hooked(m) for m in linears):
+    if not all(plain_linear(m) for m in linears):
         return None
     w0 = linears[0].weight
     d_in, total = w0.shape[1], sum(m.weight.shape[0] for m in linears)

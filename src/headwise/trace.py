@@ -152,6 +152,7 @@ class _LayerTracer:
         self.record, self.scale, self.others = record, scale, others
         self.capture = record.capture
         self.pending: dict[str, torch.Tensor] = {}
+        self.last_results: torch.Tensor | None = None
 
     def wants_weights(self, layer: MultiHeadAttention) -> bool:
         return "pattern" in self.capture
@@ -174,12 +175,15 @@ class _LayerTracer:
             if "z" in self.capture:
                 call["z"] = z.transpose(1, 2)  # (b, s_q, h, d_h)
             if "result" in self.capture:
-                call["result"] = head_results(z, layer.out_proj.weight)  # (b, s_q, h, d)
+                call["result"] = self.last_results = head_results(z, layer.out_proj.weight)  # (b, s_q, h, d)
             self.record.calls.append(call)
         return z
 
-    def output(self, layer: MultiHeadAttention, z: torch.Tensor, y: torch.Tensor) -> None:
-        """Nothing to do: every capture and edit happens at the context (patched modules may skip W_O)."""
+    def results(self, layer: MultiHeadAttention) -> torch.Tensor | None:
+        """The head writes the context step just captured, handed over once (the layer may sum them instead
+        of a second W_O product), or None. Patched modules call ``project_out`` themselves and never ask."""
+        results, self.last_results = self.last_results, None
+        return results
 
 
 class Trace:

@@ -173,8 +173,10 @@ class GPT2View(LayerView):
         """One ``c_attn`` call, split into heads. Shapes: x (b, s, d) -> (b, h, s, d_h) x3."""
         return split_fused(self._hw_host.c_attn(x), self.config)  # (b, h, s, d_h) each
 
-    def project_out(self, context: torch.Tensor) -> torch.Tensor:
-        """Merge heads and run ``c_proj``. Shapes: (b, h, s, d_h) -> (b, s, d)."""
+    def project_out(self, context: torch.Tensor, results: torch.Tensor | None = None) -> torch.Tensor:
+        """Merge heads and run ``c_proj`` (always the call: ``results`` is accepted and not used).
+
+        Shapes: (b, h, s, d_h) -> (b, s, d)"""
         return self._hw_host.c_proj(hwf.merge_heads(context))  # (b, s, d)
 
 

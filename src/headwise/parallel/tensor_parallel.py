@@ -179,8 +179,9 @@ class TensorParallelAttention(MultiHeadAttention):
         v = hwf.split_heads(F.linear(value, w_v, b_v), self.config.n_kv_heads)  # (b, kv_local, s_kv, d_h)
         return k, v
 
-    def project_out(self, context: torch.Tensor) -> torch.Tensor:
-        """This rank's share of W_O, summed over ranks, then the bias once.
+    def project_out(self, context: torch.Tensor, results: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's share of W_O, summed over ranks, then the bias once (``results``, this rank's heads
+        only, are accepted and not used: the sum needs the all-reduce either way).
 
         Shapes: (b, h_local, s_q, d_h) -> (b, s_q, d)
         """
