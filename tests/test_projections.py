@@ -125,3 +125,35 @@ def test_checkpoints_round_trip_through_torch_save_and_safetensors(tmp_path):
     third.load_state_dict(safetensors.load_file(tmp_path / "a.safetensors"))
     torch.testing.assert_close(third(x), attn(x))
     assert packed_weight(_qkv(third)) is not None  # loading copies into the packed storage
+
+
+@pytest.mark.parametrize("how", ["data reassigned", "replaced weight", "hook", "module swapped", "values edited"])
+def test_the_remembered_packing_follows_changes_made_after_a_first_call(how):
+    # The layer remembers its packed weight between calls; every change after the first call must reach
+    # the next output (reference: the float64 formula on the layer's current weights).
+    torch.manual_seed(4)
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        attn(x)  # remembers the packing
+        new = torch.randn(8, 16)
+        if how == "data reassigned":
+            attn.k_proj.weight.data = new.clone()  # the same Parameter, somewhere else in memory
+        elif how == "replaced weight":
+            attn.k_proj.weight = nn.Parameter(new.clone())
+        elif how == "hook":
+            attn.k_proj.register_forward_hook(lambda m, i, o: o * 2)
+        elif how == "module swapped":
+            swapped = nn.Linear(16, 8)
+            swapped.weight.copy_(new)
+            attn.k_proj = swapped
+        else:
+            attn.k_proj.weight.copy_(new)  # in place: the packed view sees it
+        y = attn(x)
+    want = reference_mha(attn, x)[0].to(y.dtype)
+    if how == "hook":  # the reference reads weights, not hooks: build it from the module calls (hook included)
+        with torch.no_grad():
+            q, (k, v) = attn.project_q(x), attn.project_kv(x)  # the hook doubles k
+            want = attn.project_out(torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)

@@ -25,7 +25,7 @@ from .dispatch import DispatchInfo, describe
 from .head import AttentionHead, pack_heads
 from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
-from .projections import packed_linears, packed_weight, plain_linear, repack
+from .projections import PackedWeight, packed_linears, plain_linear, repack
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_dtype, check_forward
 
@@ -120,6 +120,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj, = packed_linears(config.inner_dim, [config.d_model], config.out_bias, device, dtype)
         self.rotary = rotary
         self._chunk_queries: bool | int = True
+        self._packed_qkv = PackedWeight()  # the one-product QKV weight, remembered between calls
 
     @classmethod
     def from_config(cls, config: AttentionConfig, **kwargs) -> "MultiHeadAttention":  # type: ignore[no-untyped-def]
@@ -170,13 +171,14 @@ class MultiHeadAttention(nn.Module):
 
         Shapes: x (b, s, d) -> (b, h, s, d_h), (b, h_kv, s, d_h), (b, h_kv, s, d_h)"""
         packed = None
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            packed = packed_weight((self.q_proj, self.k_proj, self.v_proj))
+        own = self._modules  # the core's own projections (a view's live in its host: never packed here)
+        if "v_proj" in own and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            packed = self._packed_qkv.get((own["q_proj"], own["k_proj"], own["v_proj"]))
         if packed is None:
             return (self.project_q(x), *self.project_kv(x))
         cfg = self.config
         qkv = F.linear(x, packed[0].t(), packed[1])  # (b, s, h * d_h + 2 * h_kv * d_h)
-        q, k, v = qkv.split((cfg.inner_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+        q, k, v = qkv.split_with_sizes((cfg.inner_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
         return (hwf.split_heads(q, cfg.n_heads), hwf.split_heads(k, cfg.n_kv_heads),  # (b, h, s, d_h)
                 hwf.split_heads(v, cfg.n_kv_heads))  # (b, h_kv, s, d_h) each
 

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["packed_linears", "packed_weight", "plain_linear", "repack"]
+__all__ = ["PackedWeight", "packed_linears", "packed_weight", "plain_linear", "repack"]
 
 
 def packed_linears(d_in: int, widths: Sequence[int], bias: bool, device: torch.device | str | None = None,
@@ -101,6 +101,47 @@ def packed_weight(linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Ten
         shape, strides = ((d_in, total), (total, 1)) if first.dim() == 2 else ((total,), (1,))
         packed.append(first.as_strided(shape, strides, first.storage_offset()))
     return packed[0], (packed[1] if len(packed) > 1 else None)
+
+
+class PackedWeight:
+    """:func:`packed_weight` of a layer's linears, remembered: a decode step asks every token, and the
+    answer only changes when a module, its type or hooks, or where a weight or bias lives changes.
+
+    Each call checks those (types and hooks, and each tensor's address and strides, the same facts
+    :func:`packed_weight` reads) and recomputes only when one differs. The remembered view holds the
+    storage it was cut from, so no later tensor can reuse that address while it is remembered.
+
+    Example:
+        >>> q, k = packed_linears(8, [8, 4], bias=False)
+        >>> memo = PackedWeight()
+        >>> memo.get((q, k))[0].shape, memo.get((q, k)) is memo.get((q, k))
+        (torch.Size([8, 12]), True)
+        >>> q.register_forward_hook(lambda *a: None) is not None, memo.get((q, k)) is None
+        (True, True)
+    """
+
+    __slots__ = ("key", "value")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.value: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return PackedWeight, ()  # a copy or an unpickled layer starts with nothing remembered
+
+    def get(self, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The packed ``(d_in, total)`` weight and bias of ``linears``, or None (see :func:`packed_weight`)."""
+        key = []
+        for m in linears:
+            if not plain_linear(m):
+                return None
+            params = m._parameters  # a decode step's fixed cost is mostly Python: skip Module.__getattr__
+            w, b = params["weight"], params["bias"]
+            key += (m, w.data_ptr(), w.stride(), w.shape, w.dtype, None if b is None else b.data_ptr())
+        key = tuple(key)
+        if key != self.key:  # tuples compare element-wise; modules by identity
+            self.key, self.value = key, packed_weight(linears)
+        return self.value
 
 
 def repack(linears: Sequence[nn.Module]) -> bool:
