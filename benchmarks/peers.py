@@ -5,6 +5,7 @@ peer computes the same function on the same inputs (the smoke test checks that t
   ``scaled_dot_product_attention``, the merge and the output projection, nothing else.
 * ``nn.MultiheadAttention``: its CPU fast path (eval, no_grad, ``need_weights=False``) and its default call.
 * Hugging Face ``BertSelfAttention`` (+ the output dense) and ``LlamaAttention``, "sdpa" and "eager".
+* TransformerLens: a one-layer attention-only ``HookedTransformer`` (:func:`transformer_lens_twin`).
 * Decoding: a ``torch.cat``-grown cache, a minimal preallocated cache (``nn.Linear``, fused QKV), the same
   loop written with ``x @ W`` weights (:class:`XWDecoder`), Hugging Face's DynamicCache and StaticCache on a
   Llama layer.
@@ -24,7 +25,7 @@ from torch import nn
 from headwise import MultiHeadAttention
 
 __all__ = ["PackedSDPA", "mha_peer", "bert_peer", "llama_peer", "hf_available", "CatCacheDecoder",
-           "PreallocDecoder", "XWDecoder", "llama_decoder"]
+           "PreallocDecoder", "XWDecoder", "llama_decoder", "transformer_lens_twin"]
 
 
 def hf_available() -> str | None:
@@ -34,6 +35,35 @@ def hf_available() -> str | None:
     except Exception as exc:  # pragma: no cover - depends on the environment
         return f"transformers unavailable: {exc}"
     return None
+
+
+def transformer_lens_twin(attn: MultiHeadAttention, causal: bool = False, n_ctx: int = 64):  # type: ignore[no-untyped-def]
+    """A TransformerLens ``HookedTransformer`` whose only block is ``attn``'s attention (attention-only, no
+    norm, ``use_attn_result=True``), W_Q, W_K, W_V, W_O and biases copied head by head; ``attn``'s dtype.
+    Run it on a residual stream with ``start_at_layer=0, stop_at_layer=1``: it returns input + attention.
+
+    Shapes:
+        TL weights: W_Q, W_K, W_V (h, d, d_h); W_O (h, d_h, d); b_Q, b_K, b_V (h, d_h); b_O (d,)
+    """
+    import transformer_lens as tl
+
+    cfg = attn.config
+    h, d, d_h = cfg.n_heads, cfg.d_model, cfg.d_head
+    if cfg.n_kv_heads != h or attn.rotary is not None or not cfg.bias:
+        raise ValueError(f"transformer_lens_twin copies an MHA layer with biases and no rotary, got {cfg}")
+    w = attn.q_proj.weight
+    model = tl.HookedTransformer(tl.HookedTransformerConfig(
+        n_layers=1, d_model=d, n_ctx=n_ctx, d_head=d_h, n_heads=h, d_vocab=8, attn_only=True, act_fn=None,
+        normalization_type=None, attention_dir="causal" if causal else "bidirectional", use_attn_result=True,
+        dtype=w.dtype, device=str(w.device)))
+    block = model.blocks[0].attn
+    with torch.no_grad():
+        for name, proj in (("Q", attn.q_proj), ("K", attn.k_proj), ("V", attn.v_proj)):
+            getattr(block, f"W_{name}").copy_(proj.weight.view(h, d_h, d).transpose(1, 2))  # (h, d, d_h)
+            getattr(block, f"b_{name}").copy_(proj.bias.view(h, d_h))
+        block.W_O.copy_(attn.out_proj.weight.view(d, h, d_h).permute(1, 2, 0))  # (h, d_h, d)
+        block.b_O.copy_(attn.out_proj.bias)
+    return model.eval()
 
 
 def _fill(decoder, k: torch.Tensor, v: torch.Tensor) -> None:  # type: ignore[no-untyped-def]

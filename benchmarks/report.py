@@ -331,6 +331,9 @@ def _trace_goals(by_case: dict[str, list[dict]], notes: dict[str, str]) -> list[
     goals = [_goal("trace: capture every head's result vs a plain forward", "<= 1.5",
                    [r for g in result if (r := _row(g, g["group"], "headwise trace result", "plain forward"))], 1.5,
                    notes.get("trace", "")),
+             _goal("trace: every head's result vs TransformerLens run_with_cache", "<= 1.0 (faster)",
+                   [r for g in result if (r := _row(g, g["group"], "headwise trace result",
+                                                     "TransformerLens run_with_cache"))], 1.0, notes.get("tl", "")),
              _goal("trace: per-head patching sweep vs the brute-force loop", "<= 0.25",
                    [r for g in sweep if (r := _row(g, g["group"], "headwise head_effects", "brute-force loop"))], 0.25,
                    notes.get("sweep", ""))]

@@ -7,8 +7,9 @@
 * ``trace sweep``: :func:`headwise.patching.head_effects` (batched over heads) vs the brute-force loop of
   one traced forward per (layer, head), on all-MiniLM-L6-v2 (6 x 12 heads; a tiny random BERT at quick
   sizes), metric: cosine of two sentences' mean-pooled embeddings.
-* TransformerLens's ``run_with_cache`` is not run (``transformer_lens`` would add some 35 packages to the
-  pinned environment); the first group cites issue 16's measured figure instead.
+* TransformerLens 3.9.0 (the dev extra installs it beside our pins): the same layer as a one-layer
+  attention-only ``HookedTransformer`` (:func:`benchmarks.peers.transformer_lens_twin`), ``run_with_cache``
+  keeping only ``hook_result``, in the result group; without TransformerLens, issue 16's figure is cited.
 
 Run one memory measurement by hand: ``python -m benchmarks.trace traced 8 512 768 12``.
 
@@ -28,6 +29,7 @@ import torch
 
 import headwise
 from headwise import MultiHeadAttention
+from .peers import transformer_lens_twin
 from .timing import Entry, Group, forward_flops
 
 __all__ = ["trace_groups", "measure_memory", "SENTENCES"]
@@ -49,6 +51,14 @@ def _traced(layer: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
         y = layer(x)
     t[0].result  # noqa: B018 - the capture is part of what is timed
     return y
+
+
+def _transformer_lens(model, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    hook = "blocks.0.attn.hook_result"
+    with torch.no_grad():
+        resid, cache = model.run_with_cache(x, start_at_layer=0, stop_at_layer=1, names_filter=hook)
+    cache[hook]  # noqa: B018 - every head's result, (b, s, h, d), as headwise's capture
+    return resid - x  # the block returns input + attention output
 
 
 def _child(kind: str, b: int, s: int, d: int, h: int) -> dict:
@@ -91,7 +101,15 @@ def _result_group(sz, shape: tuple[int, int, int, int]) -> Group:
     es = [Entry("headwise trace result", partial(_traced, layer, x), role="headwise",
                 note="capture=('result',): every head's z_h W_O^h, (b, s, h, d)"),
           Entry("plain forward", partial(_plain, layer, x), role="limit", note="the same layer, no trace")]
-    notes = [TL_FIGURE]
+    notes = []
+    try:
+        twin = transformer_lens_twin(layer, n_ctx=s)
+    except ImportError:
+        notes.append(TL_FIGURE)
+    else:
+        es.append(Entry("TransformerLens run_with_cache", partial(_transformer_lens, twin, x), role="peer",
+                        note="transformer_lens 3.9.0 HookedTransformer, attention only, use_attn_result=True, "
+                             "names_filter='blocks.0.attn.hook_result'"))
     memory = {kind: measure_memory(kind, b, s, d, h) for kind in ("plain", "traced")}
     result_bytes = b * s * h * d * 4
     cfg = layer.config
