@@ -22,6 +22,8 @@ _EXPORTS = {
     "load_minilm": "maps",
     "minilm_path": "maps",
     "model_layers": "maps",
+    "model_layers_head_maps": "maps",
+    "model_info": "models",
     "save_png": "png",
     "render_html": "html",
     "save_html": "html",
