@@ -48,7 +48,8 @@ canvas.thumb:hover { border-color: #000; }
 <body>
 <h1 id="title">$title</h1>
 <p class="help">Model view: one thumbnail per layer (rows) and head (columns), the head's attention weights
-(blue, darker = larger; each pixel the largest weight it covers). Click a thumbnail to open the head view:
+(blue, darker = larger; each pixel the largest weight it covers). Colours follow the square root of the value,
+so that small weights stay visible; the tooltip gives the value itself. Click a thumbnail to open the head view:
 rows are query tokens, columns key tokens; the left map is where the head reads (its weights), the right
 one what it writes (orange: weight x ||value W_O||, one scale for every head). Hover for tokens and values;
 arrow keys move between heads (left/right) and layers (up/down), Escape goes back.</p>
@@ -80,7 +81,8 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
   function weight(l, h, i, j) { return W[((l * H + h) * S + i) * S + j] / STEPS; }
   function norm(l, h, j) { return N[(l * H + h) * S + j]; }
   function shade(rgb, a, px, o) {
-    a = a < 0 ? 0 : (a > 1 ? 1 : a);
+    // square-root colour scale: at hundreds of tokens most weights are small, and linear shades hide them
+    a = Math.sqrt(a < 0 ? 0 : (a > 1 ? 1 : a));
     px[o] = 255 - a * (255 - rgb[0]); px[o + 1] = 255 - a * (255 - rgb[1]); px[o + 2] = 255 - a * (255 - rgb[2]);
     px[o + 3] = 255;
   }

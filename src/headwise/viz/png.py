@@ -95,7 +95,7 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
         inches = MODEL_PANEL_INCHES
         drawn_layers, drawn_heads = min(len(many), MAX_ROWS), min(many[0].n_heads, MAX_COLS)
         rows, cols = drawn_layers, drawn_heads
-        width, height = round(cols * inches * dpi), round((rows * inches + TITLE_INCHES) * dpi)
+        width, height = round(cols * inches * dpi), round((rows * inches + TITLE_INCHES + 0.6) * dpi)
         panels = [(li, i, "weights") for li in range(drawn_layers) for i in range(drawn_heads)]
         notes.append("model view: attention weights only (the writes are in the one-layer picture and the HTML page)")
         if drawn_layers < len(many):
@@ -151,6 +151,7 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
 
     matplotlib.use("Agg", force=False)  # no display needed; keeps an interactive backend if one is active
     import matplotlib.pyplot as plt
+    from matplotlib.colors import PowerNorm  # square-root colours: small weights stay visible at long lengths
 
     path = Path(path)
     if path.suffix.lower() != ".png":
@@ -162,7 +163,7 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
     fig = plt.figure(figsize=(plan.width / dpi, plan.height / dpi), dpi=dpi)
     try:
         top = 1 - TITLE_INCHES / (plan.height / dpi)
-        bottom = 0.04 if one else 0.02
+        bottom = min(0.3, 0.8 / (plan.height / dpi))  # room for the bottom row's rotated token labels
         grid = fig.add_gridspec(plan.rows, plan.cols, left=0.05, right=0.99, bottom=bottom, top=top,
                                 wspace=0.45 if one else 0.15, hspace=0.45 if one else 0.25)
         vmax_writes = max(float(m.writes.max()) for m in many) or 1.0
@@ -178,7 +179,7 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
             img, f = _pooled(data, pixels)
             ax = fig.add_subplot(grid[r, c])
             n_px = img.shape[-1] * f
-            ax.imshow(img.numpy(), cmap=cmap, vmin=0.0, vmax=vmax, interpolation="nearest",
+            ax.imshow(img.numpy(), cmap=cmap, norm=PowerNorm(0.5, vmin=0.0, vmax=vmax), interpolation="nearest",
                       extent=(-0.5, n_px - 0.5, n_px - 0.5, -0.5))
             ax.set_xlim(-0.5, s - 0.5)
             ax.set_ylim(s - 0.5, -0.5)
@@ -195,7 +196,8 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
         what = ("where each head reads from (blue, attention weights) and what it writes (orange, weight x "
                 "||value W_O||, one scale for all heads)" if one else "attention weights of each head")
         notes = ("\n" + "; ".join(plan.notes)) if plan.notes else ""
-        fig.suptitle(f"{head}: {what}\nrows = query tokens, columns = key tokens{notes}", fontsize=9)
+        fig.suptitle(f"{head}: {what}\nrows = query tokens, columns = key tokens; colour ~ square root of the value"
+                     f"{notes}", fontsize=9)
         fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)
