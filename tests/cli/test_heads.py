@@ -93,7 +93,7 @@ def test_a_failed_write_leaves_the_old_file(capsys, monkeypatch, tmp_path) -> No
     page = tmp_path / "h.html"
     page.write_text("the old page")
 
-    def full_disk(maps, path):
+    def full_disk(maps, path, **kwargs):
         Path(path).write_text("half a page")
         raise OSError(28, "No space left on device")
 
