@@ -59,12 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"a local save_pretrained directory of a BERT, GPT-2 or Llama-family model with its "
                         f"tokenizer (never downloaded), or {BUNDLED} (bundled; the default)")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--layer", type=int, default=0, help="attention layer, from 0 (default 0)")
+    which.add_argument("--layer", type=int, default=0, metavar="L", help="attention layer, from 0 (default 0)")
     which.add_argument("--all-layers", action="store_true", help="every layer: the model view")
     p.add_argument("--heads", type=parse_heads, default=None, metavar="LIST",
                    help="only these heads, e.g. 0,3,5-7 (default: all)")
-    p.add_argument("--out", default=None, help="also draw the heads into FILE.png (needs headwise[viz]) or FILE.html")
-    p.add_argument("--max-tokens", type=size, default=64,
+    p.add_argument("--out", default=None, metavar="FILE", help="also draw the heads into FILE.png (needs headwise[viz]) or FILE.html")
+    p.add_argument("--max-tokens", type=size, default=64, metavar="N",
                    help="cut the text to this many tokens, at most the model's position limit (default 64); "
                         "a cut is announced on stderr")
     p.add_argument("--json", action="store_true", help="print the per-head arrays and summary as JSON")
