@@ -156,3 +156,29 @@ def test_bad_arguments_are_refused_before_loading(capsys, tmp_path, no_loading) 
         code, out, err = run(capsys, TEXT, "--model", str(model))
         assert code == 2 and message in err, (model, err)
         assert len(err.strip().splitlines()) == 1
+
+
+def test_drawings_too_large_are_refused_before_the_model_loads(checkpoint, capsys, tmp_path, monkeypatch) -> None:
+    import shutil
+
+    import headwise.viz.models as models
+
+    _, path = checkpoint
+    big = tmp_path / "big"
+    big.mkdir()
+    for f in path.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, big / f.name)
+    (big / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 40, "n_head": 40,
+                                                 "n_positions": 8192}))
+
+    def refuse(*a, **k):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(models, "load", refuse)
+    text = " ".join(f"w{i % 30 + 3}" for i in range(3000))
+    code, out, err = run(capsys, text, "--model", str(big), "--all-layers", "--max-tokens", "3000")
+    assert code == 2 and "40 layer(s) x 40 heads x 3000 x 3000 tokens would hold 107.3 GiB" in err, err
+    code, out, err = run(capsys, text, "--model", str(big), "--max-tokens", "3000", "--out", str(tmp_path / "x.html"))
+    assert code == 2 and "an HTML page of 1 layer(s) x 40 heads x 3000 x 3000 tokens would hold 360M weights" in err
+    assert len(err.strip().splitlines()) == 1

@@ -22,6 +22,9 @@ from ._sizes import size
 BUNDLED = "all-minilm-l6-v2"
 # Tokens listed in full on the first line; longer texts show the first and last few.
 _LIST_TOKENS = 40
+# The largest capture (float32 weights and writes of every head of the drawn layers) and HTML page.
+CAPTURE_LIMIT_BYTES = 4 * 2**30
+PAGE_LIMIT_WEIGHTS = 2**28
 
 
 def _info(spec: str) -> Any:
@@ -99,17 +102,29 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
     return info, out
 
 
-def _load(info: Any) -> tuple[Any, Any]:
-    """(tokenizer, model) of ``info``; the bundled model through viz.maps.load_minilm (tests swap it)."""
-    from ..viz import maps as vmaps
+def _loading(info: Any, what: str) -> Any:
+    """The tokenizer or the model of a local checkpoint (``what``), an unreadable directory in one line."""
     from ..viz import models
 
-    if info.bundled:
-        return vmaps.load_minilm()
     try:
-        return models.load_tokenizer(info), models.load(info)
+        return models.load_tokenizer(info) if what == "tokenizer" else models.load(info)
     except OSError as exc:  # a half-saved directory: say which, in one line
         raise CliError(f"--model: cannot load {str(info.path)!r}: {exc}") from None
+
+
+def check_size(n_layers: int, n_heads_captured: int, n_heads_drawn: int, s: int, html: bool) -> None:
+    """Refuse, before the model loads, a drawing whose captured weights (float32, all heads of each drawn
+    layer, held twice: weights and writes) or whose page (one byte per drawn weight) would be too large."""
+    captured = 2 * 4 * n_layers * n_heads_captured * s * s
+    if captured > CAPTURE_LIMIT_BYTES:
+        raise CliError(f"{n_layers} layer(s) x {n_heads_captured} heads x {s} x {s} tokens would hold "
+                       f"{captured / 2**30:.1f} GiB of float32 weights and writes, over the limit of "
+                       f"{CAPTURE_LIMIT_BYTES / 2**30:.0f} GiB; draw fewer layers (--layer) or tokens (--max-tokens)")
+    stored = n_layers * n_heads_drawn * s * s
+    if html and stored > PAGE_LIMIT_WEIGHTS:
+        raise CliError(f"an HTML page of {n_layers} layer(s) x {n_heads_drawn} heads x {s} x {s} tokens would hold "
+                       f"{stored / 1e6:.0f}M weights, over its limit of {PAGE_LIMIT_WEIGHTS / 1e6:.0f}M (a browser "
+                       "could not hold it); draw fewer layers (--layer), heads (--heads) or tokens (--max-tokens)")
 
 
 def heads(args: argparse.Namespace) -> dict[str, Any]:
@@ -122,7 +137,10 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
 
         step(f"loading {info.name} ({'bundled, ' if info.bundled else ''}offline)")
         _quiet_transformers()
-        tokenizer, model = _load(info)
+        if info.bundled:
+            tokenizer, model = vmaps.load_minilm()
+        else:
+            tokenizer, model = _loading(info, "tokenizer"), None
         n_tokens = len(tokenizer(args.text, verbose=False)["input_ids"])  # before the cut, to announce it
         enc = tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_tokens)
         keep = ("input_ids", "attention_mask") + (("token_type_ids",) if info.family == "bert" else ())
@@ -133,6 +151,10 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
             notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
                          f"(--max-tokens {args.max_tokens}{limit})")
         layers = list(range(info.n_layers)) if args.all_layers else [args.layer]
+        check_size(len(layers), info.n_heads, len(args.heads or range(info.n_heads)), len(tokens),
+                   out is not None and out.suffix.lower() != ".png")
+        if model is None:
+            model = _loading(info, "model")
         step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")
         maps = vmaps.model_layers_head_maps(model, enc, layers=layers, tokens=tokens, heads=args.heads)
         if out is not None:
