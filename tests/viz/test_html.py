@@ -96,8 +96,18 @@ def test_chromium_draws_heads_and_the_tooltip_shows_the_value(maps: HeadMaps, ch
     wait_rendered(page)
     assert page.js("document.body.dataset.rendered") == "1"
     assert page.js("document.querySelectorAll('canvas.thumb').length") == maps.n_heads
-    page.js("headwise.open(2, 5)")
+    # hovering a thumbnail names its head and the weight under the pointer; a real click opens the head view
+    page.hover('canvas.thumb[data-h="5"]')
+    text = page.js("document.getElementById('tip').textContent")
+    assert text.startswith("layer 2, head 5 (click to open)")
+    i, j = map(int, re.search(r"query (\d+) .* -> key (\d+)", text).groups())
+    assert abs(float(re.search(r"weight (\d+\.\d+)", text).group(1)) - float(maps.weights[5, i, j])) <= STEP + 5e-5
+    x, y = page.js("(function(){var r=document.querySelector('canvas.thumb[data-h=\"5\"]').getBoundingClientRect();"
+                   "return [r.x + r.width / 2, r.y + r.height / 2];})()")
+    for kind in ("mousePressed", "mouseReleased"):
+        page.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
     assert page.js("document.getElementById('which').textContent") == "layer 2, head 5"
+    assert page.js("document.getElementById('model').hidden") is True
     assert page.js("location.hash") == "#L2H5"
     shot = Image.open(io.BytesIO(page.screenshot())).convert("RGB")
     rgb = np.asarray(shot.resize((200, 150)), dtype=np.int32)
