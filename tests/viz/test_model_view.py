@@ -76,3 +76,8 @@ def test_512_tokens_all_layers_render_and_hover(minilm, reference, chromium, tmp
         assert tip["shown"] == "block" and tip["data"]["query"] == str(i) and tip["data"]["key"] == str(j)
         assert f'-> key {j} "{tokens[j]}"' in tip["text"]
         assert abs(shown_weight(tip) - float(ref[layer, head, i, j])) <= STEP + 5e-5
+    page.js("(function(){var z=document.getElementById('zoom'); z.value='3'; z.dispatchEvent(new Event('change'));})()")
+    i, j = 100, int(ref[layer, head, 100].argmax())  # zoomed, the pointer still maps to the right cell
+    tip = hover_cell(page, "weights", i, j)
+    assert (tip["data"]["query"], tip["data"]["key"]) == (str(i), str(j))
+    assert abs(shown_weight(tip) - float(ref[layer, head, i, j])) <= STEP + 5e-5

@@ -39,7 +39,7 @@ canvas.thumb:hover { border-color: #000; }
 #controls button { margin-right: 4px; }
 #maps { display: flex; flex-wrap: wrap; gap: 16px; }
 .map .label { font-size: 12px; color: #555; margin-bottom: 2px; }
-.map canvas { display: block; cursor: crosshair; }
+.map canvas { display: block; cursor: crosshair; image-rendering: pixelated; }
 #tip { position: fixed; pointer-events: none; background: rgba(255,255,255,0.96); border: 1px solid #333;
        border-radius: 4px; padding: 4px 6px; font-size: 12px; white-space: pre; display: none; z-index: 10; }
 #cell { position: absolute; pointer-events: none; border: 1px solid #000; display: none; }
@@ -52,12 +52,13 @@ canvas.thumb:hover { border-color: #000; }
 so that small weights stay visible; the tooltip gives the value itself. Click a thumbnail to open the head view:
 rows are query tokens, columns key tokens; the left map is where the head reads (its weights), the right
 one what it writes (orange: weight x ||value W_O||, one scale for every head). Hover for tokens and values;
-arrow keys move between heads (left/right) and layers (up/down), Escape goes back.</p>
+arrow keys move between heads (left/right) and layers (up/down), Escape goes back; zoom enlarges long inputs.</p>
 <div id="status">decoding...</div>
 <div id="model"></div>
 <div id="headview" hidden>
   <div id="controls"><button id="back">all heads (Esc)</button><button id="prev">previous head</button><button
-  id="next">next head</button> <b id="which"></b></div>
+  id="next">next head</button> <label>zoom <select id="zoom"><option>1</option><option>2</option><option>3</option><option>4</option></select></label>
+  <b id="which"></b></div>
   <div id="maps">
     <div class="map"><div class="label">reads: attention weights (rows = query tokens, columns = key tokens)</div><canvas id="map-weights"></canvas></div>
     <div class="map"><div class="label">writes: weight x ||value W_O|| (rows = query tokens, columns = key tokens)</div><canvas id="map-writes"></canvas></div>
@@ -219,9 +220,17 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     document.getElementById("which").textContent = "layer " + D.layers[l] + ", head " + D.heads[h];
     drawMap(document.getElementById("map-weights"), l, h, "weights");
     drawMap(document.getElementById("map-writes"), l, h, "writes");
+    zoom();
     hideTip();
     var hash = "#L" + D.layers[l] + "H" + D.heads[h];
     if (location.hash !== hash) history.replaceState(null, "", hash);
+  }
+  function zoom() {  // CSS scaling only: the tooltip maps the pointer back through the canvas's on-screen size
+    var z = +document.getElementById("zoom").value;
+    ["map-weights", "map-writes"].forEach(function (id) {
+      var c = document.getElementById(id);
+      c.style.width = (c.width * z) + "px"; c.style.height = (c.height * z) + "px";
+    });
   }
   function back() {
     state.view = "model"; hideTip();
@@ -241,6 +250,7 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     c.addEventListener("mouseleave", hideTip);
   });
   document.getElementById("back").addEventListener("click", back);
+  document.getElementById("zoom").addEventListener("change", zoom);
   document.getElementById("prev").addEventListener("click", function () { open(state.l, state.h - 1); });
   document.getElementById("next").addEventListener("click", function () { open(state.l, state.h + 1); });
   document.addEventListener("keydown", function (ev) {
