@@ -139,8 +139,8 @@ def test_bad_arguments_are_refused_before_loading(capsys, tmp_path, no_loading) 
         (["--max-tokens", "100000"], "at most 64"),
         (["--layer", "2"], "layer must be an int in [0, 2) for the 2-layer gpt2 model, got 2"),
         (["--heads", "1,3"], "heads must be in [0, 3) for this 3-head model, got 3"),
-        (["--heads", "x"], "--heads takes head numbers and ranges such as 0,3,5-7"),
-        (["--heads", "3-1"], "is not a head number or a range"),
+        (["--heads", "x"], "error: --heads must be head numbers and ranges such as 0,3,5-7, got 'x'"),
+        (["--heads", "3-1"], "argument --heads: '3-1' is not a head number or a range"),
         (["--layer", "1", "--all-layers"], "not allowed with argument"),
         (["--out", str(tmp_path / "x.gif")], "--out must end in .png or .html"),
     ]

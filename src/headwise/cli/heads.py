@@ -46,11 +46,11 @@ def parse_heads(text: str) -> list[int]:
             a = int(lo)
             b = int(hi) if sep else a
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--heads takes head numbers and ranges such as 0,3,5-7, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be head numbers and ranges such as 0,3,5-7, got {text!r}")
         if a < 0 or b < a:
-            raise argparse.ArgumentTypeError(f"--heads: {part!r} is not a head number or a range lo-hi (lo <= hi)")
+            raise argparse.ArgumentTypeError(f"{part!r} is not a head number or a range lo-hi (lo <= hi)")
         if b - a > 100_000:
-            raise argparse.ArgumentTypeError(f"--heads: range {part!r} is larger than any model's head count")
+            raise argparse.ArgumentTypeError(f"range {part!r} is larger than any model's head count")
         out.update(range(a, b + 1))
     return sorted(out)
 
