@@ -93,7 +93,7 @@ def test_a_failed_write_leaves_the_old_file(capsys, monkeypatch, tmp_path) -> No
     page = tmp_path / "h.html"
     page.write_text("the old page")
 
-    def full_disk(maps, path):
+    def full_disk(maps, path, **kwargs):
         Path(path).write_text("half a page")
         raise OSError(28, "No space left on device")
 
@@ -109,10 +109,13 @@ def test_truncation_is_announced(capsys, minilm) -> None:
     text = " ".join([TEXT] * 4)
     n = len(tokenizer(text)["input_ids"])  # the tokenizer's own count, untruncated
     assert main(["heads", text, "--max-tokens", "10"]) == 0
-    out = capsys.readouterr().out
-    assert f"Note: the text has {n} tokens; only the first 10 are shown" in out
+    out, err = capsys.readouterr()
+    assert f"note: the text has {n} tokens; only the first 10 are drawn (--max-tokens 10" in err
+    assert "10 tokens:" in out and "note" not in out
     assert main(["heads", text, "--max-tokens", "10", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    r = json.loads(out)
+    assert "only the first 10 are drawn" in err  # announced on stderr in --json runs too
     assert r["truncated"] and r["text_tokens"] == n and len(r["tokens"]) == 10
     assert main(["heads", TEXT, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["truncated"] is False

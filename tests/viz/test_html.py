@@ -1,5 +1,5 @@
-"""The HTML page: self-contained, carries the right data, and, in headless Chromium, shows every head and
-reacts to hovering a token."""
+"""The HTML page: self-contained, carries the traced data (to the quantisation step), escapes tokens, and,
+in headless Chromium, draws every head and shows the tokens and values of the cell under the pointer."""
 
 from __future__ import annotations
 
@@ -12,31 +12,55 @@ import pytest
 import torch
 
 from headwise import MultiHeadAttention
-from headwise.viz.html import render_html, save_html
+from headwise.viz.html import QUANT_STEPS, decode, render_html, save_html
 from headwise.viz.maps import HeadMaps, head_maps
 
+STEP = 0.5 / QUANT_STEPS  # the largest quantisation error of a stored weight
 
-def _embedded(page: str) -> dict:
-    m = re.search(r'<script id="headwise-data" type="application/json">(.*?)</script>', page, re.S)
-    return json.loads(m.group(1))
+
+def embedded(page: str) -> tuple[dict, str]:
+    """(metadata, base64 blob) as the page carries them."""
+    meta = re.search(r'<script id="headwise-meta" type="application/json">(.*?)</script>', page, re.S).group(1)
+    blob = re.search(r'<script id="headwise-data" type="application/octet-stream">(.*?)</script>', page, re.S).group(1)
+    return json.loads(meta), blob
 
 
 def test_page_is_self_contained_and_carries_the_data(maps: HeadMaps) -> None:
     page = render_html(maps)
-    assert _embedded(page) == maps.to_dict()
-    # no network: no external URL anywhere (the SVG namespace is an identifier, never fetched), no src/href
-    urls = set(re.findall(r"https?://[^\s\"'<>)]+", page)) - {"http://www.w3.org/2000/svg"}
-    assert not urls
+    meta, blob = embedded(page)
+    assert meta["tokens"] == maps.tokens and meta["layers"] == [maps.layer] and meta["heads"] == list(range(12))
+    w, norms = decode(meta, blob)
+    torch.testing.assert_close(w[0], maps.weights.float(), atol=STEP + 1e-7, rtol=0)
+    assert torch.equal((w[0] * QUANT_STEPS).round(), (maps.weights.float() * QUANT_STEPS).round())
+    torch.testing.assert_close(norms[0], maps.value_norms.float(), atol=0, rtol=0)
+    # the page's writes (weight x norm, computed in the browser) scale by the largest quantised write
+    assert meta["max_write"] == pytest.approx(float((w[0] * norms[0][:, None, :]).max()), rel=1e-6)
+    # no network: no URL anywhere, no src/href, and the CSP forbids loading anything
+    assert not re.findall(r"https?://", page.replace("http-equiv", ""))
     assert not re.search(r"\s(src|href)\s*=", page)
-    assert "default-src 'none'" in page  # the CSP forbids loading anything
+    assert "default-src 'none'" in page
+
+
+def test_several_layers_and_chosen_heads_round_trip() -> None:
+    attn = MultiHeadAttention(16, 4)
+    layers = [head_maps(attn, torch.randn(6, 16), layer=i) for i in range(3)]
+    sub = [HeadMaps(m.tokens, m.layer, m.weights[[1, 3]], m.writes[[1, 3]], m.value_norms[[1, 3]], heads=(1, 3))
+           for m in layers]
+    meta, blob = embedded(render_html(sub))
+    assert meta["layers"] == [0, 1, 2] and meta["heads"] == [1, 3]
+    w, norms = decode(meta, blob)
+    torch.testing.assert_close(w, torch.stack([m.weights for m in sub]), atol=STEP + 1e-7, rtol=0)
+    torch.testing.assert_close(norms, torch.stack([m.value_norms for m in sub]), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="same tokens and heads"):
+        render_html([layers[0], sub[1]])
 
 
 def test_tokens_cannot_inject_markup() -> None:
     attn = MultiHeadAttention(8, 2)
     tokens = ["</script><b>x</b>", "<img src=x>", "&amp;"]
-    page = render_html(head_maps(attn, torch.randn(3, 8), tokens=tokens))
-    assert "<b>x</b>" not in page and "<img" not in page
-    assert _embedded(page)["tokens"] == tokens
+    page = render_html(head_maps(attn, torch.randn(3, 8), tokens=tokens), title="<i>t</i>")
+    assert "<b>x</b>" not in page and "<img" not in page and "<i>t</i>" not in page
+    assert embedded(page)[0]["tokens"] == tokens
 
 
 def test_save_html_checks_suffix(maps: HeadMaps, tmp_path) -> None:
@@ -44,53 +68,63 @@ def test_save_html_checks_suffix(maps: HeadMaps, tmp_path) -> None:
         save_html(maps, tmp_path / "x.png")
 
 
+def hover_cell(page, kind: str, i: int, j: int) -> dict:
+    """Move the real (DevTools) mouse onto cell (i, j) of the open head view; the tooltip's text and data."""
+    x, y = page.js(f"headwise.cellCenter({json.dumps(kind)}, {i}, {j})")
+    page.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+    return page.js("(function(){var t=document.getElementById('tip');"
+                   "return {text: t.textContent, shown: getComputedStyle(t).display, data: Object.assign({}, t.dataset)};})()")
+
+
+def wait_rendered(page) -> None:
+    """Wait for the page's own promise: data decoded and every thumbnail drawn."""
+    r = page.call("Runtime.evaluate", expression="headwise.ready.then(function () { return 1; })",
+                  awaitPromise=True, returnByValue=True)
+    assert r["result"].get("value") == 1, r
+
+
+def shown_weight(tip: dict) -> float:
+    return float(re.search(r"weight (\d+\.\d+)", tip["text"]).group(1))
+
+
 @pytest.mark.xdist_group("chromium")
-def test_chromium_shows_heads_and_hover_changes_highlight(maps: HeadMaps, chromium, tmp_path) -> None:
+def test_chromium_draws_heads_and_the_tooltip_shows_the_value(maps: HeadMaps, chromium, tmp_path) -> None:
     from PIL import Image
 
     path = save_html(maps, tmp_path / "heads.html")
     page = chromium(path)
-    assert page.js("document.querySelectorAll('.head').length") == maps.n_heads
-    assert page.js("document.querySelectorAll('.head rect:not(.rowmark)').length") == 2 * maps.n_heads * len(
-        maps.tokens) ** 2
-
-    shot = page.screenshot()
-    (tmp_path / "screenshot.png").write_bytes(shot)
-    img = Image.open(io.BytesIO(shot)).convert("RGB")
-    assert img.size[0] >= 800 and img.size[1] >= 600
-    small = img.resize((200, 150))
-    colours = small.getcolors(200 * 150)
-    assert len(colours) > 100  # not blank: heat maps in many shades
-    rgb = np.asarray(small, dtype=np.int32)
+    wait_rendered(page)
+    assert page.js("document.body.dataset.rendered") == "1"
+    assert page.js("document.querySelectorAll('canvas.thumb').length") == maps.n_heads
+    # hovering a thumbnail names its head and the weight under the pointer; a real click opens the head view
+    page.hover('canvas.thumb[data-h="5"]')
+    text = page.js("document.getElementById('tip').textContent")
+    assert text.startswith("layer 2, head 5 (click to open)")
+    i, j = map(int, re.search(r"query (\d+) .* -> key (\d+)", text).groups())
+    assert abs(float(re.search(r"weight (\d+\.\d+)", text).group(1)) - float(maps.weights[5, i, j])) <= STEP + 5e-5
+    x, y = page.js("(function(){var r=document.querySelector('canvas.thumb[data-h=\"5\"]').getBoundingClientRect();"
+                   "return [r.x + r.width / 2, r.y + r.height / 2];})()")
+    for kind in ("mousePressed", "mouseReleased"):
+        page.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+    assert page.js("document.getElementById('which').textContent") == "layer 2, head 5"
+    assert page.js("document.getElementById('model').hidden") is True
+    assert page.js("location.hash") == "#L2H5"
+    shot = Image.open(io.BytesIO(page.screenshot())).convert("RGB")
+    rgb = np.asarray(shot.resize((200, 150)), dtype=np.int32)
     r, b = rgb[..., 0], rgb[..., 2]
-    blue, orange = int((b > r + 40).sum()), int((r > b + 40).sum())
-    assert blue > 100 and orange > 100  # both the weights (blue) and the writes (orange) maps are drawn
+    assert int((b > r + 40).sum()) > 100 and int((r > b + 40).sum()) > 100  # weights (blue) and writes (orange)
 
-    def spans(kind: str, head: int) -> list[tuple[float, str]]:
-        return page.js(f"Array.from(document.querySelectorAll('.head[data-h=\"{head}\"] .src[data-kind=\"{kind}\"]'))"
-                       f".map(function(e){{return [Number(e.dataset.value), e.style.backgroundColor];}})")
-
-    data = maps.to_dict()
     s = len(maps.tokens)
-    before = spans("weights", 0)
-    mean = [sum(data["weights"][0][i][j] for i in range(s)) / s for j in range(s)]
-    assert [v for v, _ in before] == pytest.approx(mean, rel=1e-6)
-    assert page.js("document.body.dataset.selected") == ""
-
-    query = 8  # "it"
-    page.hover(f'.tok[data-i="{query}"]')
-    assert page.js("document.body.dataset.selected") == str(query)
-    assert page.js(f"document.querySelector('.tok[data-i=\"{query}\"]').classList.contains('active')")
-    for head in (0, 5):
-        after_w, after_o = spans("weights", head), spans("writes", head)
-        assert [v for v, _ in after_w] == pytest.approx(data["weights"][head][query], rel=1e-6)
-        assert [v for v, _ in after_o] == pytest.approx(data["writes"][head][query], rel=1e-6)
-    after = spans("weights", 0)
-    assert [c for _, c in after] != [c for _, c in before]  # what is highlighted changed
-    assert page.js("getComputedStyle(document.querySelector('.rowmark')).visibility") == "visible"
-    # the highlighted source is where head 1 reads most for "it"
-    bright = max(range(s), key=lambda j: spans("weights", 1)[j][0])
-    assert bright == max(range(s), key=lambda j: data["weights"][1][query][j])
-
-    page.hover("h1")  # leave the sentence: back to the mean over queries
-    assert page.js("document.body.dataset.selected") == ""
+    for i, j in [(8, int(maps.weights[5, 8].argmax())), (3, s - 1)]:
+        tip = hover_cell(page, "weights", i, j)
+        assert tip["shown"] == "block"
+        assert tip["data"] == {"layer": "2", "head": "5", "query": str(i), "key": str(j),
+                               "weight": f"{shown_weight(tip):.4f}"}
+        assert f"query {i} {json.dumps(maps.tokens[i])} -> key {j} {json.dumps(maps.tokens[j])}" in tip["text"]
+        assert abs(shown_weight(tip) - float(maps.weights[5, i, j])) <= STEP + 5e-5  # 4 decimals shown
+        writes = float(re.search(r"writes (\S+)", tip["text"]).group(1))
+        assert writes == pytest.approx(float(maps.writes[5, i, j]), abs=STEP * float(maps.value_norms[5, j]) + 1e-3)
+    page.call("Input.dispatchKeyEvent", type="keyDown", key="ArrowRight", code="ArrowRight", windowsVirtualKeyCode=39)
+    assert page.js("document.getElementById('which').textContent") == "layer 2, head 6"
+    page.call("Input.dispatchKeyEvent", type="keyDown", key="Escape", code="Escape", windowsVirtualKeyCode=27)
+    assert page.js("document.getElementById('headview').hidden") is True

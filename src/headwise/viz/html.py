@@ -1,181 +1,145 @@
-"""A self-contained HTML page of every head of a layer: hover a token to see where each head reads from
-and what it writes. Data, CSS and JavaScript are inline; the page loads nothing from the network.
+"""A self-contained HTML page of the heads: every layer x head as a thumbnail (the model view) that opens
+into a head view with axis labels and a tooltip giving the tokens and values under the pointer.
+
+Data, CSS and JavaScript are inline; a Content-Security-Policy forbids any network access; tokens reach the
+page only as escaped JSON and are drawn with ``textContent`` / ``fillText`` (never parsed as markup).
+
+**Encoding** (why it stays small): the weights are quantised to uint8 (step 1/255, so a value shown is
+within 1/510 of the traced one), laid out (layer, head, query, key), followed by the value norms
+``||v_j W_O^h||`` as float32; the writes are not stored, the page computes them as weight x norm. The
+bytes are gzip-compressed and base64-encoded; the browser decodes them with its own ``DecompressionStream``.
+Attention is sparse and the zeros (weights below 1/510) come in long runs, which gzip stores in a few bits
+each, so no explicit sparse format is needed: at 512 tokens x 6 layers x 12 heads of all-MiniLM-L6-v2
+(18.9M weights, 18.9 MB as plain uint8) the page is a few MB, and drawing happens on ``<canvas>``
+(one pixel per cell, no DOM node per cell).
 
 Shapes:
-    s: tokens, h: heads; the page embeds weights and writes as (h, s, s) nested lists.
+    L: layers drawn, h: heads per layer, s: tokens. Stored: weights (L, h, s, s) uint8, norms (L, h, s) float32.
 """
 
 from __future__ import annotations
 
+import base64
+import gzip
 import html
 import json
+import sys
 from pathlib import Path
-from string import Template
+from typing import Any, Sequence
 
+import torch
+
+from .html_page import PAGE
 from .maps import HeadMaps
 
-__all__ = ["render_html", "save_html"]
+__all__ = ["render_html", "save_html", "encode", "decode", "QUANT_STEPS"]
 
-_PAGE = Template("""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:">
-<title>$title</title>
-<style>
-body { font-family: system-ui, sans-serif; margin: 16px; color: #222; background: #fff; }
-h1 { font-size: 18px; margin: 0 0 4px 0; }
-p.help { font-size: 13px; color: #555; margin: 2px 0 10px 0; }
-#sentence { font-size: 16px; margin: 8px 0 14px 0; line-height: 2; }
-.tok { padding: 2px 4px; margin: 1px; border: 1px solid #bbb; border-radius: 4px; cursor: pointer; }
-.tok.active { background: #222; color: #fff; }
-#heads { display: grid; grid-template-columns: repeat(auto-fill, minmax(330px, 1fr)); gap: 10px; }
-.head { border: 1px solid #ddd; border-radius: 6px; padding: 6px; }
-.head h3 { font-size: 13px; margin: 0 0 4px 0; }
-.maps { display: flex; gap: 6px; }
-.map { flex: 1; }
-.map .label { font-size: 11px; color: #555; }
-.map svg { width: 100%; height: auto; display: block; border: 1px solid #eee; }
-.rowmark { fill: none; stroke: #000; stroke-width: 0.12; visibility: hidden; }
-.srcs { font-size: 11px; line-height: 1.9; margin-top: 3px; }
-.src { padding: 1px 3px; margin: 0 1px; border-radius: 3px; }
-</style>
-</head>
-<body>
-<h1>$title</h1>
-<p class="help">Hover a token: in every head, the source tokens light up by how much the hovered token reads
-from them (blue: attention weight) and how much that reading actually writes into the output (orange:
-weight x ||value W_O||, one scale for all heads). Without a token selected, the mean over all query tokens is shown.
-In the maps, rows are query tokens and columns source tokens.</p>
-<div id="sentence"></div>
-<div id="heads"></div>
-<script id="headwise-data" type="application/json">$data</script>
-<script>
-(function () {
-  "use strict";
-  var D = JSON.parse(document.getElementById("headwise-data").textContent);
-  var S = D.tokens.length, H = D.weights.length;
-  var maxWrite = 0;
-  D.writes.forEach(function (m) { m.forEach(function (r) { r.forEach(function (v) { if (v > maxWrite) maxWrite = v; }); }); });
-  if (maxWrite <= 0) maxWrite = 1;
-  var KINDS = [
-    { key: "weights", name: "reads (weights)", rgb: "33,102,172", scale: 1 },
-    { key: "writes", name: "writes ||a v W_O||", rgb: "230,85,13", scale: maxWrite }
-  ];
-  var SVGNS = "http://www.w3.org/2000/svg";
-  var sentence = document.getElementById("sentence");
-  D.tokens.forEach(function (t, i) {
-    var span = document.createElement("span");
-    span.className = "tok"; span.textContent = t; span.dataset.i = i;
-    span.addEventListener("mouseenter", function () { select(i); });
-    sentence.appendChild(span);
-    sentence.appendChild(document.createTextNode(" "));
-  });
-  sentence.addEventListener("mouseleave", function () { select(null); });
-  var grid = document.getElementById("heads");
-  for (var h = 0; h < H; h++) {
-    var box = document.createElement("div");
-    box.className = "head"; box.dataset.h = h;
-    var title = document.createElement("h3");
-    title.textContent = "head " + h;
-    box.appendChild(title);
-    var maps = document.createElement("div"); maps.className = "maps";
-    KINDS.forEach(function (k) {
-      var col = document.createElement("div"); col.className = "map " + k.key;
-      var label = document.createElement("div"); label.className = "label"; label.textContent = k.name;
-      col.appendChild(label);
-      var svg = document.createElementNS(SVGNS, "svg");
-      svg.setAttribute("viewBox", "0 0 " + S + " " + S);
-      var m = D[k.key][h];
-      for (var i = 0; i < S; i++) {
-        for (var j = 0; j < S; j++) {
-          var r = document.createElementNS(SVGNS, "rect");
-          r.setAttribute("x", j); r.setAttribute("y", i); r.setAttribute("width", 1); r.setAttribute("height", 1);
-          r.setAttribute("fill", "rgba(" + k.rgb + "," + Math.min(1, m[i][j] / k.scale).toFixed(4) + ")");
-          r.dataset.i = i;
-          r.addEventListener("mouseenter", (function (row) { return function () { select(row); }; })(i));
-          svg.appendChild(r);
-        }
-      }
-      var mark = document.createElementNS(SVGNS, "rect");
-      mark.setAttribute("class", "rowmark"); mark.setAttribute("x", 0); mark.setAttribute("width", S);
-      mark.setAttribute("height", 1); mark.setAttribute("y", 0);
-      svg.appendChild(mark);
-      col.appendChild(svg);
-      var srcs = document.createElement("div"); srcs.className = "srcs";
-      D.tokens.forEach(function (t, j) {
-        var sp = document.createElement("span");
-        sp.className = "src"; sp.textContent = t; sp.dataset.j = j; sp.dataset.kind = k.key;
-        srcs.appendChild(sp); srcs.appendChild(document.createTextNode(" "));
-      });
-      col.appendChild(srcs);
-      maps.appendChild(col);
-    });
-    box.appendChild(maps);
-    grid.appendChild(box);
-  }
-  function value(key, h, i, j) {
-    if (i !== null) return D[key][h][i][j];
-    var sum = 0;
-    for (var q = 0; q < S; q++) sum += D[key][h][q][j];
-    return sum / S;
-  }
-  function select(i) {
-    document.querySelectorAll(".tok").forEach(function (el) {
-      el.classList.toggle("active", i !== null && Number(el.dataset.i) === i);
-    });
-    document.querySelectorAll(".head").forEach(function (box) {
-      var h = Number(box.dataset.h);
-      KINDS.forEach(function (k) {
-        var col = box.querySelector(".map." + k.key);
-        var mark = col.querySelector(".rowmark");
-        mark.style.visibility = i === null ? "hidden" : "visible";
-        if (i !== null) mark.setAttribute("y", i);
-        col.querySelectorAll(".src").forEach(function (sp) {
-          var v = value(k.key, h, i, Number(sp.dataset.j));
-          sp.dataset.value = v;
-          sp.style.backgroundColor = "rgba(" + k.rgb + "," + Math.min(1, v / k.scale).toFixed(4) + ")";
-        });
-      });
-    });
-    document.body.dataset.selected = i === null ? "" : String(i);
-  }
-  window.headwiseSelect = select;
-  select(null);
-})();
-</script>
-</body>
-</html>
-""")
+QUANT_STEPS = 255  # a weight w is stored as round(w * 255)
 
 
-def render_html(maps: HeadMaps, *, title: str | None = None) -> str:
-    """The page as a string: one panel per head (weights and writes maps, source tokens that light up on
-    hover). No external resource is referenced; a Content-Security-Policy forbids any network access.
+def _as_list(maps: HeadMaps | Sequence[HeadMaps]) -> list[HeadMaps]:
+    many = [maps] if isinstance(maps, HeadMaps) else list(maps)
+    if not many or not all(isinstance(m, HeadMaps) for m in many):
+        raise TypeError(f"maps must be a HeadMaps or a non-empty sequence of HeadMaps, got {type(maps).__name__}")
+    first = many[0]
+    if any(m.tokens != first.tokens or m.head_ids != first.head_ids for m in many):
+        raise ValueError("every HeadMaps of one page must have the same tokens and heads")
+    return many
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """The raw little-endian bytes of ``t`` (no numpy needed)."""
+    flat = t.contiguous().view(-1).view(torch.uint8)
+    buf = bytearray(flat.numel())
+    if buf:
+        torch.frombuffer(buf, dtype=torch.uint8).copy_(flat)
+    return bytes(buf)
+
+
+def _little_endian(t: torch.Tensor) -> torch.Tensor:
+    """float32 ``t`` as little-endian bytes (the page reads them with a little-endian Float32Array)."""
+    raw = t.contiguous().view(torch.uint8).view(-1, 4)
+    return raw.flip(1) if sys.byteorder == "big" else raw  # pragma: no branch
+
+
+def encode(maps: HeadMaps | Sequence[HeadMaps]) -> tuple[dict[str, Any], str]:
+    """(metadata, base64 of the gzip-compressed data) that the page embeds (see the module doc).
 
     Shapes:
-        maps.weights, maps.writes: (h, s, s)
+        maps: L HeadMaps with (h, s, s) weights -> L * h * s * s bytes of weights + L * h * s float32 norms
+    """
+    many = _as_list(maps)
+    w = torch.stack([m.weights.detach().float() for m in many])  # (L, h, s, s)
+    if not bool(torch.isfinite(w).all()) or float(w.min()) < 0 or float(w.max()) > 1 + 1e-5:
+        raise ValueError("attention weights must be finite and in [0, 1] to be drawn")
+    q = (w * QUANT_STEPS).round_().clamp_(0, QUANT_STEPS).to(torch.uint8)
+    norms = torch.stack([m.value_norms.detach().float() for m in many])  # (L, h, s)
+    max_write = max(float((q[i].float() / QUANT_STEPS * norms[i][:, None, :]).max()) for i in range(len(many)))
+    raw = _bytes(q) + _bytes(_little_endian(norms))
+    blob = base64.b64encode(gzip.compress(raw, compresslevel=6, mtime=0)).decode("ascii")
+    meta = {"tokens": list(many[0].tokens), "layers": [m.layer for m in many], "heads": many[0].head_ids,
+            "s": len(many[0].tokens), "steps": QUANT_STEPS, "max_write": max_write or 1.0,
+            "encoding": "gzip+base64: uint8 weights (layer, head, query, key), then float32 norms (layer, head, key)"}
+    return meta, blob
+
+
+def decode(meta: dict[str, Any], blob: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`encode` (what the page's JavaScript does): (weights, norms) as float32.
+
+    Shapes:
+        -> weights (L, h, s, s) multiples of 1/255, norms (L, h, s)
 
     Example:
-        >>> import torch
+        >>> from headwise import MultiHeadAttention
+        >>> from headwise.viz.maps import head_maps
+        >>> m = head_maps(MultiHeadAttention(8, 2), torch.randn(4, 8))
+        >>> w, n = decode(*encode(m))
+        >>> bool((w[0] - m.weights).abs().max() <= 0.5 / 255), torch.equal(n[0], m.value_norms)
+        (True, True)
+    """
+    raw = gzip.decompress(base64.b64decode(blob))
+    L, h, s = len(meta["layers"]), len(meta["heads"]), meta["s"]
+    n_w = L * h * s * s
+    w = torch.frombuffer(bytearray(raw[:n_w]), dtype=torch.uint8).float().view(L, h, s, s) / meta["steps"]
+    norms = torch.frombuffer(bytearray(raw[n_w:]), dtype=torch.uint8).view(-1, 4)
+    norms = (norms.flip(1) if sys.byteorder == "big" else norms).contiguous().view(torch.float32).view(L, h, s)
+    return w, norms
+
+
+def _script_json(value: Any) -> str:
+    # JSON inside <script>: escape "<", ">" and "&" so that no token can close the script element or open a tag.
+    return (json.dumps(value, separators=(",", ":"))
+            .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
+
+
+def render_html(maps: HeadMaps | Sequence[HeadMaps], *, title: str | None = None) -> str:
+    """The page as a string: the model view of every given layer x head (one HeadMaps: a single layer),
+    each thumbnail opening into the head view (weights and writes, axis labels, tooltips).
+
+    Shapes:
+        maps: L HeadMaps with (h, s, s) weights and (h, s) value norms
+
+    Example:
         >>> from headwise import MultiHeadAttention
         >>> from headwise.viz.maps import head_maps
         >>> page = render_html(head_maps(MultiHeadAttention(8, 2), torch.randn(3, 8), tokens=["a", "<b>", "c"]))
-        >>> "http" in page.replace("http-equiv", "").replace("http://www.w3.org/2000/svg", ""), "<b>" in page
+        >>> "http" in page.replace("http-equiv", ""), "<b>" in page
         (False, False)
     """
-    payload = maps.to_dict()
-    # JSON inside <script>: escape "<" so that no token can close the script element or open a tag.
-    data = json.dumps(payload, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e")
-    title = title or f"headwise: the {maps.n_heads} heads of layer {maps.layer}"
-    return _PAGE.substitute(title=html.escape(title), data=data)
+    many = _as_list(maps)
+    meta, blob = encode(many)
+    if title is None:
+        title = (f"headwise: the {many[0].n_heads} heads of layer {many[0].layer}" if len(many) == 1
+                 else f"headwise: {len(many)} layers x {many[0].n_heads} heads")
+    meta["title"] = title
+    return PAGE.substitute(title=html.escape(title), meta=_script_json(meta), blob=blob)
 
 
-def save_html(maps: HeadMaps, path: str | Path, *, title: str | None = None) -> Path:
+def save_html(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, title: str | None = None) -> Path:
     """Write :func:`render_html` to ``path`` (UTF-8).
 
     Shapes:
-        maps.weights, maps.writes: (h, s, s)
+        maps: L HeadMaps with (h, s, s) weights
     """
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):

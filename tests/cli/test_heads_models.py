@@ -1,0 +1,184 @@
+"""`headwise heads --model DIR` on tiny random GPT-2 and Llama checkpoints saved with a tokenizer built
+offline: the drawn weights are the unpatched model's own `output_attentions`, and every argument is
+checked against config.json before anything loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from headwise.cli import main  # noqa: E402
+from tests.interop.tiny_models import VOCAB, build  # noqa: E402
+
+WORDS = ["[PAD]", "[UNK]", "[BOS]"] + [f"w{i}" for i in range(VOCAB - 3)]
+TEXT = "w1 w5 w9 w2 w7 w3 w30 w4"
+
+
+def save_checkpoint(family: str, path: Path) -> Path:
+    """A tiny random `family` model and a WordLevel tokenizer (its vocabulary is the model's) in `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(path)
+    build(family).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, save_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def reference_attentions(path: Path, text: str, max_tokens: int = 64) -> tuple[list[str], torch.Tensor]:
+    """(tokens, (layers, h, s, s)) from the unpatched model's own eager attention (output_attentions)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True, attn_implementation="eager").eval()
+    enc = tok(text, return_tensors="pt", truncation=True, max_length=max_tokens)
+    with torch.no_grad():
+        out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_attentions=True)
+    return tok.convert_ids_to_tokens(enc["input_ids"][0].tolist()), torch.cat(out.attentions)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["heads", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_all_layers_are_the_models_own_attention(checkpoint, capsys) -> None:
+    family, path = checkpoint
+    tokens, ref = reference_attentions(path, TEXT)
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--all-layers", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["family"] == family and not r["truncated"] and [m["layer"] for m in r["layers"]] == [0, 1]
+    assert all(m["tokens"] == tokens for m in r["layers"])
+    drawn = torch.tensor([m["weights"] for m in r["layers"]], dtype=torch.float32)
+    torch.testing.assert_close(drawn, ref, rtol=1e-5, atol=1e-6)  # JSON keeps 6 significant digits
+    if family != "bert":
+        assert bool(drawn.triu(1).eq(0).all())  # the decoder's causal mask was the model's
+
+
+def test_chosen_layer_and_heads(checkpoint, capsys) -> None:
+    family, path = checkpoint
+    _, ref = reference_attentions(path, TEXT)
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--layer", "1", "--heads", "0,2", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["layer"] == 1 and r["heads"] == [0, 2] and [s["head"] for s in r["summary"]] == [0, 2]
+    torch.testing.assert_close(torch.tensor(r["weights"]), ref[1, [0, 2]], rtol=1e-5, atol=1e-6)
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--layer", "1", "--heads", "0-1")
+    assert code == 0 and "head" in out and f"{path.name}, layer 1, heads 0,1" in out
+
+
+def test_long_text_is_cut_and_the_cut_announced(checkpoint, capsys) -> None:
+    _, path = checkpoint
+    text = " ".join(f"w{i % 30 + 3}" for i in range(100))  # 100 tokens, past the 64 positions
+    code, out, err = run(capsys, text, "--model", str(path), "--max-tokens", "64", "--json")
+    assert code == 0
+    assert "note: the text has 100 tokens; only the first 64 are drawn (--max-tokens 64; the model takes at most 64)" in err
+    r = json.loads(out)
+    assert r["truncated"] and r["text_tokens"] == 100 and len(r["tokens"]) == 64
+    _, ref = reference_attentions(path, text, 64)
+    torch.testing.assert_close(torch.tensor(r["weights"]), ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_html_and_png_of_every_layer(checkpoint, capsys, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from headwise.viz.html import decode
+    from tests.viz.test_html import embedded
+
+    _, path = checkpoint
+    _, ref = reference_attentions(path, TEXT)
+    page = tmp_path / "m.html"
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--all-layers", "--out", str(page))
+    assert code == 0, err
+    meta, blob = embedded(page.read_text())
+    weights, _ = decode(meta, blob)
+    torch.testing.assert_close(weights, ref, atol=0.5 / 255 + 1e-6, rtol=0)
+    png = tmp_path / "m.png"
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--all-layers", "--out", str(png))
+    assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "note: model view: attention weights only" in err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    import headwise.viz.models as models
+
+    def refuse(*a, **k):
+        raise AssertionError("nothing may load before the arguments are checked")
+
+    monkeypatch.setattr(models, "load", refuse)
+    monkeypatch.setattr(models, "load_tokenizer", refuse)
+
+
+def test_bad_arguments_are_refused_before_loading(capsys, tmp_path, no_loading) -> None:
+    path = tmp_path / "gpt2"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 3, "n_positions": 64}))
+    (path / "tokenizer.json").write_text("{}")
+    odd = tmp_path / "t5"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "t5", "num_layers": 2}))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((path / "config.json").read_text())
+    cases = [
+        (["--max-tokens", "65"], "--max-tokens must be at most 64 (the model's position embeddings), got 65"),
+        (["--max-tokens", "100000"], "at most 64"),
+        (["--layer", "2"], "layer must be an int in [0, 2) for the 2-layer gpt2 model, got 2"),
+        (["--heads", "1,3"], "heads must be in [0, 3) for this 3-head model, got 3"),
+        (["--heads", "x"], "error: --heads must be head numbers and ranges such as 0,3,5-7, got 'x'"),
+        (["--heads", "3-1"], "argument --heads: '3-1' is not a head number or a range"),
+        (["--layer", "1", "--all-layers"], "not allowed with argument"),
+        (["--out", str(tmp_path / "x.gif")], "--out must end in .png or .html"),
+    ]
+    for argv, message in cases:
+        code, out, err = run(capsys, TEXT, "--model", str(path), *argv)
+        assert code == 2 and message in err, (argv, err)
+        assert "Traceback" not in err + out and len(err.strip().splitlines()) == 1
+    for model, message in [(tmp_path / "nope", "neither 'all-minilm-l6-v2' nor an existing directory"),
+                           (path / "config.json", "is a file; pass the save_pretrained directory"),
+                           (tmp_path, "has no config.json"),
+                           (odd, "model_type 't5'"),
+                           (bare, "has no tokenizer files")]:
+        code, out, err = run(capsys, TEXT, "--model", str(model))
+        assert code == 2 and message in err, (model, err)
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_drawings_too_large_are_refused_before_the_model_loads(checkpoint, capsys, tmp_path, monkeypatch) -> None:
+    import shutil
+
+    import headwise.viz.models as models
+
+    _, path = checkpoint
+    big = tmp_path / "big"
+    big.mkdir()
+    for f in path.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, big / f.name)
+    (big / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 40, "n_head": 40,
+                                                 "n_positions": 8192}))
+
+    def refuse(*a, **k):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(models, "load", refuse)
+    text = " ".join(f"w{i % 30 + 3}" for i in range(3000))
+    code, out, err = run(capsys, text, "--model", str(big), "--all-layers", "--max-tokens", "3000")
+    assert code == 2 and "40 layer(s) x 40 heads x 3000 x 3000 tokens would hold 107.3 GiB" in err, err
+    code, out, err = run(capsys, text, "--model", str(big), "--max-tokens", "3000", "--out", str(tmp_path / "x.html"))
+    assert code == 2 and "an HTML page of 1 layer(s) x 40 heads x 3000 x 3000 tokens would hold 360M weights" in err
+    assert len(err.strip().splitlines()) == 1
