@@ -38,7 +38,8 @@ from .timing import Entry, Group, run_group
 
 __all__ = ["main", "run_suite", "Sizes", "FULL", "QUICK", "Entry", "Group", "run_group", "ORDER", "resolve_only"]
 
-ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu", "trace", "patched")
+ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu", "trace", "patched",
+         "surgery")
 _NUMBERS = {"1": ("forward", "causal", "backward"), "2": ("gqa",), "3": ("weights",), "4": ("decode",),
             "5": ("long", "memory"), "6": ("peak", "forward")}
 
