@@ -197,3 +197,12 @@ def test_loader_refuses_what_it_cannot_rebuild(tmp_path, edit, match):
     _sidecar(tmp_path, edit)
     with pytest.raises(ValueError, match=match):
         load_pretrained(tmp_path, transformers.LlamaForCausalLM)
+
+
+def test_loader_refuses_a_non_model_class_and_loads_plain_folders(tmp_path):
+    model = build("bert")
+    with pytest.raises(TypeError, match="model_class must be a transformers model class, got 'BertModel'"):
+        load_pretrained(tmp_path, "BertModel")
+    model.save_pretrained(tmp_path)  # no sidecar: plain from_pretrained
+    batch = inputs()
+    torch.testing.assert_close(output(load_pretrained(tmp_path, transformers.BertModel), batch), output(model, batch))

@@ -181,3 +181,23 @@ def test_failed_model_call_changes_no_layer():
     with pytest.raises(ValueError, match="got 9"):
         prune_heads(model, {0: [1], 1: [9]})  # layer 0 was valid: it must not be pruned either
     assert [m.n_heads for m in model] == [6, 6]
+
+
+def test_to_gqa_with_explicit_groups_pools_those_heads():
+    attn = layer(h=4, h_kv=4, d=16)
+    gqa = to_gqa(attn, 2, groups=[[0, 3], [1, 2]])
+    w = attn.k_proj.weight.detach().reshape(4, 4, 16)
+    torch.testing.assert_close(gqa.k_proj.weight, torch.cat([(w[0] + w[3]) / 2, (w[1] + w[2]) / 2]))
+    torch.testing.assert_close(gqa.q_proj.weight, attn.q_proj.weight.reshape(4, 4, 16)[[0, 3, 1, 2]].reshape(16, 16))
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda a, x: gradient_importance(a, [], _metric), ValueError, "empty list"),
+    (lambda a, x: gradient_importance(a, x, lambda y: y.sum(-1)), ValueError, r"one floating number.*shape \(2, 5\)"),
+    (lambda a, x: ablation_importance(a, x, lambda y: 3), ValueError, "one floating number"),
+    (lambda a, x: similarity_groups(a, 4), ValueError, "must divide n_heads=6"),
+    (lambda a, x: similarity_groups("a", 2), TypeError, "expected a MultiHeadAttention, got str"),
+])
+def test_importance_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(layer(), torch.randn(2, 5, 24, dtype=torch.float64))

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..attention import MultiHeadAttention
 from .layers import Target, check_host, read
 from .weights import HeadWeights, expand_kv, pool_groups
 
@@ -35,14 +36,24 @@ def _kv_vectors(hw: HeadWeights) -> torch.Tensor:
     return per_kv.repeat_interleave(hw.group_size, dim=0)  # (h, n)
 
 
-def similarity_groups(hw: HeadWeights, n_groups: int) -> list[list[int]]:
+def similarity_groups(layer: MultiHeadAttention | HeadWeights, n_groups: int) -> list[list[int]]:
     """Query heads in ``n_groups`` equal groups of similar K/V projections (cosine similarity of the
     flattened W_K, W_V and biases): greedily, the lowest unassigned head takes the unassigned heads most
-    similar to it. Deterministic.
+    similar to it. Deterministic. What ``to_gqa(..., groups="similarity")`` uses.
 
     Shapes:
         -> n_groups lists of h // n_groups head indices, each sorted
+
+    Example:
+        >>> import headwise
+        >>> attn = headwise.MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
+        >>> similarity_groups(attn, 2)   # heads that share a K/V head are the most similar
+        [[0, 1], [2, 3]]
     """
+    hw = read(layer) if isinstance(layer, MultiHeadAttention) else layer
+    if not isinstance(hw, HeadWeights):
+        raise TypeError(f"similarity_groups: expected a MultiHeadAttention, got {type(layer).__name__}")
+    _check_n_kv(n_groups, hw.n_heads, "similarity_groups")
     vec = torch.nn.functional.normalize(_kv_vectors(hw), dim=1)
     sim = vec @ vec.T  # (h, h)
     size = hw.n_heads // n_groups
