@@ -52,9 +52,11 @@ def _scalar(value: Any, what: str) -> torch.Tensor:
     return value.reshape(())
 
 
-def _grid(model: nn.Module) -> tuple[list[int], torch.Tensor]:
-    heads = [layer.n_heads for _, layer in find_layers(model)]
-    return heads, torch.full((len(heads), max(heads)), float("nan"), dtype=torch.float64)
+def _grid(model: nn.Module) -> tuple[list[int], torch.Tensor, torch.device]:
+    found = find_layers(model)
+    heads = [layer.n_heads for _, layer in found]
+    device = found[0][1].q_proj.weight.device
+    return heads, torch.full((len(heads), max(heads)), float("nan"), dtype=torch.float64), device
 
 
 def gradient_importance(model: nn.Module, data: Any, metric: Callable[[Any], Any], *,
@@ -77,18 +79,18 @@ def gradient_importance(model: nn.Module, data: Any, metric: Callable[[Any], Any
         >>> gradient_importance(attn, torch.randn(3, 4, 8), lambda y: y.square().mean()).shape
         torch.Size([1, 2])
     """
-    heads, scores = _grid(model)
+    heads, scores, device = _grid(model)
     total = torch.zeros(len(heads), max(heads), dtype=torch.float64)
     batches = _batches(data)
     for inputs in batches:
-        gates = torch.ones(len(heads), max(heads), requires_grad=True)
+        gates = torch.ones(len(heads), max(heads), device=device, requires_grad=True)
         edit = {(li, i): (lambda z_h, layer, head: z_h * gates[layer, head].to(z_h.dtype))
                 for li, h in enumerate(heads) for i in range(h)}
         with torch.enable_grad(), trace(model, edit=edit):
             value = _scalar(metric(_call(model, inputs)), "gradient_importance")
             grad, = torch.autograd.grad(value, gates, allow_unused=True)
         if grad is not None:
-            total += grad.detach().abs().double()
+            total += grad.detach().abs().double().cpu()
     for li, h in enumerate(heads):
         row = total[li, :h] / len(batches)
         if normalize:
@@ -118,7 +120,7 @@ def ablation_importance(model: nn.Module, data: Any, metric: Callable[[Any], Any
         >>> ablation_importance(attn, torch.randn(3, 4, 8), lambda y: y.square().mean()).shape
         torch.Size([1, 2])
     """
-    heads, scores = _grid(model)
+    heads, scores, _ = _grid(model)
     batches = _batches(data)
     base = [_scalar(metric(_call(model, b)), "ablation_importance").double() for b in batches]
     for li, h in enumerate(heads):
