@@ -201,3 +201,25 @@ def test_to_gqa_with_explicit_groups_pools_those_heads():
 def test_importance_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):
         call(layer(), torch.randn(2, 5, 24, dtype=torch.float64))
+
+
+def test_to_gqa_to_the_same_grouping_is_exact_and_empty_pruning_is_a_no_op():
+    attn = layer()
+    same = to_gqa(attn, 2)
+    assert all(torch.equal(a, b) for a, b in zip(attn.state_dict().values(), same.state_dict().values()))
+    assert prune_heads(attn, []) is attn
+
+
+def test_a_sharded_layer_is_refused():
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a running process group")
+    from headwise.parallel import tensor_parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tp = tensor_parallel(layer())
+        with pytest.raises(TypeError, match="already hold only this rank's heads"):
+            prune_heads(tp, [0])
+    finally:
+        dist.destroy_process_group()

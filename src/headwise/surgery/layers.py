@@ -169,6 +169,10 @@ class Target:
             raise TypeError(f"{what}: expected a MultiHeadAttention, a module containing them or a model patched "
                             f"by headwise.interop.patch; got {type(target).__name__} ({e})") from None
         self.families = [family_of(layer) for _, layer in self.layers]
+        sharded = [n or type(m).__name__ for n, m in self.layers if type(m).__name__ == "TensorParallelAttention"]
+        if sharded:
+            raise TypeError(f"{what}: {sharded} already hold only this rank's heads (tensor_parallel); change the "
+                            "whole layer, then shard it again")
 
     def index(self, ref: Any) -> int:
         names = [n for n, _ in self.layers]
@@ -196,6 +200,8 @@ class Target:
 
     def apply(self, new: Mapping[int, HeadWeights]) -> Any:
         """Write every ``new[i]`` into layer ``i``; returns the bare layer's copy or the (changed) model."""
+        if not new:
+            return self.target
         if isinstance(self.target, MultiHeadAttention):
             return new_layer(self.target, new[0]) if 0 in new else self.target
         if any(f is not None for f in self.families):

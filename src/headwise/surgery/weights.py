@@ -65,7 +65,7 @@ def _kv(hw: HeadWeights, mapping: Sequence[Sequence[int]]) -> tuple:
             out.append(None)
             continue
         heads = w.reshape(hw.n_kv_heads, d_h, *w.shape[1:])  # (h_kv, d_h[, in])
-        new = [heads[list(src)].mean(0) if len(src) > 1 else heads[src[0]] for src in mapping]
+        new = [heads[list(src)].mean(0) if len(set(src)) > 1 else heads[src[0]] for src in mapping]  # a copy stays exact
         out.append(torch.stack(new).reshape(len(mapping) * d_h, *w.shape[1:]))
     return tuple(out)
 
