@@ -206,3 +206,12 @@ def test_loader_refuses_a_non_model_class_and_loads_plain_folders(tmp_path):
     model.save_pretrained(tmp_path)  # no sidecar: plain from_pretrained
     batch = inputs()
     torch.testing.assert_close(output(load_pretrained(tmp_path, transformers.BertModel), batch), output(model, batch))
+
+
+def test_loader_sets_the_attention_implementation(tmp_path):
+    model = prune_heads(patch(build("qwen2")), DROP["qwen2"])
+    batch = inputs()
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path, transformers.Qwen2ForCausalLM, attn_implementation="eager")
+    assert loaded.config._attn_implementation == "eager"
+    torch.testing.assert_close(output(loaded, batch), output(model, batch))
