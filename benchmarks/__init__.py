@@ -12,7 +12,9 @@ Cases: ``forward``/``backward``/``causal`` (1), ``gqa`` (2), ``weights`` (3), ``
 ``long`` and ``memory`` (5: a long forward timed, and peak memory with each measurement in its own process),
 ``peak`` (6, the matmul throughput the forward is held to), all float32 on CPU; ``gpu`` (bfloat16 against
 flash-attn and SDPA) only where CUDA is present; ``trace`` (issue 16: capturing every head's residual write,
-and the per-head patching sweep on all-MiniLM-L6-v2 against its brute-force loop, :mod:`benchmarks.trace`). Timing via ``torch.utils.benchmark.Timer`` in interleaved
+and the per-head patching sweep on all-MiniLM-L6-v2 against its brute-force loop, :mod:`benchmarks.trace`).
+``surgery`` (issue 18: pruned layers' forward and parameters against heads kept, K/V-cache bytes of regrouped
+decoders, :mod:`benchmarks.surgery`). Timing via ``torch.utils.benchmark.Timer`` in interleaved
 rounds. Each run also lists the headwise rows that got more than 2 % slower than in the ``results.json`` it
 overwrites (:mod:`benchmarks.regression`). Run it from the repository root; the ``headwise`` package never
 imports it.
@@ -38,7 +40,8 @@ from .timing import Entry, Group, run_group
 
 __all__ = ["main", "run_suite", "Sizes", "FULL", "QUICK", "Entry", "Group", "run_group", "ORDER", "resolve_only"]
 
-ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu", "trace", "patched")
+ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu", "trace", "patched",
+         "surgery")
 _NUMBERS = {"1": ("forward", "causal", "backward"), "2": ("gqa",), "3": ("weights",), "4": ("decode",),
             "5": ("long", "memory"), "6": ("peak", "forward")}
 

@@ -21,6 +21,7 @@ from headwise import MultiHeadAttention
 from headwise import RotaryEmbedding
 from . import peers
 from .patched import patched_groups
+from .surgery import surgery_groups
 from .timing import Entry, Group, forward_flops as _fwd_flops, refresh_memory
 
 __all__ = ["Sizes", "FULL", "QUICK", "CASES", "build"]
@@ -386,6 +387,7 @@ CASES: dict[str, Callable[..., list[Factory]]] = {
     "gpu": gpu_groups,
     "trace": trace_groups,
     "patched": patched_groups,
+    "surgery": surgery_groups,
 }
 
 

@@ -312,12 +312,43 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
                       "measured": "", "status": "not measured", "detail": ""})
     goals.append(_gpu_goal(by_case, notes))
     goals += _trace_goals(by_case, notes)
+    goals += _surgery_goals(by_case.get("8 surgery", []), notes)
     patched = by_case.get("7 patched", [])
     if patched:
         goals.append(_goal("patched HF model vs the same model unpatched (forward, generate)", "<= 1.02",
                            [r for g in patched for e in g["entries"] if e["name"].startswith("HF ")
                             and (r := _row(g, g["group"], "headwise (patched)", e["name"]))], 1.02,
                            notes.get("patched", "")))
+    return goals
+
+
+def _surgery_goals(groups: list[dict], notes: dict[str, str]) -> list[dict]:
+    """Issue 18: the pruned layer's forward against the unpruned one; K/V-cache bytes after regrouping."""
+    goals = []
+    prune = [g for g in groups if g["meta"].get("mode") == "prune"]
+    if prune:
+        rows = []
+        for g in prune:
+            h = g["meta"]["h"]
+            row = _row(g, g["group"], f"headwise {h // 2} of {h} heads", f"headwise {h} of {h} heads")
+            if row is not None:
+                rows.append(row)
+        row = _goal("surgery: attention forward with half the heads removed vs unpruned", "<= 0.6", rows, 0.6,
+                    notes.get("surgery", ""))
+        row["detail"] += "; " + "; ".join(
+            f"{e['name']}: {e['params']:,} parameters, {e['median_s'] * 1e3:.2f} ms" for g in prune for e in g["entries"])
+        goals.append(row)
+    for g in (g for g in groups if g["meta"].get("mode") == "kv"):
+        h, h_kv = g["meta"]["h"], g["meta"]["h_kv"]
+        ref = next(e for e in g["entries"] if e["n_kv_heads"] == h)
+        ok = all(e["kv_cache_bytes"] * h == ref["kv_cache_bytes"] * e["n_kv_heads"] for e in g["entries"])
+        goals.append({"goal": f"surgery: KV-cache bytes of the regrouped decoder ({g['group']})",
+                      "target": "= n_kv_heads / n_heads of the MHA cache", "status": "met" if ok else "missed",
+                      "met": ok, "measured": ", ".join(f"h_kv {e['n_kv_heads']}: {e['kv_cache_bytes'] / 2**20:.1f} MiB"
+                                                       for e in g["entries"] if e["role"].startswith("headwise")),
+                      "detail": "; ".join(f"{e['name']}: {e['kv_cache_bytes']:,} bytes, prefill "
+                                          f"{e['median_s'] * 1e3:.1f} ms" for e in g["entries"]),
+                      "why": "" if ok else notes.get("surgery_kv", "")})
     return goals
 
 

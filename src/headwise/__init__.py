@@ -48,7 +48,7 @@ _NAMES = {"AttentionConfig": "config", "AttentionHead": "head", "DispatchInfo": 
           "Plan": "plan", "RotaryEmbedding": "rotary"}
 # Optional parts, imported on first attribute access so that `import headwise` needs only torch.
 _LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "cli", "presets", "functional", "masks",
-                 "plan", "dispatch", "chunking", "validation", "trace", "patching"}
+                 "plan", "dispatch", "chunking", "validation", "trace", "patching", "surgery"}
 
 
 def __getattr__(name: str) -> Any:

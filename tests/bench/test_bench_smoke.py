@@ -32,7 +32,7 @@ def test_every_case_produces_groups(suite):
     groups, memory = suite
     cases = {g["case"] for g in groups}
     expected = {"1 forward", "1 fwd+bwd", "1 causal step", "2 GQA/MQA", "3 per-head weights", "4 decode",
-                "5 long forward", "6 matmul peak", "trace", "7 patched"}
+                "5 long forward", "6 matmul peak", "trace", "7 patched", "8 surgery"}
     if torch.cuda.is_available():  # the optional GPU case runs only there
         expected |= {"gpu forward", "gpu attention step"}
     assert cases == expected

@@ -28,6 +28,8 @@ SCENARIOS: dict[int, list[dict]] = {
         dict(name="gqa", d_model=32, n_heads=8, n_kv_heads=2, per_head_mask=True),
         dict(name="mqa_rotary", d_model=32, n_heads=4, n_kv_heads=1, rotary=True, head_bias=True),
         dict(name="gqa_mesh_nobias", d_model=24, n_heads=4, n_kv_heads=2, bias=False, mesh=True),
+        # headwise.surgery.prune_heads of a 6-head, 3-K/V-head layer (heads 0, 1: a whole group) -> 4 heads, 2 K/V
+        dict(name="pruned_gqa", d_model=24, n_heads=4, n_kv_heads=2, d_head=4, rotary=True, pruned_from=(6, 3, [0, 1])),
     ],
     4: [
         dict(name="mha", d_model=32, n_heads=4, n_kv_heads=4, cross=True),
@@ -47,11 +49,16 @@ def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
     torch.manual_seed(seed)
     d_head = spec.get("d_head") or spec["d_model"] // spec["n_heads"]
     rotary = RotaryEmbedding(d_head) if spec.get("rotary") else None
-    attn = MultiHeadAttention(spec["d_model"], spec["n_heads"], spec["n_kv_heads"], d_head=spec.get("d_head"),
+    h0, h_kv0, drop = spec.get("pruned_from", (spec["n_heads"], spec["n_kv_heads"], None))
+    attn = MultiHeadAttention(spec["d_model"], h0, h_kv0, d_head=spec.get("d_head"),
                               bias=spec.get("bias", True), rotary=rotary, dtype=DTYPE)
     with torch.no_grad():  # biases away from their init so that the bias handling is visible
         for p in attn.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=DTYPE) * 0.3)
+    if drop is not None:
+        from headwise.surgery import prune_heads
+
+        attn = prune_heads(attn, drop)
     d, h = spec["d_model"], spec["n_heads"]
     x = torch.randn(B, S, d, generator=g, dtype=DTYPE)
     inputs = {

@@ -79,8 +79,9 @@ def config_of(module: nn.Module) -> AttentionConfig:
         raise NotImplementedError(f"{owner} is a cross-attention block (is_cross_attention=True, has q_attn); "
                                   "headwise.interop converts GPT-2 self-attention only")
     d, h = module.embed_dim, module.num_heads
-    _check_conv1d(owner, "c_attn", module.c_attn, d, 3 * d)
-    _check_conv1d(owner, "c_proj", module.c_proj, d, d)
+    inner = h * module.head_dim  # d, unless headwise.surgery removed heads (num_heads and split_size follow)
+    _check_conv1d(owner, "c_attn", module.c_attn, d, 3 * inner)
+    _check_conv1d(owner, "c_proj", module.c_proj, inner, d)
     return AttentionConfig(d_model=d, n_heads=h, d_head=module.head_dim, bias=True, out_bias=True,
                            dropout=float(module.attn_dropout.p), scale=float(module.scaling))
 
@@ -91,7 +92,7 @@ def split_c_attn(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tenso
     Shapes:
         c_attn.weight (d, 3d) -> q/k/v weight (d, d) each; c_proj.weight (d, d) -> out weight (d, d), transposed
     """
-    d = module.embed_dim
+    d = module.num_heads * module.head_dim  # the heads' width (embed_dim unless heads were removed)
     w, b = module.c_attn.weight, module.c_attn.bias
     out = {name: (w[:, i * d:(i + 1) * d].T, b[i * d:(i + 1) * d])  # (d_out, d_in): Linear order
            for i, name in enumerate(("q_proj", "k_proj", "v_proj"))}
@@ -152,7 +153,7 @@ class GPT2View(LayerView):
     """
 
     def resolve(self, name: str) -> ProjectionView:
-        host, d = self._hw_host, self.config.d_model
+        host, d = self._hw_host, self.config.inner_dim
         if name == "out_proj":
             return ProjectionView(lambda: host.c_proj.weight.T, lambda: host.c_proj.bias,  # (d_out, d_in)
                                   call=lambda x: host.c_proj(x), what="c_proj.weight.T")
@@ -165,7 +166,7 @@ class GPT2View(LayerView):
         return [("c_attn", self._hw_host.c_attn), ("c_proj", self._hw_host.c_proj)]
 
     def source_names(self) -> dict[str, str]:
-        d = self.config.d_model
+        d = self.config.inner_dim
         names = {n: f"c_attn[{i * d}:{(i + 1) * d}]" for i, n in enumerate(("q_proj", "k_proj", "v_proj"))}
         return {**names, "out_proj": "c_proj"}
 

@@ -101,7 +101,9 @@ def rotary_from_hf(config: Any, d_head: int, rotary_emb: nn.Module | None = None
 def _sizes(module: nn.Module) -> tuple[str, int, int, int, int]:
     cfg = module.config
     owner = type(module).__name__
-    return owner, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, module.head_dim
+    # A module resized by headwise.surgery records its own head counts (layers may differ from the config).
+    h = getattr(module, "num_heads", cfg.num_attention_heads)
+    return owner, cfg.hidden_size, h, getattr(module, "num_key_value_heads", cfg.num_key_value_heads), module.head_dim
 
 
 def has_qk_norm(module: nn.Module) -> bool:

@@ -1,0 +1,133 @@
+"""Which heads matter, scored on your data: by the gradient of a metric with respect to a per-head gate
+(Michel et al., 2019), or by ablating each head in turn. One call each, returning a (layers, heads) tensor.
+
+Both run the model's own forward under :func:`headwise.trace` edits (no weight is modified):
+
+* :func:`gradient_importance`: every head's context is multiplied by a gate ``xi[l, h] = 1``; the score is
+  ``mean over batches of |d metric / d xi[l, h]|`` (the paper's head importance; ``normalize=True`` divides
+  each layer's scores by their L2 norm, as the paper does before pruning across layers).
+* :func:`ablation_importance`: ``mean over batches of metric(head ablated) - metric(unchanged)`` for every
+  head, ablated by a trace edit (``"zero"`` by default, or ``"mean"``): one forward per head.
+
+``data`` is one model input (a tensor, a tuple of positional inputs or a dict of keyword inputs, e.g. a
+tokenizer's encoding) or a list of such batches; ``metric(output) -> scalar``. Run the model in eval mode.
+
+Shapes:
+    L: traced layers, h: heads (the widest layer's; NaN pads layers with fewer heads), b: batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..trace import find_layers, trace
+
+__all__ = ["gradient_importance", "ablation_importance"]
+
+
+def _batches(data: Any) -> list[Any]:
+    batches = data if isinstance(data, list) else [data]
+    if not batches:
+        raise ValueError("importance: data is an empty list; pass at least one batch")
+    return batches
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _scalar(value: Any, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)
+    if value.numel() != 1 or not value.is_floating_point():
+        raise ValueError(f"{what}: metric must return one floating number (a scalar tensor), got "
+                         f"{value.dtype} of shape {tuple(value.shape)}")
+    return value.reshape(())
+
+
+def _grid(model: nn.Module) -> tuple[list[int], torch.Tensor, torch.device]:
+    found = find_layers(model)
+    heads = [layer.n_heads for _, layer in found]
+    device = found[0][1].q_proj.weight.device
+    return heads, torch.full((len(heads), max(heads)), float("nan"), dtype=torch.float64), device
+
+
+def gradient_importance(model: nn.Module, data: Any, metric: Callable[[Any], Any], *,
+                        normalize: bool = False) -> torch.Tensor:
+    """Head importance ``E |d metric / d xi[l, h]|`` at gates ``xi = 1`` (Michel et al., 2019).
+
+    Args:
+        model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
+        data: one input or a list of batches.
+        metric: output -> scalar tensor (differentiable; e.g. a loss).
+        normalize: divide each layer's scores by their L2 norm.
+
+    Shapes:
+        -> (L, h) float64
+
+    Example:
+        >>> import torch, headwise
+        >>> from headwise.surgery import gradient_importance
+        >>> attn = headwise.MultiHeadAttention(d_model=8, n_heads=2)
+        >>> gradient_importance(attn, torch.randn(3, 4, 8), lambda y: y.square().mean()).shape
+        torch.Size([1, 2])
+    """
+    heads, scores, device = _grid(model)
+    total = torch.zeros(len(heads), max(heads), dtype=torch.float64)
+    batches = _batches(data)
+    for inputs in batches:
+        gates = torch.ones(len(heads), max(heads), device=device, requires_grad=True)
+        edit = {(li, i): (lambda z_h, layer, head: z_h * gates[layer, head].to(z_h.dtype))
+                for li, h in enumerate(heads) for i in range(h)}
+        with torch.enable_grad(), trace(model, edit=edit):
+            value = _scalar(metric(_call(model, inputs)), "gradient_importance")
+            grad, = torch.autograd.grad(value, gates, allow_unused=True)
+        if grad is not None:
+            total += grad.detach().abs().double().cpu()
+    for li, h in enumerate(heads):
+        row = total[li, :h] / len(batches)
+        if normalize:
+            row = row / row.norm().clamp_min(torch.finfo(torch.float64).tiny)
+        scores[li, :h] = row
+    return scores
+
+
+@torch.no_grad()
+def ablation_importance(model: nn.Module, data: Any, metric: Callable[[Any], Any], *,
+                        edit: Any = "zero") -> torch.Tensor:
+    """``metric(with head (l, h) ablated) - metric(unchanged)``, averaged over batches, for every head.
+
+    Args:
+        model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
+        data: one input or a list of batches.
+        metric: output -> scalar.
+        edit: the :func:`headwise.trace` edit that ablates a head (``"zero"``, ``"mean"``, a number ...).
+
+    Shapes:
+        -> (L, h) float64
+
+    Example:
+        >>> import torch, headwise
+        >>> from headwise.surgery import ablation_importance
+        >>> attn = headwise.MultiHeadAttention(d_model=8, n_heads=2)
+        >>> ablation_importance(attn, torch.randn(3, 4, 8), lambda y: y.square().mean()).shape
+        torch.Size([1, 2])
+    """
+    heads, scores, _ = _grid(model)
+    batches = _batches(data)
+    base = [_scalar(metric(_call(model, b)), "ablation_importance").double() for b in batches]
+    for li, h in enumerate(heads):
+        for i in range(h):
+            diffs = []
+            for inputs, ref in zip(batches, base):
+                with trace(model, edit={(li, i): edit}):
+                    diffs.append(_scalar(metric(_call(model, inputs)), "ablation_importance").double() - ref)
+            scores[li, i] = torch.stack(diffs).mean()
+    return scores

@@ -1,0 +1,217 @@
+"""Surgery on patched Hugging Face models (tiny random BERT, GPT-2, Llama, Mistral, Qwen2, Qwen3): against
+plain PyTorch hooks on the unpatched model, and through unpatch / save / load."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import headwise  # noqa: E402
+from headwise.interop import layers, patch, unpatch  # noqa: E402
+from headwise.surgery import load_pretrained, prune_heads, save_pretrained, to_gqa, to_mha  # noqa: E402
+from tests.interop.tiny_models import FAMILIES, build, inputs, output  # noqa: E402
+
+W_O = {"bert": "output.dense", "gpt2": "c_proj"}  # else o_proj
+ATTN = {"bert": "attention", "gpt2": "attn"}  # else self_attn
+# family -> {layer: heads removed}; different counts per layer, and (GQA) groups that end up unequal
+DROP = {"bert": {0: [1], 1: [0, 3]}, "gpt2": {0: [2], 1: [0, 1]}, "llama": {0: [1], 1: [0, 2, 5]},
+        "mistral": {0: [0, 1, 2], 1: [4]}, "qwen2": {0: [1, 3], 1: [5]}, "qwen3": {0: [0], 1: [1, 2, 3]}}
+
+
+def blocks(model):
+    base = getattr(model, "transformer", None) or getattr(model, "model", None) or model
+    return base.h if hasattr(base, "h") else (base.layers if hasattr(base, "layers") else base.encoder.layer)
+
+
+def d_head(model, family):
+    cfg = model.config
+    if family == "gpt2":
+        return cfg.n_embd // cfg.n_head
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def zero_ablated(model, family, drop):
+    """The unpatched model with forward pre-hooks zeroing the dropped heads' slices of W_O's input."""
+    ref = copy.deepcopy(model)
+    d_h = d_head(model, family)
+    for li, heads in drop.items():
+        attn = getattr(blocks(ref)[li], ATTN.get(family, "self_attn"))
+        w_o = attn.get_submodule(W_O.get(family, "o_proj"))
+
+        def hook(mod, args, heads=heads):
+            z = args[0].clone()
+            for i in heads:
+                z[..., i * d_h:(i + 1) * d_h] = 0
+            return (z,)
+        w_o.register_forward_pre_hook(hook)
+    return ref
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pruned_patched_model_equals_zero_ablation_and_unpatches(family):
+    model = build(family)
+    batch = inputs()
+    ref = zero_ablated(model, family, DROP[family])
+    want = output(ref, batch)
+    patch(model)
+    assert prune_heads(model, DROP[family]) is model
+    counts = [attn.n_heads for _, attn in layers(model)]
+    full = [layer.n_heads for _, layer in layers(patch(build(family)))]
+    assert counts == [h - len(DROP[family][i]) for i, h in enumerate(full)]
+    torch.testing.assert_close(output(model, batch), want)
+    attn = layers(model)[1][1]
+    assert attn.head(0).w_q.shape == (attn.d_model, attn.d_head)
+    with headwise.trace(model, capture=("z",)) as t:
+        output(model, batch)
+    assert [r.z.shape[2] for r in t] == counts
+    unpatch(model)
+    assert not layers(model)
+    torch.testing.assert_close(output(model, batch), want)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pruning_every_head_of_a_layer_leaves_bias_only(family):
+    model = build(family)
+    batch = inputs()
+    n = layers(patch(copy.deepcopy(model)))[0][1].n_heads
+    want = output(zero_ablated(model, family, {0: list(range(n))}), batch)
+    prune_heads(patch(model), {0: list(range(n))})
+    torch.testing.assert_close(output(model, batch), want)
+    torch.testing.assert_close(output(unpatch(model), batch), want)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+def test_pruned_decoder_caches(family):
+    model = prune_heads(patch(build(family)), DROP[family])
+    ids = inputs()["input_ids"]
+    with torch.no_grad():
+        full = model(ids).logits
+        first = model(ids[:, :4], use_cache=True)
+        rest = model(ids[:, 4:], cache=first.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(torch.cat([first.logits, rest], dim=1), full)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_to_gqa_then_to_mha_on_llama_family(family):
+    model = patch(build(family))
+    batch = inputs()
+    ref = copy.deepcopy(unpatch(copy.deepcopy(model)))
+    n = model.config.num_attention_heads
+    to_gqa(model, 1)
+    assert model.config.num_key_value_heads == 1 and all(a.n_kv_heads == 1 for _, a in layers(model))
+    # reference: the plain HF model with each K/V projection replaced by the mean over its K/V heads
+    h_kv, d_h = ref.config.num_key_value_heads, d_head(ref, family)
+    for block in blocks(ref):
+        for name in ("k_proj", "v_proj"):
+            lin = getattr(block.self_attn, name)
+            with torch.no_grad():
+                mean_w = lin.weight.reshape(h_kv, d_h, -1).mean(0)
+                lin.weight.copy_(mean_w.repeat(h_kv, 1))
+                if lin.bias is not None:
+                    lin.bias.copy_(lin.bias.reshape(h_kv, d_h).mean(0).repeat(h_kv))
+    gqa_out = output(model, batch)
+    torch.testing.assert_close(gqa_out, output(ref, batch))
+    to_mha(model)
+    assert model.config.num_key_value_heads == n
+    torch.testing.assert_close(output(model, batch), gqa_out)
+
+
+def test_bert_refuses_gqa_and_is_unchanged():
+    model = patch(build("bert"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="BERT attention has one K/V head per query head"):
+        to_gqa(model, 2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and len(layers(model)) == 2
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda m: prune_heads(m, {0: [1], 2: [0]}), ValueError, r"layer position must be in \[-2, 2\).*got 2"),
+    (lambda m: prune_heads(m, {0: [6]}), ValueError, r"in \[0, 6\).*got 6"),
+    (lambda m: prune_heads(m, {0: [1, 1]}), ValueError, "more than once"),
+    (lambda m: prune_heads(m, {0: [0], "model.layers.0.self_attn": [1]}), ValueError, "named twice"),
+    (lambda m: to_gqa(m, 4), ValueError, r"valid: \[1, 2, 3, 6\], got 4"),
+    (lambda m: prune_heads(m, {0: [1]}, regroup=True), ValueError, "does not divide"),
+    (lambda m: prune_heads(layers(m)[0][1], [0]), TypeError, "pass the patched model"),
+    (lambda m: prune_heads(unpatch(copy.deepcopy(m)), {0: [0]}), TypeError, "patch a Hugging Face model first"),
+])
+def test_bad_input_on_patched_model_changes_nothing(call, exc, match):
+    model = patch(build("llama"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(exc, match=match):
+        call(model)
+    assert [a.n_heads for _, a in layers(model)] == [6, 6] and model.config.num_key_value_heads == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# -- save -> load ------------------------------------------------------------------------------------------
+def test_llama_uniform_regrouping_and_pruning_load_as_plain_hf(tmp_path):
+    model = patch(build("llama"))
+    batch = inputs()
+    prune_heads(model, {0: [0, 1, 2], 1: [3, 4, 5]})  # whole groups: 3 heads, 1 K/V head in every layer
+    want = output(model, batch)
+    assert save_pretrained(model, tmp_path) is True
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert (plain.config.num_attention_heads, plain.config.num_key_value_heads) == (3, 1)
+    torch.testing.assert_close(output(plain, batch), want)
+    torch.testing.assert_close(output(load_pretrained(tmp_path, transformers.LlamaForCausalLM), batch), want)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_per_layer_shapes_round_trip_through_the_headwise_loader(family, tmp_path):
+    model = prune_heads(patch(build(family)), DROP[family])
+    batch = inputs()
+    want = output(model, batch)
+    assert save_pretrained(model, tmp_path) is False
+    cls = getattr(transformers, FAMILIES[family][1])
+    with pytest.raises((RuntimeError, ValueError)):  # the config cannot express these shapes
+        cls.from_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path, cls)
+    assert not layers(loaded)
+    torch.testing.assert_close(output(loaded, batch), want)
+    torch.testing.assert_close(output(patch(loaded), batch), want)
+
+
+def _sidecar(tmp_path, edit):
+    path = tmp_path / "headwise_surgery.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(format=99), "format 1 .*got format 99"),
+    (lambda d: d["modules"].update({"model.layers.7.self_attn": d["modules"]["model.layers.0.self_attn"]}),
+     "'model.layers.7.self_attn', which LlamaForCausalLM built from this config does not have"),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update(d_head=8), "d_head=4 from the config.*d_head=8"),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update(n_kv_heads=4), "n_heads=5, n_kv_heads=4"),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update(family="bert"), "recorded a bert"),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update(n_heads=4, n_kv_heads=4), "do not fit"),
+])
+def test_loader_refuses_what_it_cannot_rebuild(tmp_path, edit, match):
+    save_pretrained(prune_heads(patch(build("llama")), DROP["llama"]), tmp_path)
+    _sidecar(tmp_path, edit)
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(tmp_path, transformers.LlamaForCausalLM)
+
+
+def test_loader_refuses_a_non_model_class_and_loads_plain_folders(tmp_path):
+    model = build("bert")
+    with pytest.raises(TypeError, match="model_class must be a transformers model class, got 'BertModel'"):
+        load_pretrained(tmp_path, "BertModel")
+    model.save_pretrained(tmp_path)  # no sidecar: plain from_pretrained
+    batch = inputs()
+    torch.testing.assert_close(output(load_pretrained(tmp_path, transformers.BertModel), batch), output(model, batch))
+
+
+def test_loader_sets_the_attention_implementation(tmp_path):
+    model = prune_heads(patch(build("qwen2")), DROP["qwen2"])
+    batch = inputs()
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path, transformers.Qwen2ForCausalLM, attn_implementation="eager")
+    assert loaded.config._attn_implementation == "eager"
+    torch.testing.assert_close(output(loaded, batch), output(model, batch))

@@ -1,0 +1,225 @@
+"""Surgery on bare headwise layers, against float64 references written from the formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import MultiHeadAttention, RotaryEmbedding
+from headwise.surgery import ablation_importance, gradient_importance, prune_heads, similarity_groups, to_gqa, to_mha
+from headwise.surgery.layers import read
+from tests.surgery.reference import attention, weights
+
+
+def layer(h=6, h_kv=2, d=24, **kw):
+    attn = MultiHeadAttention(d_model=d, n_heads=h, n_kv_heads=h_kv, dtype=torch.float64, **kw)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # non-zero biases
+    return attn
+
+
+@pytest.mark.parametrize("drop", [[1], [0, 1, 2], [0, 4], [5, 3, 1], [0, 1, 2, 3, 4]])
+def test_pruning_equals_zero_ablation_float64(drop):
+    attn = layer()
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    gate = torch.ones(6, dtype=torch.float64)
+    gate[drop] = 0
+    want = attention(weights(attn), x, 6, 2, 4, gate=gate, causal=True)
+    small = prune_heads(attn, drop)
+    assert small.n_heads == 6 - len(drop) and attn.n_heads == 6  # the original is untouched
+    torch.testing.assert_close(small(x, causal=True), want)
+
+
+@pytest.mark.parametrize("drop, n_kv", [([0, 1, 2], 1), ([1], 5), ([0, 3, 4], 3), ([1, 4], 2)])
+def test_kv_heads_go_only_with_their_whole_group(drop, n_kv):
+    # groups {0,1,2}, {3,4,5}; unequal survivors are split exactly into sub-groups of their gcd size
+    small = prune_heads(layer(), drop)
+    assert (small.n_heads, small.n_kv_heads) == (6 - len(drop), n_kv)
+
+
+def test_regroup_deals_survivors_into_equal_groups_with_mean_kv():
+    attn = layer(h=8, h_kv=2, d=32)  # groups {0..3}, {4..7}; drop 0, 1 -> survivors 2..7 -> [2,3,4], [5,6,7]
+    small = prune_heads(attn, [0, 1], regroup=True)
+    assert (small.n_heads, small.n_kv_heads) == (6, 2)
+    k = attn.k_proj.weight.detach().reshape(2, 4, 32)
+    want = torch.cat([(2 * k[0] + k[1]) / 3, k[1]])  # [2,3,4] read kv 0,0,1; [5,6,7] read kv 1
+    torch.testing.assert_close(small.k_proj.weight, want)
+    with pytest.raises(ValueError, match="does not divide"):
+        prune_heads(attn, [0], regroup=True)  # 7 survivors, 2 groups
+
+
+def test_pruning_every_head_gives_bias_only():
+    attn = layer()
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    empty = prune_heads(attn, range(6))
+    torch.testing.assert_close(empty(x), attn.out_proj.bias.detach().expand(2, 5, 24))
+    no_bias = prune_heads(layer(bias=False), list(range(6)))
+    assert torch.equal(no_bias(x), torch.zeros(2, 5, 24, dtype=torch.float64))
+
+
+def test_pruned_layer_keeps_rotary_cache_trace_and_heads():
+    attn = layer(rotary=RotaryEmbedding(4))
+    small = prune_heads(attn, [0, 4])
+    x = torch.randn(1, 7, 24, dtype=torch.float64)
+    with headwise.trace(attn, edit={(0, 0): "zero", (0, 4): "zero"}):
+        want = attn(x, causal=True)  # the unpruned layer with those contexts zeroed, rotary included
+    torch.testing.assert_close(small(x, causal=True), want)
+    cache = small.new_cache(1, 7)
+    steps = [small(x[:, :4], cache=cache)] + [small(x[:, t:t + 1], cache=cache) for t in (4, 5, 6)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), want)
+    with headwise.trace(small, capture=("z",)) as t:
+        small(x)
+    assert t[0].z.shape == (1, 7, 4, 4)
+    torch.testing.assert_close(small.head(1).w_q, attn.head(2).w_q)
+
+
+def test_module_with_layers_pruned_in_place_per_layer_counts():
+    model = torch.nn.Sequential(layer(), layer())
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    with headwise.trace(model, edit={(0, 1): "zero", (1, 0): "zero", (1, 5): "zero", (1, 2): "zero"}):
+        want = model(x)
+    assert prune_heads(model, {0: [1], 1: [0, 5, 2]}) is model
+    assert [m.n_heads for m in model] == [5, 3]
+    torch.testing.assert_close(model(x), want)
+
+
+def test_to_gqa_mean_pool_equals_hand_written_reference():
+    attn = layer(h=6, h_kv=6)
+    w = weights(attn)
+    pooled = dict(w)
+    for name in ("k_proj", "v_proj"):
+        pooled[name + ".w"] = w[name + ".w"].reshape(3, 2, 4, 24).mean(1).reshape(12, 24)
+        pooled[name + ".b"] = w[name + ".b"].reshape(3, 2, 4).mean(1).reshape(12)
+    gqa = to_gqa(attn, 3)
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    torch.testing.assert_close(gqa.k_proj.weight, pooled["k_proj.w"])
+    torch.testing.assert_close(gqa(x), attention(pooled, x, 6, 3, 4))
+
+
+@pytest.mark.parametrize("groups", ["consecutive", "similarity"])
+def test_to_mha_after_to_gqa_is_exact(groups):
+    attn = layer(h=6, h_kv=6)
+    gqa = to_gqa(attn, 2, groups=groups)
+    mha = to_mha(gqa)
+    assert (gqa.n_kv_heads, mha.n_kv_heads) == (2, 6)
+    assert torch.equal(mha.k_proj.weight, gqa.k_proj.weight.reshape(2, 1, 4, 24).expand(2, 3, 4, 24).reshape(24, 24))
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    torch.testing.assert_close(mha(x), gqa(x))
+
+
+def test_similarity_groups_find_identical_kv_heads():
+    attn = layer(h=4, h_kv=4, d=16)
+    with torch.no_grad():  # heads 0 and 2, 1 and 3 share K and V: pooling them loses nothing
+        for p in (attn.k_proj.weight, attn.v_proj.weight, attn.k_proj.bias, attn.v_proj.bias):
+            p[8:12] = p[0:4]
+            p[12:16] = p[4:8]
+    assert similarity_groups(read(attn), 2) == [[0, 2], [1, 3]]
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(to_gqa(attn, 2, groups="similarity")(x), attn(x))
+    assert not torch.allclose(to_gqa(attn, 2)(x), attn(x))  # consecutive groups do lose something here
+
+
+def _metric(y):
+    return (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sum().sin()
+
+
+def test_gradient_importance_equals_autograd_on_explicit_gate():
+    model = torch.nn.Sequential(layer(), layer(h=4, h_kv=4))
+    batches = [torch.randn(2, 5, 24, dtype=torch.float64) for _ in range(2)]
+    got = gradient_importance(model, batches, _metric)
+    want = torch.zeros(2, 6, dtype=torch.float64)
+    for x in batches:
+        g0 = torch.ones(6, dtype=torch.float64, requires_grad=True)
+        g1 = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        y = attention(weights(model[1]), attention(weights(model[0]), x, 6, 2, 4, gate=g0), 4, 4, 6, gate=g1)
+        d0, d1 = torch.autograd.grad(_metric(y), (g0, g1))
+        want[0] += d0.abs() / 2
+        want[1, :4] += d1.abs() / 2
+    want[1, 4:] = float("nan")
+    torch.testing.assert_close(got, want, equal_nan=True)
+    norm = gradient_importance(model, batches, _metric, normalize=True)
+    torch.testing.assert_close(norm[0], want[0] / want[0].norm())
+
+
+def test_ablation_importance_equals_reference():
+    attn = layer()
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    got = ablation_importance(attn, x, _metric)
+    base = _metric(attention(weights(attn), x, 6, 2, 4))
+    want = torch.stack([_metric(attention(weights(attn), x, 6, 2, 4, gate=torch.ones(6).index_fill(0, torch.tensor(i), 0)
+                                          .double())) - base for i in range(6)])
+    torch.testing.assert_close(got[0], want)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda a: prune_heads(a, [6]), ValueError, r"in \[0, 6\).*got 6"),
+    (lambda a: prune_heads(a, [-1]), ValueError, r"in \[0, 6\).*got -1"),
+    (lambda a: prune_heads(a, [1, 1]), ValueError, "more than once"),
+    (lambda a: prune_heads(a, [1.0]), TypeError, "must be ints, got float"),
+    (lambda a: prune_heads(a, {3: [0]}), ValueError, r"layer position must be in \[-1, 1\).*got 3"),
+    (lambda a: prune_heads(a, {"encoder": [0]}), ValueError, "no layer is named 'encoder'"),
+    (lambda a: prune_heads(a, [0], regroup=1), TypeError, "regroup must be a bool"),
+    (lambda a: to_gqa(a, 4), ValueError, r"must divide n_heads=6; valid: \[1, 2, 3, 6\], got 4"),
+    (lambda a: to_gqa(a, 0), ValueError, "must divide"),
+    (lambda a: to_gqa(a, 2.0), TypeError, "n_kv_heads must be an int, got float"),
+    (lambda a: to_gqa(a, 2, groups="nearest"), ValueError, "groups must be"),
+    (lambda a: to_gqa(a, 2, groups=[[0, 1, 2], [3, 4, 4]]), ValueError, "covering heads"),
+    (lambda a: prune_heads("attn", [0]), TypeError, "expected a MultiHeadAttention"),
+])
+def test_bad_input_names_expected_and_received_and_changes_nothing(call, exc, match):
+    attn = layer()
+    before = {k: v.clone() for k, v in attn.state_dict().items()}
+    with pytest.raises(exc, match=match):
+        call(attn)
+    assert attn.config.n_heads == 6 and all(torch.equal(before[k], v) for k, v in attn.state_dict().items())
+
+
+def test_failed_model_call_changes_no_layer():
+    model = torch.nn.Sequential(layer(), layer())
+    with pytest.raises(ValueError, match="got 9"):
+        prune_heads(model, {0: [1], 1: [9]})  # layer 0 was valid: it must not be pruned either
+    assert [m.n_heads for m in model] == [6, 6]
+
+
+def test_to_gqa_with_explicit_groups_pools_those_heads():
+    attn = layer(h=4, h_kv=4, d=16)
+    gqa = to_gqa(attn, 2, groups=[[0, 3], [1, 2]])
+    w = attn.k_proj.weight.detach().reshape(4, 4, 16)
+    torch.testing.assert_close(gqa.k_proj.weight, torch.cat([(w[0] + w[3]) / 2, (w[1] + w[2]) / 2]))
+    torch.testing.assert_close(gqa.q_proj.weight, attn.q_proj.weight.reshape(4, 4, 16)[[0, 3, 1, 2]].reshape(16, 16))
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda a, x: gradient_importance(a, [], _metric), ValueError, "empty list"),
+    (lambda a, x: gradient_importance(a, x, lambda y: y.sum(-1)), ValueError, r"one floating number.*shape \(2, 5\)"),
+    (lambda a, x: ablation_importance(a, x, lambda y: 3), ValueError, "one floating number"),
+    (lambda a, x: similarity_groups(a, 4), ValueError, "must divide n_heads=6"),
+    (lambda a, x: similarity_groups("a", 2), TypeError, "expected a MultiHeadAttention, got str"),
+])
+def test_importance_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(layer(), torch.randn(2, 5, 24, dtype=torch.float64))
+
+
+def test_to_gqa_to_the_same_grouping_is_exact_and_empty_pruning_is_a_no_op():
+    attn = layer()
+    same = to_gqa(attn, 2)
+    assert all(torch.equal(a, b) for a, b in zip(attn.state_dict().values(), same.state_dict().values()))
+    assert prune_heads(attn, []) is attn
+
+
+def test_a_sharded_layer_is_refused():
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a running process group")
+    from headwise.parallel import tensor_parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tp = tensor_parallel(layer())
+        with pytest.raises(TypeError, match="already hold only this rank's heads"):
+            prune_heads(tp, [0])
+    finally:
+        dist.destroy_process_group()
