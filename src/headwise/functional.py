@@ -12,6 +12,9 @@ Shapes:
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -205,13 +208,26 @@ def attention(
     s_kv = k.shape[2]
     if mask is not None:
         mask = validate_mask(mask, (b, h, s_q, s_kv), q.dtype, q.device)
-    cfg = AttentionConfig(d_model=h * d_h, n_heads=h, n_kv_heads=k.shape[1], d_head=d_h, scale=scale,
-                          dropout=dropout_p)  # validates scale and dropout_p
+    cfg = _call_config(h, k.shape[1], d_h, scale, dropout_p)  # validates scale and dropout_p
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     plan = plan_attention(cfg, b=b, s_q=s_q, s_kv=s_kv, dtype=q.dtype, device=q.device, backend=backend,
                           causal=causal, has_mask=mask is not None, return_weights=return_weights,
                           dropout_p=dropout_p, chunk_queries=False, records_grad=lambda: grad)
     return attend(plan, q, k, v, mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered_config(h: int, h_kv: int, d_h: int, scale: float | None, dropout_p: float) -> AttentionConfig:
+    return AttentionConfig(d_model=h * d_h, n_heads=h, n_kv_heads=h_kv, d_head=d_h, scale=scale, dropout=dropout_p)
+
+
+def _call_config(h: int, h_kv: int, d_h: int, scale: Any, dropout_p: Any) -> AttentionConfig:
+    """The configuration one :func:`attention` call plans with. Building (and validating) a config costs more
+    than a decode step's attention, and patched models call this once per layer and token, so configs of
+    plain Python numbers are remembered (a frozen dataclass: sharing is safe; a refused one is never stored)."""
+    if type(scale) in (float, int, type(None)) and type(dropout_p) in (float, int):
+        return _remembered_config(h, h_kv, d_h, scale, dropout_p)
+    return AttentionConfig(d_model=h * d_h, n_heads=h, n_kv_heads=h_kv, d_head=d_h, scale=scale, dropout=dropout_p)
 
 
 def available_backends() -> list[str]:
