@@ -11,7 +11,6 @@ Shapes:
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +21,17 @@ from . import functional as hwf
 from .chunking import attend_in_chunks
 from .config import AttentionConfig
 from .dispatch import DispatchInfo, describe
-from .head import AttentionHead, pack_heads
+from .head import LayerHeads
 from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
-from .projections import PackedWeight, packed_linears, plain_linear, repack
+from .projections import PackedLayout, PackedWeight, packed_linears, plain_linear
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_dtype, check_forward
 
 __all__ = ["MultiHeadAttention"]
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
     """Multi-head attention (MHA, GQA or MQA) whose heads can be taken out, run alone and put back.
 
     The per-head matrices W_Q^h, W_K^h, W_V^h (each ``(d_model, d_head)``) are packed into one
@@ -365,84 +364,6 @@ class MultiHeadAttention(nn.Module):
         return describe(plan, d_head=self.d_head, n_kv_heads=self.n_kv_heads, dtype=w.dtype, device=w.device,
                         mask=mask, grad=self._records_grad(x, key, value), causal_given=causal,
                         cache_length=0 if cache is None else cache.length, warn_bytes=warn_bytes)
-
-    # -- heads as objects ---------------------------------------------------------------------------------
-    def head(self, index: int) -> AttentionHead:
-        """Head ``index`` as an :class:`AttentionHead` whose weights are views of this layer's (no copy):
-        writing to them changes the layer, and gradients through the head reach the layer's parameters.
-
-        Under GQA/MQA the head owns its W_Q slice and shares its group's W_K/W_V slices.
-
-        Example:
-            >>> attn = MultiHeadAttention(d_model=16, n_heads=4)
-            >>> h = attn.head(1)
-            >>> h.w_q.shape, h.w_q.data_ptr() == attn.q_proj.weight[4:8].data_ptr()
-            (torch.Size([16, 4]), True)
-        """
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"head index must be an int, got {type(index).__name__}")
-        if not -self.n_heads <= index < self.n_heads:
-            raise IndexError(f"head index must be in [0, {self.n_heads}), got {index}")
-        return AttentionHead.view(self, index % self.n_heads)
-
-    def heads(self) -> list[AttentionHead]:
-        """Every head, in order (see :meth:`head`)."""
-        return [self.head(i) for i in range(self.n_heads)]
-
-    def head_mask_row(self, index: int, n: int) -> int:
-        """Which row of an ``n``-head mask belongs to head ``index`` (for :class:`AttentionHead`)."""
-        if n != self.n_heads:
-            raise ValueError(f"a per-head mask must have h={self.n_heads} heads on its head axis, got {n}")
-        return index
-
-    @classmethod
-    def from_heads(
-        cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_kv_heads: int | None = None,
-        backend: str = "sdpa",
-    ) -> "MultiHeadAttention":
-        """Pack independent heads (and a W_O) into one layer, copying their weights.
-
-        ``n_kv_heads`` defaults to what the heads record (heads taken from a layer know their layer's
-        grouping), else one K/V head per head. The heads of one K/V group must have identical
-        W_K/W_V (and biases); otherwise this raises, naming the heads that differ.
-
-        Shapes:
-            each head: w_q, w_k, w_v (d, d_h); out_proj: Linear(h * d_h -> d)
-
-        Example:
-            >>> attn = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
-            >>> again = MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj)
-            >>> all(torch.equal(a, b) for a, b in zip(attn.state_dict().values(), again.state_dict().values()))
-            True
-        """
-        config, tensors = pack_heads(heads, out_proj=out_proj, n_kv_heads=n_kv_heads)
-        w = tensors["q_proj.weight"]
-        attn = cls(config=config, rotary=heads[0].rotary, backend=backend, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            for name, p in attn.named_parameters():
-                p.copy_(tensors[name])
-        return attn
-
-    # -- the packed layout survives conversions and copies (see headwise.projections) -----------------------
-    def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-        out = super()._apply(fn, *args, **kwargs)  # .to()/.double()/... convert each parameter on its own
-        self._repack()
-        return out
-
-    def __setstate__(self, state):  # type: ignore[no-untyped-def]
-        super().__setstate__(state)  # deepcopy and unpickling copy each parameter on its own
-        self._repack()
-
-    def _repack(self) -> None:
-        own = [self._modules.get(n) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
-        if any(m is None for m in own) or own != [self.q_proj, self.k_proj, self.v_proj, self.out_proj]:
-            return  # projections that belong to someone else (a view of a host model) are left alone
-        cfg = self.config
-        packed_qkv = cfg.kdim == cfg.vdim == cfg.d_model
-        if packed_qkv:
-            repack(own[:3])
-        for m in own[3:] if packed_qkv else own:
-            repack([m])
 
     # -- checkpoints: the config rides in the state dict's metadata (see headwise.checkpoint) -------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .config import AttentionConfig
     from .rotary import RotaryEmbedding
 
-__all__ = ["AttentionHead", "pack_heads"]
+__all__ = ["AttentionHead", "LayerHeads", "pack_heads"]
 
 _WEIGHTS = ("w_q", "w_k", "w_v")
 _BIASES = ("b_q", "b_k", "b_v")
@@ -290,3 +290,68 @@ def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
     if out_proj.bias is not None:
         tensors["out_proj.bias"] = out_proj.bias
     return cfg, {k: t.detach() for k, t in tensors.items()}
+
+
+class LayerHeads:
+    """The heads of a layer as objects: :meth:`head` / :meth:`heads` (views of the layer's weights) and
+    :meth:`from_heads` (heads packed back into a layer). A mixin of ``MultiHeadAttention``, which provides
+    ``n_heads``, the projections and the constructor; a parallel layer overrides :meth:`head_mask_row`.
+    """
+
+    def head(self, index: int) -> AttentionHead:
+        """Head ``index`` as an :class:`AttentionHead` whose weights are views of this layer's (no copy):
+        writing to them changes the layer, and gradients through the head reach the layer's parameters.
+
+        Under GQA/MQA the head owns its W_Q slice and shares its group's W_K/W_V slices.
+
+        Example:
+            >>> from headwise import MultiHeadAttention
+            >>> attn = MultiHeadAttention(d_model=16, n_heads=4)
+            >>> h = attn.head(1)
+            >>> h.w_q.shape, h.w_q.data_ptr() == attn.q_proj.weight[4:8].data_ptr()
+            (torch.Size([16, 4]), True)
+        """
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"head index must be an int, got {type(index).__name__}")
+        if not -self.n_heads <= index < self.n_heads:
+            raise IndexError(f"head index must be in [0, {self.n_heads}), got {index}")
+        return AttentionHead.view(self, index % self.n_heads)
+
+    def heads(self) -> list[AttentionHead]:
+        """Every head, in order (see :meth:`head`)."""
+        return [self.head(i) for i in range(self.n_heads)]
+
+    def head_mask_row(self, index: int, n: int) -> int:
+        """Which row of an ``n``-head mask belongs to head ``index`` (for :class:`AttentionHead`)."""
+        if n != self.n_heads:
+            raise ValueError(f"a per-head mask must have h={self.n_heads} heads on its head axis, got {n}")
+        return index
+
+    @classmethod
+    def from_heads(
+        cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_kv_heads: int | None = None,
+        backend: str = "sdpa",
+    ):  # type: ignore[no-untyped-def]
+        """Pack independent heads (and a W_O) into one layer, copying their weights.
+
+        ``n_kv_heads`` defaults to what the heads record (heads taken from a layer know their layer's
+        grouping), else one K/V head per head. The heads of one K/V group must have identical
+        W_K/W_V (and biases); otherwise this raises, naming the heads that differ.
+
+        Shapes:
+            each head: w_q, w_k, w_v (d, d_h); out_proj: Linear(h * d_h -> d)
+
+        Example:
+            >>> from headwise import MultiHeadAttention
+            >>> attn = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
+            >>> again = MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj)
+            >>> all(torch.equal(a, b) for a, b in zip(attn.state_dict().values(), again.state_dict().values()))
+            True
+        """
+        config, tensors = pack_heads(heads, out_proj=out_proj, n_kv_heads=n_kv_heads)
+        w = tensors["q_proj.weight"]
+        attn = cls(config=config, rotary=heads[0].rotary, backend=backend, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for name, p in attn.named_parameters():
+                p.copy_(tensors[name])
+        return attn

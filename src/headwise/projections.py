@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["PackedWeight", "packed_linears", "packed_weight", "plain_linear", "repack"]
+__all__ = ["PackedLayout", "PackedWeight", "packed_linears", "packed_weight", "plain_linear", "repack"]
 
 
 def packed_linears(d_in: int, widths: Sequence[int], bias: bool, device: torch.device | str | None = None,
@@ -174,3 +174,30 @@ def repack(linears: Sequence[nn.Module]) -> bool:
                 m.bias.data = biases[start:start + width]
             start += width
     return packed_weight(linears) is not None
+
+
+class PackedLayout:
+    """Keeps a layer's own projections packed (:func:`repack`) after ``.to()``/``.double()`` and after a deep
+    copy or unpickling, which copy each parameter on its own. A mixin of ``MultiHeadAttention`` (before
+    ``nn.Module``): it reads the layer's ``config`` and its ``q_proj``..``out_proj``.
+    """
+
+    def _apply(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, *args, **kwargs)  # .to()/.double()/... convert each parameter on its own
+        self._repack()
+        return out
+
+    def __setstate__(self, state):  # type: ignore[no-untyped-def]
+        super().__setstate__(state)  # deepcopy and unpickling copy each parameter on its own
+        self._repack()
+
+    def _repack(self) -> None:
+        own = [self._modules.get(n) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        if any(m is None for m in own) or own != [self.q_proj, self.k_proj, self.v_proj, self.out_proj]:
+            return  # projections that belong to someone else (a view of a host model) are left alone
+        cfg = self.config
+        packed_qkv = cfg.kdim == cfg.vdim == cfg.d_model
+        if packed_qkv:
+            repack(own[:3])
+        for m in own[3:] if packed_qkv else own:
+            repack([m])
