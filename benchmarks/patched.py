@@ -17,7 +17,7 @@ import torch
 
 from .timing import Entry, Group, refresh_memory
 
-__all__ = ["patched_groups", "LLAMA", "GPT2"]
+__all__ = ["patched_groups", "llama_model", "LLAMA", "GPT2"]
 
 #: (hidden, heads, kv heads, layers, intermediate, vocab): a small Llama-shaped decoder with GQA.
 LLAMA = (1024, 16, 4, 4, 2816, 2048)
@@ -27,7 +27,8 @@ QUICK_LLAMA = (64, 4, 2, 2, 128, 128)
 QUICK_GPT2 = (48, 4, 2, 128)
 
 
-def _llama(spec: tuple[int, ...]) -> torch.nn.Module:
+def llama_model(spec: tuple[int, ...]) -> torch.nn.Module:
+    """A random-weight ``LlamaForCausalLM`` (sdpa) of ``spec`` = (hidden, heads, kv heads, layers, intermediate, vocab)."""
     import transformers
 
     d, h, h_kv, n, inter, vocab = spec
@@ -95,7 +96,7 @@ def patched_groups(sz, *, hf: bool = True) -> list:  # type: ignore[no-untyped-d
     llama, gpt2 = (QUICK_LLAMA, QUICK_GPT2) if quick else (LLAMA, GPT2)
     b, s, prompt, new = (1, 8, 4, 4) if quick else (4, 256, 64, 32)
     rounds = sz.rounds
-    return [partial(_forward_group, "Llama", _llama, llama, b, s, rounds, sz.block_s),
+    return [partial(_forward_group, "Llama", llama_model, llama, b, s, rounds, sz.block_s),
             partial(_forward_group, "GPT-2", _gpt2, gpt2, b, s, rounds, sz.block_s),
-            partial(_generate_group, "Llama", _llama, llama, prompt, new, rounds, sz.block_s),
+            partial(_generate_group, "Llama", llama_model, llama, prompt, new, rounds, sz.block_s),
             partial(_generate_group, "GPT-2", _gpt2, gpt2, prompt, new, rounds, sz.block_s)]

@@ -21,6 +21,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from .patched import llama_model
 from .timing import Entry, Group, refresh_memory
 
 __all__ = ["surgery_groups"]
@@ -73,17 +74,6 @@ def _prune_group(d: int, h: int, b: int, s: int, rounds: int, block_s: float) ->
                  tol=(1e-4, 1e-4), meta={"b": b, "s": s, "d": d, "h": h, "mode": "prune"})
 
 
-def _llama(spec: tuple[int, ...]) -> torch.nn.Module:
-    import transformers
-
-    d, h, h_kv, n, inter, vocab = spec
-    cfg = transformers.LlamaConfig(hidden_size=d, num_attention_heads=h, num_key_value_heads=h_kv,
-                                   num_hidden_layers=n, intermediate_size=inter, vocab_size=vocab,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 def _prefill(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids, use_cache=True).logits
@@ -100,7 +90,7 @@ def _kv_group(spec: tuple[int, ...], b: int, s: int, rounds: int, block_s: float
     from headwise.surgery import to_gqa, to_mha
 
     h, h_kv = spec[1], spec[2]
-    base = patch(_llama(spec))
+    base = patch(llama_model(spec))
     counts = [h, h_kv] + [k for k in (h_kv // 2, 1) if 1 <= k < h_kv]
     models = {k: (to_mha(copy.deepcopy(base)) if k == h else base if k == h_kv else to_gqa(copy.deepcopy(base), k))
               for k in dict.fromkeys(counts)}

@@ -3,27 +3,18 @@ arithmetic, the limit computing what the pruned layer computes, and its goal row
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
-import torch
 
-from benchmarks import QUICK, resolve_only, run_suite
 from benchmarks.report import evaluate_goals
+from tests.bench.tiny import run_tiny
 
 pytest.importorskip("transformers")
 
-TINY = replace(QUICK, rounds=1, block_s=0.0)
 
 
 @pytest.fixture(scope="module")
 def groups() -> list[dict]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield run_suite(TINY, resolve_only(["surgery"]), show=False)[0]
-    finally:
-        torch.set_num_threads(threads)
+    return run_tiny("surgery")
 
 
 def test_surgery_groups_counts_and_peers(groups):

@@ -3,29 +3,20 @@ that the traced forward returns what the plain one does, and its goal rows. Neve
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
-import torch
 
-from benchmarks import QUICK, resolve_only, run_suite
+from benchmarks import resolve_only
 from benchmarks.report import evaluate_goals
 from benchmarks.trace import measure_memory
+from tests.bench.tiny import run_tiny
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.xdist_group("bench")  # the memory rows spawn processes
 
-TINY = replace(QUICK, rounds=1, block_s=0.0)
-
 
 @pytest.fixture(scope="module")
 def groups() -> list[dict]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield run_suite(TINY, resolve_only(["trace"]), show=False)[0]
-    finally:
-        torch.set_num_threads(threads)
+    return run_tiny("trace")
 
 
 def test_trace_case_groups_and_outputs_agree(groups):
