@@ -1,9 +1,12 @@
-"""Tensor parallelism by whole heads on ``torch.distributed`` (gloo on CPU, NCCL on GPU: one code path).
+"""Tensor and sequence parallelism by whole heads on ``torch.distributed`` (gloo on CPU, NCCL on GPU: one code path).
 
 * :mod:`headwise.parallel.plan`: the head-partition arithmetic (:func:`plan_heads`, :class:`HeadPartition`,
   :class:`TensorParallelPlan`, :func:`valid_world_sizes`), pure Python, no process group needed.
 * :mod:`headwise.parallel.tensor_parallel`: :func:`tensor_parallel` turns a :class:`~headwise.MultiHeadAttention`
   into this rank's :class:`TensorParallelAttention` (column-parallel Q/K/V, row-parallel W_O, one all-reduce).
+* :mod:`headwise.parallel.sequence_plan` and :mod:`headwise.parallel.sequence_parallel`: sequence parallelism by
+  heads (:func:`sequence_parallel`, DeepSpeed-Ulysses style: all-to-alls swap sequence sharding for heads), also
+  on a 2-D ("sp", "tp") mesh with tensor parallelism; :func:`plan_sequence_parallel` is its pure arithmetic.
 
 See ``docs/parallel.md`` and ``python -m torch.distributed.run --nproc-per-node 2 -m examples.tensor_parallel``.
 
@@ -16,14 +19,23 @@ Example:
 from __future__ import annotations
 
 from .plan import HeadPartition, TensorParallelPlan, plan_heads, valid_world_sizes
+from .sequence_parallel import CollectiveTimeoutError, SequenceParallelAttention, sequence_parallel
+from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel, valid_sequence_layouts
 from .tensor_parallel import HeadNotLocalError, TensorParallelAttention, tensor_parallel
 
 __all__ = [
+    "CollectiveTimeoutError",
     "HeadNotLocalError",
     "HeadPartition",
+    "SequenceParallelAttention",
+    "SequenceParallelPlan",
+    "SequenceRank",
     "TensorParallelAttention",
     "TensorParallelPlan",
     "plan_heads",
+    "plan_sequence_parallel",
+    "sequence_parallel",
     "tensor_parallel",
+    "valid_sequence_layouts",
     "valid_world_sizes",
 ]
