@@ -18,10 +18,39 @@ Example:
 
 from __future__ import annotations
 
-from .plan import HeadPartition, TensorParallelPlan, plan_heads, valid_world_sizes
-from .sequence_parallel import CollectiveTimeoutError, SequenceParallelAttention, sequence_parallel
-from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel, valid_sequence_layouts
-from .tensor_parallel import HeadNotLocalError, TensorParallelAttention, tensor_parallel
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .plan import HeadPartition, TensorParallelPlan, plan_heads, valid_world_sizes
+    from .sequence_parallel import CollectiveTimeoutError, SequenceParallelAttention, sequence_parallel
+    from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel, valid_sequence_layouts
+    from .tensor_parallel import HeadNotLocalError, TensorParallelAttention, tensor_parallel
+
+# name -> submodule. The plans are pure arithmetic: importing them (e.g. for ``headwise explain``) must not
+# import torch, so the layers load on first use.
+_WHERE = {
+    "HeadPartition": "plan", "TensorParallelPlan": "plan", "plan_heads": "plan", "valid_world_sizes": "plan",
+    "SequenceParallelPlan": "sequence_plan", "SequenceRank": "sequence_plan",
+    "plan_sequence_parallel": "sequence_plan", "valid_sequence_layouts": "sequence_plan",
+    "CollectiveTimeoutError": "sequence_parallel", "SequenceParallelAttention": "sequence_parallel",
+    "sequence_parallel": "sequence_parallel",
+    "HeadNotLocalError": "tensor_parallel", "TensorParallelAttention": "tensor_parallel",
+    "tensor_parallel": "tensor_parallel",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "CollectiveTimeoutError",
