@@ -52,6 +52,8 @@ SCENARIOS: dict[int, list[dict]] = {
         dict(name="mesh_sp2_tp2", d_model=32, n_heads=8, n_kv_heads=2, s=7, rotary=True, mesh=True,
              phases=[CAUSAL, PADDING, PER_HEAD]),
         dict(name="mesh_sp2_tp2_mqa", d_model=16, n_heads=4, n_kv_heads=1, s=6, mesh=True, phases=[CAUSAL]),
+        dict(name="fewer_tokens_than_ranks", d_model=16, n_heads=4, n_kv_heads=2, s=3, rotary=True,
+             phases=[CAUSAL, WINDOW]),
     ],
 }
 # Bytes of the all-to-alls at a fixed local length, the same on 2 and 4 ranks.

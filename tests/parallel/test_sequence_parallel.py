@@ -211,3 +211,27 @@ def test_needs_an_initialised_group_and_a_headwise_layer():
         sequence_parallel(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="grad_reduction must be one of"):
         sequence_parallel(MultiHeadAttention(16, 4), grad_reduction="mean")
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_unbatched_input_and_bad_masks(one_rank_group):
+    attn, inp = worker.build(worker.SCENARIOS[2][2])  # MQA with rotary
+    sp = sequence_parallel(attn)
+    x = inp["x"][0]  # (s, d): unbatched
+    torch.testing.assert_close(sp(x, causal=True, positions=inp["positions"][1]),
+                               attn(x, causal=True, positions=inp["positions"][1]))
+    with pytest.raises(ValueError, match="does not broadcast to"):
+        sp(inp["x"], mask=torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="rotary embeddings apply to self-attention only"):
+        sp(inp["x"], inp["x"])
+    with pytest.raises(TypeError, match="already sequence-parallel"):
+        sequence_parallel(sp)
+    assert sp.layer is not attn and all(p is not q for p, q in zip(sp.parameters(), attn.parameters()))
