@@ -66,3 +66,21 @@ def test_layouts_and_bad_arguments():
         plan_sequence_parallel(8, 2, sp=2).rank(2)
     text = str(plan_sequence_parallel(6, 2, sp=4))
     assert "2 or 1 query heads per rank" in text and "uneven" in text and "sp rank 3: query heads [5], K/V heads [1]" in text
+
+
+@pytest.mark.parametrize("first", ["headwise.parallel.tensor_parallel", "headwise.parallel.sequence_parallel",
+                                   "headwise.parallel"])
+def test_package_names_are_the_functions_whatever_is_imported_first_and_plans_need_no_torch(first):
+    import subprocess
+    import sys
+
+    code = (f"import sys, importlib\n"
+            f"from headwise.parallel.sequence_plan import plan_sequence_parallel\n"
+            f"assert 'torch' not in sys.modules\n"
+            f"importlib.import_module({first!r})\n"
+            f"from headwise.parallel import sequence_parallel, tensor_parallel, CollectiveTimeoutError\n"
+            f"import headwise.parallel as p\n"
+            f"assert callable(sequence_parallel) and callable(tensor_parallel), (sequence_parallel, tensor_parallel)\n"
+            f"assert p.sequence_parallel is sequence_parallel and p.tensor_parallel is tensor_parallel\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -19,6 +19,8 @@ Example:
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -42,10 +44,23 @@ _WHERE = {
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-        globals()[name] = value
-        return value
+        module = importlib.import_module(f".{_WHERE[name]}", __name__)
+        return globals()[name] if name in globals() else getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """This package's module object. Importing a submodule sets the package attribute of its name to it;
+    ``tensor_parallel`` and ``sequence_parallel`` name both a submodule and its function, and the function
+    must win (as it would with eager imports), whoever imports the submodule first."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name == _WHERE.get(name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __dir__() -> list[str]:
