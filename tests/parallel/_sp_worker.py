@@ -32,6 +32,7 @@ PER_HEAD = dict(name="per_head", mask="per_head")
 POSITIONS = dict(name="positions", causal=True, positions=True)
 CROSS = dict(name="cross", cross=True, mask="kv_padding")
 CROSS_CAUSAL = dict(name="cross_causal", cross=True, causal=True)
+KEY_VALUE = dict(name="key_value", key_value=True, mask="kv_padding")
 
 SCENARIOS: dict[int, list[dict]] = {
     2: [
@@ -41,6 +42,8 @@ SCENARIOS: dict[int, list[dict]] = {
         dict(name="gqa_ungrouped", d_model=24, n_heads=6, n_kv_heads=3, s=6, phases=[CAUSAL, PADDING]),
         dict(name="cross", d_model=16, n_heads=4, n_kv_heads=2, s=6, s_kv=5, bias=False,
              phases=[CROSS, CROSS_CAUSAL]),
+        dict(name="key_value", d_model=16, n_heads=4, n_kv_heads=2, s=5, s_kv=7, kdim=12, vdim=20,
+             phases=[KEY_VALUE]),
         dict(name="no_reduction", d_model=16, n_heads=4, n_kv_heads=2, s=6, grad_reduction="none", phases=[CAUSAL]),
     ],
     4: [
@@ -68,7 +71,8 @@ def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
     torch.manual_seed(seed)
     d, h = spec["d_model"], spec["n_heads"]
     rotary = RotaryEmbedding(d // h) if spec.get("rotary") else None
-    attn = MultiHeadAttention(d, h, spec["n_kv_heads"], bias=spec.get("bias", True), rotary=rotary, dtype=DTYPE)
+    attn = MultiHeadAttention(d, h, spec["n_kv_heads"], bias=spec.get("bias", True), rotary=rotary, dtype=DTYPE,
+                              kdim=spec.get("kdim"), vdim=spec.get("vdim"))
     with torch.no_grad():  # biases away from their init so that the bias handling is visible
         for p in attn.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=DTYPE) * 0.3)
@@ -86,6 +90,8 @@ def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
     }
     if spec.get("s_kv"):
         inp["context"] = torch.randn(B, s_kv, d, generator=g, dtype=DTYPE)
+        inp["key"] = torch.randn(B, s_kv, spec.get("kdim", d), generator=g, dtype=DTYPE)
+        inp["value"] = torch.randn(B, s_kv, spec.get("vdim", d), generator=g, dtype=DTYPE)
         inp["kv_padding"] = padding_mask(lengths=[s_kv - 2, s_kv], s_kv=s_kv)
     return attn, inp
 
@@ -114,16 +120,20 @@ def _run_scenario(spec: dict, world: int, rank: int, mesh2d) -> dict:
                  "tp_rank": sp.tp_rank, "repr": repr(sp)}
     for phase in spec["phases"]:
         x = torch.tensor_split(inp["x"], sp_size, dim=1)[sp_rank].clone().requires_grad_()
-        args = ()
+        args, kv = (), {}
         if phase.get("cross"):
             c = torch.tensor_split(inp["context"], sp_size, dim=1)[sp_rank].clone().requires_grad_()
             args = (c,)
-        y = sp(x, *args, **call_kwargs(phase, inp))
+        if phase.get("key_value"):
+            kv = {n: torch.tensor_split(inp[n], sp_size, dim=1)[sp_rank].clone().requires_grad_()
+                  for n in ("key", "value")}
+        y = sp(x, *args, **kv, **call_kwargs(phase, inp))
         grad_y = torch.tensor_split(inp["grad_y"], sp_size, dim=1)[sp_rank]
         (y * grad_y).sum().backward()
         res = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(sp)}
         if args:
             res["context_grad"] = args[0].grad
+        res |= {f"{n}_grad": t.grad for n, t in kv.items()}
         out[phase["name"]] = res
         sp.zero_grad(set_to_none=True)
     return out

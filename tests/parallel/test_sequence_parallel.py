@@ -73,9 +73,11 @@ def _reference(spec: dict, phase: dict):
     attn, inp = worker.build(spec)
     x = inp["x"].clone().requires_grad_()
     args = (inp["context"].clone().requires_grad_(),) if phase.get("cross") else ()
-    y = attn(x, *args, **worker.call_kwargs(phase, inp))
+    kv = {n: inp[n].clone().requires_grad_() for n in ("key", "value")} if phase.get("key_value") else {}
+    y = attn(x, *args, **kv, **worker.call_kwargs(phase, inp))
     (y * inp["grad_y"]).sum().backward()
-    return attn, y.detach(), x.grad, (args[0].grad if args else None)
+    extra = {"context_grad": args[0].grad} if args else {f"{n}_grad": t.grad for n, t in kv.items()}
+    return attn, y.detach(), x.grad, extra
 
 
 def _tp_rows(spec: dict, tp: int, t: int, d_head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +109,7 @@ def test_slices_and_every_gradient_equal_one_process_on_the_whole_sequence(world
     for spec in worker.SCENARIOS[world_size]:
         sp_size = ranks[0][spec["name"]]["sp_size"]
         for phase in spec["phases"]:
-            attn, y_ref, x_grad_ref, c_grad_ref = _reference(spec, phase)
+            attn, y_ref, x_grad_ref, extra_ref = _reference(spec, phase)
             tag = f"{spec['name']}/{phase['name']}"
             # Every group of sp ranks (one per tp shard) re-assembles the whole output and input gradient.
             groups: dict[int, list[dict]] = {}
@@ -120,8 +122,9 @@ def test_slices_and_every_gradient_equal_one_process_on_the_whole_sequence(world
                 torch.testing.assert_close(torch.cat([g["y"] for g in got], dim=1), y_ref, msg=lambda m: f"{tag}: {m}")
                 torch.testing.assert_close(torch.cat([g["x_grad"] for g in got], dim=1), x_grad_ref,
                                            msg=lambda m: f"{tag} dx: {m}")
-                if c_grad_ref is not None:
-                    torch.testing.assert_close(torch.cat([g["context_grad"] for g in got], dim=1), c_grad_ref)
+                for name, want in extra_ref.items():  # context / key / value gradients, slice by slice
+                    torch.testing.assert_close(torch.cat([g[name] for g in got], dim=1), want,
+                                               msg=lambda m: f"{tag} {name}: {m}")
             for r, res in enumerate(ranks):
                 want = _expected_grads(spec, attn, res[spec["name"]])
                 grads = res[spec["name"]][phase["name"]]["grads"]
@@ -136,7 +139,7 @@ def test_slices_and_every_gradient_equal_one_process_on_the_whole_sequence(world
                     torch.testing.assert_close(total, g, msg=lambda m: f"{tag} sum of {name}: {m}")
                     assert not torch.allclose(ranks[0][spec["name"]][phase["name"]]["grads"][name], g)
             checked += 1
-    assert checked >= 12
+    assert checked >= 13
 
 
 def test_the_plan_names_each_ranks_heads(world):

@@ -21,8 +21,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(*extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+def _run(*extra: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), "-m", "examples.sequence_parallel", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTEST_XDIST_WORKER", None)
@@ -42,6 +42,16 @@ def test_torchrun_example_reports_slices_heads_and_a_tiny_difference():
     assert len(per_rank) == 4
     worst = float(re.search(r"all ranks\): ([0-9.e+-]+)", out).group(1))
     assert worst == max(per_rank) and worst < 1e-12
+
+
+def test_four_ranks_with_one_kv_head_and_a_2d_mesh():
+    for extra, heads in ((["--n-kv-heads", "1", "--seq-len", "30"], "rank 3/4: tokens [23, 30) of 30, heads [6, 7]"),
+                         (["--tp", "2"], "rank 3/4: tokens [13, 25) of 25, heads [6, 7]")):
+        proc = _run("--dtype", "float64", "--timeout", "60", *extra, ranks=4)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert heads in proc.stdout
+        worst = float(re.search(r"all ranks\): ([0-9.e+-]+)", proc.stdout).group(1))
+        assert worst < 1e-12
 
 
 def test_a_rank_that_hangs_gives_a_clear_error_after_the_configured_timeout():
