@@ -235,6 +235,9 @@ def test_one_rank_unbatched_input_and_bad_masks(one_rank_group):
         sp(inp["x"], mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="rotary embeddings apply to self-attention only"):
         sp(inp["x"], inp["x"])
+    plain = sequence_parallel(MultiHeadAttention(16, 4, dtype=worker.DTYPE))
+    with pytest.raises(ValueError, match="positions= is for rotary layers"):
+        plain(inp["x"], positions=torch.arange(inp["x"].shape[1]))
     with pytest.raises(TypeError, match="already sequence-parallel"):
         sequence_parallel(sp)
     assert sp.layer is not attn and all(p is not q for p, q in zip(sp.parameters(), attn.parameters()))

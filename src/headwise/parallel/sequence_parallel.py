@@ -154,6 +154,8 @@ class SequenceParallelAttention(nn.Module):
         w = layer.q_proj.weight
         x, key, value, _, _, batched = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None,
                                                      x, context, key, value, None, causal, None, None, False)
+        if positions is not None and layer.rotary is None:
+            raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
         lq, lkv = self._lengths(x, key, mask, positions, causal)
         s_q, s_kv = sum(lq), sum(lkv)
         b, h = x.shape[0], self.global_config.n_heads
