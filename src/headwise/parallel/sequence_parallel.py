@@ -2,8 +2,8 @@
 
 Outside attention every rank of the sequence-parallel group holds a slice of the sequence, ``(b, s_r, d)``
 with ``sum_r s_r = S``. Each rank projects its slice to Q, K, V (the weights are replicated), rotates them at
-their *global* positions, and one all-to-all (Q, K and V together; one per tensor under cross-attention)
-sends every rank the whole sequence of the heads it attends to (:mod:`headwise.parallel.sequence_plan`). Heads never talk, so attention then runs exactly as in one
+their *global* positions, and one all-to-all per tensor sends every rank the whole sequence of the heads it
+attends to (:mod:`headwise.parallel.sequence_plan`). Heads never talk, so attention then runs exactly as in one
 process, on the global sequence, with the global mask; a last all-to-all sends each rank its slice of every
 head's output back, and W_O runs on the slice.
 
@@ -174,16 +174,13 @@ class SequenceParallelAttention(nn.Module):
         q, k, v = layer.project_qkv(x) if key is None else (layer.project_q(x), *layer.project_kv(key, value))
         if layer.rotary is not None:
             q, k = layer.rotate(q, k, positions)
-        if key is None:  # one all-to-all for Q, K and V: same lengths, a third of the latency
-            q, k, v = self._swap_qkv(q, k, v, lq)
-        else:
-            q = self._to_heads(q, lq, [len(r.q_heads) for r in self.plan.ranks], "the all-to-all of Q")
-            kv_counts = [len(r.kv_heads) for r in self.plan.ranks]
-            index = self._kv_send_index(k.device)
-            if index is not None:
-                k, v = k.index_select(1, index), v.index_select(1, index)  # (b, sum_j |kv_j|, s_kv_r, d_h)
-            k = self._to_heads(k, lkv, kv_counts, "the all-to-all of K")  # (b, h_kv_r, S_kv, d_h)
-            v = self._to_heads(v, lkv, kv_counts, "the all-to-all of V")
+        q = self._to_heads(q, lq, [len(r.q_heads) for r in self.plan.ranks], "the all-to-all of Q")
+        kv_counts = [len(r.kv_heads) for r in self.plan.ranks]
+        index = self._kv_send_index(k.device)
+        if index is not None:
+            k, v = k.index_select(1, index), v.index_select(1, index)  # (b, sum_j |kv_j|, s_kv_r, d_h)
+        k = self._to_heads(k, lkv, kv_counts, "the all-to-all of K")  # (b, h_kv_r, S_kv, d_h)
+        v = self._to_heads(v, lkv, kv_counts, "the all-to-all of V")
         if not self.part.grouped:  # uneven K/V groups on this rank: one K/V head per query head
             rows = torch.tensor(self.part.kv_index, device=k.device)
             k, v = k.index_select(1, rows), v.index_select(1, rows)  # (b, h_r, S_kv, d_h)
@@ -230,23 +227,6 @@ class SequenceParallelAttention(nn.Module):
         if min(lengths) == s_max:
             return got.reshape(b, n, P * s_max, d)  # (b, n, S, d_h)
         return torch.cat([got[:, :, p, :lengths[p]] for p in range(P)], dim=2)  # (b, n, S, d_h)
-
-    def _swap_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Self-attention's Q, K, V to heads in one all-to-all: rank j's block is its query heads, then its
-        K/V heads twice (K, then V). Shapes: (b, h', s_r, d_h), (b, h_kv', s_r, d_h) x 2
-        -> (b, h_r, S, d_h), (b, kv_r, S, d_h) x 2"""
-        if self.world_size == 1:
-            return q, k, v
-        blocks = []
-        for r in self.plan.ranks:
-            qs, kvs = slice(r.q_heads[0], r.q_heads[-1] + 1), slice(r.kv_heads[0], r.kv_heads[-1] + 1)
-            blocks += [q[:, qs], k[:, kvs], v[:, kvs]]
-        counts = [len(r.q_heads) + 2 * len(r.kv_heads) for r in self.plan.ranks]
-        got = self._to_heads(torch.cat(blocks, dim=1), lengths, counts, "the all-to-all of Q, K and V")
-        n, m = len(self.part.q_heads), len(self.part.kv_heads)
-        q, k, v = got.split([n, m, m], dim=1)  # (b, h_r, S, d_h), (b, kv_r, S, d_h) x 2
-        return q, k, v
 
     def _to_sequence(self, z: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """(b, h_r, S, d_h) -> (b, h', s_r, d_h): every head of this rank's slice, back from their ranks."""
