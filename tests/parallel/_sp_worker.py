@@ -62,6 +62,22 @@ SCENARIOS: dict[int, list[dict]] = {
 # Bytes of the all-to-alls at a fixed local length, the same on 2 and 4 ranks.
 BYTES = dict(name="bytes_mha", d_model=32, n_heads=8, n_kv_heads=8, s_local=4)
 BYTES_MQA = dict(name="bytes_mqa", d_model=32, n_heads=8, n_kv_heads=1, s_local=4)
+# Peak live tensor bytes of one forward and backward at a fixed local length, on 2 and 4 ranks.
+PEAK = dict(name="peak_mha", d_model=64, n_heads=4, n_kv_heads=4, s_local=256)
+
+
+def peak_bytes(module, x: torch.Tensor) -> int:
+    """Peak bytes of live tensor storages created during one forward and backward (after a warm-up)."""
+    from examples.sequence_parallel_measure import LiveBytes
+
+    module(x, causal=True).sum().backward()
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    with LiveBytes() as mem:
+        y = module(x, causal=True)
+        y.sum().backward()
+        del y
+    return mem.peak
 
 
 def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
@@ -173,6 +189,12 @@ def _count_bytes(spec: dict, world: int, rank: int) -> dict:
                                                    itemsize=8, sp_rank=rank)}
 
 
+def sequence_parallel_of(attn: MultiHeadAttention):
+    from headwise.parallel import sequence_parallel
+
+    return sequence_parallel(attn)
+
+
 def _refusals(world: int, rank: int) -> dict:
     """A wrong layout on rank 0 alone, and calls that disagree across ranks."""
     import torch.distributed as dist
@@ -236,6 +258,9 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             results[spec["name"]] = _run_scenario(spec, world, rank, mesh2d)
         for spec in (BYTES, BYTES_MQA):
             results[spec["name"]] = _count_bytes(spec, world, rank)
+        attn, inp = build(dict(PEAK, s=PEAK["s_local"] * world))
+        x = torch.tensor_split(inp["x"], world, dim=1)[rank].clone().requires_grad_()
+        results["peak"] = peak_bytes(sequence_parallel_of(attn), x)
         results["refusals"] = _refusals(world, rank)
         if world == 2:
             results["timeout"] = _timeout(rank)

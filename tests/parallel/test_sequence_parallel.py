@@ -187,6 +187,18 @@ def test_all_to_all_bytes_match_the_closed_form_and_do_not_grow_with_p_for_mha(r
     assert sent_mha[2] < sent_mha[4] < 4 * worker.B * 4 * 32 * 8
 
 
+def test_peak_memory_per_rank_stays_flat_in_p_at_fixed_tokens_per_rank(ranks2, ranks4):
+    spec = worker.PEAK
+    p2, p4 = max(r["peak"] for r in ranks2), max(r["peak"] for r in ranks4)
+    attn, inp = worker.build(dict(spec, s=spec["s_local"] * 4))
+    whole = worker.peak_bytes(attn, inp["x"].clone().requires_grad_())  # one process, the 4-rank sequence
+    d_h = spec["d_model"] // spec["n_heads"]
+    gathered = 4 * worker.B * spec["s_local"] * spec["n_heads"] * d_h * 8  # Q, K, V, context of a rank's heads
+    assert abs(p4 - p2) <= 0.1 * p2, (p2, p4)  # same tokens per rank: same memory, whatever P
+    assert p4 >= gathered  # it does hold the whole sequence of its heads
+    assert whole > 2 * p4, (whole, p4)
+
+
 def test_impossible_layout_refused_on_one_rank_before_any_communication(world):
     world_size, ranks = world
     msg = ranks[0]["refusals"]["invalid"]
