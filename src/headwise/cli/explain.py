@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ..analysis import dtype_info, summarize
+from ..analysis.parallel import parallel_costs
 from ..analysis.memory import DTYPE_NAMES
 from . import CliError
 from . import format as fmt
@@ -23,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=size, default=1)
     p.add_argument("--dtype", default="float16", help=f"storage dtype (default float16; one of {sorted(DTYPE_NAMES)})")
     p.add_argument("--n-layers", type=size, default=None, help="layers (default: the preset's, else 1)")
+    p.add_argument("--ranks", type=size, default=None,
+                   help="also show per-rank memory and communication over this many ranks, tensor vs sequence "
+                        "parallel")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run)
 
@@ -37,6 +41,15 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     refuse_unrepresentable(config, seq, batch, itemsize)  # before torch: the walk could not describe it
+    parallel = None
+    if args.ranks is not None:  # pure arithmetic: refused before anything heavy
+        parallel = parallel_costs(config, seq, args.ranks, batch=batch, dtype=dtype)
+        if "error" in parallel["tp"] and "error" in parallel["sp"]:
+            from ..parallel.plan import valid_world_sizes
+
+            raise CliError(f"neither split works over --ranks {args.ranks}: tensor parallel needs one of "
+                           f"{valid_world_sizes(config.n_heads, config.n_kv_heads)} ranks, sequence parallel at most "
+                           f"n_heads={config.n_heads}")
     summary = summarize(config, seq, batch=batch, dtype=dtype, n_layers=n_layers)
     live = (summary["params"]["layer"]["total"] + 6 * batch * seq * max(config.d_model, config.inner_dim)
             + 2 * batch * config.n_heads * seq * seq) * itemsize
@@ -49,7 +62,8 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         step(f"walking the layer on {device} tensors")
         walk_dtype = parse_dtype(dtype if device == "meta" else "float32")  # strides do not depend on dtype
         walked = walk(config, seq_len=seq, batch=batch, device=device, dtype=walk_dtype)
-    return summary | {"preset": preset, "walk_device": device, "steps": [s.to_dict() for s in walked]}
+    extra = {} if parallel is None else {"parallel": parallel}
+    return summary | {"preset": preset, "walk_device": device, "steps": [s.to_dict() for s in walked]} | extra
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +82,32 @@ def run(args: argparse.Namespace) -> int:
               [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in r["steps"]],
               optional=["note", "code"])
     fmt.table("Costs", ["quantity", "one layer", f"{r['n_layers']} layers", "how"], cost_rows(r), optional=["how"])
+    if "parallel" in r:
+        par = r["parallel"]
+        fmt.table(f"Per rank over {par['ranks']} ranks, one layer (training; {r['dtype']})",
+                  ["per rank", "tensor parallel", "sequence parallel"], parallel_rows(par))
+        for key in ("tp", "sp"):
+            fmt.line(f"{key}: {par[key].get('error') or par[key]['plan']}")
     return 0
+
+
+def parallel_rows(par: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The TP-vs-SP table: one row per figure; 'impossible' where a split fails, '-' where it has no such thing."""
+    rows = [("weights", "weights"), ("layer input + output", "input_output"),
+            ("Q, K, V, context (attention)", "qkv_context"), ("probabilities, eager", "probabilities_eager"),
+            ("log-sum-exp, fused", "lse_fused"), ("KV cache, all tokens", "kv_cache"),
+            ("sent, forward", "sent_forward"), ("sent, backward", "sent_backward"),
+            ("weight-grad all-reduce/step", "weight_grad_all_reduce")]
+
+    def cell(d: dict[str, Any], fig: str) -> str:
+        if "error" in d:
+            return "impossible"
+        if fig == "heads":
+            return f"{d['heads']} / {d['kv_heads']}"
+        return "-" if d[fig] is None else human_bytes(d[fig])
+
+    return [(label, cell(par["tp"], fig), cell(par["sp"], fig))
+            for label, fig in [("query / K/V heads attended", "heads"), *rows]]
 
 
 def cost_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:

@@ -145,6 +145,12 @@ class TensorParallelAttention(MultiHeadAttention):
         x, context, key, value = (self._enter(t) for t in (x, context, key, value))
         return super().forward(x, context, key=key, value=value, mask=self._local_mask(mask), **kwargs)
 
+    def copy_to_heads(self, t: Any) -> Any:
+        """``t`` unchanged, but its gradient is summed over the group in backward (every rank's heads read
+        it); None and tensors without gradient pass as they are. For layers that call the projections
+        themselves (e.g. :mod:`headwise.parallel.sequence_parallel`)."""
+        return self._enter(t)
+
     def _enter(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and self.world_size > 1 and torch.is_grad_enabled() and t.requires_grad:
             return _CopyToHeads.apply(t, self.group)

@@ -1,0 +1,342 @@
+"""Sequence parallelism by heads (DeepSpeed-Ulysses style): one all-to-all swaps sequence sharding for heads.
+
+Outside attention every rank of the sequence-parallel group holds a slice of the sequence, ``(b, s_r, d)``
+with ``sum_r s_r = S``. Each rank projects its slice to Q, K, V (the weights are replicated), rotates them at
+their *global* positions, and one all-to-all per tensor sends every rank the whole sequence of the heads it
+attends to (:mod:`headwise.parallel.sequence_plan`). Heads never talk, so attention then runs exactly as in one
+process, on the global sequence, with the global mask; a last all-to-all sends each rank its slice of every
+head's output back, and W_O runs on the slice.
+
+Conventions (the same on every rank):
+
+* ``x`` (and ``context`` / ``key`` / ``value``) is this rank's contiguous slice of the sequence, rank order
+  = sequence order, any lengths (e.g. ``torch.tensor_split(x, P, dim=1)[rank]``). The lengths are exchanged
+  (one tiny all-gather per call); uneven slices are padded for the all-to-alls and unpadded before
+  attention, so padding is never attended to.
+* ``mask`` is the *global* mask, identical on every rank: broadcastable to ``(b, h, S_q, S_kv)`` (a padding
+  mask ``(b, 1, 1, S_kv)``, a sliding-window mask ``(S_q, S_kv)``, a per-head bias ``(h, S_q, S_kv)`` ...).
+  Each rank keeps the rows of its heads. ``causal`` is over global positions, as in one process.
+* ``positions`` (rotary layers) are global: ``(S_q,)`` or ``(b, S_q)``, default ``arange(S_q)``.
+* The weights are replicated, so every rank's gradient holds only its tokens' part. With
+  ``grad_reduction="sum"`` (default) a hook on every parameter sums its gradient over the group during
+  backward (as DDP does, without averaging): after ``loss.backward()`` with ``loss`` the sum of the ranks'
+  losses, every rank holds the single-process gradient. ``"none"`` leaves the per-rank parts, for a
+  data-parallel wrapper whose group already spans the sequence-parallel ranks.
+* With a 2-D ``DeviceMesh`` named ``("sp", "tp")`` the layer is first split by heads over ``tp``
+  (:func:`~headwise.parallel.tensor_parallel.tensor_parallel`), then each shard's heads over ``sp``.
+
+Only ``torch.distributed.all_to_all_single``, ``all_gather`` and ``all_reduce`` are called, on tensors on the
+layer's device: gloo on CPU and NCCL on GPU run the same lines. A collective that exceeds the process group's
+timeout raises :class:`CollectiveTimeoutError` naming the step.
+
+Shapes:
+    b: batch, s_r: this rank's slice, S_q / S_kv: global query / key lengths, s_max = max_r s_r,
+    h: query heads, h_r: heads this rank attends to, h_kv: K/V heads, d: d_model, d_h: d_head, P: ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import MultiHeadAttention
+from ..config import AttentionConfig
+from ..masks import validate_mask
+from ..validation import check_forward, check_positions
+from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel
+from .tensor_parallel import TensorParallelAttention, tensor_parallel
+
+__all__ = ["CollectiveTimeoutError", "SequenceParallelAttention", "sequence_parallel", "GRAD_REDUCTIONS"]
+
+GRAD_REDUCTIONS = ("sum", "none")
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective of a sequence-parallel layer did not complete within the process group's timeout."""
+
+
+def _collective(what: str, size: int, fn: Any) -> Any:
+    try:
+        return fn()
+    except RuntimeError as err:
+        text = str(err).lower()
+        if "timed out" in text or "timeout" in text:
+            raise CollectiveTimeoutError(
+                f"sequence_parallel: {what} over {size} ranks did not complete within the process group's "
+                f"timeout: another rank stopped, hangs, or did not make the same call; the timeout is set by "
+                f"init_process_group(timeout=...)") from err
+        raise
+
+
+def _exchange(send: torch.Tensor, group: Any, size: int, send_splits: list[int], recv_splits: list[int],
+              what: str) -> torch.Tensor:
+    send = send.contiguous()
+    out = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    _collective(what, size, lambda: dist.all_to_all_single(out, send, recv_splits, send_splits, group=group))
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single on dim 0 (block i of ``send``, ``send_splits[i]`` rows, goes to rank i); its backward
+    is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, send: torch.Tensor, group: Any, size: int, send_splits: list[int],
+                recv_splits: list[int], what: str) -> torch.Tensor:
+        ctx.args = (group, size, send_splits, recv_splits, what)
+        return _exchange(send, group, size, send_splits, recv_splits, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        group, size, send_splits, recv_splits, what = ctx.args
+        return _exchange(grad, group, size, recv_splits, send_splits, f"backward of {what}"), *(None,) * 5
+
+
+def _sum_grad(group: Any, size: int, grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.contiguous().clone()
+    _collective("the gradient all-reduce of a replicated weight", size,
+                lambda: dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group))
+    return grad
+
+
+class SequenceParallelAttention(nn.Module):
+    """This rank's part of a sequence-parallel attention layer; build it with :func:`sequence_parallel`.
+
+    Its forward takes this rank's sequence slice and returns its slice of the output of the whole layer on
+    the whole sequence (module doc for the conventions). ``layer`` is the module holding the weights: a copy
+    of the unsharded layer, or its :class:`TensorParallelAttention` shard under a 2-D mesh.
+
+    Attributes:
+        plan: the :class:`SequenceParallelPlan`; rank, world_size: this rank's place in the sequence-parallel
+        group; heads: the global query heads this rank attends to; grad_reduction: ``"sum"`` or ``"none"``.
+
+    Shapes:
+        x: (b, s_r, d) or (s_r, d) -> (b, s_r, d) or (s_r, d)
+    """
+
+    def __init__(self, layer: MultiHeadAttention, plan: SequenceParallelPlan, group: Any, rank: int,
+                 tp_rank: int, global_config: AttentionConfig, grad_reduction: str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.plan, self.group, self.rank, self.world_size = plan, group, rank, plan.sp
+        self.global_config, self.grad_reduction, self.tp_rank = global_config, grad_reduction, tp_rank
+        self.part: SequenceRank = plan.rank(rank)
+        self.heads = plan.global_q_heads(rank, tp_rank)
+        self._hooks = []
+        if grad_reduction == "sum" and plan.sp > 1:
+            hook = functools.partial(_sum_grad, group, plan.sp)
+            self._hooks = [p.register_hook(hook) for p in layer.parameters() if p.requires_grad]
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None, mask: torch.Tensor | None = None, causal: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's slice of the layer's output on the whole sequence. A collective: every rank calls it.
+
+        Args:
+            x: this rank's slice of the queries' inputs.
+            context: this rank's slice of the keys' and values' inputs (cross-attention); None: ``x``.
+            key, value: separate slices of key and value inputs (widths kdim, vdim).
+            mask: the global mask (bool, True = may attend, or floating, added), the same on every rank.
+            causal: bottom-right causal masking over the global positions.
+            positions: global rotary positions (S_q,) or (b, S_q); default ``arange(S_q)``.
+
+        Shapes:
+            x: (b, s_r, d) or (s_r, d); context: (b, s_kv_r, kdim); mask: broadcastable to (b, h, S_q, S_kv)
+            -> (b, s_r, d) or (s_r, d)
+        """
+        layer = self.layer
+        w = layer.q_proj.weight
+        x, key, value, _, _, batched = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None,
+                                                     x, context, key, value, None, causal, None, None, False)
+        if positions is not None and layer.rotary is None:
+            raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
+        lq, lkv = self._lengths(x, key, mask, positions, causal)
+        s_q, s_kv = sum(lq), sum(lkv)
+        b, h = x.shape[0], self.global_config.n_heads
+        if mask is not None:
+            mask = validate_mask(mask, (b, h, s_q, s_kv), w.dtype, w.device)
+            if mask.shape[1] == h and h > 1:
+                mask = mask.narrow(1, self.heads[0], len(self.heads))  # (b, h_r, S_q, S_kv)
+        start = sum(lq[:self.rank])
+        if layer.rotary is not None:
+            if positions is None:
+                positions = torch.arange(s_q, device=x.device)
+            positions = check_positions(positions, b, s_q)[..., start:start + lq[self.rank]]  # (b or 1, s_r)
+        if isinstance(layer, TensorParallelAttention):  # dL/dx sums over the tp shards' heads
+            x, key, value = (layer.copy_to_heads(t) for t in (x, key, value))
+        # Project this rank's slice: (b, h', s_r, d_h) queries, (b, h_kv', s_r, d_h) keys and values.
+        q, k, v = layer.project_qkv(x) if key is None else (layer.project_q(x), *layer.project_kv(key, value))
+        if layer.rotary is not None:
+            q, k = layer.rotate(q, k, positions)
+        q = self._to_heads(q, lq, [len(r.q_heads) for r in self.plan.ranks], "the all-to-all of Q")
+        kv_counts = [len(r.kv_heads) for r in self.plan.ranks]
+        index = self._kv_send_index(k.device)
+        if index is not None:
+            k, v = k.index_select(1, index), v.index_select(1, index)  # (b, sum_j |kv_j|, s_kv_r, d_h)
+        k = self._to_heads(k, lkv, kv_counts, "the all-to-all of K")  # (b, h_kv_r, S_kv, d_h)
+        v = self._to_heads(v, lkv, kv_counts, "the all-to-all of V")
+        if not self.part.grouped:  # uneven K/V groups on this rank: one K/V head per query head
+            rows = torch.tensor(self.part.kv_index, device=k.device)
+            k, v = k.index_select(1, rows), v.index_select(1, rows)  # (b, h_r, S_kv, d_h)
+        z, _ = layer.attend(q, k, v, mask=mask, causal=causal)  # (b, h_r, S_q, d_h): the global sequence
+        del q, k, v
+        z = self._to_sequence(z, lq)  # (b, h', s_r, d_h)
+        y = layer.project_out(z)  # (b, s_r, d); under tp, summed over the shards
+        return y if batched else y.squeeze(0)
+
+    # -- the exchanges -------------------------------------------------------------------------------------
+    def _lengths(self, x: torch.Tensor, key: torch.Tensor | None, mask: Any, positions: Any,
+                 causal: bool) -> tuple[list[int], list[int]]:
+        """Every rank's slice lengths (one all-gather), after checking that the ranks made the same call."""
+        kind = 0 if key is None else 1
+        s_kv = x.shape[1] if key is None else key.shape[1]
+        mine = [x.shape[0], x.shape[1], s_kv, kind, mask is not None, positions is not None, bool(causal)]
+        if self.world_size == 1:
+            return [mine[1]], [mine[2]]
+        meta = torch.tensor(mine, dtype=torch.int64, device=x.device)
+        parts = [torch.empty_like(meta) for _ in range(self.world_size)]
+        _collective("the exchange of slice lengths", self.world_size,
+                    lambda: dist.all_gather(parts, meta, group=self.group))
+        rows = torch.stack(parts).tolist()  # (P, 7)
+        for i, name in ((0, "batch sizes"), (3, "cross-attention (0: self, 1: context/key)"),
+                        (4, "mask given"), (5, "positions given"), (6, "causal")):
+            got = [r[i] for r in rows]
+            if len(set(got)) > 1:
+                raise ValueError(f"the {self.world_size} sequence-parallel ranks must make the same call; "
+                                 f"{name} differ by rank: {got}")
+        return [r[1] for r in rows], [r[2] for r in rows]
+
+    def _to_heads(self, t: torch.Tensor, lengths: list[int], counts: list[int], what: str) -> torch.Tensor:
+        """(b, sum(counts), s_r, d_h), head blocks in rank order -> (b, counts[rank], S, d_h): the sequence
+        slices of every rank, padding removed."""
+        P, s_max = self.world_size, max(lengths)
+        if P == 1:
+            return t
+        b, _, s, d = t.shape
+        if s < s_max:
+            t = F.pad(t, (0, 0, 0, s_max - s))  # (b, n, s_max, d_h): equal blocks for the all-to-all
+        n = counts[self.rank]
+        got = _AllToAll.apply(t.transpose(0, 1), self.group, P, counts, [n] * P, what)  # (P * n, b, s_max, d_h)
+        got = got.view(P, n, b, s_max, d).permute(2, 1, 0, 3, 4)  # (b, n, P, s_max, d_h)
+        if min(lengths) == s_max:
+            return got.reshape(b, n, P * s_max, d)  # (b, n, S, d_h)
+        return torch.cat([got[:, :, p, :lengths[p]] for p in range(P)], dim=2)  # (b, n, S, d_h)
+
+    def _to_sequence(self, z: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """(b, h_r, S, d_h) -> (b, h', s_r, d_h): every head of this rank's slice, back from their ranks."""
+        P, s_max = self.world_size, max(lengths)
+        if P == 1:
+            return z
+        b, n, _, d = z.shape
+        if min(lengths) == s_max:
+            z = z.reshape(b, n, P, s_max, d)
+        else:
+            z = torch.stack([F.pad(part, (0, 0, 0, s_max - part.shape[2]))
+                             for part in z.split(lengths, dim=2)], dim=2)  # (b, n, P, s_max, d_h)
+        counts = [len(r.q_heads) for r in self.plan.ranks]
+        send = z.permute(2, 1, 0, 3, 4).reshape(P * n, b, s_max, d)  # block p: this rank's heads, p's slice
+        got = _AllToAll.apply(send, self.group, P, [n] * P, counts, "the all-to-all of the attention output")
+        return got.transpose(0, 1)[:, :, :lengths[self.rank]]  # (b, h', s_r, d_h)
+
+    def _kv_send_index(self, device: torch.device) -> torch.Tensor | None:
+        """Which local K/V heads go, in order, to the ranks (None when that is every head once, in order)."""
+        order = [k for r in self.plan.ranks for k in r.kv_heads]
+        if self.world_size == 1 or order == list(range(self.plan.shard_kv_heads)):
+            return None
+        return torch.tensor(order, device=device)
+
+    def extra_repr(self) -> str:
+        p = self.part
+        return (f"sp rank={self.rank}/{self.world_size}, tp rank={self.tp_rank}/{self.plan.tp}, query heads="
+                f"{list(self.heads)}, K/V heads (of the shard)={list(p.kv_heads)}"
+                f"{' (replicated)' if self.plan.kv_replicated else ''}, grad_reduction={self.grad_reduction!r}")
+
+
+def _groups(group_or_mesh: Any) -> tuple[Any, Any]:
+    """(the sequence-parallel group, the tensor-parallel 1-D mesh or None), without any communication."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("sequence_parallel needs an initialised process group: call "
+                           "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
+    if group_or_mesh is None:
+        return dist.group.WORLD, None
+    if isinstance(group_or_mesh, dist.ProcessGroup):
+        return group_or_mesh, None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(group_or_mesh, DeviceMesh):
+        raise TypeError(f"group_or_mesh must be a torch.distributed ProcessGroup, a 1-D DeviceMesh, a 2-D "
+                        f"DeviceMesh named ('sp', 'tp'), or None; got {type(group_or_mesh).__name__}")
+    mesh = group_or_mesh
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or sorted(names) != ["sp", "tp"]:
+        raise ValueError(f"sequence_parallel takes a 1-D DeviceMesh or a 2-D one with dimensions named 'sp' "
+                         f"and 'tp'; got ndim={mesh.ndim}, names={names or None}")
+    return mesh.get_group("sp"), mesh["tp"]
+
+
+def sequence_parallel(attn: MultiHeadAttention, group_or_mesh: Any = None, *,
+                      grad_reduction: str = "sum") -> SequenceParallelAttention:
+    """Shard ``attn``'s sequence over a process group (heads over ``tp`` too, on a 2-D mesh).
+
+    Call it on every rank with the same layer (same weights). It returns a new module: a copy of ``attn``
+    (its tensor-parallel shard on a 2-D mesh; a :class:`TensorParallelAttention` passed in is wrapped, not
+    copied). The plan (:func:`~headwise.parallel.sequence_plan.plan_sequence_parallel`) is checked before
+    any communication, so an impossible layout raises ``ValueError`` naming the valid ones on every rank;
+    building the module communicates nothing.
+
+    Args:
+        attn: the layer (MHA, GQA or MQA; rotary, biases, kdim/vdim kept), or its tensor-parallel shard.
+        group_or_mesh: a ProcessGroup, a 1-D DeviceMesh, a 2-D DeviceMesh named ("sp", "tp"), or None
+            (the default group).
+        grad_reduction: ``"sum"``: parameter gradients are summed over the sequence-parallel group in
+            backward; ``"none"``: each rank keeps its tokens' part (module doc).
+
+    Shapes:
+        forward: x (b, s_r, d), this rank's slice -> (b, s_r, d), this rank's slice of the output
+
+    Example (a one-rank group, so that it runs anywhere; under torchrun every rank passes its slice):
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> attn = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
+        >>> sp = sequence_parallel(attn)
+        >>> sp.heads, sp.plan.sp
+        ((0, 1, 2, 3), 1)
+        >>> x = torch.randn(2, 5, 16)
+        >>> torch.testing.assert_close(sp(x, causal=True), attn(x, causal=True))
+        >>> dist.destroy_process_group()
+    """
+    if isinstance(attn, SequenceParallelAttention):
+        raise TypeError("this layer is already sequence-parallel; pass the unsharded MultiHeadAttention")
+    if not isinstance(attn, MultiHeadAttention):
+        raise TypeError(f"sequence_parallel needs a headwise MultiHeadAttention, got {type(attn).__name__}")
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
+    group, tp_mesh = _groups(group_or_mesh)
+    sp_size, sp_rank = dist.get_world_size(group), dist.get_rank(group)
+    if sp_rank < 0:
+        raise ValueError("this process is not a member of the given process group")
+    if isinstance(attn, TensorParallelAttention):
+        if tp_mesh is not None:
+            raise ValueError("this layer is already tensor-parallel; pass a 1-D sequence-parallel group, "
+                             "or the unsharded layer with the 2-D mesh")
+        cfg, tp, tp_rank = attn.global_config, attn.world_size, attn.rank
+    else:
+        cfg = attn.config
+        tp = 1 if tp_mesh is None else tp_mesh.size()
+        tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
+    plan = plan_sequence_parallel(cfg.n_heads, cfg.n_kv_heads, sp=sp_size, tp=tp)  # raises before any exchange
+    if isinstance(attn, TensorParallelAttention):
+        layer = attn
+    elif tp_mesh is not None:
+        layer = tensor_parallel(attn, tp_mesh)
+    else:
+        layer = copy.deepcopy(attn)
+    return SequenceParallelAttention(layer, plan, group, sp_rank, tp_rank, cfg, grad_reduction)
