@@ -12,7 +12,7 @@ ROOT = Path(headwise.__file__).parent
 # The README's layer order (Architecture), lowest first. A module may import its own layer or lower ones.
 LAYERS = [
     {"config"},                                                 # leaves
-    {"masks", "rotary", "kv_cache", "checkpoint", "validation"},  # leaves over the config
+    {"masks", "rotary", "kv_cache", "checkpoint", "validation", "buffers"},  # leaves over the config
     {"plan"},                                                   # planning
     {"functional", "dispatch", "projections"},                  # the math; the plan in words
     {"chunking"},                                               # long forwards, on tensors and callables

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .attention import MultiHeadAttention
+from .buffers import fresh_empty
 
 __all__ = ["trace", "Trace", "LayerRecord", "find_layers", "head_results", "CAPTURABLE"]
 
@@ -96,9 +97,13 @@ def head_results(z: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     """
     b, h, s, d_h = z.shape
     d = w_o.shape[0]
-    per_head = w_o.reshape(d, h, d_h).permute(1, 2, 0)  # (h, d_h, d): W_O^h
+    per_head = w_o.reshape(d, h, d_h).permute(1, 2, 0).to(z.dtype)  # (h, d_h, d): W_O^h
     rows = z.transpose(0, 1).reshape(h, b * s, d_h)  # (h, b * s, d_h)
-    return torch.bmm(rows, per_head.to(z.dtype)).view(h, b, s, d).permute(1, 2, 0, 3)  # (b, s, h, d)
+    if torch.is_grad_enabled() and (z.requires_grad or w_o.requires_grad):
+        out = torch.bmm(rows, per_head)  # autograd records no out= products
+    else:  # h times the output's size in fresh memory: on huge pages, where they fault in far fewer times
+        out = torch.bmm(rows, per_head, out=fresh_empty((h, b * s, d), z.dtype, z.device))  # (h, b * s, d)
+    return out.view(h, b, s, d).permute(1, 2, 0, 3)  # (b, s, h, d)
 
 
 class LayerRecord:
