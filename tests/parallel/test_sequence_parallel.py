@@ -10,55 +10,25 @@ with the rows of each shard written out again here from the GQA rule.
 
 from __future__ import annotations
 
-import socket
-import tempfile
-import time
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from headwise import MultiHeadAttention
 from headwise.parallel import sequence_parallel
 from tests.parallel import _sp_worker as worker
+from tests.parallel.spawn import spawn
 
 pytestmark = [pytest.mark.xdist_group("parallel"), pytest.mark.timeout(240)]
-
-JOIN_TIMEOUT_S = 150.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(worker.run_rank, args=(world, _free_port(), tmp), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{world}-rank group did not finish within {JOIN_TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def ranks2() -> list[dict]:
-    return _spawn(2)
+    return spawn(worker.run_rank, 2)
 
 
 @pytest.fixture(scope="module")
 def ranks4() -> list[dict]:
-    return _spawn(4)
+    return spawn(worker.run_rank, 4)
 
 
 @pytest.fixture(params=[2, 4], ids=["world2", "world4"])

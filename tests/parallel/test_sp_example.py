@@ -3,33 +3,18 @@ clear error within the configured timeout when a rank never joins."""
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.parallel.spawn import torchrun
 
 pytestmark = [pytest.mark.xdist_group("parallel"), pytest.mark.timeout(180)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(*extra: str, ranks: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "examples.sequence_parallel", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("PYTEST_XDIST_WORKER", None)
-    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    root = Path(__file__).resolve().parents[2]  # examples/ lives at the repository root, beside src/
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=root)
+    return torchrun("examples.sequence_parallel", *extra, ranks=ranks)
 
 
 def test_torchrun_example_reports_slices_heads_and_a_tiny_difference():

@@ -1,0 +1,57 @@
+"""Process groups for the parallel tests: a free port, every scenario of a worker on ``world`` ranks, and
+torchrun of an example."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+JOIN_TIMEOUT_S = 150.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(run_rank: Callable[..., None], world: int) -> list[dict]:
+    """Run ``run_rank(rank, world, port, folder)`` on ``world`` ranks and load what each rank saved as
+    ``rank{r}.pt``; a hard deadline kills the ranks instead of hanging."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(run_rank, args=(world, free_port(), tmp), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{world}-rank group did not finish within {JOIN_TIMEOUT_S} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def torchrun(module: str, *extra: str, ranks: int = 2, timeout: float = 150.0) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node ranks -m module extra...`` on CPU from the repository root (where examples/
+    lives), one thread per rank, gloo on loopback."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", module, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections stay on loopback
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
