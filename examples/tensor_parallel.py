@@ -18,13 +18,12 @@ Shapes:
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
+from examples.launch import under_torchrun
 from headwise import MultiHeadAttention
 from headwise.parallel import tensor_parallel
 
@@ -57,22 +56,7 @@ def _in_rank_order(rank: int, world: int, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    if "RANK" not in os.environ:
-        print("run me under torchrun: torchrun --nproc-per-node 2 -m examples.tensor_parallel",
-              file=sys.stderr)
-        return 2
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available()
-                                         and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        return _run(args, device)
-    finally:
-        dist.destroy_process_group()
+    return under_torchrun(_parse(argv), "examples.tensor_parallel", _run)
 
 
 def _run(args: argparse.Namespace, device: torch.device) -> int:
