@@ -176,8 +176,10 @@ def _xw_group(sz, shared: dict) -> Group:
     attn = MultiHeadAttention(d, h).eval()
     cache = attn.new_cache(1, max_len)
     xw = peers.XWDecoder(attn, 1, max_len)
+    xw_huge = peers.XWDecoder(attn, 1, max_len)
     prealloc = peers.PreallocDecoder(attn, 1, max_len).eval()
     refresh_memory(attn, cache, xw, prealloc)
+    refresh_memory(xw_huge, huge_pages=True)  # the same loop, its weights and cache advised as headwise's are
     d_h = d // h
     torch.manual_seed(ctx)
     k0, v0 = torch.randn(1, h, ctx, d_h), torch.randn(1, h, ctx, d_h)
@@ -192,6 +194,10 @@ def _xw_group(sz, shared: dict) -> Group:
         Entry("x @ W preallocated loop", partial(_call_no_grad, xw, x), number=n, reset=partial(xw.fill, k0, v0),
               note="plain function: W (d_in, d_out) contiguous, addmm per projection, slot write, SDPA over "
                    "the filled prefix, merge, @ W_O"),
+        Entry("x @ W loop on huge pages", partial(_call_no_grad, xw_huge, x), number=n,
+              reset=partial(xw_huge.fill, k0, v0),
+              note="the same loop with its weights and cache advised onto huge pages, as headwise allocates its own "
+                   "(headwise.buffers): what placement alone is worth"),
         Entry("minimal prealloc cache (limit)", partial(_call_no_grad, prealloc, x), role="limit", number=n,
               reset=partial(prealloc.fill, k0, v0), note="nn.Linear, fused QKV, attends over the filled prefix"),
     ]

@@ -256,6 +256,9 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
     xw = collect("4 decode", "headwise", "x @ W preallocated loop")
     goals.append(_goal("decode vs x @ W preallocated loop (d 2048, h 16, context 2048)", "<= 1.00 per token", xw,
                        1.0, notes.get("decode_xw", "")))
+    xw_huge = collect("4 decode", "headwise", "x @ W loop on huge pages")
+    goals.append(_goal("decode vs the same x @ W loop on huge pages (placement equal)", "<= 1.02 per token", xw_huge,
+                       1.02, notes.get("decode_xw_huge", "")))
     hfd = []
     for g in dec:
         for e in g["entries"]:

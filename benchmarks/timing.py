@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.benchmark import Timer
 
+from headwise.buffers import fresh_empty, huge_pages_advised
+
 __all__ = ["Entry", "Group", "run_group", "ticks", "refresh_memory", "forward_flops"]
 
 
@@ -70,7 +72,7 @@ def forward_flops(b: int, s: int, d: int, inner: int, kv: int, causal: bool = Fa
     return float(proj + attn)
 
 
-def refresh_memory(*modules: Any) -> None:
+def refresh_memory(*modules: Any, huge_pages: bool | None = None) -> None:
     """Give every parameter and buffer of ``modules`` a freshly allocated copy, in order (tensors that share a
     storage, such as headwise's packed W_Q, W_K, W_V, get one new shared storage with the same layout).
 
@@ -78,6 +80,10 @@ def refresh_memory(*modules: Any) -> None:
     later copy of the same weights (docs/benchmarks.md). Every group builds headwise first and
     its peers by copying headwise's weights, which would hand the peers the faster memory; re-allocating
     every entry's tensors after all are built removes that bias.
+
+    Each copy keeps its original's page advice: headwise advises its large weights and caches onto huge
+    pages (:mod:`headwise.buffers`), a peer's tensors come from the allocator as a user's would.
+    ``huge_pages=True`` advises every large copy (a peer given huge pages on purpose).
     """
     seen: set[int] = set()
     fresh: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # one new copy per storage: shared storage stays shared
@@ -96,7 +102,10 @@ def refresh_memory(*modules: Any) -> None:
                 if key not in fresh:
                     whole = torch.empty(0, dtype=t.dtype, device=t.device)
                     whole.set_(storage, 0, (storage.nbytes() // t.element_size(),))
-                    fresh[key] = whole.clone()
+                    if huge_pages or (huge_pages is None and huge_pages_advised(whole)):
+                        fresh[key] = fresh_empty(whole.shape, whole.dtype, whole.device).copy_(whole)
+                    else:
+                        fresh[key] = whole.clone()
                 t.data = fresh[key].as_strided(t.shape, t.stride(), t.storage_offset())
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import math
 import os
 
 import pytest
 import torch
 
-from headwise import buffers
+from headwise import MultiHeadAttention, buffers
 from headwise.trace import head_results
+
+from tests.reference import reference_mha
 
 
 def test_small_or_non_cpu_requests_are_ordinary_tensors():
@@ -52,3 +56,66 @@ def test_head_results_on_huge_pages_equal_the_per_head_products(monkeypatch):
     with torch.no_grad():
         got = head_results(z, w)
     torch.testing.assert_close(got, want)
+
+
+def _thp_available() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+needs_thp = pytest.mark.skipif(not (_thp_available() and os.path.exists("/proc/self/smaps")),
+                               reason="needs Linux transparent huge pages and /proc/self/smaps")
+
+
+@needs_thp
+def test_large_weights_and_caches_are_advised_and_small_ones_are_left_alone(monkeypatch):
+    monkeypatch.setattr(buffers, "HUGE_BYTES", 2**20)
+    attn = MultiHeadAttention(512, 8)  # W_Q, W_K, W_V packed: 3 MiB; W_O: 1 MiB
+    cache = attn.new_cache(1, 512)  # 1 MiB each
+    small = MultiHeadAttention(64, 4)
+    assert [buffers.huge_pages_advised(t) for t in (attn.q_proj.weight, attn.v_proj.weight, attn.out_proj.weight,
+                                                    cache.keys, cache.values)] == [True] * 5
+    assert not any(buffers.huge_pages_advised(t) for t in (attn.q_proj.bias, small.q_proj.weight,
+                                                           small.new_cache(1, 8).keys))
+    assert buffers.huge_pages_advised(attn.double().q_proj.weight)  # re-packed after a conversion: advised again
+    assert buffers.huge_pages_advised(copy.deepcopy(attn).k_proj.weight)
+
+
+def test_a_layer_on_huge_pages_is_an_ordinary_layer(monkeypatch, tmp_path):
+    """Every size takes the mapped path: the layer and its cache compute the float64 reference, save, load,
+    deep-copy and move to shared memory like any other."""
+    monkeypatch.setattr(buffers, "HUGE_BYTES", 0)
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 2, dtype=torch.float64)
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    torch.testing.assert_close(attn(x, causal=True), reference_mha(attn, x, causal=True)[0])
+    cache = attn.new_cache(2, 8)
+    steps = [attn(x[:, :4], cache=cache)] + [attn(x[:, t:t + 1], cache=cache) for t in (4, 5)]
+    torch.testing.assert_close(torch.cat(steps, 1), reference_mha(attn, x, causal=True)[0])
+    torch.save(attn.state_dict(), tmp_path / "attn.pt")
+    monkeypatch.setattr(buffers, "HUGE_BYTES", math.inf)
+    loaded = MultiHeadAttention(32, 4, 2, dtype=torch.float64)
+    loaded.load_state_dict(torch.load(tmp_path / "attn.pt"))
+    twin = copy.deepcopy(attn)
+    attn.share_memory()
+    for other in (loaded, twin, attn):
+        torch.testing.assert_close(other(x, causal=True), reference_mha(attn, x, causal=True)[0])
+    assert attn.q_proj.weight.is_shared()
+
+
+@needs_thp
+def test_the_benchmarks_keep_each_copy_on_the_pages_its_original_had(monkeypatch):
+    from benchmarks.timing import refresh_memory
+
+    monkeypatch.setattr(buffers, "HUGE_BYTES", 2**20)
+    attn = MultiHeadAttention(512, 8)
+    plain = torch.nn.Linear(512, 1024)  # 2 MiB from the allocator, as a user's would be
+    before = attn(torch.ones(1, 3, 512)).detach()
+    refresh_memory(attn, plain)
+    assert buffers.huge_pages_advised(attn.q_proj.weight) and not buffers.huge_pages_advised(plain.weight)
+    torch.testing.assert_close(attn(torch.ones(1, 3, 512)), before, rtol=0, atol=0)
+    refresh_memory(plain, huge_pages=True)
+    assert buffers.huge_pages_advised(plain.weight)

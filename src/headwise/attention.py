@@ -177,9 +177,10 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
             return (self.project_q(x), *self.project_kv(x))
         cfg = self.config
         qkv = F.linear(x, packed[0].t(), packed[1])  # (b, s, h * d_h + 2 * h_kv * d_h)
-        q, k, v = qkv.split_with_sizes((cfg.inner_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
-        return (hwf.split_heads(q, cfg.n_heads), hwf.split_heads(k, cfg.n_kv_heads),  # (b, h, s, d_h)
-                hwf.split_heads(v, cfg.n_kv_heads))  # (b, h_kv, s, d_h) each
+        # Every Q, K and V head is a d_h-wide block of the packed width: split all of them with one view.
+        heads = hwf.split_heads(qkv, cfg.n_heads + 2 * cfg.n_kv_heads)  # (b, h + 2 * h_kv, s, d_h)
+        q, k, v = heads.split_with_sizes((cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads), dim=1)
+        return q, k, v  # (b, h, s, d_h), (b, h_kv, s, d_h), (b, h_kv, s, d_h)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
@@ -216,10 +217,14 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
 
         Shapes: z (b, h, s_q, d_h); results (b, s_q, h, d) -> (b, s_q, d)
         """
-        if results is not None and plain_linear(self.out_proj):
+        out = self.out_proj
+        if not plain_linear(out):  # a hook or an adapter on W_O runs through the module call
+            return out(hwf.merge_heads(z))  # (b, s_q, d)
+        if results is not None:
             y = results.sum(2)  # (b, s_q, d)
-            return y if self.out_proj.bias is None else y.add_(self.out_proj.bias)
-        return self.out_proj(hwf.merge_heads(z))  # (b, s_q, d)
+            return y if out.bias is None else y.add_(out.bias)
+        # A plain nn.Linear is exactly F.linear: called directly, a decode step skips the module call.
+        return F.linear(hwf.merge_heads(z), out.weight, out.bias)  # (b, s_q, d)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary embedding of Q and K at ``positions`` (identity without rotary).

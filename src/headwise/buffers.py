@@ -1,11 +1,14 @@
-"""Large fresh CPU tensors on transparent huge pages.
+"""Large CPU tensors on transparent huge pages.
 
-A capture such as every head's residual write, ``(b, s, h, d)`` floats, is h times the layer's output and
-lands in memory the process has never touched: each 4 KiB page faults on first write, and on a virtual
-machine those faults cost more than computing the values. Memory mapped and advised ``MADV_HUGEPAGE``
-faults in 2 MiB pages instead (Linux, where transparent huge pages are "always" or "madvise"); anywhere
-else, or below :data:`HUGE_BYTES`, this is ``torch.empty``. The tensor owns its mapping: the memory goes
-back to the system when the last tensor viewing it is freed.
+headwise allocates a few large, long-lived CPU tensors itself: the packed projection weights, the KV
+cache, and captures such as every head's residual write ``(b, s, h, d)``. A one-row decode step streams the
+weights and the cache once per token, and a capture lands in memory the process has never touched; with
+4 KiB pages both pay for page-table walks (and a capture for a fault per page), which on a virtual machine
+can cost more than the arithmetic. Such a tensor gets memory of its own, mapped fresh and advised
+``MADV_HUGEPAGE`` before anything is written, so Linux backs it with 2 MiB pages where transparent huge
+pages are "always" or "madvise". It is an ordinary tensor otherwise (saved, shared and copied as any
+other); its memory goes back to the system when the last tensor viewing it is freed. Elsewhere, on other
+devices, or below :data:`HUGE_BYTES`, this is ``torch.empty``.
 
 Shapes:
     any shape; only CPU tensors are placed on huge pages.
@@ -18,14 +21,16 @@ import mmap
 
 import torch
 
-__all__ = ["fresh_empty", "HUGE_BYTES"]
+__all__ = ["fresh_empty", "huge_pages_advised", "HUGE_BYTES"]
 
-#: Below this size a buffer comes from the allocator as usual (the saving is per 2 MiB page).
-HUGE_BYTES = 32 * 2**20
+#: Below this size a tensor comes from the allocator as usual (the saving is per 2 MiB page). Set it to
+#: ``math.inf`` to turn huge pages off.
+HUGE_BYTES = 4 * 2**20
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
-def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> torch.Tensor:
     """An uninitialised tensor like ``torch.empty(shape, dtype=dtype, device=device)``, placed on huge pages
     when it is a large CPU tensor and the platform allows it.
 
@@ -34,8 +39,10 @@ def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         >>> t.shape, t.dtype, t.is_contiguous()
         (torch.Size([4, 3]), torch.float32, True)
     """
+    dtype = dtype or torch.get_default_dtype()
     nbytes = math.prod(shape) * dtype.itemsize
-    if _ADVICE is None or torch.device(device).type != "cpu" or nbytes < HUGE_BYTES:
+    on_cpu = (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
+    if _ADVICE is None or not on_cpu or nbytes < HUGE_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     try:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -43,3 +50,29 @@ def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     except (OSError, ValueError):  # no anonymous mappings or no such advice here: the ordinary allocation
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.frombuffer(region, dtype=dtype).view(shape)
+
+
+def huge_pages_advised(t: torch.Tensor) -> bool:
+    """Whether the memory in the middle of ``t`` is advised for huge pages (Linux: the ``hg`` flag of its
+    mapping in ``/proc/self/smaps``); False where that cannot be read. Reads a file: not for hot paths.
+
+    Example:
+        >>> huge_pages_advised(torch.zeros(3))
+        False
+    """
+    if t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
+        return False
+    address = t.untyped_storage().data_ptr() + t.untyped_storage().nbytes() // 2
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+                    lo, hi = (int(a, 16) for a in head.split("-"))
+                    inside = lo <= address < hi
+                elif inside and head == "VmFlags:":
+                    return "hg" in line.split()[1:]
+    except OSError:
+        return False
+    return False

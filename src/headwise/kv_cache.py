@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .buffers import fresh_empty
+
 __all__ = ["KVCache", "KVCheckpoint"]
 
 
@@ -107,8 +109,9 @@ class KVCache:
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {str(device)!r} was requested but CUDA is not available here")
         shape = (batch_size, n_kv_heads, max_len, d_head)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # Every decode step reads the whole filled prefix: large CPU buffers go on huge pages (buffers.py).
+        self.keys = fresh_empty(shape, dtype, device).zero_()
+        self.values = fresh_empty(shape, dtype, device).zero_()
         self.batch_size, self.max_len, self.n_kv_heads, self.d_head = batch_size, max_len, n_kv_heads, d_head
         self._length = 0
         self._owner: Any = None
@@ -243,9 +246,11 @@ class KVCache:
             raise ValueError(_overflow_message(self._length, k.shape[-2], self.max_len))
         start, end = self._length, self._length + k.shape[-2]
         # Cached keys carry no autograd history (detached, as under no_grad), at no context-manager cost.
+        if k.requires_grad or v.requires_grad:
+            k, v = k.detach(), v.detach()
         n = end - start  # narrow, not slicing: a decode step's fixed cost is mostly Python
-        self.keys.narrow(2, start, n).copy_(k.detach())
-        self.values.narrow(2, start, n).copy_(v.detach())
+        self.keys.narrow(2, start, n).copy_(k)
+        self.values.narrow(2, start, n).copy_(v)
         self._length = end
         return self.keys.narrow(2, 0, end), self.values.narrow(2, 0, end)  # (b, h_kv, length, d_h)
 

@@ -20,6 +20,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .buffers import fresh_empty
+
 __all__ = ["PackedLayout", "PackedWeight", "packed_linears", "packed_weight", "plain_linear", "repack"]
 
 
@@ -40,8 +42,9 @@ def packed_linears(d_in: int, widths: Sequence[int], bias: bool, device: torch.d
     """
     linears = [nn.Linear(d_in, w, bias=bias, device=device, dtype=dtype) for w in widths]
     total = sum(widths)
-    weight = torch.empty(d_in, total, device=device, dtype=linears[0].weight.dtype)  # (d_in, total)
-    biases = torch.empty(total, device=device, dtype=linears[0].weight.dtype) if bias else None
+    # Every decode step streams the whole matrix: a large one goes on huge pages (headwise.buffers).
+    weight = fresh_empty((d_in, total), linears[0].weight.dtype, linears[0].weight.device)  # (d_in, total)
+    biases = torch.empty(total, device=weight.device, dtype=weight.dtype) if bias else None
     start = 0
     for linear, width in zip(linears, widths):
         block = weight[:, start:start + width]  # (d_in, width)
@@ -162,7 +165,7 @@ def repack(linears: Sequence[nn.Module]) -> bool:
     w0 = linears[0].weight
     total = sum(m.weight.shape[0] for m in linears)
     with torch.no_grad():
-        weight = torch.empty(w0.shape[1], total, dtype=w0.dtype, device=w0.device)  # (d_in, total)
+        weight = fresh_empty((w0.shape[1], total), w0.dtype, w0.device)  # (d_in, total)
         biases = None if linears[0].bias is None else torch.empty(total, dtype=w0.dtype, device=w0.device)
         start = 0
         for m in linears:
