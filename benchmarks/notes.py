@@ -76,10 +76,15 @@ MISS_NOTES: dict[str, str] = {
     "decode_xw": "the x @ W loop does the least a preallocated-cache decode can do in PyTorch: four addmm GEMVs over "
                  "contiguous (d_in, d_out) weights, one slot write per K/V, SDPA over the filled prefix, no module "
                  "call machinery and no input checks. headwise reads the same (d_in, d_out) layout, W_Q, W_K and W_V in "
-                 "one packed product (its packed weight remembered between tokens), and adds its per-token Python: "
-                 "input checks, the plan, module calls, cache bookkeeping (about 70 us more than the loop per token "
-                 "on one thread at d 64, where both are pure overhead), about 1-2 % of a d 2048 token at 2 threads; "
-                 "the fastest rounds are below 1. " + _SPREAD,
+                 "one packed product, keeps its weights and cache on huge pages (headwise.buffers; the loop's come "
+                 "from the allocator as a user's would), and adds its per-token Python: input checks, the plan, module "
+                 "calls, cache bookkeeping (about 45 us more than the loop per token on one thread at d 64, where both "
+                 "are pure overhead). " + _SPREAD,
+    "decode_xw_huge": "the same loop with its weights and cache placed on huge pages as headwise's are: what is left is "
+                      "headwise's per-token Python and this machine's spread. headwise's own steps without forward's "
+                      "checks and plan (project_qkv, KVCache.update, attend, project_out called directly) measured "
+                      "0.99-1.04x this loop in separate processes, where forward measured 1.03-1.06x, and two identical "
+                      "copies of the loop differ by up to 3 % within one process (placement). " + _SPREAD,
     "trace": "the traced forward writes every head's z_h W_O^h, a (b, s, h, d) float tensor h times the size of "
              "the output (144 MiB here), into freshly mapped memory: one bmm over the 12 heads plus the page "
              "faults of that allocation (about 60 ms of a 200 ms forward on this machine, measured with a bare "
@@ -87,10 +92,9 @@ MISS_NOTES: dict[str, str] = {
              "traced forward does no more arithmetic than the plain one plus that bmm. What is left is the cost "
              "of producing the tensor that was asked for: both processes measured 1.51-1.59.",
     "patched": "patched and unpatched models run the same ops with the same counts (torch.profiler on GPT-2 "
-               "generate: identical aten op lists); the patched forward's Python costs about 30 us per layer and "
-               "token on GPT-2 (a tiny config, one thread, fastest of 30 generates) and less than HF's own on "
-               "Llama. The GPT-2 generate rows vary 0.99-1.11 between processes and their fastest rounds are "
-               "at 1.0; " + _SPREAD,
+               "generate: identical aten op lists); one patched GPT2Attention decode step costs no more than HF's own "
+               "(tiny config, one thread, fastest of 60 rounds of 200 tokens: 112 against 115 us per layer-token) and "
+               "less than HF's on Llama. The GPT-2 generate rows vary 0.99-1.11 between processes; " + _SPREAD,
 }
 
 PREAMBLE = ("Note: measured on a shared machine while other jobs were running; single rounds can be noisy, which "
