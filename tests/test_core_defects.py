@@ -148,7 +148,7 @@ def test_functional_attention_refuses_int_masks_and_string_causal():
 
 def test_private_kernels_are_not_exported():
     assert not hasattr(hwf, "eager_attention") and not hasattr(hwf, "sdpa_attention")
-    assert set(hwf.__all__) == {"split_heads", "merge_heads", "attention", "attend", "available_backends"}
+    assert set(hwf.__all__) == {"split_heads", "split_qkv", "merge_heads", "attention", "attend", "available_backends"}
 
 
 # ---- flags, configs and constructors refuse what they cannot mean -------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headwise.functional import attention, merge_heads, split_heads
+from headwise.functional import attention, merge_heads, split_heads, split_qkv
 
 
 def eager_attention(q, k, v, **kw):
@@ -135,3 +135,22 @@ def test_in_place_eager_variant_equals_the_reference(dtype, h_kv, mask_kind):
     ref_out, ref_w = eager_attention(q.requires_grad_(), k, v, mask=mask, causal=True)
     torch.testing.assert_close(fast_out, ref_out.detach())
     torch.testing.assert_close(fast_w, ref_w.detach())
+
+
+@pytest.mark.parametrize("h, h_kv", [(4, 4), (8, 2), (6, 1)])
+def test_split_qkv_gives_the_views_of_splitting_q_k_v_apart_first(h, h_kv):
+    d_h = 5
+    qkv = torch.randn(2, 7, (h + 2 * h_kv) * d_h)
+    q, k, v = split_qkv(qkv, h, h_kv)
+    parts = qkv.split([h * d_h, h_kv * d_h, h_kv * d_h], dim=-1)
+    for got, part, n in zip((q, k, v), parts, (h, h_kv, h_kv)):
+        want = split_heads(part, n)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert got.stride() == want.stride() and got.data_ptr() == want.data_ptr()  # views, never copies
+
+
+def test_split_qkv_refuses_widths_that_are_not_whole_heads():
+    with pytest.raises(ValueError, match="cannot split width 30 into n_heads=4"):
+        split_qkv(torch.randn(1, 2, 30), 2, 1)
+    with pytest.raises(ValueError, match="n_kv_heads must be a positive int"):
+        split_qkv(torch.randn(1, 2, 32), 4, 0)

@@ -177,10 +177,7 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
             return (self.project_q(x), *self.project_kv(x))
         cfg = self.config
         qkv = F.linear(x, packed[0].t(), packed[1])  # (b, s, h * d_h + 2 * h_kv * d_h)
-        # Every Q, K and V head is a d_h-wide block of the packed width: split all of them with one view.
-        heads = hwf.split_heads(qkv, cfg.n_heads + 2 * cfg.n_kv_heads)  # (b, h + 2 * h_kv, s, d_h)
-        q, k, v = heads.split_with_sizes((cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads), dim=1)
-        return q, k, v  # (b, h, s, d_h), (b, h_kv, s, d_h), (b, h_kv, s, d_h)
+        return hwf.split_qkv(qkv, cfg.n_heads, cfg.n_kv_heads)  # (b, h, s, d_h), (b, h_kv, s, d_h) x2
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,

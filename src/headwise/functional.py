@@ -23,7 +23,7 @@ from .masks import causal_mask, combine_masks, validate_mask
 from .plan import Plan, plan_attention
 from .validation import check_bool, check_causal, check_qkv, check_tensor
 
-__all__ = ["split_heads", "merge_heads", "attention", "attend", "available_backends"]
+__all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "attend", "available_backends"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _BACKENDS = ("eager", "sdpa")
@@ -56,6 +56,29 @@ def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     if width % n_heads:
         raise ValueError(f"cannot split width {width} into n_heads={n_heads} equal heads")
     return x.view(b, s, n_heads, width // n_heads).transpose(1, 2)  # (b, h, s, d_h)
+
+
+def split_qkv(qkv: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split one fused Q/K/V projection into its query, key and value heads: one view for all of them.
+
+    Every Q, K and V head is a ``d_h``-wide block of the fused width (queries first, then keys, then
+    values), so the fused width splits into ``h + 2 h_kv`` heads at once and the head axis is then cut in
+    three: the same views as splitting Q, K and V apart first, with fewer operations per call.
+
+    Shapes:
+        qkv: (b, s, (h + 2 * h_kv) * d_h) -> (b, h, s, d_h), (b, h_kv, s, d_h), (b, h_kv, s, d_h)
+
+    Example:
+        >>> qkv = torch.randn(2, 3, (4 + 2 * 2) * 8)
+        >>> q, k, v = split_qkv(qkv, 4, 2)
+        >>> q.shape, v.shape, torch.equal(k, split_heads(qkv[..., 32:48], 2))
+        (torch.Size([2, 4, 3, 8]), torch.Size([2, 2, 3, 8]), True)
+    """
+    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads <= 0:
+        raise ValueError(f"n_kv_heads must be a positive int, got {n_kv_heads!r}")
+    heads = split_heads(qkv, n_heads + 2 * n_kv_heads)  # (b, h + 2 * h_kv, s, d_h)
+    q, k, v = heads.split_with_sizes((n_heads, n_kv_heads, n_kv_heads), dim=1)
+    return q, k, v
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 
@@ -180,10 +179,3 @@ class LayerView(MultiHeadAttention):
         """headwise name -> where it lives on the host (for ``repr``)."""
         return {name: name for name in PROJECTIONS}
 
-
-def split_fused(qkv: torch.Tensor, config: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split one fused QKV projection into heads. Shapes: (b, s, (h + 2 h_kv) d_h) -> (b, h, s, d_h),
-    (b, h_kv, s, d_h) x2."""
-    q, k, v = qkv.split([config.inner_dim, config.kv_dim, config.kv_dim], dim=-1)
-    return (hwf.split_heads(q, config.n_heads), hwf.split_heads(k, config.n_kv_heads),  # (b, h, s, d_h)
-            hwf.split_heads(v, config.n_kv_heads))

@@ -40,7 +40,7 @@ from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ._hf_common import check_same, copy_into, hf_attend, new_copy, pop_cache
-from ._view import LayerView, ProjectionView, split_fused
+from ._view import LayerView, ProjectionView
 
 __all__ = ["classes", "from_module", "load_into", "split_c_attn", "GPT2View", "PatchedGPT2"]
 
@@ -172,7 +172,8 @@ class GPT2View(LayerView):
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One ``c_attn`` call, split into heads. Shapes: x (b, s, d) -> (b, h, s, d_h) x3."""
-        return split_fused(self._hw_host.c_attn(x), self.config)  # (b, h, s, d_h) each
+        cfg = self.config
+        return hwf.split_qkv(self._hw_host.c_attn(x), cfg.n_heads, cfg.n_kv_heads)  # (b, h, s, d_h) each
 
     def project_out(self, context: torch.Tensor, results: torch.Tensor | None = None) -> torch.Tensor:
         """Merge heads and run ``c_proj`` (always the call: ``results`` is accepted and not used).

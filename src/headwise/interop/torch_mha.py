@@ -36,10 +36,11 @@ from torch import nn
 
 from torch.nn import functional as F
 
+from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import combine_masks, padding_mask
-from ._view import LayerView, ProjectionView, split_fused
+from ._view import LayerView, ProjectionView
 
 __all__ = ["from_torch", "to_torch", "torch_masks_to_headwise", "TorchMHAView"]
 
@@ -201,7 +202,9 @@ class TorchMHAView(LayerView):
         m = self._hw_host
         if not m._qkv_same_embed_dim:
             return super().project_qkv(x)
-        return split_fused(F.linear(x, m.in_proj_weight, m.in_proj_bias), self.config)  # (b, h, s, d_h) each
+        cfg = self.config
+        qkv = F.linear(x, m.in_proj_weight, m.in_proj_bias)  # (b, s, 3 * d)
+        return hwf.split_qkv(qkv, cfg.n_heads, cfg.n_kv_heads)  # (b, h, s, d_h) each
 
 
 def torch_masks_to_headwise(
