@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from headwise import KVCache, MultiHeadAttention, RotaryEmbedding
+from headwise import DecodeStep, KVCache, MultiHeadAttention, RotaryEmbedding
 
 from . import peers
 from .timing import Entry, Group, refresh_memory
@@ -189,8 +189,14 @@ def _xw_group(sz, shared: dict) -> Group:
         with torch.no_grad():
             return attn(x, cache=cache)
 
+    step_cache = attn.new_cache(1, max_len)
+    refresh_memory(step_cache)
+    step = DecodeStep(attn, step_cache)  # the inference switch: checks and plan once, not per token
+
     es = [
         Entry("headwise", hw, role="headwise", number=n, reset=partial(_fill, cache, k0, v0)),
+        Entry("headwise DecodeStep", partial(_call_no_grad, step, x), number=n, reset=partial(_fill, step_cache, k0, v0),
+              note="headwise.DecodeStep(attn, cache): the same layer and steps, its checks and plan made once"),
         Entry("x @ W preallocated loop", partial(_call_no_grad, xw, x), number=n, reset=partial(xw.fill, k0, v0),
               note="plain function: W (d_in, d_out) contiguous, addmm per projection, slot write, SDPA over "
                    "the filled prefix, merge, @ W_O"),

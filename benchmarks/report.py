@@ -259,6 +259,12 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
     xw_huge = collect("4 decode", "headwise", "x @ W loop on huge pages")
     goals.append(_goal("decode vs the same x @ W loop on huge pages (placement equal)", "<= 1.02 per token", xw_huge,
                        1.02, notes.get("decode_xw_huge", "")))
+    step = collect("4 decode", "headwise DecodeStep", "x @ W preallocated loop")
+    goals.append(_goal("decode with headwise.DecodeStep vs x @ W preallocated loop", "<= 1.00 per token", step,
+                       1.0, notes.get("decode_xw", "")))
+    step_huge = collect("4 decode", "headwise DecodeStep", "x @ W loop on huge pages")
+    goals.append(_goal("decode with headwise.DecodeStep vs the x @ W loop on huge pages", "<= 1.02 per token",
+                       step_huge, 1.02, notes.get("decode_xw_huge", "")))
     hfd = []
     for g in dec:
         for e in g["entries"]:

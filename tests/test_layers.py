@@ -19,7 +19,7 @@ LAYERS = [
     {"head"},                                                   # one head
     {"attention"},                                              # the layer
     {"interop", "parallel", "analysis", "viz", "checks", "presets", "walkthrough", "trace",
-     "patching", "surgery"},                                    # built on the layer
+     "patching", "surgery", "decoding"},                                    # built on the layer
     {"cli", "__main__"},                                        # the command line
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

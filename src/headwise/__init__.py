@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers; at run time the names
     from . import functional, masks
     from .attention import MultiHeadAttention
     from .config import AttentionConfig
+    from .decoding import DecodeStep
     from .dispatch import DispatchInfo, MaterializationWarning
     from .head import AttentionHead
     from .kv_cache import KVCache
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionConfig",
     "AttentionHead",
+    "DecodeStep",
     "DispatchInfo",
     "MultiHeadAttention",
     "KVCache",
@@ -43,7 +45,7 @@ __all__ = [
 
 # Every public name loads on first attribute access, so that `python -m headwise --help` (which imports
 # this package) does not pay for importing torch.
-_NAMES = {"AttentionConfig": "config", "AttentionHead": "head", "DispatchInfo": "dispatch",
+_NAMES = {"AttentionConfig": "config", "AttentionHead": "head", "DecodeStep": "decoding", "DispatchInfo": "dispatch",
           "MultiHeadAttention": "attention", "KVCache": "kv_cache", "MaterializationWarning": "dispatch",
           "Plan": "plan", "RotaryEmbedding": "rotary"}
 # Optional parts, imported on first attribute access so that `import headwise` needs only torch.
