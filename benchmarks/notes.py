@@ -78,13 +78,16 @@ MISS_NOTES: dict[str, str] = {
                  "call machinery and no input checks. headwise reads the same (d_in, d_out) layout, W_Q, W_K and W_V in "
                  "one packed product, keeps its weights and cache on huge pages (headwise.buffers; the loop's come "
                  "from the allocator as a user's would), and adds its per-token Python: input checks, the plan, module "
-                 "calls, cache bookkeeping (about 45 us more than the loop per token on one thread at d 64, where both "
-                 "are pure overhead). " + _SPREAD,
+                 "calls, cache bookkeeping. That Python costs about 45 us per token at d 64 on one thread, and many "
+                 "times more at this size, where every token streams ~100 MiB through the CPU caches first (python "
+                 "-m benchmarks.cold_python: the forward's checks and plan alone go from ~5 us to ~60 us); "
+                 "headwise.DecodeStep makes the checks and the plan once. " + _SPREAD,
     "decode_xw_huge": "the same loop with its weights and cache placed on huge pages as headwise's are: what is left is "
-                      "headwise's per-token Python and this machine's spread. headwise's own steps without forward's "
-                      "checks and plan (project_qkv, KVCache.update, attend, project_out called directly) measured "
-                      "0.99-1.04x this loop in separate processes, where forward measured 1.03-1.06x, and two identical "
-                      "copies of the loop differ by up to 3 % within one process (placement). " + _SPREAD,
+                      "headwise's per-token Python (see the row above) and this machine's spread. headwise's own steps "
+                      "on its own weights and cache, written as the loop writes them (no checks, no module calls), "
+                      "measured 0.98-0.99x this loop in three separate processes, so the data layout is not what is "
+                      "left; two identical copies of the loop differ by up to 3 % within one process (placement). "
+                      + _SPREAD,
     "trace": "the traced forward writes every head's z_h W_O^h, a (b, s, h, d) float tensor h times the size of "
              "the output (144 MiB here), into freshly mapped memory: one bmm over the 12 heads plus the page "
              "faults of that allocation (about 60 ms of a 200 ms forward on this machine, measured with a bare "

@@ -3,11 +3,11 @@
 ``attn(x, cache=cache)`` validates its inputs and plans the call on every token. That fixed Python work is
 larger at decode sizes than a microbenchmark shows: each token streams the weights and the cached keys and
 values (tens to hundreds of MiB) through the CPU caches and evicts the interpreter's own data, so every
-Python operation on the path then costs several times more (the forward's checks and plan: about 17 us back
-to back, about 150 us right after a 100 MiB stream, docs/benchmarks.md). A :class:`DecodeStep` checks the
-layer and the cache once, plans the one-token call once (the plan of one query over a cache does not depend
-on how many positions are cached), and per token checks only what can change between tokens. Then it runs
-the forward's own steps: project and split, rotate, write the cache, attend, merge and project out.
+Python operation on the path then costs many times more (``python -m benchmarks.cold_python`` measures it;
+docs/benchmarks.md has the numbers). A :class:`DecodeStep` checks the layer and the cache once, plans the
+one-token call once (the plan of one query over a cache does not depend on how many positions are cached),
+and per token checks only what can change between tokens. Then it runs the forward's own steps: project
+and split, rotate, write the cache, attend, merge and project out.
 
 Every call it is not built for goes to ``attn(x, cache=cache)`` unchanged, with the same result and the
 same errors: another shape, dtype or device, autograd on, training mode, an active trace, a full cache,

@@ -123,3 +123,11 @@ def test_gpu_goal_says_not_run_without_cuda(suite):
         assert "worst" in goal["measured"]
     else:
         assert goal["status"].startswith("not run: no CUDA")
+
+
+def test_cold_python_prints_both_costs(capsys):
+    from benchmarks import cold_python
+
+    cold_python.main(["--stream-mib", "1", "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert "us back to back" in out and "after a 1 MiB stream" in out
