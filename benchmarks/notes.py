@@ -85,7 +85,7 @@ MISS_NOTES: dict[str, str] = {
     "decode_xw_huge": "the same loop with its weights and cache placed on huge pages as headwise's are: what is left is "
                       "headwise's per-token Python (see the row above) and this machine's spread. headwise's own steps "
                       "on its own weights and cache, written as the loop writes them (no checks, no module calls), "
-                      "measured 0.98-0.99x this loop in three separate processes, so the data layout is not what is "
+                      "measured 0.976-0.995x this loop in seven separate processes, so the data layout is not what is "
                       "left; two identical copies of the loop differ by up to 3 % within one process (placement). "
                       + _SPREAD,
     "trace": "the traced forward writes every head's z_h W_O^h, a (b, s, h, d) float tensor h times the size of "
