@@ -178,7 +178,9 @@ def _xw_group(sz, shared: dict) -> Group:
     xw = peers.XWDecoder(attn, 1, max_len)
     xw_huge = peers.XWDecoder(attn, 1, max_len)
     prealloc = peers.PreallocDecoder(attn, 1, max_len).eval()
-    refresh_memory(attn, cache, xw, prealloc)
+    step_cache = attn.new_cache(1, max_len)
+    step = DecodeStep(attn, step_cache)  # the inference switch: checks and plan once, not per token
+    refresh_memory(attn, cache, step_cache, xw, prealloc)
     refresh_memory(xw_huge, huge_pages=True)  # the same loop, its weights and cache advised as headwise's are
     d_h = d // h
     torch.manual_seed(ctx)
@@ -188,10 +190,6 @@ def _xw_group(sz, shared: dict) -> Group:
     def hw() -> torch.Tensor:
         with torch.no_grad():
             return attn(x, cache=cache)
-
-    step_cache = attn.new_cache(1, max_len)
-    refresh_memory(step_cache)
-    step = DecodeStep(attn, step_cache)  # the inference switch: checks and plan once, not per token
 
     es = [
         Entry("headwise", hw, role="headwise", number=n, reset=partial(_fill, cache, k0, v0)),
