@@ -14,7 +14,8 @@ Cases: ``forward``/``backward``/``causal`` (1), ``gqa`` (2), ``weights`` (3), ``
 flash-attn and SDPA) only where CUDA is present; ``trace`` (issue 16: capturing every head's residual write,
 and the per-head patching sweep on all-MiniLM-L6-v2 against its brute-force loop, :mod:`benchmarks.trace`).
 ``surgery`` (issue 18: pruned layers' forward and parameters against heads kept, K/V-cache bytes of regrouped
-decoders, :mod:`benchmarks.surgery`). Timing via ``torch.utils.benchmark.Timer`` in interleaved
+decoders, :mod:`benchmarks.surgery`). ``baseline``: headwise now against headwise at the commit issues 14 and 15
+were filed on, both in one process (:mod:`benchmarks.baseline`). Timing via ``torch.utils.benchmark.Timer`` in interleaved
 rounds. Each run also lists the headwise rows that got more than 2 % slower than in the ``results.json`` it
 overwrites (:mod:`benchmarks.regression`). Run it from the repository root; the ``headwise`` package never
 imports it.
@@ -41,7 +42,7 @@ from .timing import Entry, Group, run_group
 __all__ = ["main", "run_suite", "Sizes", "FULL", "QUICK", "Entry", "Group", "run_group", "ORDER", "resolve_only"]
 
 ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu", "trace", "patched",
-         "surgery")
+         "surgery", "baseline")
 _NUMBERS = {"1": ("forward", "causal", "backward"), "2": ("gqa",), "3": ("weights",), "4": ("decode",),
             "5": ("long", "memory"), "6": ("peak", "forward")}
 

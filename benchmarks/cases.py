@@ -374,6 +374,7 @@ from .decode import decode_groups  # noqa: E402  (decode builds on the helpers a
 from .gpu import gpu_groups  # noqa: E402
 from .long import long_groups  # noqa: E402
 from .trace import trace_groups  # noqa: E402
+from .baseline import baseline_groups  # noqa: E402
 
 CASES: dict[str, Callable[..., list[Factory]]] = {
     "forward": forward_groups,
@@ -388,6 +389,7 @@ CASES: dict[str, Callable[..., list[Factory]]] = {
     "trace": trace_groups,
     "patched": patched_groups,
     "surgery": surgery_groups,
+    "baseline": baseline_groups,
 }
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .timing import Entry, Group, refresh_memory
 
-__all__ = ["patched_groups", "llama_model", "LLAMA", "GPT2"]
+__all__ = ["patched_groups", "llama_model", "gpt2_model", "forward_logits", "greedy", "LLAMA", "GPT2"]
 
 #: (hidden, heads, kv heads, layers, intermediate, vocab): a small Llama-shaped decoder with GQA.
 LLAMA = (1024, 16, 4, 4, 2816, 2048)
@@ -39,7 +39,7 @@ def llama_model(spec: tuple[int, ...]) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def _gpt2(spec: tuple[int, ...]) -> torch.nn.Module:
+def gpt2_model(spec: tuple[int, ...]) -> torch.nn.Module:
     import transformers
 
     d, h, n, vocab = spec
@@ -57,12 +57,12 @@ def _pair(build, spec):  # type: ignore[no-untyped-def]
     return plain, patched
 
 
-def _forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def forward_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids, use_cache=False).logits
 
 
-def _generate(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
+def greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
@@ -70,8 +70,8 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor
 def _forward_group(name: str, build, spec, b: int, s: int, rounds: int, block_s: float) -> Group:  # type: ignore[no-untyped-def]
     plain, patched = _pair(build, spec)
     ids = torch.randint(1, spec[-1], (b, s), generator=torch.Generator().manual_seed(1))
-    es = [Entry("headwise (patched)", partial(_forward, patched, ids), role="headwise"),
-          Entry(f"HF {name} sdpa (unpatched)", partial(_forward, plain, ids))]
+    es = [Entry("headwise (patched)", partial(forward_logits, patched, ids), role="headwise"),
+          Entry(f"HF {name} sdpa (unpatched)", partial(forward_logits, plain, ids))]
     return Group("7 patched", f"patched {name} forward b{b} s{s}", es, rounds=rounds, block_s=block_s,
                  tol=(1e-4, 1e-4), meta={"model": name, "b": b, "s": s, "mode": "forward"})
 
@@ -79,8 +79,8 @@ def _forward_group(name: str, build, spec, b: int, s: int, rounds: int, block_s:
 def _generate_group(name: str, build, spec, s: int, n: int, rounds: int, block_s: float) -> Group:  # type: ignore[no-untyped-def]
     plain, patched = _pair(build, spec)
     ids = torch.randint(1, spec[-1], (1, s), generator=torch.Generator().manual_seed(2))
-    es = [Entry("headwise (patched)", partial(_generate, patched, ids, n), role="headwise", number=1),
-          Entry(f"HF {name} sdpa (unpatched)", partial(_generate, plain, ids, n), number=1)]
+    es = [Entry("headwise (patched)", partial(greedy, patched, ids, n), role="headwise", number=1),
+          Entry(f"HF {name} sdpa (unpatched)", partial(greedy, plain, ids, n), number=1)]
     # Greedy tokens must be identical; compared as tensors at zero tolerance.
     return Group("7 patched", f"patched {name} generate {n} tokens from {s}", es, rounds=rounds,
                  block_s=block_s, tol=(0.0, 0.0), meta={"model": name, "s": s, "new": n, "mode": "generate"})
@@ -97,7 +97,7 @@ def patched_groups(sz, *, hf: bool = True) -> list:  # type: ignore[no-untyped-d
     b, s, prompt, new = (1, 8, 4, 4) if quick else (4, 256, 64, 32)
     rounds = sz.rounds
     return [partial(_forward_group, "Llama", llama_model, llama, b, s, rounds, sz.block_s),
-            partial(_forward_group, "GPT-2", _gpt2, gpt2, b, s, rounds, sz.block_s),
+            partial(_forward_group, "GPT-2", gpt2_model, gpt2, b, s, rounds, sz.block_s),
             # One generate is one timed call: three times the rounds, so each median is over more than 5 calls.
             partial(_generate_group, "Llama", llama_model, llama, prompt, new, 3 * rounds, sz.block_s),
-            partial(_generate_group, "GPT-2", _gpt2, gpt2, prompt, new, 3 * rounds, sz.block_s)]
+            partial(_generate_group, "GPT-2", gpt2_model, gpt2, prompt, new, 3 * rounds, sz.block_s)]

@@ -322,6 +322,7 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
     goals.append(_gpu_goal(by_case, notes))
     goals += _trace_goals(by_case, notes)
     goals += _surgery_goals(by_case.get("8 surgery", []), notes)
+    goals += _baseline_goals([g for c, gs in by_case.items() if c.startswith("baseline ") for g in gs], notes)
     patched = by_case.get("7 patched", [])
     if patched:
         goals.append(_goal("patched HF model vs the same model unpatched (forward, generate)", "<= 1.02",
@@ -329,6 +330,27 @@ def evaluate_goals(groups: list[dict], memory: list[dict], notes: dict[str, str]
                             and (r := _row(g, g["group"], "headwise (patched)", e["name"]))], 1.02,
                            notes.get("patched", "")))
     return goals
+
+
+def _baseline_goals(groups: list[dict], notes: dict[str, str]) -> list[dict]:
+    """Issue 14's "no regression": every new layer against the old one in the same run (case ``baseline``); the
+    old opt-in packed-GEMM decode (item 5) gets its own row."""
+    if not groups:
+        return []
+    from .baseline import BASE
+
+    rows, packed = [], []
+    for g in groups:
+        for e in g["entries"]:
+            if e["name"].startswith(BASE) and e.get("vs"):
+                row = _row(g, f"{g['group']}{e['name'][len(BASE):]}", e["vs"], e["name"])
+                (packed if e["name"].endswith("use_packed_gemm") else rows).append(row)
+    out = [_goal(f"headwise vs {BASE} (the code of the RESULTS.md issues 14 and 15 measured against), same run",
+                 "<= 1.02 at every case", rows, 1.02, notes.get("baseline", ""))]
+    if packed:
+        out.append(_goal(f"decode vs {BASE}'s opt-in packed GEMM (issue 14 item 5 removed it)", "<= 1.00 per token",
+                         packed, 1.00, notes.get("baseline_packed", "")))
+    return out
 
 
 def _surgery_goals(groups: list[dict], notes: dict[str, str]) -> list[dict]:
@@ -524,9 +546,9 @@ def write_summary(path: str | os.PathLike, machine: dict, goals: list[dict], gro
     m = machine
     lines = [
         "## Performance", "",
-        "`make bench` (`python -m benchmarks --processes 3` from the repository root, about 45 minutes on 2 "
-        "cores: every timed case three times, each time in a fresh process of its own, see below; "
-        "`python -m benchmarks` alone runs one process, about 15 minutes; `--quick` for a seconds-long check of "
+        "`make bench` (`python -m benchmarks --processes 3` from the repository root, over two hours on 2 "
+        "cores, most of it the long-context and memory cases: every timed case three times, each time in a fresh "
+        "process of its own, see below; `python -m benchmarks` alone runs one process; `--quick` for a seconds-long check of "
         "the machinery, `--only forward,decode` or case numbers 1-6 for a subset, `--only gpu` for the optional "
         "CUDA case) runs headwise and every peer in one "
         "interleaved run on the same inputs with the same weights, checks that their outputs agree, prints a "
