@@ -17,8 +17,7 @@ _SPREAD = "compare the per-process range: a miss inside it is run-to-run spread 
 
 MISS_NOTES: dict[str, str] = {
     "limit": "headwise runs the same kernels as the packed module: one GEMM over its packed W_Q, W_K, W_V (stored "
-             "(d_in, d_out), the packed module's (d_out, d_in); three GEMMs where the one output would be a fresh "
-             "32 MiB+ mapping and the three would not), the merge is a view (SDPA's CPU output is laid "
+             "(d_in, d_out), the packed module's (d_out, d_in)), the merge is a view (SDPA's CPU output is laid "
              "out (b, s, h, d_h)), and causal runs the kernel's is_causal path. What remains is tens of "
              "microseconds of Python per call (input checks, module attribute lookups), under 0.1 % at these "
              "sizes; torch.profiler shows the same ops with the same counts and self-CPU totals on both sides "

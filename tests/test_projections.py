@@ -157,32 +157,3 @@ def test_the_remembered_packing_follows_changes_made_after_a_first_call(how):
             want = attn.project_out(torch.nn.functional.scaled_dot_product_attention(
                 q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
-
-
-def test_one_product_unless_its_output_alone_would_be_a_fresh_mapping():
-    from headwise.projections import ONE_PRODUCT_MAX_BYTES, one_product
-
-    limit = ONE_PRODUCT_MAX_BYTES // 4  # float32 elements
-    assert one_product(1, [4096, 1024, 1024], 4)  # a decode step
-    assert one_product(limit // 6144 - 16, [4096, 1024, 1024], 4)  # just below: one output
-    assert not one_product(limit // 6144 + 1, [4096, 1024, 1024], 4)  # above, and every part is below
-    assert one_product(limit // 1024, [1024, 1024, 1024], 4)  # every part would be a fresh mapping too
-    assert one_product(limit // 6144 + 1, [4096, 1024, 1024], 2)  # bytes count, not elements: bfloat16 fits
-
-
-def test_above_the_mapping_size_the_layer_runs_three_products_with_the_same_result(monkeypatch):
-    import headwise.projections as projections
-
-    torch.manual_seed(3)
-    attn = MultiHeadAttention(32, 8, 2).eval()
-    x = torch.randn(2, 6, 32)
-    with torch.no_grad(), LinearCalls() as calls:
-        one = attn(x, causal=True)
-    assert calls.n == 2
-    # (b * s) * (32 + 8 + 8) * 4 bytes = 2304 bytes of packed output; each part at most 1536
-    monkeypatch.setattr(projections, "ONE_PRODUCT_MAX_BYTES", 2**16 + 2000)
-    with torch.no_grad(), LinearCalls() as calls:
-        three = attn(x, causal=True)
-    assert calls.n == 4
-    torch.testing.assert_close(three, one)
-    torch.testing.assert_close(three, reference_mha(attn, x, causal=True)[0].float(), rtol=1e-4, atol=1e-5)

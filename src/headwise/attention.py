@@ -24,7 +24,7 @@ from .dispatch import DispatchInfo, describe
 from .head import LayerHeads
 from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
-from .projections import PackedLayout, PackedWeight, one_product, packed_linears, plain_linear
+from .projections import PackedLayout, PackedWeight, packed_linears, plain_linear
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_dtype, check_forward
 
@@ -166,19 +166,16 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Self-attention's queries, keys and values. Without autograd, one product over the packed W_Q, W_K,
-        W_V (:mod:`headwise.projections`) while they are still packed and its output is not a fresh mapping
-        that three outputs would avoid (:func:`~headwise.projections.one_product`); otherwise the three
-        projections.
+        W_V (:mod:`headwise.projections`) while they are still packed; otherwise the three projections.
 
         Shapes: x (b, s, d) -> (b, h, s, d_h), (b, h_kv, s, d_h), (b, h_kv, s, d_h)"""
         packed = None
         own = self._modules  # the core's own projections (a view's live in its host: never packed here)
         if "v_proj" in own and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             packed = self._packed_qkv.get((own["q_proj"], own["k_proj"], own["v_proj"]))
-        cfg = self.config
-        if packed is None or not one_product(x.numel() // cfg.d_model, (cfg.inner_dim, cfg.kv_dim, cfg.kv_dim),
-                                             x.element_size()):
+        if packed is None:
             return (self.project_q(x), *self.project_kv(x))
+        cfg = self.config
         qkv = F.linear(x, packed[0].t(), packed[1])  # (b, s, h * d_h + 2 * h_kv * d_h)
         return hwf.split_qkv(qkv, cfg.n_heads, cfg.n_kv_heads)  # (b, h, s, d_h), (b, h_kv, s, d_h) x2
 

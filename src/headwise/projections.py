@@ -22,28 +22,7 @@ from torch import nn
 
 from .buffers import fresh_empty
 
-__all__ = ["PackedLayout", "PackedWeight", "packed_linears", "packed_weight", "plain_linear", "repack",
-           "ONE_PRODUCT_MAX_BYTES", "one_product"]
-
-#: glibc's largest dynamic mmap threshold on 64-bit Linux: a CPU tensor this large or larger never comes from
-#: memory the allocator recycles but from a fresh mapping, so every call faults its pages in again, one fault
-#: per 4 KiB page. Smaller tensors are served from freed memory once the process has run a call.
-ONE_PRODUCT_MAX_BYTES = 32 * 2**20
-
-
-def one_product(rows: int, widths: Sequence[int], itemsize: int) -> bool:
-    """Whether one product over packed blocks of these output widths costs less than one product per block,
-    for ``rows`` input rows: yes, unless the one output is a fresh mapping (:data:`ONE_PRODUCT_MAX_BYTES`)
-    and every per-block output would not be.
-
-    Example:
-        >>> one_product(1, [768, 768, 768], 4), one_product(4096, [768, 768, 768], 4)
-        (True, False)
-        >>> one_product(2048, [4096, 4096, 4096], 4)  # every block's output is a fresh mapping anyway
-        True
-    """
-    limit = ONE_PRODUCT_MAX_BYTES - 2**16  # the allocator's own header and alignment come on top
-    return rows * sum(widths) * itemsize < limit or rows * max(widths) * itemsize >= limit
+__all__ = ["PackedLayout", "PackedWeight", "packed_linears", "packed_weight", "plain_linear", "repack"]
 
 
 def packed_linears(d_in: int, widths: Sequence[int], bias: bool, device: torch.device | str | None = None,
