@@ -154,3 +154,7 @@ def test_split_qkv_refuses_widths_that_are_not_whole_heads():
         split_qkv(torch.randn(1, 2, 30), 2, 1)
     with pytest.raises(ValueError, match="n_kv_heads must be a positive int"):
         split_qkv(torch.randn(1, 2, 32), 4, 0)
+    # a bad query-head count is named too (before, -1 + 2 * 2 = 3 heads split and torch raised later)
+    for bad in (-1, 0, True, 2.0):
+        with pytest.raises(ValueError, match="n_heads must be a positive int"):
+            split_qkv(torch.randn(1, 2, 24), bad, 2)

@@ -74,8 +74,9 @@ def split_qkv(qkv: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[torch.T
         >>> q.shape, v.shape, torch.equal(k, split_heads(qkv[..., 32:48], 2))
         (torch.Size([2, 4, 3, 8]), torch.Size([2, 2, 3, 8]), True)
     """
-    if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads <= 0:
-        raise ValueError(f"n_kv_heads must be a positive int, got {n_kv_heads!r}")
+    for name, n in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
     heads = split_heads(qkv, n_heads + 2 * n_kv_heads)  # (b, h + 2 * h_kv, s, d_h)
     q, k, v = heads.split_with_sizes((n_heads, n_kv_heads, n_kv_heads), dim=1)
     return q, k, v
