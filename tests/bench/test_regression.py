@@ -69,16 +69,20 @@ def test_written_into_results_and_read_back(tmp_path):
 
 
 def test_a_run_compares_with_the_file_it_overwrites(tmp_path):
-    # A previous quick run whose headwise times were all far faster: every row of this run is listed.
+    # A previous quick run whose every time was one picosecond: every headwise row of this run is listed, with
+    # its ratio read from the two files (set, not scaled, so that no timing of this machine decides the test).
     assert main(["--quick", "--only", "weights", "--out", str(tmp_path), "--no-tables"]) == 0
     old = json.loads((tmp_path / "results.json").read_text())
     for g in old["groups"]:
         for e in g["entries"]:
-            e["median_s"] /= 100
+            e["median_s"] = 1e-12
     (tmp_path / "results.json").write_text(json.dumps(old))
     assert main(["--quick", "--only", "weights", "--out", str(tmp_path), "--no-tables"]) == 0
     new = json.loads((tmp_path / "results.json").read_text())
     hw_rows = [(g["group"], e["name"]) for g in new["groups"] for e in g["entries"] if e["role"] == "headwise"]
     assert [(r["group"], r["entry"]) for r in new["regression"]["slower"]] and \
         sorted((r["group"], r["entry"]) for r in new["regression"]["slower"]) == sorted(hw_rows)
-    assert all(r["ratio"] > 50 for r in new["regression"]["slower"])
+    now_s = {(g["group"], e["name"]): e["median_s"] for g in new["groups"] for e in g["entries"]}
+    for r in new["regression"]["slower"]:
+        assert r["previous_s"] == 1e-12 and r["now_s"] == now_s[(r["group"], r["entry"])]
+        assert r["ratio"] == pytest.approx(r["now_s"] / 1e-12)
