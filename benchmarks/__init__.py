@@ -43,6 +43,11 @@ __all__ = ["main", "run_suite", "Sizes", "FULL", "QUICK", "Entry", "Group", "run
 
 ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu", "trace", "patched",
          "surgery", "baseline")
+#: Environment variables that change what a run measures, written into its recorded command: threading, and
+#: glibc's allocator settings (a large allocation mapped fresh on every call pays its page faults again; pinning
+#: the thresholds takes that, and its dependence on the heap's history, out of a comparison between two builds).
+RECORDED_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_",
+                "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 _NUMBERS = {"1": ("forward", "causal", "backward"), "2": ("gqa",), "3": ("weights",), "4": ("decode",),
             "5": ("long", "memory"), "6": ("peak", "forward")}
 
@@ -276,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (os.path.join(tempfile.gettempdir(), "headwise-bench-quick") if args.quick else "benchmarks")
     command = "python -m benchmarks" + ("" if argv is None and len(sys.argv) <= 1 else " " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")
-                   if k in os.environ)
+    env = " ".join(f"{k}={os.environ[k]}" for k in RECORDED_ENV if k in os.environ)
     command = f"{env} {command}" if env else command
     machine = machine_info(command, args.quick)
     machine["processes"] = args.processes

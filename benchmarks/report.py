@@ -47,6 +47,7 @@ def machine_info(command: str, quick: bool) -> dict:
         "mkldnn": torch.backends.mkldnn.is_available(), "cuda": torch.cuda.is_available(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command, "quick": quick, "dtype": "float32",
+        "allocator": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
     }
 
 
@@ -482,6 +483,9 @@ def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict],
         f"transformers {m['transformers']}, Python {m['python']}; float32 on CPU"
         f"{' (quick sizes: not representative)' if m['quick'] else ''}.", "",
     ]
+    if m.get("allocator"):
+        parts += ["Allocator: glibc malloc pinned by " + ", ".join(f"`{k}={v}`" for k, v in m["allocator"].items())
+                  + " (docs/benchmarks.md, \"Pinning the allocator\").", ""]
     if preamble:
         parts += [preamble, ""]
     parts += ["Ratios are headwise time / other time within one interleaved run on identical inputs "

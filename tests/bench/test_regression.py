@@ -4,6 +4,7 @@ more than 2 %, on synthetic results; and that a run reads the previous file befo
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -86,3 +87,21 @@ def test_a_run_compares_with_the_file_it_overwrites(tmp_path):
     for r in new["regression"]["slower"]:
         assert r["previous_s"] == 1e-12 and r["now_s"] == now_s[(r["group"], r["entry"])]
         assert r["ratio"] == pytest.approx(r["now_s"] / 1e-12)
+
+
+def test_allocator_settings_are_recorded_with_the_run(tmp_path, monkeypatch):
+    # A run under pinned glibc thresholds measures something else than one under the defaults: its command
+    # (the reproduction line) and RESULTS.md must say so; a run without them says nothing.
+    for k in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(k)
+    assert main(["--quick", "--only", "weights", "--out", str(tmp_path / "plain"), "--no-tables"]) == 0
+    plain = json.loads((tmp_path / "plain" / "results.json").read_text())["machine"]
+    assert plain["allocator"] == {} and "MALLOC" not in plain["command"]
+    assert "Allocator:" not in (tmp_path / "plain" / "RESULTS.md").read_text()
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "268435456")
+    assert main(["--quick", "--only", "weights", "--out", str(tmp_path / "pinned"), "--no-tables"]) == 0
+    pinned = json.loads((tmp_path / "pinned" / "results.json").read_text())["machine"]
+    assert pinned["allocator"] == {"MALLOC_TOP_PAD_": "268435456"}
+    assert pinned["command"].startswith("MALLOC_TOP_PAD_=268435456 python -m benchmarks --quick")
+    assert "Allocator: glibc malloc pinned by `MALLOC_TOP_PAD_=268435456`" in \
+        (tmp_path / "pinned" / "RESULTS.md").read_text()
