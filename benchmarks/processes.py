@@ -76,6 +76,9 @@ def _merge_entry(entries: list[dict]) -> dict:
         max_s=max(e["max_s"] for e in entries), rounds=sum(e["rounds"] for e in entries),
         per_process_median_s=medians, per_process_min_s=[e["min_s"] for e in entries],
     )
+    merged.pop("round_s", None)
+    if all(e.get("round_s") for e in entries):  # the rounds of each process, for per-round ratios
+        merged["per_process_round_s"] = [e["round_s"] for e in entries]
     diffs = [e["max_abs_diff_vs_headwise"] for e in entries]
     if all(d is not None for d in diffs):
         merged["max_abs_diff_vs_headwise"] = max(diffs)
@@ -90,7 +93,8 @@ def _merge_entry(entries: list[dict]) -> dict:
 def merge_processes(runs: list[list[dict]]) -> list[dict]:
     """One group list from the group lists of several processes (same cases, same entries, in the same order).
 
-    Each entry keeps every process's median (``per_process_median_s``) for paired ratios; its ``median_s``
+    Each entry keeps every process's median (``per_process_median_s``) and rounds (``per_process_round_s``)
+    for paired ratios (:mod:`benchmarks.ratios`); its ``median_s``
     is the median of those, ``min_s``/``max_s`` span every round of every process, output differences
     take the largest and compiled-graph counts the worst process. Groups that do not match across
     processes raise ``ValueError`` naming the difference.

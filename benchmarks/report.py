@@ -10,11 +10,12 @@ import datetime as _dt
 import json
 import os
 import platform
-import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .ratios import paired_ratio, ratio_spread
 
 __all__ = ["machine_info", "paired_ratio", "ratio_spread", "ratio_rows", "evaluate_goals", "write_results",
            "write_summary", "group_table_rows"]
@@ -47,6 +48,7 @@ def machine_info(command: str, quick: bool) -> dict:
         "mkldnn": torch.backends.mkldnn.is_available(), "cuda": torch.cuda.is_available(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command, "quick": quick, "dtype": "float32",
+        "round_ratios": True,  # entries keep per-round times: ratios are taken round by round (ratios.py)
         "allocator": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
     }
 
@@ -56,34 +58,6 @@ def _ref_of(group: dict, entry: dict) -> dict | None:
     if name is None:
         name = next((e["name"] for e in group["entries"] if e["role"] == "headwise"), None)
     return next((e for e in group["entries"] if e["name"] == name), None)
-
-
-def paired_ratio(a: dict, b: dict) -> float:
-    """Entry ``a``'s time / entry ``b``'s time, from one group.
-
-    Measured in several processes (``--processes``), it is the median of the per-process ratios: each
-    process timed both side by side, so ratios are only ever taken within a process. Otherwise it is the
-    ratio of the medians over rounds.
-
-    Example:
-        >>> a = {"median_s": 2.0, "per_process_median_s": [1.0, 2.0, 4.0]}
-        >>> b = {"median_s": 2.0, "per_process_median_s": [2.0, 1.0, 4.0]}
-        >>> paired_ratio(a, b), paired_ratio({"median_s": 3.0}, {"median_s": 2.0})
-        (1.0, 1.5)
-    """
-    pa, pb = a.get("per_process_median_s"), b.get("per_process_median_s")
-    if pa and pb and len(pa) == len(pb):
-        return statistics.median(x / y for x, y in zip(pa, pb))
-    return a["median_s"] / b["median_s"]
-
-
-def ratio_spread(a: dict, b: dict) -> tuple[float, float] | None:
-    """(lowest, highest) per-process ratio of ``a`` / ``b``, or None for a single-process run."""
-    pa, pb = a.get("per_process_median_s"), b.get("per_process_median_s")
-    if not (pa and pb and len(pa) == len(pb) and len(pa) > 1):
-        return None
-    rs = [x / y for x, y in zip(pa, pb)]
-    return min(rs), max(rs)
 
 
 def _spread_text(a: dict, b: dict) -> str:
@@ -456,10 +430,13 @@ def _processes_text(machine: dict) -> list[str]:
     n = machine.get("processes", 1)
     if n <= 1:
         return []
+    how = (f"the median of the per-round ratios over every round of the {n} processes" if machine.get("round_ratios")
+           else f"the median of the {n} per-process ratios")
     return [f"Every timed case ran {n} times, one after the other, each time in a fresh process of its own "
             f"(memory rows: one process per row). Each process timed headwise and its peers side by side; a "
-            f"ratio here is the median of the {n} per-process ratios, followed in tables and details by their range (lowest-highest), and a time "
-            f"is the median of the per-process medians (min and max over every round of every process).", ""]
+            f"ratio here is {how}, followed in tables and details by the range (lowest-highest) of the per-process "
+            f"ratios, and a time is the median of the per-process medians (min and max over every round of every "
+            f"process).", ""]
 
 
 def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict], memory: list[dict],
@@ -489,7 +466,9 @@ def write_results(out_dir: str | os.PathLike, machine: dict, groups: list[dict],
     if preamble:
         parts += [preamble, ""]
     parts += ["Ratios are headwise time / other time within one interleaved run on identical inputs "
-              "(below 1: headwise is faster). Times are medians over rounds (min and max shown); every peer holds "
+              "(below 1: headwise is faster)"
+              + (", taken round by round (the median of the per-round ratios)" if m.get("round_ratios") else "")
+              + ". Times are medians over rounds (min and max shown); every peer holds "
               "the headwise layer's weights and its output is checked against headwise's on the warm-up call.",
               "", *_processes_text(m),
               "## Goals", "",

@@ -2,7 +2,8 @@
 so slow drift of a shared machine (other processes, clocks, thermals) lands on every entry alike.
 
 Each round times one block of ``number`` calls per entry with ``torch.utils.benchmark.Timer`` (which also
-pins the thread count); the statistics are over rounds: median, min, max.
+pins the thread count); the statistics are over rounds: median, min, max, and every round's time is kept
+(``round_s``) so that two entries can be compared round by round (:mod:`benchmarks.ratios`).
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def run_group(group: Group, *, advance: Callable[[str], None] | None = None) -> 
             ok = diff <= group.tol[1] + group.tol[0] * scales.get(e.name, 1.0)
         rows.append({
             "name": e.name, "role": e.role, "median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
-            "rounds": len(ts), "calls_per_round": numbers[e.name], "max_abs_diff_vs_headwise": diff,
+            "rounds": len(ts), "round_s": ts, "calls_per_round": numbers[e.name], "max_abs_diff_vs_headwise": diff,
             "matches_headwise": ok, "vs": e.ref, "note": e.note,
             **{k: (v() if callable(v) else v) for k, v in e.extra.items()},
         })

@@ -42,7 +42,7 @@ def test_every_case_produces_groups(suite):
         assert g["entries"], g["group"]
         for e in g["entries"]:
             assert 0 < e["min_s"] <= e["median_s"] <= e["max_s"], (g["group"], e)
-            assert e["rounds"] >= 1 and e["calls_per_round"] >= 1
+            assert e["rounds"] >= 1 and e["calls_per_round"] >= 1 and len(e["round_s"]) == e["rounds"]
     assert [m["impl"] for m in memory] == ["headwise", "headwise one pass"]
     assert all(m["forward_peak_above_inputs"] >= 0 and "error" not in m for m in memory)
 

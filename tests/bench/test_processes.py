@@ -59,6 +59,28 @@ def test_goal_reads_the_paired_median_and_shows_the_range():
     assert goal["met"] is True and "per process 0.900-1.200" in goal["detail"]
 
 
+def test_rounds_are_paired_across_processes_when_kept():
+    # Process 2's second and third rounds ran under a burst that hit both entries of those rounds: its medians
+    # say headwise is 2x slower there (ratio of medians 2.0), its rounds say 1.0 wherever both were measured alike.
+    def run(hw_rounds: list[float], peer_rounds: list[float]) -> list[dict]:
+        (g,) = _run(statistics.median(hw_rounds), statistics.median(peer_rounds))
+        g["entries"][0]["round_s"], g["entries"][1]["round_s"] = hw_rounds, peer_rounds
+        return [g]
+
+    merged = merge_processes([run([1.0, 1.0, 1.0], [1.0, 1.0, 1.0]), run([1.0, 4.0, 4.0], [2.0, 4.0, 4.0]),
+                              run([1.1, 1.1, 1.1], [1.0, 1.0, 1.0])])
+    (g,) = merged
+    hw, peer = g["entries"]
+    assert "round_s" not in hw and hw["per_process_round_s"] == [[1.0, 1.0, 1.0], [1.0, 4.0, 4.0], [1.1, 1.1, 1.1]]
+    assert hw["per_process_median_s"][1] / peer["per_process_median_s"][1] == 1.0  # medians 4.0 and 4.0
+    # per-round ratios: 1, 1, 1 | 0.5, 1, 1 | 1.1, 1.1, 1.1 -> median 1.0; per process 1.0, 1.0, 1.1
+    assert paired_ratio(hw, peer) == pytest.approx(1.0)
+    assert ratio_rows(g)[0]["per_process"] == pytest.approx((1.0, 1.1))
+    # an entry without the rounds of every process falls back to the per-process medians
+    del peer["per_process_round_s"]
+    assert paired_ratio(hw, peer) == pytest.approx(statistics.median([1.0, 1.0, 1.1]))
+
+
 def test_single_process_results_are_unchanged():
     (g,) = _run(3.0, 2.0)
     hw, peer = g["entries"]
