@@ -101,10 +101,13 @@ MISS_NOTES: dict[str, str] = {
     "baseline": "the new layer runs the old one's kernels on identically laid out tensors (torch.profiler: the same "
                 "GEMM and SDPA calls with the same shapes; SDPA gets q, k, v with the same strides; without autograd "
                 "the new layer runs one packed Q/K/V GEMM where the old ran three). Only decoding changed what it "
-                "computes with (weights stored (d_in, d_out), huge pages), and decode rows are below 1. Two "
-                "processes timing the same pair differ by several per cent here, and with about 25 rows the worst "
-                "lands above 1.02 by chance; a row whose whole per-process range lies above 1.02 is re-measured "
-                "in more processes before it counts as a regression (docs/benchmarks.md). " + _SPREAD,
+                "computes with (weights stored (d_in, d_out), huge pages), and decode rows are below 1; the one "
+                "consistent cost is that orientation's packed product at b4 s128 d4096, about 1.5 %. Single "
+                "rounds of the same pair swing by 10 % and more here, and with about 25 rows the worst lands "
+                "above 1.02 by chance; a row above 1.02 is re-measured in fresh processes with more rounds "
+                "before it counts as a regression, and rows at b8 s512 d768 without autograd also depend on "
+                "whether glibc maps the 37.7 MB packed Q/K/V output fresh (docs/benchmarks.md, \"Pinning the "
+                "allocator\"). " + _SPREAD,
 }
 
 PREAMBLE = ("Note: measured on a shared machine while other jobs were running; single rounds can be noisy, which "

@@ -94,9 +94,9 @@ def merge_processes(runs: list[list[dict]]) -> list[dict]:
     """One group list from the group lists of several processes (same cases, same entries, in the same order).
 
     Each entry keeps every process's median (``per_process_median_s``) and rounds (``per_process_round_s``)
-    for paired ratios (:mod:`benchmarks.ratios`); its ``median_s``
-    is the median of those, ``min_s``/``max_s`` span every round of every process, output differences
-    take the largest and compiled-graph counts the worst process. Groups that do not match across
+    for paired ratios (:mod:`benchmarks.ratios`); its ``median_s`` is the median of those medians,
+    ``min_s``/``max_s`` span every round of every process, output differences take the largest and
+    compiled-graph counts the worst process. Groups that do not match across
     processes raise ``ValueError`` naming the difference.
 
     Example:

@@ -66,7 +66,7 @@ def _spread_text(a: dict, b: dict) -> str:
 
 
 def ratio_rows(group: dict) -> list[dict]:
-    """Every non-headwise entry's ratio: its headwise reference's median / its median."""
+    """Every non-headwise entry's ratio: its headwise reference / it (:func:`benchmarks.ratios.paired_ratio`)."""
     out = []
     for e in group["entries"]:
         if e["role"] in ("headwise", "headwise2", "peak"):
