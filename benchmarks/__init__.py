@@ -43,11 +43,8 @@ __all__ = ["main", "run_suite", "Sizes", "FULL", "QUICK", "Entry", "Group", "run
 
 ORDER = ("peak", "forward", "causal", "backward", "gqa", "weights", "decode", "long", "memory", "gpu", "trace", "patched",
          "surgery", "baseline")
-#: Environment variables that change what a run measures, written into its recorded command: threading, and
-#: glibc's allocator settings (a large allocation mapped fresh on every call pays its page faults again; pinning
-#: the thresholds takes that, and its dependence on the heap's history, out of a comparison between two builds).
-RECORDED_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_",
-                "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+#: Threading variables written into a run's recorded command (with the allocator's, report.allocator_env).
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")
 _NUMBERS = {"1": ("forward", "causal", "backward"), "2": ("gqa",), "3": ("weights",), "4": ("decode",),
             "5": ("long", "memory"), "6": ("peak", "forward")}
 
@@ -236,7 +233,7 @@ def _run_processes(args: argparse.Namespace, cases: list[str], sizes: Sizes) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m benchmarks``."""
-    from .report import evaluate_goals, machine_info, write_results
+    from .report import allocator_env, evaluate_goals, machine_info, write_results
 
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, a few seconds (machinery check)")
@@ -281,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (os.path.join(tempfile.gettempdir(), "headwise-bench-quick") if args.quick else "benchmarks")
     command = "python -m benchmarks" + ("" if argv is None and len(sys.argv) <= 1 else " " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)))
-    env = " ".join(f"{k}={os.environ[k]}" for k in RECORDED_ENV if k in os.environ)
+    recorded = {k: os.environ[k] for k in THREAD_ENV if k in os.environ} | allocator_env()
+    env = " ".join(f"{k}={v}" for k, v in recorded.items())
     command = f"{env} {command}" if env else command
     machine = machine_info(command, args.quick)
     machine["processes"] = args.processes

@@ -17,7 +17,7 @@ import torch
 
 from .ratios import paired_ratio, ratio_spread
 
-__all__ = ["machine_info", "paired_ratio", "ratio_spread", "ratio_rows", "evaluate_goals", "write_results",
+__all__ = ["machine_info", "allocator_env", "paired_ratio", "ratio_spread", "ratio_rows", "evaluate_goals", "write_results",
            "write_summary", "group_table_rows"]
 
 GiB = 1 << 30
@@ -49,8 +49,14 @@ def machine_info(command: str, quick: bool) -> dict:
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command, "quick": quick, "dtype": "float32",
         "round_ratios": True,  # entries keep per-round times: ratios are taken round by round (ratios.py)
-        "allocator": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
+        "allocator": allocator_env(),
     }
+
+
+def allocator_env() -> dict[str, str]:
+    """glibc's allocator settings in this environment (``MALLOC_*_``, ``GLIBC_TUNABLES``): a large allocation
+    mapped fresh on every call pays its page faults again, so they change what a run measures."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}
 
 
 def _ref_of(group: dict, entry: dict) -> dict | None:
