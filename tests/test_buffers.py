@@ -84,6 +84,20 @@ def test_large_weights_and_caches_are_advised_and_small_ones_are_left_alone(monk
     assert buffers.huge_pages_advised(copy.deepcopy(attn).k_proj.weight)
 
 
+@needs_thp
+def test_a_long_prompt_s_packed_qkv_lands_on_huge_pages_and_a_short_one_does_not(monkeypatch):
+    """Results of one call: on fresh huge pages from MAPPED_BYTES (where glibc maps 4 KiB pages), else None."""
+    monkeypatch.setattr(buffers, "HUGE_BYTES", 2**20)
+    monkeypatch.setattr(buffers, "MAPPED_BYTES", 2**21)
+    assert buffers.scratch_empty((2**19 - 1,), torch.float32, torch.device("cpu")) is None  # just under 2 MiB
+    assert buffers.huge_pages_advised(buffers.scratch_empty((2**19,), torch.float32, torch.device("cpu")))
+    attn = MultiHeadAttention(256, 4).eval()
+    with torch.no_grad():
+        long_q = attn.project_qkv(torch.randn(1, 1024, 256))[0]  # (1024, 768) fp32 = 3 MiB packed
+        short_q = attn.project_qkv(torch.randn(1, 512, 256))[0]  # 1.5 MiB
+    assert buffers.huge_pages_advised(long_q) and not buffers.huge_pages_advised(short_q)
+
+
 def test_a_layer_on_huge_pages_is_an_ordinary_layer(monkeypatch, tmp_path):
     """Every size takes the mapped path: the layer and its cache compute the float64 reference, save, load,
     deep-copy and move to shared memory like any other."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from headwise import MultiHeadAttention
+from headwise.functional import split_heads
 from headwise.projections import packed_weight
 from tests.reference import reference_mha
 
@@ -157,3 +158,43 @@ def test_the_remembered_packing_follows_changes_made_after_a_first_call(how):
             want = attn.project_out(torch.nn.functional.scaled_dot_product_attention(
                 q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_heads, bias", [(4, True), (2, False)])
+def test_a_large_packed_product_on_fresh_pages_equals_the_three_products(monkeypatch, n_kv_heads, bias):
+    """Every size takes the mapped path (a long prompt's Q/K/V): the same values as the three products with
+    autograd, the float64 reference, in inference mode and for a non-contiguous input."""
+    from headwise import buffers
+
+    monkeypatch.setattr(buffers, "HUGE_BYTES", 0)
+    monkeypatch.setattr(buffers, "MAPPED_BYTES", 0)
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, n_kv_heads, bias=bias).eval()
+    x = torch.randn(5, 2, 32).transpose(0, 1)  # (b, s, d), not contiguous
+    three = attn(x, causal=True).detach()
+    with torch.no_grad():
+        q, k, v = attn.project_qkv(x)
+        packed = attn(x, causal=True)
+    with torch.inference_mode():
+        inference = attn(x, causal=True)
+    want = [attn.project_q(x), *attn.project_kv(x)]
+    for got, ref in zip((q, k, v), want):
+        torch.testing.assert_close(got, ref.detach())
+    torch.testing.assert_close(packed, three)
+    torch.testing.assert_close(inference, three)
+    torch.testing.assert_close(packed, reference_mha(attn, x, causal=True)[0].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_packed_product_under_autocast_is_f_linear_s(monkeypatch):
+    """Autocast decides the product's dtype: the mapped path (which writes in the input's dtype) stays out."""
+    from headwise import buffers
+
+    monkeypatch.setattr(buffers, "MAPPED_BYTES", 0)
+    monkeypatch.setattr(buffers, "HUGE_BYTES", 0)
+    attn = MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        q, _, _ = attn.project_qkv(x)
+        want = attn.q_proj(x)
+    assert q.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(q, split_heads(want, 4))

@@ -24,7 +24,7 @@ from .dispatch import DispatchInfo, describe
 from .head import LayerHeads
 from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
-from .projections import PackedLayout, PackedWeight, packed_linears, plain_linear
+from .projections import PackedLayout, PackedWeight, packed_linears, packed_product, plain_linear
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_dtype, check_forward
 
@@ -176,7 +176,7 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         if packed is None:
             return (self.project_q(x), *self.project_kv(x))
         cfg = self.config
-        qkv = F.linear(x, packed[0].t(), packed[1])  # (b, s, h * d_h + 2 * h_kv * d_h)
+        qkv = packed_product(x, *packed)  # (b, s, h * d_h + 2 * h_kv * d_h)
         return hwf.split_qkv(qkv, cfg.n_heads, cfg.n_kv_heads)  # (b, h, s, d_h), (b, h_kv, s, d_h) x2
 
     def attend(

@@ -21,18 +21,22 @@ import mmap
 
 import torch
 
-__all__ = ["fresh_empty", "huge_pages_advised", "HUGE_BYTES"]
+__all__ = ["fresh_empty", "huge_pages_advised", "scratch_empty", "HUGE_BYTES", "MAPPED_BYTES"]
 
 #: Below this size a tensor comes from the allocator as usual (the saving is per 2 MiB page). Set it to
 #: ``math.inf`` to turn huge pages off.
 HUGE_BYTES = 4 * 2**20
+#: glibc's largest mmap threshold on 64-bit Linux. A block at least this large is mapped fresh, on 4 KiB
+#: pages, whenever no free chunk of the heap fits it: a call that makes and frees one pays a fault per page,
+#: every time. Below it, freed blocks are reused and the allocator is the better choice.
+MAPPED_BYTES = 32 * 2**20
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype | None = None,
                 device: torch.device | str | None = None) -> torch.Tensor:
     """An uninitialised tensor like ``torch.empty(shape, dtype=dtype, device=device)``, placed on huge pages
-    when it is a large CPU tensor and the platform allows it.
+    when it is a large CPU tensor (:data:`HUGE_BYTES` and up) and the platform allows it.
 
     Example:
         >>> t = fresh_empty((4, 3), torch.float32, torch.device("cpu"))
@@ -40,15 +44,35 @@ def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype | None = None,
         (torch.Size([4, 3]), torch.float32, True)
     """
     dtype = dtype or torch.get_default_dtype()
+    t = _mapped(shape, dtype, device, HUGE_BYTES)
+    return torch.empty(shape, dtype=dtype, device=device) if t is None else t
+
+
+def scratch_empty(shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device | str | None = None) -> torch.Tensor | None:
+    """An uninitialised CPU tensor on fresh huge pages for a result that one call makes and frees, when it
+    is at least :data:`MAPPED_BYTES` (and :data:`HUGE_BYTES`): glibc would map it fresh anyway, on 4 KiB
+    pages. None otherwise: the caller lets the allocator make it (a smaller block is reused, not mapped).
+
+    Example:
+        >>> scratch_empty((4, 3), torch.float32, torch.device("cpu")) is None
+        True
+    """
+    return _mapped(shape, dtype, device, max(HUGE_BYTES, MAPPED_BYTES))
+
+
+def _mapped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None,
+            min_bytes: float) -> torch.Tensor | None:
+    """A CPU tensor on a fresh mapping advised for huge pages, or None (too small, not CPU, not possible)."""
     nbytes = math.prod(shape) * dtype.itemsize
     on_cpu = (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
-    if _ADVICE is None or not on_cpu or nbytes < HUGE_BYTES:
-        return torch.empty(shape, dtype=dtype, device=device)
+    if _ADVICE is None or not on_cpu or nbytes < min_bytes:
+        return None
     try:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         region.madvise(_ADVICE)
     except (OSError, ValueError):  # no anonymous mappings or no such advice here: the ordinary allocation
-        return torch.empty(shape, dtype=dtype, device=device)
+        return None
     return torch.frombuffer(region, dtype=dtype).view(shape)
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .buffers import fresh_empty
+from .buffers import fresh_empty, scratch_empty
 
-__all__ = ["PackedLayout", "PackedWeight", "packed_linears", "packed_weight", "plain_linear", "repack"]
+__all__ = ["PackedLayout", "PackedWeight", "packed_linears", "packed_product", "packed_weight", "plain_linear",
+           "repack"]
 
 
 def packed_linears(d_in: int, widths: Sequence[int], bias: bool, device: torch.device | str | None = None,
@@ -104,6 +106,36 @@ def packed_weight(linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Ten
         shape, strides = ((d_in, total), (total, 1)) if first.dim() == 2 else ((total,), (1,))
         packed.append(first.as_strided(shape, strides, first.storage_offset()))
     return packed[0], (packed[1] if len(packed) > 1 else None)
+
+
+def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight + bias`` over a packed ``(d_in, total)`` weight: ``F.linear``'s product. A result large
+    enough that glibc would map it fresh on 4 KiB pages (:func:`headwise.buffers.scratch_empty`) is written to
+    fresh huge pages instead: a long prompt's packed Q/K/V otherwise faults in one 4 KiB page at a time, on
+    every call. Under autocast, for tensor subclasses and off the CPU this is ``F.linear`` itself.
+
+    Shapes:
+        x (..., d_in), weight (d_in, total), bias (total,) -> (..., total)
+
+    Example:
+        >>> q, k = packed_linears(8, [8, 4], bias=True)
+        >>> w, b = packed_weight([q, k])
+        >>> x = torch.randn(2, 3, 8)
+        >>> packed_product(x, w, b).shape, torch.allclose(packed_product(x, w, b)[..., 8:], k(x))
+        (torch.Size([2, 3, 12]), True)
+    """
+    shape = (*x.shape[:-1], weight.shape[1])
+    out = None
+    if type(x) is torch.Tensor and not torch.is_autocast_enabled(x.device.type):
+        out = scratch_empty(shape, x.dtype, x.device)  # None: small, or not the CPU
+    if out is None:
+        return F.linear(x, weight.t(), bias)
+    rows, result = x.reshape(-1, x.shape[-1]), out.view(-1, shape[-1])  # (b * s, d_in), (b * s, total)
+    if bias is None:
+        torch.mm(rows, weight, out=result)
+    else:
+        torch.addmm(bias, rows, weight, out=result)
+    return out
 
 
 class PackedWeight:
