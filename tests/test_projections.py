@@ -198,3 +198,65 @@ def test_a_packed_product_under_autocast_is_f_linear_s(monkeypatch):
         want = attn.q_proj(x)
     assert q.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(q, split_heads(want, 4))
+
+
+def test_a_jit_trace_of_a_long_prompt_does_not_keep_one_output_buffer(monkeypatch):
+    """A trace records tensors it did not see made as constants: the mapped output would be one buffer that
+    every call of the traced function overwrites (the first call's queries would change under the second).
+    Traced, the product is F.linear's."""
+    from headwise import buffers
+
+    monkeypatch.setattr(buffers, "MAPPED_BYTES", 0)
+    monkeypatch.setattr(buffers, "HUGE_BYTES", 0)
+    class Queries(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = MultiHeadAttention(32, 4).eval()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn.project_qkv(x)[0]
+
+    torch.manual_seed(0)
+    queries = Queries()
+    attn = queries.attn
+    x1, x2 = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    with torch.no_grad():
+        traced = torch.jit.trace(queries, (x1,), check_trace=False)
+        first = traced(x1)
+        second = traced(x2)
+        torch.testing.assert_close(first, attn.project_q(x1))
+        torch.testing.assert_close(second, attn.project_q(x2))
+
+
+class SDPAInputs(torch.overrides.TorchFunctionMode):
+    """Records the k, v that reach F.scaled_dot_product_attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.kv.append((args[1], args[2]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_grouped_layer_s_kernel_reads_k_v_rows_of_their_own_width_and_the_cache_in_place():
+    """GQA without a cache: K/V reach SDPA laid out (b, s_kv, h_kv, d_h), not as views into the packed
+    product (whose rows are h + 2 h_kv heads wide); with a cache, SDPA reads the cache itself, uncopied.
+    The values are the float64 reference's either way."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 8, 2).eval()  # rows: packed 48 wide, K/V 8 wide each
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad(), SDPAInputs() as seen:
+        y = attn(x, causal=True)
+    (k, v), = seen.kv
+    assert k.stride() == v.stride() == (5 * 8, 4, 8, 1)
+    torch.testing.assert_close(y, reference_mha(attn, x, causal=True)[0].float(), rtol=1e-4, atol=1e-5)
+    cache = attn.new_cache(2, 8)
+    with torch.no_grad(), SDPAInputs() as seen:
+        steps = [attn(x[:, :4], cache=cache), attn(x[:, 4:], cache=cache)]
+    assert all(k.data_ptr() == cache.keys.data_ptr() and v.data_ptr() == cache.values.data_ptr()
+               for k, v in seen.kv)
+    torch.testing.assert_close(torch.cat(steps, 1), reference_mha(attn, x, causal=True)[0].float(),
+                               rtol=1e-4, atol=1e-5)
