@@ -44,7 +44,7 @@ from headwise import MultiHeadAttention, RotaryEmbedding
 from .processes import ROOT
 from .timing import Entry, Group, forward_flops, refresh_memory
 
-__all__ = ["BASELINE_REV", "BASE", "load_baseline", "baseline_groups"]
+__all__ = ["BASELINE_REV", "BASE", "baseline_groups", "layer_pair", "load_baseline"]
 
 #: main when issues 14 and 15 were filed (2026-11-30 11:25 UTC, the last commit before them).
 BASELINE_REV = "ea85a5a16f3bd2e978b7ba62332d982f8ed52416"
@@ -85,7 +85,7 @@ def load_baseline(rev: str = BASELINE_REV) -> ModuleType | str:
     return importlib.import_module(name)
 
 
-def _pair(old: ModuleType, d: int, h: int, h_kv: int | None = None, *, rope: bool = False):  # type: ignore[no-untyped-def]
+def layer_pair(old: ModuleType, d: int, h: int, h_kv: int | None = None, *, rope: bool = False):  # type: ignore[no-untyped-def]
     """A new layer and the old layer with the same weights (the state-dict layout did not change)."""
     torch.manual_seed(0)
     new = MultiHeadAttention(d, h, h_kv, bias=not rope, rotary=RotaryEmbedding(d // h) if rope else None).eval()
@@ -110,8 +110,8 @@ def _both(make: Callable[[MultiHeadAttention], Callable[[], object]], new, base,
 
 def _layer_group(old, sz, case: str, shape, causal: bool, mode: str) -> Group:  # type: ignore[no-untyped-def]
     b, s, d, h = shape
-    plain, plain_b = _pair(old, d, h)
-    rope, rope_b = _pair(old, d, h, rope=True)
+    plain, plain_b = layer_pair(old, d, h)
+    rope, rope_b = layer_pair(old, d, h, rope=True)
     x = torch.randn(b, s, d, requires_grad=mode == "fwd+bwd")
     if mode == "fwd+bwd":
         grad = torch.randn(b, s, d)
@@ -136,7 +136,7 @@ def _rounds(sz, flops: float) -> int:  # type: ignore[no-untyped-def]
 
 def _gqa_group(old, sz) -> Group:  # type: ignore[no-untyped-def]
     s, d, h, kvs = sz.gqa
-    new, base = _pair(old, d, h, kvs[0])
+    new, base = layer_pair(old, d, h, kvs[0])
     x = torch.randn(1, s, d)
     refresh_memory(new, base)
     flops = forward_flops(1, s, d, d, d * kvs[0] // h)
@@ -147,7 +147,7 @@ def _gqa_group(old, sz) -> Group:  # type: ignore[no-untyped-def]
 
 def _weights_group(old, sz) -> Group:  # type: ignore[no-untyped-def]
     b, s, d, h = sz.weights[0]
-    new, base = _pair(old, d, h)
+    new, base = layer_pair(old, d, h)
     x = torch.randn(b, s, d)
     refresh_memory(new, base)
     flops = forward_flops(b, s, d, d, d)
@@ -164,7 +164,7 @@ def _fill(cache, k: torch.Tensor, v: torch.Tensor) -> None:  # type: ignore[no-u
 def _decode_group(old, sz, d: int, h: int, h_kv: int, ctx: int) -> Group:  # type: ignore[no-untyped-def]
     n = sz.decode_tokens
     max_len = ctx + n * (4 * sz.rounds + 4) + 8
-    new, base = _pair(old, d, h, h_kv)
+    new, base = layer_pair(old, d, h, h_kv)
     twin = old.MultiHeadAttention(d, h, h_kv).eval()  # the old layer again, for its packed-GEMM opt-in
     twin.load_state_dict(base.state_dict())
     caches = [m.new_cache(1, max_len) for m in (new, base, twin)]

@@ -1,10 +1,11 @@
 """Large CPU tensors on transparent huge pages.
 
 headwise allocates a few large, long-lived CPU tensors itself: the packed projection weights, the KV
-cache, and captures such as every head's residual write ``(b, s, h, d)``. A one-row decode step streams the
-weights and the cache once per token, and a capture lands in memory the process has never touched; with
-4 KiB pages both pay for page-table walks (and a capture for a fault per page), which on a virtual machine
-can cost more than the arithmetic. Such a tensor gets memory of its own, mapped fresh and advised
+cache, and captures such as every head's residual write ``(b, s, h, d)``; and one short-lived one, a long
+prompt's packed Q/K/V product (:func:`scratch_empty`), which glibc would map fresh on 4 KiB pages. A
+one-row decode step streams the weights and the cache once per token, and a capture or a product lands in
+memory the process has never touched; with 4 KiB pages both pay for page-table walks (and fresh memory for
+a fault per page), which on a virtual machine can cost more than the arithmetic. Such a tensor gets memory of its own, mapped fresh and advised
 ``MADV_HUGEPAGE`` before anything is written, so Linux backs it with 2 MiB pages where transparent huge
 pages are "always" or "madvise". It is an ordinary tensor otherwise (saved, shared and copied as any
 other); its memory goes back to the system when the last tensor viewing it is freed. Elsewhere, on other

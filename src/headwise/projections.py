@@ -5,7 +5,7 @@ The seeds' layout, in memory: every projection weight is an ordinary ``nn.Linear
 ``(d_in, d_out)`` row-major matrix of ``q = x @ W_Q``, and the three of a self-attention layer are blocks of
 one such matrix. A one-row product (decoding) streams ``(d_in, d_out)`` storage faster on CPU than the
 transposed layout, and one product over the packed matrix costs less than three over its blocks; without
-autograd the layer runs that one product (:func:`packed_weight`). Anything that breaks the packing (a
+autograd the layer runs that one product (:func:`packed_weight`, :func:`packed_product`). Anything that breaks the packing (a
 ``.to()`` that converts each parameter, weights replaced or taken apart, hooks on a projection, a projection
 swapped for another module) only turns the one product back into three.
 
@@ -112,7 +112,8 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``x @ weight + bias`` over a packed ``(d_in, total)`` weight: ``F.linear``'s product. A result large
     enough that glibc would map it fresh on 4 KiB pages (:func:`headwise.buffers.scratch_empty`) is written to
     fresh huge pages instead: a long prompt's packed Q/K/V otherwise faults in one 4 KiB page at a time, on
-    every call. Under autocast, for tensor subclasses and off the CPU this is ``F.linear`` itself.
+    every call. Under autocast or a ``torch.jit`` trace (which would keep the mapping as a constant), for
+    tensor subclasses and off the CPU this is ``F.linear`` itself.
 
     Shapes:
         x (..., d_in), weight (d_in, total), bias (total,) -> (..., total)
@@ -126,7 +127,7 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """
     shape = (*x.shape[:-1], weight.shape[1])
     out = None
-    if type(x) is torch.Tensor and not torch.is_autocast_enabled(x.device.type):
+    if type(x) is torch.Tensor and not torch.is_autocast_enabled(x.device.type) and not torch.jit.is_tracing():
         out = scratch_empty(shape, x.dtype, x.device)  # None: small, or not the CPU
     if out is None:
         return F.linear(x, weight.t(), bias)

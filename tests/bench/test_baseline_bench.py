@@ -69,3 +69,16 @@ def test_case_groups_and_goal_rows(old):
     assert main["measured"].startswith(f"worst {worst:.3f}")
     assert main["detail"].count(": ") >= pairs - sum(1 for g in groups for e in g["entries"]
                                                      if e["name"].endswith("use_packed_gemm"))
+
+
+def test_the_faults_script_times_both_layers_and_counts_their_page_faults(old, capsys):
+    """benchmarks.faults: both layers timed, ratio = the median per-round ratio, faults counted per call (a
+    tiny shape allocates nothing fresh after warm-up, so a large count would be a bookkeeping error)."""
+    from benchmarks import faults
+
+    m = faults.measure(1, 8, 32, 4, causal=True, rounds=3)
+    assert m["new_ms"] > 0 and m["old_ms"] > 0 and 0 < m["ratio"] < 100
+    assert 0 <= m["new_faults"] < 50 and 0 <= m["old_faults"] < 50
+    assert faults.main(["1", "8", "32", "4", "--rope", "--rounds", "2", "--processes", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "b1 s8 d32 h4 --rope" and out[1].startswith("process 1: new ") and "page faults" in out[1]
