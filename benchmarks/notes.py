@@ -98,16 +98,15 @@ MISS_NOTES: dict[str, str] = {
                "generate: identical aten op lists); one patched GPT2Attention decode step costs no more than HF's own "
                "(tiny config, one thread, fastest of 60 rounds of 200 tokens: 112 against 115 us per layer-token) and "
                "less than HF's on Llama. The GPT-2 generate rows vary 0.99-1.11 between processes; " + _SPREAD,
-    "baseline": "the new layer runs the old one's kernels on identically laid out tensors (torch.profiler: the same "
-                "GEMM and SDPA calls with the same shapes; SDPA gets q, k, v with the same strides; without autograd "
-                "the new layer runs one packed Q/K/V GEMM where the old ran three). Only decoding changed what it "
-                "computes with (weights stored (d_in, d_out), huge pages), and decode rows are below 1; the one "
-                "consistent cost is that orientation's packed product at b4 s128 d4096, about 1.5 %. Single "
-                "rounds of the same pair swing by 10 % and more here, and with about 25 rows the worst lands "
-                "above 1.02 by chance; a row above 1.02 is re-measured in fresh processes with more rounds "
-                "before it counts as a regression, and rows at b8 s512 d768 without autograd also depend on "
-                "whether glibc maps the 37.7 MB packed Q/K/V output fresh (docs/benchmarks.md, \"Pinning the "
-                "allocator\"). " + _SPREAD,
+    "baseline": "the new layer runs the old one's kernels (torch.profiler: the same GEMM and SDPA calls with the "
+                "same shapes; with autograd SDPA gets q, k, v with the same strides). Without autograd the new "
+                "layer runs one packed Q/K/V GEMM where the old ran three, writes it to fresh huge pages from "
+                "32 MiB (where glibc would map 4 KiB pages), and copies a grouped layer's K/V out of it to rows "
+                "of their own width for the kernel. Decoding computes with weights stored (d_in, d_out) on huge "
+                "pages, and decode rows are below 1; the one consistent cost is that orientation's packed "
+                "product at b4 s128 d4096, about 1.5 %. Single rounds of the same pair swing by 10 % and more "
+                "here, and with about 25 rows the worst lands above 1.02 by chance; a row above 1.02 is "
+                "re-measured alone (python -m benchmarks.faults) before it counts as a regression. " + _SPREAD,
 }
 
 PREAMBLE = ("Note: measured on a shared machine while other jobs were running; single rounds can be noisy, which "

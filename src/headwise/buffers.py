@@ -5,11 +5,11 @@ cache, and captures such as every head's residual write ``(b, s, h, d)``; and on
 prompt's packed Q/K/V product (:func:`scratch_empty`), which glibc would map fresh on 4 KiB pages. A
 one-row decode step streams the weights and the cache once per token, and a capture or a product lands in
 memory the process has never touched; with 4 KiB pages both pay for page-table walks (and fresh memory for
-a fault per page), which on a virtual machine can cost more than the arithmetic. Such a tensor gets memory of its own, mapped fresh and advised
-``MADV_HUGEPAGE`` before anything is written, so Linux backs it with 2 MiB pages where transparent huge
-pages are "always" or "madvise". It is an ordinary tensor otherwise (saved, shared and copied as any
-other); its memory goes back to the system when the last tensor viewing it is freed. Elsewhere, on other
-devices, or below :data:`HUGE_BYTES`, this is ``torch.empty``.
+a fault per page), which on a virtual machine can cost more than the arithmetic. Such a tensor gets
+memory of its own, mapped fresh and advised ``MADV_HUGEPAGE`` before anything is written, so Linux backs
+it with 2 MiB pages where transparent huge pages are "always" or "madvise". It is an ordinary tensor
+otherwise (saved, shared and copied as any other); its memory goes back to the system when the last tensor
+viewing it is freed. Elsewhere, on other devices, or below :data:`HUGE_BYTES`, this is ``torch.empty``.
 
 Shapes:
     any shape; only CPU tensors are placed on huge pages.
@@ -66,8 +66,9 @@ def _mapped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
             min_bytes: float) -> torch.Tensor | None:
     """A CPU tensor on a fresh mapping advised for huge pages, or None (too small, not CPU, not possible)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    on_cpu = (torch.device(device) if device is not None else torch.get_default_device()).type == "cpu"
-    if _ADVICE is None or not on_cpu or nbytes < min_bytes:
+    if _ADVICE is None or nbytes < min_bytes:  # first, and cheap: a decode step asks every token
+        return None
+    if (torch.device(device) if device is not None else torch.get_default_device()).type != "cpu":
         return None
     try:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

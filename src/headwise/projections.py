@@ -5,9 +5,9 @@ The seeds' layout, in memory: every projection weight is an ordinary ``nn.Linear
 ``(d_in, d_out)`` row-major matrix of ``q = x @ W_Q``, and the three of a self-attention layer are blocks of
 one such matrix. A one-row product (decoding) streams ``(d_in, d_out)`` storage faster on CPU than the
 transposed layout, and one product over the packed matrix costs less than three over its blocks; without
-autograd the layer runs that one product (:func:`packed_weight`, :func:`packed_product`). Anything that breaks the packing (a
-``.to()`` that converts each parameter, weights replaced or taken apart, hooks on a projection, a projection
-swapped for another module) only turns the one product back into three.
+autograd the layer runs that one product (:func:`packed_weight`, :func:`packed_product`). Anything that
+breaks the packing (a ``.to()`` that converts each parameter, weights replaced or taken apart, hooks on a
+projection, a projection swapped for another module) only turns the one product back into three.
 
 Shapes:
     d_in: input width (d_model), d_out: a projection's width; total = sum of the widths packed together.
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import buffers
 from .buffers import fresh_empty, scratch_empty
 
 __all__ = ["PackedLayout", "PackedWeight", "packed_linears", "packed_product", "packed_weight", "plain_linear",
@@ -125,18 +126,19 @@ def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         >>> packed_product(x, w, b).shape, torch.allclose(packed_product(x, w, b)[..., 8:], k(x))
         (torch.Size([2, 3, 12]), True)
     """
-    shape = (*x.shape[:-1], weight.shape[1])
-    out = None
-    if type(x) is torch.Tensor and not torch.is_autocast_enabled(x.device.type) and not torch.jit.is_tracing():
-        out = scratch_empty(shape, x.dtype, x.device)  # None: small, or not the CPU
-    if out is None:
+    n = x.numel() // x.shape[-1]  # rows
+    if n * weight.shape[1] * x.element_size() < buffers.MAPPED_BYTES:  # a decode step, every token: no more
         return F.linear(x, weight.t(), bias)
-    rows, result = x.reshape(-1, x.shape[-1]), out.view(-1, shape[-1])  # (b * s, d_in), (b * s, total)
+    out = scratch_empty((n, weight.shape[1]), x.dtype, x.device)  # (b * s, total); None: not CPU, or no huge pages
+    if (out is None or type(x) is not torch.Tensor or torch.is_autocast_enabled(x.device.type)
+            or torch.jit.is_tracing()):
+        return F.linear(x, weight.t(), bias)
+    rows = x.reshape(n, x.shape[-1])  # (b * s, d_in)
     if bias is None:
-        torch.mm(rows, weight, out=result)
+        torch.mm(rows, weight, out=out)
     else:
-        torch.addmm(bias, rows, weight, out=result)
-    return out
+        torch.addmm(bias, rows, weight, out=out)
+    return out.view(*x.shape[:-1], weight.shape[1])  # (..., total)
 
 
 class PackedWeight:
