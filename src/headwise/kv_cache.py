@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from .buffers import fresh_empty
-
 __all__ = ["KVCache", "KVCheckpoint"]
 
 
@@ -109,9 +107,17 @@ class KVCache:
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {str(device)!r} was requested but CUDA is not available here")
         shape = (batch_size, n_kv_heads, max_len, d_head)
-        # Every decode step reads the whole filled prefix: large CPU buffers go on huge pages (buffers.py).
-        self.keys = fresh_empty(shape, dtype, device).zero_()
-        self.values = fresh_empty(shape, dtype, device).zero_()
+        numel = batch_size * n_kv_heads * max_len * d_head
+        nbytes = 2 * numel * dtype.itemsize
+        if numel > 2**63 - 1:
+            raise ValueError(f"a KVCache of shape (b, h_kv, max_len, d_h) = {shape} has {numel} elements per buffer, "
+                             f"more than a tensor can hold (2**63 - 1); use a smaller max_len or batch_size")
+        try:
+            self.keys = torch.zeros(shape, dtype=dtype, device=device)
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as exc:  # out of memory: say what was asked for
+            raise ValueError(f"a KVCache of shape (b, h_kv, max_len, d_h) = {shape} needs {nbytes} bytes, which "
+                             f"could not be allocated; use a smaller max_len or batch_size") from exc
         self.batch_size, self.max_len, self.n_kv_heads, self.d_head = batch_size, max_len, n_kv_heads, d_head
         self._length = 0
         self._owner: Any = None
