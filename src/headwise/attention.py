@@ -194,13 +194,13 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         tracer = self.tracer  # a headwise.trace sees (and may edit) the heads of this step too
         if tracer is None:
             backend = "eager" if return_weights is True else self.backend
-            return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
+            return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self.config.dropout if self.training else 0.0,
                                  causal=causal, backend=backend, return_weights=return_weights)
         wants = tracer.wants_weights(self)  # "pattern" captured: the eager path, whatever was asked
         if wants:
             check_bool("return_weights", return_weights)
         q, k, v = tracer.qkv(self, q, k, v)
-        z, weights = hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
+        z, weights = hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self.config.dropout if self.training else 0.0,
                                    causal=causal, backend="eager" if wants or return_weights is True else self.backend,
                                    return_weights=True if wants else return_weights)
         return tracer.context(self, z, weights), (weights if return_weights is True else None)
@@ -311,19 +311,22 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         attend_in_chunks(plan, queries, k, v, mask, write)
         return y
 
-    def _dropout_p(self) -> float:
-        return self.config.dropout if self.training else 0.0
-
     def _plan(self, x, key, mask, causal, cache, return_weights, chunk=True) -> Plan:  # type: ignore[no-untyped-def]
         """The plan of one call on checked inputs: the one place its decisions are made."""
         cfg = self.config
         s_kv = (cache.length + x.shape[1]) if cache is not None else (x.shape[1] if key is None else key.shape[1])
-        grad = torch.is_grad_enabled()
+        # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
+        grad = torch.is_grad_enabled() and (x.requires_grad or (key is not None and key.requires_grad))
+        if torch.is_grad_enabled() and not grad:
+            for p in self.parameters():
+                if p.requires_grad:
+                    grad = True
+                    break
         return plan_attention(
             h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
             s_kv=s_kv, dtype=x.dtype, device=x.device, backend=self._backend, causal=causal,
             has_mask=mask is not None, cached=cache is not None, return_weights=return_weights,
-            dropout_p=self._dropout_p(), chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
+            dropout_p=cfg.dropout if self.training else 0.0, chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
             dead_rows=grad and mask is not None and has_dead_rows(mask))
 
     def explain_dispatch(

@@ -217,11 +217,6 @@ class KVCache:
 
     def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every check of :meth:`check_update` but the overflow."""
-        keys = self.keys
-        if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape == v.shape and k.dim() == 4
-                and k.shape[0] == keys.shape[0] and k.shape[1] == keys.shape[1] and k.shape[3] == keys.shape[3]
-                and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
-            return  # the common case (every decode step): no message is built
         for name, t in (("keys", k), ("values", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"cache {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -245,7 +240,11 @@ class KVCache:
         Shapes:
             k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each
         """
-        self._check_write(k, v)
+        keys = self.keys
+        if not (type(k) is torch.Tensor and type(v) is torch.Tensor and k.shape == v.shape and k.dim() == 4
+                and k.shape[0] == keys.shape[0] and k.shape[1] == keys.shape[1] and k.shape[3] == keys.shape[3]
+                and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
+            self._check_write(k, v)  # a decode step's writes fit: only a misfit pays for the call and a message
         if self._length + k.shape[-2] > self.max_len:
             if torch.compiler.is_compiling():
                 return self._overflow_in_graph(k, v)

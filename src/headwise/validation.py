@@ -11,15 +11,12 @@ Shapes:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .kv_cache import KVCache
 from .masks import validate_mask
-
-if TYPE_CHECKING:
-    from .config import AttentionConfig
 
 
 def type_name(value: object) -> str:
@@ -170,10 +167,11 @@ class ForwardInputs(NamedTuple):
     batched: bool
 
 
-def check_forward(config: "AttentionConfig", dtype: torch.dtype, device: torch.device, rotary: bool,
+def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary: bool,
                   x: object, context: object, key: object, value: object, mask: object, causal: object,
                   cache: object, positions: object, return_weights: object) -> ForwardInputs:
-    """Every check of a layer's forward, once, before any work or state change.
+    """Every check of a layer's forward, once, before any work or state change. ``config`` is the layer's
+    :class:`~headwise.AttentionConfig` (not imported here: the config is built on these checks).
 
     Shapes:
         x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); key: (b, s_kv, kdim); value: (b, s_kv, vdim)

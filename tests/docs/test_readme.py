@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [(doc, i, block) for doc in DOCS
           for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S))]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from headwise import MultiHeadAttention, RotaryEmbedding
 from tests.reference import reference_mha
-from tests.test_attention import build, cases
+from tests.core.test_attention import build, cases
 
 # The plan module as the layer sees it: collecting doctests with --import-mode=importlib can put a second copy
 # of a headwise module in sys.modules, so module constants are patched through the function's own globals.
@@ -174,13 +174,13 @@ def test_grad_enabled_but_nothing_tracked_still_chunks():
 )
 def test_chunk_length_rule(b, s, d, h, expected):
     attn = MultiHeadAttention(d, h, device="meta")
-    assert PLAN["chunk_length"](attn.config, b, s, s, torch.float32) == expected
+    assert PLAN["chunk_length"](attn.config.n_heads, attn.config.n_kv_heads, attn.config.d_head, b, s, s, torch.float32) == expected
 
 
 def test_chunk_length_is_none_when_one_chunk_would_hold_every_query():
     attn = MultiHeadAttention(4096, 32, device="meta")
     # cross-attention to 100k keys: K/V are huge, but 256 queries fit in one chunk already
-    assert PLAN["chunk_length"](attn.config, 1, 256, 100_000, torch.float32) is None
+    assert PLAN["chunk_length"](attn.config.n_heads, attn.config.n_kv_heads, attn.config.d_head, 1, 256, 100_000, torch.float32) is None
 
 
 def test_real_rule_chunks_a_long_forward_and_matches_one_pass(monkeypatch):
@@ -190,7 +190,7 @@ def test_real_rule_chunks_a_long_forward_and_matches_one_pass(monkeypatch):
     monkeypatch.setitem(PLAN, "CHUNK_BYTES", 300 * 8 * 4)
     attn = MultiHeadAttention(8, 2).eval()
     x = torch.randn(1, 600, 8)
-    assert PLAN["chunk_length"](attn.config, 1, 600, 600, torch.float32) == 256
+    assert PLAN["chunk_length"](attn.config.n_heads, attn.config.n_kv_heads, attn.config.d_head, 1, 600, 600, torch.float32) == 256
     calls = [0]
     attn.out_proj.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     with torch.no_grad():
