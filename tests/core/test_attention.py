@@ -273,3 +273,23 @@ def test_softmax_scale_is_one_over_sqrt_d_head():
     expected = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), -1)
     _, w = attn(x, return_weights=True)
     torch.testing.assert_close(w[:, 0], expected)
+
+
+def test_a_copy_never_carries_a_tracer():
+    import copy
+    import pickle
+
+    attn = MultiHeadAttention(16, 4)
+    attn.tracer = object()  # what a trace puts on the layer while it is active
+    for twin in (copy.deepcopy(attn), pickle.loads(pickle.dumps(MultiHeadAttention(16, 4)))):
+        assert twin.tracer is None
+    assert copy.deepcopy(attn).tracer is None and attn.tracer is not None
+
+
+def test_projections_are_plain_linears_with_standard_weights():
+    attn = MultiHeadAttention(16, 4, 2)
+    for name, shape in (("q_proj", (16, 16)), ("k_proj", (8, 16)), ("v_proj", (8, 16)), ("out_proj", (16, 16))):
+        proj = getattr(attn, name)
+        assert type(proj) is torch.nn.Linear and proj.weight.shape == shape and proj.weight.is_contiguous()
+    assert list(attn.state_dict()) == ["q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
+                                       "v_proj.weight", "v_proj.bias", "out_proj.weight", "out_proj.bias"]

@@ -130,3 +130,53 @@ def test_refusals_name_what_was_expected_and_bind_nothing():
     with pytest.raises(ValueError, match="belongs to"):
         DecodeStep(attn, theirs)
     assert theirs.owner is other
+
+
+def test_after_a_first_step_hooks_config_and_module_swaps_are_honoured():
+    # A step is the forward: whatever the forward honours between tokens, a step honours too.
+    attn = _layer(4, 2)
+    d = attn.d_model
+    x = torch.randn(2, 6, d)
+
+    def pair():
+        """(the step's answer, the forward's answer) for the same next token from equal caches."""
+        a, b = attn.new_cache(2, 8), attn.new_cache(2, 8)
+        with torch.no_grad():
+            attn(x[:, :4], cache=a)
+            attn(x[:, :4], cache=b)
+            step = DecodeStep(attn, a)
+            step(x[:, 4:5])  # a first call, before anything changes
+            attn(x[:, 4:5], cache=b)
+            return step, a, b
+
+    step, a, b = pair()
+    handle = attn.register_forward_hook(lambda m, i, o: o * 0 + 7)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x[:, 5:6]), torch.full((2, 1, d), 7.0))
+    handle.remove()
+    pre = attn.register_forward_pre_hook(lambda m, args: (args[0] * 0,))
+    step, a, b = pair()
+    with torch.no_grad():
+        torch.testing.assert_close(step(x[:, 5:6]), attn(x[:, 5:6] * 0, cache=b))
+    pre.remove()
+    step, a, b = pair()
+    attn.config = attn.config.replace(scale=0.05)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x[:, 5:6]), attn(x[:, 5:6], cache=b))
+        torch.testing.assert_close(attn.explain_dispatch(x[:, :1]).plan.scale, 0.05)
+    step, a, b = pair()
+    attn.out_proj = torch.nn.Identity()  # a module swap: the step writes the merged heads
+    with torch.no_grad():
+        assert step(x[:, 5:6]).shape == (2, 1, attn.config.inner_dim)
+
+
+def test_backend_is_checked_whenever_it_is_set():
+    attn = _layer(4, 2)
+    with pytest.raises(ValueError, match=r"backend must be one of \['eager', 'sdpa'\], got 'eagre'"):
+        attn.backend = "eagre"
+    assert attn.backend == "sdpa"
+    attn.backend = "eager"
+    cache = attn.new_cache(2, 4)
+    with torch.no_grad():
+        _, w = attn(torch.randn(2, 2, attn.d_model), cache=cache, return_weights=True)
+    assert w.shape == (2, 4, 2, 2)

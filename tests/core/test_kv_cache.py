@@ -291,3 +291,11 @@ def test_overflow_through_a_compiled_layer_raises_value_error():
         with pytest.raises(ValueError, match=r"cache overflow: 3 cached \+ 1 new > max_len=3"):
             step(x[:, 3:4], cache=cache)
     assert_same(cache, snap)
+
+
+@pytest.mark.timeout(10)
+def test_a_cache_too_large_to_allocate_is_a_value_error_naming_its_size():
+    with pytest.raises(ValueError, match=r"more than a tensor can hold"):
+        KVCache(1, 2**62, 4, 8)
+    with pytest.raises(ValueError, match=r"needs 2199023255552 bytes, which could not be allocated"):
+        KVCache(1, 2**34, 4, 4)

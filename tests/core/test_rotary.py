@@ -39,3 +39,13 @@ def test_gradients_through_the_in_place_accumulation():
     cos, sin = rope(torch.arange(4), torch.float64)
     x = torch.randn(1, 2, 4, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: apply_rotary(t, cos, sin), (x,))
+
+
+def test_inv_freq_and_attention_scaling_are_checked():
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"inv_freq must be a floating torch.Tensor of shape \(4,\), got ndarray; "
+                                        r"convert it with torch.from_numpy"):
+        RotaryEmbedding(8, inv_freq=np.ones(4, dtype=np.float32))
+    with pytest.raises(ValueError, match="attention_scaling must be a positive finite float, got nan"):
+        RotaryEmbedding(8, attention_scaling=float("nan"))
