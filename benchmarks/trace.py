@@ -1,186 +1,164 @@
-"""Case ``trace``: what seeing every head costs (issue 16).
+"""What seeing every head costs: ``headwise.trace`` on a patched GPT-2-shaped model against a plain forward
+of the unpatched model and against the peers researchers use, each capturing the same tensors.
 
-* ``trace result``: a forward that captures every head's residual write (``headwise.trace(capture=
-  ("result",))``, h GEMMs after the fused attention) vs the plain forward of the same layer; plus the
-  extra peak memory of the traced forward over the plain one (each measured in a fresh process, RSS
-  high-water mark as in :mod:`benchmarks.memory`) against the size of the result tensor itself.
-* ``trace sweep``: :func:`headwise.patching.head_effects` (batched over heads) vs the brute-force loop of
-  one traced forward per (layer, head), on all-MiniLM-L6-v2 (6 x 12 heads; a tiny random BERT at quick
-  sizes), metric: cosine of two sentences' mean-pooled embeddings.
-* TransformerLens 3.9.0 (the dev extra installs it beside our pins): the same layer as a one-layer
-  attention-only ``HookedTransformer`` (:func:`benchmarks.peers.transformer_lens_twin`), ``run_with_cache``
-  keeping only ``hook_result``, in the result group; without TransformerLens, issue 16's figure is cited.
+* ``trace result``: every head's residual write ``z_h W_O^h`` (b, s, h, d) of every layer.
+* ``trace pattern+z``: every head's probabilities (b, h, s, s) and context (b, s, h, d_h) of every layer.
 
-Run one memory measurement by hand: ``python -m benchmarks.trace traced 8 512 768 12``.
+Peers: plain PyTorch hooks on the unpatched model (a pre-hook on ``c_proj`` for z, then an einsum with
+W_O for the result; the eager model's ``output_attentions`` for the pattern), TransformerLens's
+``HookedTransformer.run_with_cache`` with the same weights, and nnsight and pyvene where they are
+installed. Every capture is checked against headwise's; each row also has the peak resident memory of one
+call above that of a plain forward.
 
 Shapes:
-    x: (b, s, d); result: (b, s, h, d); b: batch, s: sequence, d: d_model, h: heads.
+    ids: (b, s); result: (b, s, h, d); pattern: (b, h, s, s); z: (b, s, h, d_h).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import copy
+import importlib.util
+import warnings
 from functools import partial
+from typing import Callable
 
 import torch
 
 import headwise
-from headwise import MultiHeadAttention
-from .peers import transformer_lens_twin
-from .timing import Entry, Group, forward_flops
 
-__all__ = ["trace_groups", "measure_memory", "SENTENCES"]
+from .cases import Sizes
+from .timing import Entry, Group
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SENTENCES = (["A man is playing a guitar.", "A woman is playing a violin."],
-             ["A man is eating some bread.", "A woman is playing a violin."])
-TL_FIGURE = ("TransformerLens 3.9.0 run_with_cache, all 12 heads' residual writes of a GPT-2-small-sized layer "
-             "(b8 s512): 7.2-12.4 s and 10 GB (figure cited from issue 16, not measured here)")
+__all__ = ["gpt2_models", "trace_groups"]
 
 
-def _plain(layer: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return layer(x)
-
-
-def _traced(layer: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad(), headwise.trace(layer, capture=("result",)) as t:
-        y = layer(x)
-    t[0].result  # noqa: B018 - the capture is part of what is timed
-    return y
-
-
-def _transformer_lens(model, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    hook = "blocks.0.attn.hook_result"
-    with torch.no_grad():
-        resid, cache = model.run_with_cache(x, start_at_layer=0, stop_at_layer=1, names_filter=hook)
-    cache[hook]  # noqa: B018 - every head's result, (b, s, h, d), as headwise's capture
-    return resid - x  # the block returns input + attention output
-
-
-def _child(kind: str, b: int, s: int, d: int, h: int) -> dict:
-    from .memory import _peak_bytes, _reset_peak, _rss_bytes
-
-    torch.manual_seed(0)
-    layer = MultiHeadAttention(d, h).eval()
-    x = torch.randn(b, s, d)
-    run = _traced if kind == "traced" else _plain
-    run(layer, x[:1, :8])  # warm code paths outside the measurement
-    reset = _reset_peak()
-    base = _rss_bytes()
-    with torch.no_grad():
-        if kind == "traced":
-            with headwise.trace(layer, capture=("result",)) as t:
-                layer(x)
-            kept = t[0].result
-        else:
-            kept = layer(x)
-    peak = _peak_bytes()
-    del kept
-    return {"kind": kind, "peak_above_inputs": max(0, peak - base), "reset_peak": reset}
-
-
-def measure_memory(kind: str, b: int, s: int, d: int, h: int, timeout: float = 600.0) -> dict:
-    """Peak RSS of one ``kind`` ("plain" / "traced") forward above its inputs, in a fresh process."""
-    cmd = [sys.executable, "-m", "benchmarks.trace", kind, str(b), str(s), str(d), str(h)]
-    try:
-        out = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=timeout, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
-        return {"kind": kind, "error": f"{type(exc).__name__}: {exc}"}
-
-
-def _result_group(sz, shape: tuple[int, int, int, int]) -> Group:
-    b, s, d, h = shape
-    torch.manual_seed(0)
-    layer = MultiHeadAttention(d, h).eval()
-    x = torch.randn(b, s, d)
-    es = [Entry("headwise trace result", partial(_traced, layer, x), role="headwise",
-                note="capture=('result',): every head's z_h W_O^h, (b, s, h, d)"),
-          Entry("plain forward", partial(_plain, layer, x), role="limit", note="the same layer, no trace")]
-    notes = []
-    try:
-        twin = transformer_lens_twin(layer, n_ctx=s)
-    except ImportError:
-        notes.append(TL_FIGURE)
-    else:
-        es.append(Entry("TransformerLens run_with_cache", partial(_transformer_lens, twin, x), role="peer",
-                        note="transformer_lens 3.9.0 HookedTransformer, attention only, use_attn_result=True, "
-                             "names_filter='blocks.0.attn.hook_result'"))
-    memory = {kind: measure_memory(kind, b, s, d, h) for kind in ("plain", "traced")}
-    result_bytes = b * s * h * d * 4
-    cfg = layer.config
-    return Group("trace", f"trace result b{b} s{s} d{d} h{h}", es, rounds=sz.rounds, block_s=sz.block_s,
-                 tol=(1e-5, 1e-5), flops=forward_flops(b, s, d, cfg.inner_dim, cfg.kv_dim),
-                 meta={"b": b, "s": s, "d": d, "h": h, "result_bytes": result_bytes, "memory": memory}, notes=notes)
-
-
-def _sweep_model(real: bool):  # type: ignore[no-untyped-def]
+def gpt2_models(d: int, h: int, layers: int, vocab: int):  # type: ignore[no-untyped-def]
+    """(unpatched ``GPT2Model`` (sdpa), the same model patched, the same model eager, TransformerLens's
+    ``HookedTransformer`` of the same weights or None where TransformerLens is not installed)."""
     import transformers
 
+    cfg = transformers.GPT2Config(n_embd=d, n_head=h, n_layer=layers, vocab_size=vocab,
+                                  bos_token_id=vocab - 1, eos_token_id=vocab - 1, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(cfg).eval()
+    plain = lm.transformer
     from headwise.interop import patch
 
-    if real:
-        try:
-            from headwise.viz.maps import load_minilm
-
-            tok, model = load_minilm()
-            enc = [dict(tok(p, return_tensors="pt")) for p in SENTENCES]
-            return "all-MiniLM-L6-v2", patch(model), enc[0], enc[1]
-        except ImportError:
-            pass
-    cfg = transformers.BertConfig(vocab_size=40, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-                                  intermediate_size=32, max_position_embeddings=32)
-    torch.manual_seed(0)
-    model = patch(transformers.BertModel(cfg).eval())
-    ids = torch.randint(3, 40, (2, 2, 7))
-    ids[1, 1] = ids[0, 1]
-    return "tiny random BERT", model, {"input_ids": ids[0]}, {"input_ids": ids[1]}
+    patched = patch(copy.deepcopy(plain))
+    eager = copy.deepcopy(plain)
+    eager.set_attn_implementation("eager")
+    return plain, patched, eager, _transformer_lens(lm)
 
 
-def similarity(out) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """Cosine of the two sentences' mean-pooled embeddings (rows 0 and 1, no padding)."""
-    e = out.last_hidden_state.mean(1)
-    return torch.nn.functional.cosine_similarity(e[0], e[1], dim=0)
+def _transformer_lens(lm):  # type: ignore[no-untyped-def]
+    if importlib.util.find_spec("transformer_lens") is None:
+        return None
+    import transformer_lens as tl
+    from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
+
+    c = lm.config
+    cfg = tl.HookedTransformerConfig(
+        n_layers=c.n_layer, d_model=c.n_embd, d_head=c.n_embd // c.n_head, n_heads=c.n_head, d_mlp=4 * c.n_embd,
+        d_vocab=c.vocab_size, n_ctx=c.n_positions, act_fn="gelu_new", normalization_type="LN",
+        eps=c.layer_norm_epsilon, original_architecture="GPT2LMHeadModel", default_prepend_bos=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tl.HookedTransformer(cfg)
+        model.load_and_process_state_dict(convert_gpt2_weights(lm, cfg), fold_ln=False,
+                                          center_writing_weights=False, center_unembed=False,
+                                          fold_value_biases=False)
+    return model.eval()
 
 
-def brute_force(model, clean: dict, corrupted: dict) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The sweep as a loop: one traced forward per (layer, head), the clean z given as a replacement."""
-    with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:
-        model(**clean)
+def _plain(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     with torch.no_grad():
-        base = float(similarity(model(**corrupted)))
-    heads = [r.layer.n_heads for r in t]
-    out = torch.empty(len(heads), max(heads), dtype=torch.float64)
-    for li, h in enumerate(heads):
-        for i in range(h):
-            with torch.no_grad(), headwise.trace(model, edit={(li, i): t[li].z[:, :, i]}):
-                out[li, i] = float(similarity(model(**corrupted))) - base
-    return out
+        return model(input_ids=ids).last_hidden_state
 
 
-def _sweep_group(sz) -> Group:
-    from headwise.patching import head_effects
-
-    real = sz.forward[0][2] >= 384
-    name, model, clean, corrupted = _sweep_model(real)
-    n_layers, h = model.config.num_hidden_layers, model.config.num_attention_heads
-    es = [Entry("headwise head_effects", partial(head_effects, model, clean, corrupted, similarity), role="headwise",
-                note=f"2 + {n_layers} forwards of batch {h} x 2, the prefix before each patched layer run once"),
-          Entry("brute-force loop", partial(brute_force, model, clean, corrupted), role="peer",
-                note=f"2 + {n_layers * h} forwards of batch 2")]
-    return Group("trace", f"trace sweep {name} {n_layers}x{h}", es, rounds=sz.rounds, block_s=sz.block_s,
-                 tol=(1e-5, 1e-5), meta={"model": name, "layers": n_layers, "heads": h})
+def _headwise(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    with torch.no_grad(), headwise.trace(model, capture=capture) as t:
+        model(input_ids=ids)
+    return [getattr(t[i], c) for i in range(len(t)) for c in capture]
 
 
-def trace_groups(sz) -> list:
-    """Factories of the trace case: the result capture at ``sz.forward[0]`` and the patching sweep."""
-    return [partial(_result_group, sz, sz.forward[0]), partial(_sweep_group, sz)]
+def _hooks(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Plain PyTorch: z from a pre-hook on each block's ``c_proj``, the pattern from ``output_attentions``
+    (on the eager model), the result as z_h @ W_O^h in one einsum per layer."""
+    zs: list[torch.Tensor] = []
+    hooks = [blk.attn.c_proj.register_forward_pre_hook(lambda m, args: zs.append(args[0])) for blk in model.h]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions="pattern" in capture)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    h = model.config.n_head
+    got = []
+    for i, (z, blk) in enumerate(zip(zs, model.h)):
+        b, s, _ = z.shape
+        z = z.view(b, s, h, -1)  # (b, s, h, d_h)
+        w_o = blk.attn.c_proj.weight  # Conv1D: (h * d_h, d)
+        per = {"pattern": out.attentions[i] if "pattern" in capture else None, "z": z}
+        if "result" in capture:
+            with torch.no_grad():
+                per["result"] = torch.einsum("bshk,hkd->bshd", z, w_o.view(h, -1, w_o.shape[1]))
+        got += [per[c] for c in capture]
+    return got
 
 
-if __name__ == "__main__":
-    kind, *dims = sys.argv[1:]
-    print(json.dumps(_child(kind, *map(int, dims))))
+_TL_NAMES = {"result": "hook_result", "pattern": "hook_pattern", "z": "hook_z"}
+
+
+def _tl_cache(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    names = [f"blocks.{i}.attn.{_TL_NAMES[c]}" for i in range(model.cfg.n_layers) for c in capture]
+    model.set_use_attn_result("result" in capture)  # how TransformerLens computes hook_result at all
+    with torch.no_grad():
+        _, cache = model.run_with_cache(ids, names_filter=names, stop_at_layer=model.cfg.n_layers)
+    return [cache[n] for n in names]
+
+
+def _tl_forward(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    model.set_use_attn_result(False)
+    with torch.no_grad():
+        return model.ln_final(model(ids, stop_at_layer=model.cfg.n_layers))  # = GPT2Model's last_hidden_state
+
+
+def _group(sz: Sizes, capture: tuple[str, ...], models) -> Group:  # type: ignore[no-untyped-def]
+    plain, patched, eager, tl = models
+    d, h, layers, vocab, b, s = sz.trace
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
+    es = [Entry("headwise trace", partial(_headwise, patched, ids, capture)),
+          Entry("hooks + einsum" if "result" in capture else "hooks", partial(
+              _hooks, eager if "pattern" in capture else plain, ids, capture),
+              note="plain PyTorch hooks on the unpatched model" + (" (eager)" if "pattern" in capture else ""))]
+    notes = []
+    if tl is not None:
+        es.append(Entry("TransformerLens run_with_cache", partial(_tl_cache, tl, ids, capture),
+                        note="HookedTransformer, the same weights"))
+    else:
+        notes.append("TransformerLens not installed: skipped")
+    notes += [f"{m} not installed: skipped" for m in ("nnsight", "pyvene") if importlib.util.find_spec(m) is None]
+    es.append(Entry("plain forward", partial(_plain, plain, ids), compare=False, note="unpatched, no capture"))
+    es.append(Entry("headwise patched, no trace", partial(_plain, patched, ids), ref="plain forward"))
+    if tl is not None and "result" in capture:
+        es.append(Entry("TransformerLens forward", partial(_tl_forward, tl, ids), ref="plain forward"))
+    key = "trace " + "+".join(capture)
+    return Group(key, f"{key} GPT-2-shaped d{d} h{h} {layers} layers b{b} s{s}", es, base="plain forward",
+                 rounds=sz.rounds, block_s=sz.block_s, tol=(1e-4, 1e-5), memory=True, notes=notes)
+
+
+def trace_groups(sz: Sizes) -> dict[str, list[Callable[[], Group]]]:
+    """The trace factories (none without transformers); both groups share one set of models."""
+    if importlib.util.find_spec("transformers") is None:
+        return {"trace": []}
+    shared: list = []
+
+    def make(capture: tuple[str, ...]) -> Group:
+        if not shared:
+            shared.append(gpt2_models(*sz.trace[:4]))
+        group = _group(sz, capture, shared[0])
+        if capture == ("pattern", "z"):
+            shared.clear()  # the last group: let the models go with it
+        return group
+
+    return {"trace": [partial(make, ("result",)), partial(make, ("pattern", "z"))]}
