@@ -5,9 +5,9 @@ of the unpatched model and against the peers researchers use, each capturing the
 * ``trace pattern+z``: every head's probabilities (b, h, s, s) and context (b, s, h, d_h) of every layer.
 
 Peers: plain PyTorch hooks on the unpatched model (a pre-hook on ``c_proj`` for z, then an einsum with
-W_O for the result; the eager model's ``output_attentions`` for the pattern), TransformerLens's
-``HookedTransformer.run_with_cache`` with the same weights, and nnsight and pyvene where they are
-installed. Every capture is checked against headwise's; each row also has the peak resident memory of one
+W_O for the result; the eager model's ``output_attentions`` for the pattern), and where installed
+TransformerLens's ``HookedTransformer.run_with_cache`` with the same weights, nnsight (``NNsight.trace``)
+and pyvene (a ``CollectIntervention``; result only). Every capture is checked against headwise's; each row also has the peak resident memory of one
 call above that of a plain forward.
 
 Shapes:
@@ -32,27 +32,44 @@ from .timing import Entry, Group
 __all__ = ["gpt2_models", "trace_groups"]
 
 
-def gpt2_models(d: int, h: int, layers: int, vocab: int):  # type: ignore[no-untyped-def]
-    """(unpatched ``GPT2Model`` (sdpa), the same model patched, the same model eager, TransformerLens's
-    ``HookedTransformer`` of the same weights or None where TransformerLens is not installed)."""
+def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
+    """The models of both groups, by name: ``plain`` (unpatched ``GPT2Model``, sdpa), ``patched`` (a patched
+    copy), ``eager`` (an unpatched eager copy), and where installed ``tl`` (TransformerLens's
+    ``HookedTransformer`` of the same weights), ``nnsight`` and ``nnsight eager`` (copies wrapped in
+    ``nnsight.NNsight``) and ``pyvene`` (an ``IntervenableModel`` collecting every block's z at every one of
+    ``s`` positions)."""
     import transformers
+
+    from headwise.interop import patch
 
     cfg = transformers.GPT2Config(n_embd=d, n_head=h, n_layer=layers, vocab_size=vocab,
                                   bos_token_id=vocab - 1, eos_token_id=vocab - 1, attn_implementation="sdpa")
     torch.manual_seed(0)
     lm = transformers.GPT2LMHeadModel(cfg).eval()
     plain = lm.transformer
-    from headwise.interop import patch
-
-    patched = patch(copy.deepcopy(plain))
     eager = copy.deepcopy(plain)
     eager.set_attn_implementation("eager")
-    return plain, patched, eager, _transformer_lens(lm)
+    models = {"plain": plain, "patched": patch(copy.deepcopy(plain)), "eager": eager}
+    if _installed("transformer_lens"):
+        models["tl"] = _transformer_lens(lm)
+    if _installed("nnsight"):
+        from nnsight import NNsight
+
+        models["nnsight"], models["nnsight eager"] = NNsight(copy.deepcopy(plain)), NNsight(copy.deepcopy(eager))
+    if _installed("pyvene"):
+        import pyvene as pv
+
+        config = pv.IntervenableConfig([{"layer": i, "component": "attention_value_output", "max_number_of_units": s,
+                                         "intervention_type": pv.CollectIntervention} for i in range(layers)])
+        models["pyvene"] = pv.IntervenableModel(config, model=copy.deepcopy(plain))
+    return models
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
 def _transformer_lens(lm):  # type: ignore[no-untyped-def]
-    if importlib.util.find_spec("transformer_lens") is None:
-        return None
     import transformer_lens as tl
     from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
 
@@ -81,9 +98,23 @@ def _headwise(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.
     return [getattr(t[i], c) for i in range(len(t)) for c in capture]
 
 
-def _hooks(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-    """Plain PyTorch: z from a pre-hook on each block's ``c_proj``, the pattern from ``output_attentions``
-    (on the eager model), the result as z_h @ W_O^h in one einsum per layer."""
+def _assemble(zs: list[torch.Tensor], patterns: list[torch.Tensor], w_o: list[torch.Tensor],
+              capture: tuple[str, ...]) -> list[torch.Tensor]:
+    """Per layer, what ``capture`` names from z (b, s, h * d_h) and the pattern: the result as z_h @ W_O^h in
+    one einsum per layer, ``w_o`` the layers' W_O viewed (h, d_h, d)."""
+    got = []
+    for i, z in enumerate(zs):
+        z = z.view(*z.shape[:2], w_o[i].shape[0], -1)  # (b, s, h, d_h)
+        per = {"z": z, "pattern": patterns[i] if patterns else None}
+        if "result" in capture:
+            with torch.no_grad():
+                per["result"] = torch.einsum("bshk,hkd->bshd", z, w_o[i])
+        got += [per[c] for c in capture]
+    return got
+
+
+def _hooks(model, ids: torch.Tensor, capture: tuple[str, ...], w_o: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Plain PyTorch: z from a pre-hook on each block's ``c_proj``, the pattern from ``output_attentions``."""
     zs: list[torch.Tensor] = []
     hooks = [blk.attn.c_proj.register_forward_pre_hook(lambda m, args: zs.append(args[0])) for blk in model.h]
     try:
@@ -92,18 +123,28 @@ def _hooks(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.Ten
     finally:
         for hook in hooks:
             hook.remove()
-    h = model.config.n_head
-    got = []
-    for i, (z, blk) in enumerate(zip(zs, model.h)):
-        b, s, _ = z.shape
-        z = z.view(b, s, h, -1)  # (b, s, h, d_h)
-        w_o = blk.attn.c_proj.weight  # Conv1D: (h * d_h, d)
-        per = {"pattern": out.attentions[i] if "pattern" in capture else None, "z": z}
-        if "result" in capture:
-            with torch.no_grad():
-                per["result"] = torch.einsum("bshk,hkd->bshd", z, w_o.view(h, -1, w_o.shape[1]))
-        got += [per[c] for c in capture]
-    return got
+    return _assemble(zs, list(out.attentions or ()), w_o, capture)
+
+
+def _nnsight(model, ids: torch.Tensor, capture: tuple[str, ...], w_o: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """nnsight: z saved from each block's ``c_proj`` input, the pattern from the attention's output."""
+    zs: list = []
+    patterns: list = []
+    pattern = "pattern" in capture
+    with torch.no_grad(), model.trace(input_ids=ids, output_attentions=pattern):
+        for blk in model.h:  # nnsight reads values in execution order
+            zs.append(blk.attn.c_proj.input.save())
+            if pattern:
+                patterns.append(blk.attn.output[1].save())
+    return _assemble(zs, patterns, w_o, capture)
+
+
+def _pyvene(model, ids: torch.Tensor, capture: tuple[str, ...], w_o: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """pyvene: z collected by a ``CollectIntervention`` at every position of every block's ``c_proj`` input."""
+    every = [list(range(ids.shape[1]))] * ids.shape[0]
+    with torch.no_grad():
+        (_, zs), _ = model(base={"input_ids": ids}, unit_locations={"base": [every] * len(w_o)})
+    return _assemble(zs, [], w_o, capture)
 
 
 _TL_NAMES = {"result": "hook_result", "pattern": "hook_pattern", "z": "hook_z"}
@@ -123,25 +164,33 @@ def _tl_forward(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-un
         return model.ln_final(model(ids, stop_at_layer=model.cfg.n_layers))  # = GPT2Model's last_hidden_state
 
 
-def _group(sz: Sizes, capture: tuple[str, ...], models) -> Group:  # type: ignore[no-untyped-def]
-    plain, patched, eager, tl = models
+def _group(sz: Sizes, capture: tuple[str, ...], models: dict) -> Group:
     d, h, layers, vocab, b, s = sz.trace
     ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
-    es = [Entry("headwise trace", partial(_headwise, patched, ids, capture)),
-          Entry("hooks + einsum" if "result" in capture else "hooks", partial(
-              _hooks, eager if "pattern" in capture else plain, ids, capture),
-              note="plain PyTorch hooks on the unpatched model" + (" (eager)" if "pattern" in capture else ""))]
-    notes = []
-    if tl is not None:
-        es.append(Entry("TransformerLens run_with_cache", partial(_tl_cache, tl, ids, capture),
+    w_o = [blk.attn.c_proj.weight.detach().view(h, d // h, d) for blk in models["plain"].h]  # Conv1D (in, out)
+    pattern = "pattern" in capture
+    es = [Entry("headwise trace", partial(_headwise, models["patched"], ids, capture)),
+          Entry("hooks + einsum" if "result" in capture else "hooks",
+                partial(_hooks, models["eager" if pattern else "plain"], ids, capture, w_o),
+                note="plain PyTorch hooks on the unpatched model" + (" (eager)" if pattern else ""))]
+    if "tl" in models:
+        es.append(Entry("TransformerLens run_with_cache", partial(_tl_cache, models["tl"], ids, capture),
                         note="HookedTransformer, the same weights"))
-    else:
-        notes.append("TransformerLens not installed: skipped")
-    notes += [f"{m} not installed: skipped" for m in ("nnsight", "pyvene") if importlib.util.find_spec(m) is None]
-    es.append(Entry("plain forward", partial(_plain, plain, ids), compare=False, note="unpatched, no capture"))
-    es.append(Entry("headwise patched, no trace", partial(_plain, patched, ids), ref="plain forward"))
-    if tl is not None and "result" in capture:
-        es.append(Entry("TransformerLens forward", partial(_tl_forward, tl, ids), ref="plain forward"))
+    if "nnsight" in models:
+        es.append(Entry("nnsight", partial(_nnsight, models["nnsight eager" if pattern else "nnsight"], ids,
+                                           capture, w_o), note="NNsight(model).trace" + (" (eager)" if pattern else "")))
+    if "pyvene" in models and not pattern:
+        es.append(Entry("pyvene", partial(_pyvene, models["pyvene"], ids, capture, w_o),
+                        note="IntervenableModel with a CollectIntervention per block"))
+    notes = [f"{m} not installed: skipped" for m, key in (("TransformerLens", "tl"), ("nnsight", "nnsight"),
+                                                          ("pyvene", "pyvene")) if key not in models]
+    if pattern and "pyvene" in models:
+        notes.append("pyvene: not in this group (its attention_weight site is not set up to collect whole patterns)")
+    es.append(Entry("plain forward", partial(_plain, models["plain"], ids), compare=False,
+                    note="unpatched, no capture"))
+    es.append(Entry("headwise patched, no trace", partial(_plain, models["patched"], ids), ref="plain forward"))
+    if "tl" in models and not pattern:
+        es.append(Entry("TransformerLens forward", partial(_tl_forward, models["tl"], ids), ref="plain forward"))
     key = "trace " + "+".join(capture)
     return Group(key, f"{key} GPT-2-shaped d{d} h{h} {layers} layers b{b} s{s}", es, base="plain forward",
                  rounds=sz.rounds, block_s=sz.block_s, tol=(1e-4, 1e-5), memory=True, notes=notes)
@@ -149,16 +198,17 @@ def _group(sz: Sizes, capture: tuple[str, ...], models) -> Group:  # type: ignor
 
 def trace_groups(sz: Sizes) -> dict[str, list[Callable[[], Group]]]:
     """The trace factories (none without transformers); both groups share one set of models."""
-    if importlib.util.find_spec("transformers") is None:
+    if not _installed("transformers"):
         return {"trace": []}
-    shared: list = []
+    shared: list[dict] = []
 
     def make(capture: tuple[str, ...]) -> Group:
         if not shared:
-            shared.append(gpt2_models(*sz.trace[:4]))
+            d, h, layers, vocab, _, s = sz.trace
+            shared.append(gpt2_models(d, h, layers, vocab, s))
         group = _group(sz, capture, shared[0])
         if capture == ("pattern", "z"):
-            shared.clear()  # the last group: let the models go with it
+            shared.clear()  # the last group: the models go with it
         return group
 
     return {"trace": [partial(make, ("result",)), partial(make, ("pattern", "z"))]}

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.xdist_group("bench")  # the command-line test spawns processes
 
 TINY = replace(QUICK, rounds=2, decode_rounds=2, block_s=0.0)
-HAS_TL = importlib.util.find_spec("transformer_lens") is not None
+HAS = {m: importlib.util.find_spec(m) is not None for m in ("transformer_lens", "nnsight", "pyvene")}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,13 @@ def test_every_peer_computes_what_headwise_computes(groups):
                 ("patched BERT forward", "HF BERT sdpa (unpatched)"),
                 ("patched Llama forward", "HF Llama sdpa (unpatched)"),
                 ("patched Llama generate", "HF Llama sdpa (unpatched)")}
-    if HAS_TL:
+    if HAS["transformer_lens"]:
         expected |= {("trace result", "TransformerLens run_with_cache"), ("trace result", "TransformerLens forward"),
                      ("trace pattern+z", "TransformerLens run_with_cache")}
+    if HAS["nnsight"]:
+        expected |= {("trace result", "nnsight"), ("trace pattern+z", "nnsight")}
+    if HAS["pyvene"]:
+        expected |= {("trace result", "pyvene")}
     assert expected <= set(checked)
     # the trace groups measured every entry's peak memory
     assert all(e["peak_bytes"] is not None for g in groups if g["key"].startswith("trace") for e in g["entries"])
