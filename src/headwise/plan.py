@@ -202,7 +202,7 @@ def plan_attention(
     backend = "eager" if eager else "sdpa"
     if b == 0 or s_q == 0 or s_kv == 0:
         backend = "empty"
-    via = causal_mode(backend, causal, has_mask, s_q, s_kv)
+    via = causal_mode(backend, causal, has_mask, s_q, s_kv) if causal and s_q != 1 else "none needed"
     gqa = h_kv != h
     chunk, lse, nbytes = None, False, 0
     if backend == "eager":
