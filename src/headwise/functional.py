@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .masks import causal_mask, combine_masks, validate_mask
 from .plan import Plan, plan_attention
 from .validation import (check_bool, check_causal, check_dropout, check_qkv, check_scale, check_sinks,
-                         check_softcap, check_tensor, has_dead_rows)
+                         check_tensor, has_dead_rows)
 
 __all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "attend", "softmax_attention",
            "available_backends"]
@@ -217,7 +217,7 @@ def attention(
     h_kv, s_kv = k.shape[1], k.shape[2]
     check_scale(scale)
     check_dropout(dropout_p)
-    check_softcap(softcap)
+    check_scale(softcap, "softcap")
     check_sinks(sinks, h, q.dtype, q.device)
     if mask is not None:
         mask = validate_mask(mask, (b, h, s_q, s_kv), q.dtype, q.device)

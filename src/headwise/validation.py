@@ -102,14 +102,14 @@ def check_qkv(q: object, k: object, v: object) -> None:
     raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
-def check_scale(scale: object) -> None:
-    """A score scale: None (1 / sqrt(d_h)) or a positive finite number."""
+def check_scale(scale: object, name: str = "scale") -> None:
+    """A score scale (or a softcap): None or a positive finite number."""
     if scale is None:
         return
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {scale!r} ({type_name(scale)})")
+        raise TypeError(f"{name} must be a float or None, got {scale!r} ({type_name(scale)})")
     if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+        raise ValueError(f"{name} must be a positive finite float or None, got {scale!r}")
 
 
 def check_dropout(p: object) -> None:
@@ -118,16 +118,6 @@ def check_dropout(p: object) -> None:
         raise TypeError(f"dropout must be a float in [0, 1), got {p!r} ({type_name(p)})")
     if not 0.0 <= float(p) < 1.0:  # NaN fails both comparisons
         raise ValueError(f"dropout must be in [0, 1), got {p}")
-
-
-def check_softcap(softcap: object) -> None:
-    """A score softcap: None or a positive finite number."""
-    if softcap is None:
-        return
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a positive float or None, got {softcap!r} ({type_name(softcap)})")
-    if not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
 
 
 def check_sinks(sinks: object, h: int, dtype: torch.dtype, device: torch.device) -> None:
