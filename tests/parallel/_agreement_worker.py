@@ -1,0 +1,118 @@
+"""What each spawned rank runs for tests/parallel/test_rank_agreement.py: calls that one rank alone refuses,
+or that differ by rank, each followed by a good call on every rank.
+
+Each rank saves, per case, the error it got (type and message, or its output if it got none), its layer's
+state after the refused call, and the result of the good call that follows. The test process rebuilds the
+same layers and inputs from the same seeds and does all the comparing. The cases run on a group with a short
+timeout, so that ranks that fall out of step (as they would if one refused alone) fail fast instead of
+hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from headwise import MultiHeadAttention
+
+DTYPE = torch.float64
+B, S, D, H, H_KV = 2, 6, 16, 4, 2
+TIMEOUT_S = 10
+
+
+def build(name: str) -> tuple[MultiHeadAttention, dict[str, torch.Tensor]]:
+    """The float64 layer and the inputs of one case, identical in every process."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    torch.manual_seed(sum(map(ord, name)))
+    attn = MultiHeadAttention(D, H, H_KV, dtype=DTYPE)
+    with torch.no_grad():  # biases away from their init so that the bias handling is visible
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=DTYPE) * 0.3)
+    inp = {"x_refused": torch.randn(B, S, D, generator=g, dtype=DTYPE),
+           "x_good": torch.randn(B, S, D, generator=g, dtype=DTYPE),
+           "window": torch.rand(S, S, generator=g) > 0.3}
+    return attn, inp
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("layer."): t.detach().clone() for n, t in module.state_dict().items()}
+
+
+def _attempt(call) -> dict:
+    try:
+        y = call()
+    except Exception as err:  # noqa: BLE001 - recorded for the test process, which decides
+        return {"error": (type(err).__name__, str(err))}
+    return {"error": None, "y": y.detach()}
+
+
+# Sequence parallel: (case name, what rank 1 passes instead of rank 0's call). Rank 0's call is always
+# sp(x_slice, mask=window, causal=True).
+SP_CASES = ["bad_width", "bad_mask_heads", "mask_shape_differs", "causal_differs", "not_a_tensor"]
+
+
+def _sp_refused_call(case: str, rank: int, x: torch.Tensor, window: torch.Tensor) -> tuple[tuple, dict]:
+    args, kw = (x,), {"mask": window, "causal": True}
+    if rank == 0:
+        return args, kw
+    if case == "bad_width":  # refused by rank 1's own checks, before any exchange
+        args = (torch.randn(*x.shape[:-1], D // 2, dtype=DTYPE),)
+    elif case == "bad_mask_heads":  # a head axis of 3 for a 4-head layer: rank 1's own checks
+        kw["mask"] = torch.ones(B, 3, S, S, dtype=torch.bool)
+    elif case == "mask_shape_differs":  # valid on its own, but not the mask rank 0 passes
+        kw["mask"] = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    elif case == "causal_differs":
+        kw["causal"] = False
+    elif case == "not_a_tensor":
+        args = (x.tolist(),)
+    return args, kw
+
+
+def _short_group():
+    """A fresh group per case: ranks thrown out of step in one case do not carry it into the next."""
+    import torch.distributed as dist
+
+    dist.barrier()  # on the default group, which no case uses: a rank stuck in the last case is waited for
+    return dist.new_group(timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def sp_cases(rank: int, world: int) -> dict:
+    from headwise.parallel import sequence_parallel
+
+    out: dict = {}
+    for case in SP_CASES:
+        attn, inp = build(f"sp_{case}")
+        sp = sequence_parallel(attn, _short_group())
+        mine = lambda t: torch.tensor_split(t, world, dim=1)[rank]  # noqa: E731
+        args, kw = _sp_refused_call(case, rank, mine(inp["x_refused"]), inp["window"])
+        res = _attempt(lambda: sp(*args, **kw))
+        res["state"] = _state(sp)
+        res["grads"] = [n for n, p in sp.named_parameters() if p.grad is not None]
+        res["good"] = _attempt(lambda: sp(mine(inp["x_good"]), mask=inp["window"], causal=True))
+        out[case] = res
+    return out
+
+
+def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results: dict = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results["sp"] = sp_cases(rank, world)
+    except BaseException:
+        results["traceback"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
