@@ -1,5 +1,5 @@
 """What each spawned rank runs for tests/parallel/test_rank_agreement.py: calls that one rank alone refuses,
-or that differ by rank, each followed by a good call on every rank.
+or that differ by rank, each followed by a good call on every rank, under sequence and tensor parallelism.
 
 Each rank saves, per case, the error it got (type and message, or its output if it got none), its layer's
 state after the refused call, and the result of the good call that follows. The test process rebuilds the
@@ -98,6 +98,94 @@ def sp_cases(rank: int, world: int) -> dict:
     return out
 
 
+# Tensor parallel: every rank's input is the whole input, so rank 1 passes another one. Rank 0's call is
+# always tp(x, causal=True); "decode_differs" first prefills a cache on both ranks, then decodes one token
+# on rank 0 and two on rank 1. "size_differs" is last: it aborted a rank when nothing checked it.
+TP_CASES = ["shape_differs", "causal_differs", "bad_width", "unknown_option", "decode_differs", "size_differs"]
+
+
+def _tp_refused_call(case: str, rank: int, x: torch.Tensor) -> tuple[tuple, dict]:
+    args, kw = (x,), {"causal": True}
+    if rank == 0:
+        return args, kw
+    if case == "shape_differs":  # as many numbers, another shape: the all-reduce alone would not notice
+        args = (x.reshape(3, B * S // 3, D),)
+    elif case == "causal_differs":
+        kw["causal"] = False
+    elif case == "bad_width":  # refused by rank 1's own checks
+        args = (x[..., :D // 2],)
+    elif case == "unknown_option":
+        kw = {"casual": True}
+    elif case == "size_differs":
+        args = (torch.cat([x, x[:, :1]], dim=1),)
+    return args, kw
+
+
+def _snapshot(module: torch.nn.Module, cache) -> dict:
+    out = {"state": _state(module), "grads": [n for n, p in module.named_parameters() if p.grad is not None]}
+    if cache is not None:
+        out |= {"cache_length": cache.length, "keys": cache.keys.clone(), "values": cache.values.clone()}
+    return out
+
+
+def tp_cases(rank: int, world: int) -> dict:
+    from headwise.parallel import tensor_parallel
+
+    out: dict = {}
+    for case in TP_CASES:
+        attn, inp = build(f"tp_{case}")
+        tp = tensor_parallel(attn, _short_group())
+        cache = None
+        x, x_good = inp["x_refused"], inp["x_good"]
+        res: dict = {}
+        if case == "decode_differs":
+            cache = tp.new_cache(B, S + 2)
+            with torch.no_grad():
+                res["prefill"] = _attempt(lambda: tp(x_good[:, :S - 1], cache=cache))
+            step = x_good[:, S - 1:] if rank == 0 else x[:, :2]
+            before = _snapshot(tp, cache)
+            with torch.no_grad():
+                res |= _attempt(lambda: tp(step, cache=cache))
+            res |= {"before": before, "after": _snapshot(tp, cache)}
+            with torch.no_grad():
+                res["good"] = _attempt(lambda: tp(x_good[:, S - 1:], cache=cache))
+        else:
+            args, kw = _tp_refused_call(case, rank, x)
+            before = _snapshot(tp, None)
+            res |= _attempt(lambda: tp(*args, **kw))
+            res |= {"before": before, "after": _snapshot(tp, None)}
+            res["good"] = _attempt(lambda: tp(x_good, causal=True))
+        out[case] = res
+    return out
+
+
+def tp_exchanges(rank: int, world: int) -> dict:
+    """How many all-gathers a forward makes with check_inputs on and off, and its outputs both ways."""
+    import torch.distributed as dist
+
+    from headwise.parallel import tensor_parallel
+
+    attn, inp = build("tp_exchanges")
+    tp = tensor_parallel(attn, _short_group(), check_inputs=False)
+    real, calls = dist.all_gather, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    out: dict = {}
+    dist.all_gather = counting
+    try:
+        for on in (False, True):
+            tp.check_inputs = on
+            calls.clear()
+            y = tp(inp["x_good"], causal=True)
+            out[on] = {"all_gathers": len(calls), "y": y.detach()}
+    finally:
+        dist.all_gather = real
+    return out
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
     import torch.distributed as dist
@@ -110,6 +198,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         results["sp"] = sp_cases(rank, world)
+        results["tp_exchanges"] = tp_exchanges(rank, world)
+        results["tp"] = tp_cases(rank, world)
     except BaseException:
         results["traceback"] = traceback.format_exc()
         raise

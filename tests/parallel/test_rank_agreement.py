@@ -49,3 +49,55 @@ def test_sequence_parallel_ranks_refuse_together_and_stay_in_step(ranks, case):
     assert all(g["error"] is None for g in good), [g["error"] for g in good]
     torch.testing.assert_close(torch.cat([g["y"] for g in good], dim=1), want)
 
+
+TP_MESSAGES = {
+    "shape_differs": "inputs x differ by rank: [(2, 6, 16) float64, (3, 4, 16) float64] (rank 1 differs from rank 0)",
+    "causal_differs": "causal flags (0: False, 1: True, 2: not a bool) differ by rank: [1, 0] (rank 1 differs",
+    "bad_width": "inputs x differ by rank: [(2, 6, 16) float64, (2, 6, 8) float64] (rank 1 differs from rank 0)",
+    "unknown_option": "refused on rank 1, so every rank of the 2 refuses the call: forward() got unexpected "
+                      "keyword arguments ['casual']",
+    "decode_differs": "inputs x differ by rank: [(2, 1, 16) float64, (2, 2, 16) float64] (rank 1 differs",
+    "size_differs": "inputs x differ by rank: [(2, 6, 16) float64, (2, 7, 16) float64] (rank 1 differs from rank 0)",
+}
+
+
+@pytest.mark.parametrize("case", worker.TP_CASES)
+def test_tensor_parallel_ranks_with_different_inputs_refuse_together_and_stay_in_step(ranks, case):
+    attn, inp = worker.build(f"tp_{case}")
+    x_good = inp["x_good"]
+    with torch.no_grad():
+        if case == "decode_differs":
+            cache = attn.new_cache(worker.B, worker.S + 2)
+            prefill = attn(x_good[:, :worker.S - 1], cache=cache)
+            want = attn(x_good[:, worker.S - 1:], cache=cache)
+        else:
+            want = attn(x_good, causal=True)
+    errors = [res["tp"][case]["error"] for res in ranks]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    kind, message = errors[0]
+    assert kind == ("TypeError" if case == "unknown_option" else "ValueError")
+    assert message.startswith("tensor_parallel: ") and TP_MESSAGES[case] in message, message
+    for res in ranks:
+        got = res["tp"][case]
+        before, after = got["before"], got["after"]
+        assert after["grads"] == before["grads"] == []
+        assert after["state"].keys() == before["state"].keys()
+        for name, t in before["state"].items():
+            assert torch.equal(after["state"][name], t), name
+        if case == "decode_differs":  # the cache is as the prefill left it
+            torch.testing.assert_close(got["prefill"]["y"], prefill)
+            assert after["cache_length"] == before["cache_length"] == worker.S - 1
+            assert torch.equal(after["keys"], before["keys"]) and torch.equal(after["values"], before["values"])
+        assert got["good"]["error"] is None, got["good"]["error"]
+        torch.testing.assert_close(got["good"]["y"], want)
+
+
+def test_tensor_parallel_checks_in_one_all_gather_and_check_inputs_false_skips_it(ranks):
+    attn, inp = worker.build("tp_exchanges")
+    with torch.no_grad():
+        want = attn(inp["x_good"], causal=True)
+    for res in ranks:
+        got = res["tp_exchanges"]
+        assert (got[True]["all_gathers"], got[False]["all_gathers"]) == (1, 0)
+        for on in (True, False):
+            torch.testing.assert_close(got[on]["y"], want)

@@ -27,6 +27,7 @@ Shapes:
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from torch import nn
 from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..head import AttentionHead
+from ..kv_cache import KVCache
+from .agreement import agree, flag, signature
 from .plan import HeadPartition, TensorParallelPlan, plan_heads
 
 __all__ = ["HeadNotLocalError", "TensorParallelAttention", "tensor_parallel"]
@@ -110,6 +113,11 @@ class _SumOverReplicas(torch.autograd.Function):
 
 
 # -- the rank-local layer ------------------------------------------------------------------------------
+# The keyword options of MultiHeadAttention.forward besides the inputs and the mask (causal, cache, ...).
+_OPTIONS = tuple(n for n, p in inspect.signature(MultiHeadAttention.forward).parameters.items()
+                 if p.kind is p.KEYWORD_ONLY and n not in ("key", "value", "mask"))
+
+
 class TensorParallelAttention(MultiHeadAttention):
     """The rank-local part of a :class:`MultiHeadAttention` split by whole heads; build it with
     :func:`tensor_parallel`.
@@ -121,7 +129,8 @@ class TensorParallelAttention(MultiHeadAttention):
 
     Attributes:
         plan: the :class:`TensorParallelPlan` (which heads every rank owns); partition: this rank's
-        :class:`HeadPartition`; group, rank, world_size: the process group and this rank's place in it.
+        :class:`HeadPartition`; group, rank, world_size: the process group and this rank's place in it;
+        check_inputs: whether each forward first checks that every rank makes the same call (default True).
 
     Shapes:
         x: (b, s_q, d) or (s_q, d), identical on every rank -> (b, s_q, d), identical on every rank
@@ -132,6 +141,11 @@ class TensorParallelAttention(MultiHeadAttention):
     plan: TensorParallelPlan
     partition: HeadPartition
     global_config: Any
+    #: Check, in one small all-gather before the forward's all-reduce, that every rank makes the same call
+    #: (shapes, dtypes and flags of every argument, the cache's length, grad mode) and that no rank refuses
+    #: it alone; every rank then raises the same ``ValueError`` naming the ranks that differ. False skips the
+    #: exchange: calls that differ by rank then give wrong outputs, or abort a rank, without an error.
+    check_inputs: bool = True
 
     # -- forward -----------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
@@ -142,8 +156,46 @@ class TensorParallelAttention(MultiHeadAttention):
             x: (b, s_q, d) or (s_q, d); context: (b, s_kv, d); mask: broadcastable to (b, h, s_q, s_kv)
             -> (b, s_q, d) [, weights (b, h_local, s_q, s_kv)]
         """
+        if self.check_inputs and self.world_size > 1:
+            self._agree_on_call(x, context, key, value, mask, kwargs)
         x, context, key, value = (self._enter(t) for t in (x, context, key, value))
         return super().forward(x, context, key=key, value=value, mask=self._local_mask(mask), **kwargs)
+
+    def _agree_on_call(self, x: Any, context: Any, key: Any, value: Any, mask: Any, options: dict) -> None:
+        """Every rank makes the same call, or every rank raises the same error (one all-gather).
+
+        With equal signatures the forward's own checks, which read only shapes, dtypes, devices and flags,
+        pass or refuse on every rank alike; what they cannot see from here is checked first, locally."""
+        error = None
+        try:
+            unknown = sorted(set(options) - set(_OPTIONS))
+            if unknown:
+                raise TypeError(f"forward() got unexpected keyword arguments {unknown}; it takes {list(_OPTIONS)}")
+            self._local_mask(mask)
+        except (ValueError, TypeError) as err:
+            error = err
+        w = self.q_proj.weight
+        cache, chunks = options.get("cache"), getattr(self, "chunk_queries", True)
+        same = {
+            "inputs x": signature(x, w.device), "inputs context": signature(context, w.device),
+            "inputs key": signature(key, w.device), "inputs value": signature(value, w.device),
+            "masks": signature(mask, w.device), "positions": signature(options.get("positions"), w.device),
+            "causal flags (0: False, 1: True, 2: not a bool)": flag(options.get("causal", False)),
+            "return_weights flags (0: False, 1: True, 2: not a bool)": flag(options.get("return_weights", False)),
+            "caches (kind, length, owner: 0 none, 1 this layer, 2 another; keys)": self._cache_signature(cache),
+            "layer states (grad mode, training, traced, trainable parameters, chunk_queries)": (
+                int(torch.is_grad_enabled()), int(self.training), int(self.tracer is not None),
+                int(any(p.requires_grad for p in self.parameters())), -1 if chunks is True else int(chunks)),
+        }
+        agree(self.group, self.world_size, w.device, "tensor_parallel", error, same)
+
+    def _cache_signature(self, cache: Any) -> tuple[int, ...]:
+        if cache is None:
+            return (0, 0, 0) + signature(None, self.q_proj.weight.device)
+        if not isinstance(cache, KVCache):
+            return (2, 0, 0) + signature(None, self.q_proj.weight.device)
+        owner = 0 if cache.owner is None else 1 if cache.owner is self else 2
+        return (1, cache.length, owner) + signature(cache.keys, self.q_proj.weight.device)
 
     def copy_to_heads(self, t: Any) -> Any:
         """``t`` unchanged, but its gradient is summed over the group in backward (every rank's heads read
@@ -304,7 +356,8 @@ def _resolve_group(mesh_or_group: Any) -> Any:
                     f"got {type(mesh_or_group).__name__}")
 
 
-def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> TensorParallelAttention:
+def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None, *,
+                    check_inputs: bool = True) -> TensorParallelAttention:
     """Split ``attn`` by whole heads over a process group; returns this rank's :class:`TensorParallelAttention`.
 
     Call it on every rank of the group with the same layer (same weights, e.g. built with the same seed or
@@ -317,6 +370,10 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
         attn: the unsharded layer (MHA, GQA or MQA; rotary, biases, kdim/vdim all kept).
         mesh_or_group: a ``torch.distributed`` ProcessGroup, a 1-D ``DeviceMesh``, or None for the default
             group.
+        check_inputs: before each forward's all-reduce, check in one small all-gather that every rank makes
+            the same call, so that a call that differs by rank raises the same ``ValueError`` on every rank
+            (naming the ranks) instead of a wrong output or an aborted rank; False skips it (the
+            ``check_inputs`` attribute of the layer can be changed later).
 
     Shapes:
         rank r keeps q_proj rows / out_proj columns ``partition.q_rows(d_h)`` (h_local * d_h of them) and
@@ -345,6 +402,8 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
         raise TypeError("this layer is already tensor-parallel; pass the unsharded MultiHeadAttention")
     if not isinstance(attn, MultiHeadAttention):
         raise TypeError(f"tensor_parallel needs a headwise MultiHeadAttention, got {type(attn).__name__}")
+    if not isinstance(check_inputs, bool):
+        raise TypeError(f"check_inputs must be a bool, got {check_inputs!r} ({type(check_inputs).__name__})")
     group = _resolve_group(mesh_or_group)
     # Only local queries of the group object before the plan is validated: no collective can be entered.
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -377,5 +436,6 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
     tp.global_config = cfg
     tp.plan, tp.partition = plan, part
     tp.group, tp.rank, tp.world_size = group, rank, world_size
+    tp.check_inputs = check_inputs
     tp.train(attn.training)
     return tp
