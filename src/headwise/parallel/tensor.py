@@ -200,7 +200,7 @@ class TensorParallelAttention(MultiHeadAttention):
     def copy_to_heads(self, t: Any) -> Any:
         """``t`` unchanged, but its gradient is summed over the group in backward (every rank's heads read
         it); None and tensors without gradient pass as they are. For layers that call the projections
-        themselves (e.g. :mod:`headwise.parallel.sequence_parallel`)."""
+        themselves (e.g. :mod:`headwise.parallel.sequence`)."""
         return self._enter(t)
 
     def _enter(self, t: Any) -> Any:

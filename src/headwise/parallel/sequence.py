@@ -25,11 +25,11 @@ Conventions (the same on every rank):
   losses, every rank holds the single-process gradient. ``"none"`` leaves the per-rank parts, for a
   data-parallel wrapper whose group already spans the sequence-parallel ranks.
 * With a 2-D ``DeviceMesh`` named ``("sp", "tp")`` the layer is first split by heads over ``tp``
-  (:func:`~headwise.parallel.tensor_parallel.tensor_parallel`), then each shard's heads over ``sp``.
+  (:func:`~headwise.parallel.tensor.tensor_parallel`), then each shard's heads over ``sp``.
 
 Only ``torch.distributed.all_to_all_single``, ``all_gather`` and ``all_reduce`` are called, on tensors on the
 layer's device: gloo on CPU and NCCL on GPU run the same lines. A collective that exceeds the process group's
-timeout raises :class:`CollectiveTimeoutError` naming the step.
+timeout raises :class:`~headwise.parallel.agreement.CollectiveTimeoutError` naming the step.
 
 Shapes:
     b: batch, s_r: this rank's slice, S_q / S_kv: global query / key lengths, s_max = max_r s_r,
@@ -51,11 +51,11 @@ from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import validate_mask
 from ..validation import check_forward, check_positions
-from .agreement import CollectiveTimeoutError, agree, collective, flag, signature
+from .agreement import agree, collective, flag, signature
 from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel
-from .tensor_parallel import TensorParallelAttention, tensor_parallel
+from .tensor import TensorParallelAttention, tensor_parallel
 
-__all__ = ["CollectiveTimeoutError", "SequenceParallelAttention", "sequence_parallel", "GRAD_REDUCTIONS"]
+__all__ = ["SequenceParallelAttention", "sequence_parallel", "GRAD_REDUCTIONS"]
 
 GRAD_REDUCTIONS = ("sum", "none")
 
