@@ -40,6 +40,7 @@ from ..attention import MultiHeadAttention
 from ..head import AttentionHead
 from ..kv_cache import KVCache
 from .agreement import agree, flag, signature
+from .autograd import CopyToHeads, ReduceFromHeads, SumOverReplicas
 from .plan import HeadPartition, TensorParallelPlan, plan_heads
 
 __all__ = ["HeadNotLocalError", "TensorParallelAttention", "tensor_parallel"]
@@ -51,65 +52,6 @@ class HeadNotLocalError(ValueError):
     def __init__(self, message: str, owner: int) -> None:
         super().__init__(message)
         self.owner = owner
-
-
-# -- autograd-correct collectives ------------------------------------------------------------------------
-class _CopyToHeads(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient: each rank's heads see the same input."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromHeads(torch.autograd.Function):
-    """All-reduce (sum) of the per-rank partial outputs; backward is the identity (the loss is replicated)."""
-
-    @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
-        out = partial.contiguous().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _SumOverReplicas(torch.autograd.Function):
-    """Identity on replicated K/V parameters; backward sums their gradients over the ranks holding the same
-    K/V head.
-
-    One all-reduce over the whole group of an ``(h_kv, numel)`` buffer in which each rank fills the row of
-    its K/V head: rows of other K/V heads are zero on this rank, so the sum of a row is exactly the sum over
-    that head's replicas, without creating a sub-group per K/V head.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, group: Any, n_slots: int, slot: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.n_slots, ctx.slot = group, n_slots, slot
-        ctx.shapes = [t.shape for t in tensors]
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        buf = flat.new_zeros(ctx.n_slots, flat.numel())
-        buf[ctx.slot] = flat
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group)
-        out, start = [], 0
-        for shape in ctx.shapes:
-            n = shape.numel()
-            out.append(buf[ctx.slot, start:start + n].view(shape))
-            start += n
-        return (None, None, None, *out)
 
 
 # -- the rank-local layer ------------------------------------------------------------------------------
@@ -205,7 +147,7 @@ class TensorParallelAttention(MultiHeadAttention):
 
     def _enter(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and self.world_size > 1 and torch.is_grad_enabled() and t.requires_grad:
-            return _CopyToHeads.apply(t, self.group)
+            return CopyToHeads.apply(t, self.group)
         return t
 
     def _local_mask(self, mask: Any) -> Any:
@@ -228,7 +170,7 @@ class TensorParallelAttention(MultiHeadAttention):
                   if p is not None]
         if not any(p.requires_grad for p in params):
             return super().project_kv(key, value)
-        synced = list(_SumOverReplicas.apply(self.group, self.plan.n_kv_heads, self.partition.kv_heads[0], *params))
+        synced = list(SumOverReplicas.apply(self.group, self.plan.n_kv_heads, self.partition.kv_heads[0], *params))
         w_k = synced.pop(0)
         b_k = synced.pop(0) if self.k_proj.bias is not None else None
         w_v = synced.pop(0)
@@ -244,7 +186,7 @@ class TensorParallelAttention(MultiHeadAttention):
         Shapes: (b, h_local, s_q, d_h) -> (b, s_q, d)
         """
         partial = F.linear(hwf.merge_heads(context), self.out_proj.weight)  # (b, s_q, d), this rank's heads
-        y = _ReduceFromHeads.apply(partial, self.group) if self.world_size > 1 else partial
+        y = ReduceFromHeads.apply(partial, self.group) if self.world_size > 1 else partial
         return y if self.out_proj.bias is None else y + self.out_proj.bias
 
     # -- the global view ---------------------------------------------------------------------------------
