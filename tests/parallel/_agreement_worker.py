@@ -186,6 +186,56 @@ def tp_exchanges(rank: int, world: int) -> dict:
     return out
 
 
+# Sequence parallel on a 2 x 2 ("sp", "tp") mesh: rank r is (sp r // 2, tp r % 2). "bad_width": rank 3 alone
+# passes a slice of the wrong width; "slices_differ": rank 1 (the tp partner of rank 0) passes a shorter
+# slice than rank 0, with the rest of the sequence on rank 3.
+MESH_CASES = ["bad_width", "slices_differ"]
+
+
+def mesh_cases(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from headwise.parallel import sequence_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp"))
+    out: dict = {}
+    for case in MESH_CASES:
+        attn, inp = build(f"mesh_{case}")
+        sp = sequence_parallel(attn, mesh)
+        mine = torch.tensor_split(inp["x_refused"], 2, dim=1)[sp.rank]
+        if case == "bad_width" and rank == 3:
+            mine = mine[..., :D // 2]
+        elif case == "slices_differ" and rank in (1, 3):  # a sequence of S, cut elsewhere than by ranks 0, 2
+            mine = inp["x_refused"][:, :S // 2 - 1] if rank == 1 else inp["x_refused"][:, S // 2 - 1:]
+        before = _snapshot(sp, None)
+        res = _attempt(lambda: sp(mine, mask=inp["window"], causal=True))
+        res |= {"before": before, "after": _snapshot(sp, None), "sp_rank": sp.rank, "tp_rank": sp.tp_rank}
+        half = torch.tensor_split(inp["x_good"], 2, dim=1)[sp.rank]
+        res["good"] = _attempt(lambda: sp(half, mask=inp["window"], causal=True))
+        out[case] = res
+    return out
+
+
+def run_mesh_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Entry point of one of the 4 ranks of the mesh cases."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results: dict = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=2 * TIMEOUT_S))
+    try:
+        results["mesh"] = mesh_cases(rank)
+    except BaseException:
+        results["traceback"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
     import torch.distributed as dist

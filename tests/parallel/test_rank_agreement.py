@@ -29,6 +29,14 @@ def ranks() -> list[dict]:
     return got
 
 
+@pytest.fixture(scope="module")
+def mesh_ranks() -> list[dict]:
+    got = spawn(worker.run_mesh_rank, 4)
+    for res in got:
+        assert "traceback" not in res, res["traceback"]
+    return got
+
+
 @pytest.mark.parametrize("case", worker.SP_CASES)
 def test_sequence_parallel_ranks_refuse_together_and_stay_in_step(ranks, case):
     attn, inp = worker.build(f"sp_{case}")
@@ -101,3 +109,34 @@ def test_tensor_parallel_checks_in_one_all_gather_and_check_inputs_false_skips_i
         assert (got[True]["all_gathers"], got[False]["all_gathers"]) == (1, 0)
         for on in (True, False):
             torch.testing.assert_close(got[on]["y"], want)
+
+
+MESH_MESSAGES = {
+    "bad_width": "sequence_parallel: refused on rank 3, so every rank of the 4 refuses the call: x must",
+    "slices_differ": "sequence_parallel: the tensor-parallel shards of sp rank 0 must hold the same sequence "
+                     "slice; their (s_q, s_kv) differ: [(2, 2), (3, 3)]",
+}
+
+
+@pytest.mark.parametrize("case", worker.MESH_CASES)
+def test_sequence_parallel_on_a_2d_mesh_refuses_on_every_rank_of_the_mesh(mesh_ranks, case):
+    # Rank 3's refusal (or rank 1's other slice) must stop ranks 0 and 2 too: the all-reduce over "tp" pairs
+    # them with ranks 1 and 3.
+    attn, inp = worker.build(f"mesh_{case}")
+    with torch.no_grad():
+        want = attn(inp["x_good"], mask=inp["window"], causal=True)
+    errors = [res["mesh"][case]["error"] for res in mesh_ranks]
+    assert errors[0] is not None and len(set(errors)) == 1, errors
+    assert errors[0][0] == "ValueError" and MESH_MESSAGES[case] in errors[0][1], errors[0]
+    shards: dict[int, list] = {}
+    for res in mesh_ranks:
+        got = res["mesh"][case]
+        before, after = got["before"], got["after"]
+        assert after["grads"] == before["grads"] == []
+        for name, t in before["state"].items():
+            assert torch.equal(after["state"][name], t), name
+        assert got["good"]["error"] is None, got["good"]["error"]
+        shards.setdefault(got["tp_rank"], []).append((got["sp_rank"], got["good"]["y"]))
+    assert sorted(shards) == [0, 1]
+    for parts in shards.values():
+        torch.testing.assert_close(torch.cat([y for _, y in sorted(parts, key=lambda p: p[0])], dim=1), want)

@@ -101,17 +101,22 @@ class SequenceParallelAttention(nn.Module):
 
     Attributes:
         plan: the :class:`SequenceParallelPlan`; rank, world_size: this rank's place in the sequence-parallel
-        group; heads: the global query heads this rank attends to; grad_reduction: ``"sum"`` or ``"none"``.
+        group; heads: the global query heads this rank attends to; grad_reduction: ``"sum"`` or ``"none"``;
+        check_group: on a 2-D mesh, the group of all its ranks in which every call is checked (None: the
+        sequence-parallel group).
 
     Shapes:
         x: (b, s_r, d) or (s_r, d) -> (b, s_r, d) or (s_r, d)
     """
 
     def __init__(self, layer: MultiHeadAttention, plan: SequenceParallelPlan, group: Any, rank: int,
-                 tp_rank: int, global_config: AttentionConfig, grad_reduction: str) -> None:
+                 tp_rank: int, global_config: AttentionConfig, grad_reduction: str, check_group: Any = None) -> None:
         super().__init__()
         self.layer = layer
         self.plan, self.group, self.rank, self.world_size = plan, group, rank, plan.sp
+        # On a 2-D mesh the tensor-parallel all-reduce pairs ranks of other sequence-parallel groups too: the
+        # call check then spans every rank of the mesh.
+        self.check_group = check_group
         self.global_config, self.grad_reduction, self.tp_rank = global_config, grad_reduction, tp_rank
         self.part: SequenceRank = plan.rank(rank)
         self.heads = plan.global_q_heads(rank, tp_rank)
@@ -223,9 +228,21 @@ class SequenceParallelAttention(nn.Module):
             "positions": signature(positions, device),
             "causal flags (0: False, 1: True, 2: not a bool)": flag(causal),
         }
-        got = agree(self.group, self.world_size, device, "sequence_parallel", error, same,
-                    {"s_q": (sq,), "s_kv": (skv,)})
-        return [s for (s,) in got["s_q"]], [s for (s,) in got["s_kv"]]
+        if self.check_group is None:
+            got = agree(self.group, self.world_size, device, "sequence_parallel", error, same,
+                        {"s_q": (sq,), "s_kv": (skv,)})
+            return [s for (s,) in got["s_q"]], [s for (s,) in got["s_kv"]]
+        got = agree(self.check_group, dist.get_world_size(self.check_group), device, "sequence_parallel", error,
+                    same, {"lengths": (self.rank, self.tp_rank, sq, skv)})
+        by_rank: dict[int, set] = {}
+        for sp_rank, tp_rank, a, b in got["lengths"]:
+            by_rank.setdefault(sp_rank, set()).add((a, b))
+        differ = [r for r in sorted(by_rank) if len(by_rank[r]) > 1]
+        if differ:  # every rank sees the same table, so every rank raises this
+            raise ValueError(f"sequence_parallel: the tensor-parallel shards of sp rank {differ[0]} must hold the "
+                             f"same sequence slice; their (s_q, s_kv) differ: {sorted(by_rank[differ[0]])}")
+        lengths = [next(iter(by_rank[r])) for r in range(self.world_size)]
+        return [a for a, _ in lengths], [b for _, b in lengths]
 
     def _to_heads(self, t: torch.Tensor, lengths: list[int], counts: list[int], what: str) -> torch.Tensor:
         """(b, sum(counts), s_r, d_h), head blocks in rank order -> (b, counts[rank], S, d_h): the sequence
@@ -305,7 +322,8 @@ def sequence_parallel(attn: MultiHeadAttention, group_or_mesh: Any = None, *,
     (its tensor-parallel shard on a 2-D mesh; a :class:`TensorParallelAttention` passed in is wrapped, not
     copied). The plan (:func:`~headwise.parallel.sequence_plan.plan_sequence_parallel`) is checked before
     any communication, so an impossible layout raises ``ValueError`` naming the valid ones on every rank;
-    building the module communicates nothing.
+    building the module communicates nothing (except on a 2-D mesh smaller than the whole world, whose ranks
+    create one process group for the call check, see :attr:`SequenceParallelAttention.check_group`).
 
     Args:
         attn: the layer (MHA, GQA or MQA; rotary, biases, kdim/vdim kept), or its tensor-parallel shard.
@@ -354,4 +372,14 @@ def sequence_parallel(attn: MultiHeadAttention, group_or_mesh: Any = None, *,
         layer = tensor_parallel(attn, tp_mesh)
     else:
         layer = copy.deepcopy(attn)
-    return SequenceParallelAttention(layer, plan, group, sp_rank, tp_rank, cfg, grad_reduction)
+    check_group = _mesh_group(group_or_mesh) if tp_mesh is not None and tp > 1 else None
+    return SequenceParallelAttention(layer, plan, group, sp_rank, tp_rank, cfg, grad_reduction, check_group)
+
+
+def _mesh_group(mesh: Any) -> Any:
+    """A group of every rank of a 2-D mesh, for the call check: the default group when the mesh is the whole
+    world (nothing is created), else a new group of the mesh's ranks (created by them alone)."""
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return dist.new_group(ranks, use_local_synchronization=True)
