@@ -109,6 +109,10 @@ def agree(group: Any, size: int, device: torch.device, what: str, error: BaseExc
 
     Shapes:
         -> name -> [value of rank 0, ..., value of rank P - 1] for every entry of ``per_rank``
+
+    Example (one rank: nothing to exchange; under torchrun every rank gets every rank's lengths):
+        >>> agree(None, 1, torch.device("cpu"), "demo", None, {"batch sizes": (2,)}, {"s_q": (5,)})
+        {'s_q': [(5,)]}
     """
     per_rank = per_rank or {}
     names = list(same) + list(per_rank)

@@ -124,20 +124,19 @@ class TensorParallelAttention(MultiHeadAttention):
             "masks": signature(mask, w.device), "positions": signature(options.get("positions"), w.device),
             "causal flags (0: False, 1: True, 2: not a bool)": flag(options.get("causal", False)),
             "return_weights flags (0: False, 1: True, 2: not a bool)": flag(options.get("return_weights", False)),
-            "caches (kind, length, owner: 0 none, 1 this layer, 2 another; keys)": self._cache_signature(cache),
+            "caches (0: none, 1: a KVCache, 2: not one; length; owner: 0 none, 1 this layer, 2 another)":
+                self._cache_state(cache),
+            "cache keys": signature(cache.keys if isinstance(cache, KVCache) else None, w.device),
             "layer states (grad mode, training, traced, trainable parameters, chunk_queries)": (
                 int(torch.is_grad_enabled()), int(self.training), int(self.tracer is not None),
                 int(any(p.requires_grad for p in self.parameters())), -1 if chunks is True else int(chunks)),
         }
         agree(self.group, self.world_size, w.device, "tensor_parallel", error, same)
 
-    def _cache_signature(self, cache: Any) -> tuple[int, ...]:
-        if cache is None:
-            return (0, 0, 0) + signature(None, self.q_proj.weight.device)
+    def _cache_state(self, cache: Any) -> tuple[int, int, int]:
         if not isinstance(cache, KVCache):
-            return (2, 0, 0) + signature(None, self.q_proj.weight.device)
-        owner = 0 if cache.owner is None else 1 if cache.owner is self else 2
-        return (1, cache.length, owner) + signature(cache.keys, self.q_proj.weight.device)
+            return (0 if cache is None else 2, 0, 0)
+        return (1, cache.length, 0 if cache.owner is None else 1 if cache.owner is self else 2)
 
     def copy_to_heads(self, t: Any) -> Any:
         """``t`` unchanged, but its gradient is summed over the group in backward (every rank's heads read
