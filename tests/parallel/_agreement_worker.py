@@ -100,8 +100,10 @@ def sp_cases(rank: int, world: int) -> dict:
 
 # Tensor parallel: every rank's input is the whole input, so rank 1 passes another one. Rank 0's call is
 # always tp(x, causal=True); "decode_differs" first prefills a cache on both ranks, then decodes one token
-# on rank 0 and two on rank 1. "size_differs" is last: it aborted a rank when nothing checked it.
-TP_CASES = ["shape_differs", "causal_differs", "bad_width", "unknown_option", "decode_differs", "size_differs"]
+# on rank 0 and two on rank 1; "cache_differs" crops rank 1's cache by one position before the step (then
+# rank 0's too, for the good step). "size_differs" is last: it aborted a rank when nothing checked it.
+TP_CASES = ["shape_differs", "causal_differs", "bad_width", "unknown_option", "decode_differs", "cache_differs",
+            "size_differs"]
 
 
 def _tp_refused_call(case: str, rank: int, x: torch.Tensor) -> tuple[tuple, dict]:
@@ -138,15 +140,19 @@ def tp_cases(rank: int, world: int) -> dict:
         cache = None
         x, x_good = inp["x_refused"], inp["x_good"]
         res: dict = {}
-        if case == "decode_differs":
+        if case in ("decode_differs", "cache_differs"):
             cache = tp.new_cache(B, S + 2)
             with torch.no_grad():
                 res["prefill"] = _attempt(lambda: tp(x_good[:, :S - 1], cache=cache))
-            step = x_good[:, S - 1:] if rank == 0 else x[:, :2]
+            step = x_good[:, S - 1:] if rank == 0 or case == "cache_differs" else x[:, :2]
+            if case == "cache_differs" and rank == 1:
+                cache.crop(S - 2)
             before = _snapshot(tp, cache)
             with torch.no_grad():
                 res |= _attempt(lambda: tp(step, cache=cache))
             res |= {"before": before, "after": _snapshot(tp, cache)}
+            if case == "cache_differs" and rank == 0:
+                cache.crop(S - 2)
             with torch.no_grad():
                 res["good"] = _attempt(lambda: tp(x_good[:, S - 1:], cache=cache))
         else:

@@ -65,6 +65,7 @@ TP_MESSAGES = {
     "unknown_option": "refused on rank 1, so every rank of the 2 refuses the call: forward() got unexpected "
                       "keyword arguments ['casual']",
     "decode_differs": "inputs x differ by rank: [(2, 1, 16) float64, (2, 2, 16) float64] (rank 1 differs",
+    "cache_differs": "owner: 0 none, 1 this layer, 2 another) differ by rank: [(1, 5, 1), (1, 4, 1)] (rank 1 differs",
     "size_differs": "inputs x differ by rank: [(2, 6, 16) float64, (2, 7, 16) float64] (rank 1 differs from rank 0)",
 }
 
@@ -74,9 +75,11 @@ def test_tensor_parallel_ranks_with_different_inputs_refuse_together_and_stay_in
     attn, inp = worker.build(f"tp_{case}")
     x_good = inp["x_good"]
     with torch.no_grad():
-        if case == "decode_differs":
+        if case in ("decode_differs", "cache_differs"):
             cache = attn.new_cache(worker.B, worker.S + 2)
             prefill = attn(x_good[:, :worker.S - 1], cache=cache)
+            if case == "cache_differs":
+                cache.crop(worker.S - 2)
             want = attn(x_good[:, worker.S - 1:], cache=cache)
         else:
             want = attn(x_good, causal=True)
@@ -92,9 +95,9 @@ def test_tensor_parallel_ranks_with_different_inputs_refuse_together_and_stay_in
         assert after["state"].keys() == before["state"].keys()
         for name, t in before["state"].items():
             assert torch.equal(after["state"][name], t), name
-        if case == "decode_differs":  # the cache is as the prefill left it
+        if case in ("decode_differs", "cache_differs"):  # the cache is as the prefill (and crop) left it
             torch.testing.assert_close(got["prefill"]["y"], prefill)
-            assert after["cache_length"] == before["cache_length"] == worker.S - 1
+            assert after["cache_length"] == before["cache_length"]
             assert torch.equal(after["keys"], before["keys"]) and torch.equal(after["values"], before["values"])
         assert got["good"]["error"] is None, got["good"]["error"]
         torch.testing.assert_close(got["good"]["y"], want)
