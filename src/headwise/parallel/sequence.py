@@ -88,7 +88,7 @@ class _AllToAll(torch.autograd.Function):
 def _sum_grad(group: Any, size: int, grad: torch.Tensor) -> torch.Tensor:
     grad = grad.contiguous().clone()
     collective("sequence_parallel: the gradient all-reduce of a replicated weight", size,
-                lambda: dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group))
+               lambda: dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group))
     return grad
 
 
