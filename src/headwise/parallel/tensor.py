@@ -27,6 +27,7 @@ Shapes:
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -37,6 +38,9 @@ from torch import nn
 from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..head import AttentionHead
+from ..kv_cache import KVCache
+from .agreement import agree, flag, signature
+from .autograd import CopyToHeads, ReduceFromHeads, SumOverReplicas
 from .plan import HeadPartition, TensorParallelPlan, plan_heads
 
 __all__ = ["HeadNotLocalError", "TensorParallelAttention", "tensor_parallel"]
@@ -50,66 +54,12 @@ class HeadNotLocalError(ValueError):
         self.owner = owner
 
 
-# -- autograd-correct collectives ------------------------------------------------------------------------
-class _CopyToHeads(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient: each rank's heads see the same input."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromHeads(torch.autograd.Function):
-    """All-reduce (sum) of the per-rank partial outputs; backward is the identity (the loss is replicated)."""
-
-    @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
-        out = partial.contiguous().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _SumOverReplicas(torch.autograd.Function):
-    """Identity on replicated K/V parameters; backward sums their gradients over the ranks holding the same
-    K/V head.
-
-    One all-reduce over the whole group of an ``(h_kv, numel)`` buffer in which each rank fills the row of
-    its K/V head: rows of other K/V heads are zero on this rank, so the sum of a row is exactly the sum over
-    that head's replicas, without creating a sub-group per K/V head.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, group: Any, n_slots: int, slot: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.n_slots, ctx.slot = group, n_slots, slot
-        ctx.shapes = [t.shape for t in tensors]
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        buf = flat.new_zeros(ctx.n_slots, flat.numel())
-        buf[ctx.slot] = flat
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group)
-        out, start = [], 0
-        for shape in ctx.shapes:
-            n = shape.numel()
-            out.append(buf[ctx.slot, start:start + n].view(shape))
-            start += n
-        return (None, None, None, *out)
-
-
 # -- the rank-local layer ------------------------------------------------------------------------------
+# The keyword options of MultiHeadAttention.forward besides the inputs and the mask (causal, cache, ...).
+_OPTIONS = tuple(n for n, p in inspect.signature(MultiHeadAttention.forward).parameters.items()
+                 if p.kind is p.KEYWORD_ONLY and n not in ("key", "value", "mask"))
+
+
 class TensorParallelAttention(MultiHeadAttention):
     """The rank-local part of a :class:`MultiHeadAttention` split by whole heads; build it with
     :func:`tensor_parallel`.
@@ -121,7 +71,8 @@ class TensorParallelAttention(MultiHeadAttention):
 
     Attributes:
         plan: the :class:`TensorParallelPlan` (which heads every rank owns); partition: this rank's
-        :class:`HeadPartition`; group, rank, world_size: the process group and this rank's place in it.
+        :class:`HeadPartition`; group, rank, world_size: the process group and this rank's place in it;
+        check_inputs: whether each forward first checks that every rank makes the same call (default True).
 
     Shapes:
         x: (b, s_q, d) or (s_q, d), identical on every rank -> (b, s_q, d), identical on every rank
@@ -132,6 +83,11 @@ class TensorParallelAttention(MultiHeadAttention):
     plan: TensorParallelPlan
     partition: HeadPartition
     global_config: Any
+    #: Check, in one small all-gather before the forward's all-reduce, that every rank makes the same call
+    #: (shapes, dtypes and flags of every argument, the cache's length, grad mode) and that no rank refuses
+    #: it alone; every rank then raises the same ``ValueError`` naming the ranks that differ. False skips the
+    #: exchange: calls that differ by rank then give wrong outputs, or abort a rank, without an error.
+    check_inputs: bool = True
 
     # -- forward -----------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
@@ -142,18 +98,55 @@ class TensorParallelAttention(MultiHeadAttention):
             x: (b, s_q, d) or (s_q, d); context: (b, s_kv, d); mask: broadcastable to (b, h, s_q, s_kv)
             -> (b, s_q, d) [, weights (b, h_local, s_q, s_kv)]
         """
+        if self.check_inputs and self.world_size > 1:
+            self._agree_on_call(x, context, key, value, mask, kwargs)
         x, context, key, value = (self._enter(t) for t in (x, context, key, value))
         return super().forward(x, context, key=key, value=value, mask=self._local_mask(mask), **kwargs)
+
+    def _agree_on_call(self, x: Any, context: Any, key: Any, value: Any, mask: Any, options: dict) -> None:
+        """Every rank makes the same call, or every rank raises the same error (one all-gather).
+
+        With equal signatures the forward's own checks, which read only shapes, dtypes, devices and flags,
+        pass or refuse on every rank alike; what they cannot see from here is checked first, locally."""
+        error = None
+        try:
+            unknown = sorted(set(options) - set(_OPTIONS))
+            if unknown:
+                raise TypeError(f"forward() got unexpected keyword arguments {unknown}; it takes {list(_OPTIONS)}")
+            self._local_mask(mask)
+        except (ValueError, TypeError) as err:
+            error = err
+        w = self.q_proj.weight
+        cache, chunks = options.get("cache"), getattr(self, "chunk_queries", True)
+        same = {
+            "inputs x": signature(x, w.device), "inputs context": signature(context, w.device),
+            "inputs key": signature(key, w.device), "inputs value": signature(value, w.device),
+            "masks": signature(mask, w.device), "positions": signature(options.get("positions"), w.device),
+            "causal flags (0: False, 1: True, 2: not a bool)": flag(options.get("causal", False)),
+            "return_weights flags (0: False, 1: True, 2: not a bool)": flag(options.get("return_weights", False)),
+            "caches (0: none, 1: a KVCache, 2: not one; length; owner: 0 none, 1 this layer, 2 another)":
+                self._cache_state(cache),
+            "cache keys": signature(cache.keys if isinstance(cache, KVCache) else None, w.device),
+            "layer states (grad mode, training, traced, trainable parameters, chunk_queries)": (
+                int(torch.is_grad_enabled()), int(self.training), int(self.tracer is not None),
+                int(any(p.requires_grad for p in self.parameters())), -1 if chunks is True else int(chunks)),
+        }
+        agree(self.group, self.world_size, w.device, "tensor_parallel", error, same)
+
+    def _cache_state(self, cache: Any) -> tuple[int, int, int]:
+        if not isinstance(cache, KVCache):
+            return (0 if cache is None else 2, 0, 0)
+        return (1, cache.length, 0 if cache.owner is None else 1 if cache.owner is self else 2)
 
     def copy_to_heads(self, t: Any) -> Any:
         """``t`` unchanged, but its gradient is summed over the group in backward (every rank's heads read
         it); None and tensors without gradient pass as they are. For layers that call the projections
-        themselves (e.g. :mod:`headwise.parallel.sequence_parallel`)."""
+        themselves (e.g. :mod:`headwise.parallel.sequence`)."""
         return self._enter(t)
 
     def _enter(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and self.world_size > 1 and torch.is_grad_enabled() and t.requires_grad:
-            return _CopyToHeads.apply(t, self.group)
+            return CopyToHeads.apply(t, self.group)
         return t
 
     def _local_mask(self, mask: Any) -> Any:
@@ -176,7 +169,7 @@ class TensorParallelAttention(MultiHeadAttention):
                   if p is not None]
         if not any(p.requires_grad for p in params):
             return super().project_kv(key, value)
-        synced = list(_SumOverReplicas.apply(self.group, self.plan.n_kv_heads, self.partition.kv_heads[0], *params))
+        synced = list(SumOverReplicas.apply(self.group, self.plan.n_kv_heads, self.partition.kv_heads[0], *params))
         w_k = synced.pop(0)
         b_k = synced.pop(0) if self.k_proj.bias is not None else None
         w_v = synced.pop(0)
@@ -192,7 +185,7 @@ class TensorParallelAttention(MultiHeadAttention):
         Shapes: (b, h_local, s_q, d_h) -> (b, s_q, d)
         """
         partial = F.linear(hwf.merge_heads(context), self.out_proj.weight)  # (b, s_q, d), this rank's heads
-        y = _ReduceFromHeads.apply(partial, self.group) if self.world_size > 1 else partial
+        y = ReduceFromHeads.apply(partial, self.group) if self.world_size > 1 else partial
         return y if self.out_proj.bias is None else y + self.out_proj.bias
 
     # -- the global view ---------------------------------------------------------------------------------
@@ -304,7 +297,8 @@ def _resolve_group(mesh_or_group: Any) -> Any:
                     f"got {type(mesh_or_group).__name__}")
 
 
-def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> TensorParallelAttention:
+def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None, *,
+                    check_inputs: bool = True) -> TensorParallelAttention:
     """Split ``attn`` by whole heads over a process group; returns this rank's :class:`TensorParallelAttention`.
 
     Call it on every rank of the group with the same layer (same weights, e.g. built with the same seed or
@@ -317,6 +311,10 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
         attn: the unsharded layer (MHA, GQA or MQA; rotary, biases, kdim/vdim all kept).
         mesh_or_group: a ``torch.distributed`` ProcessGroup, a 1-D ``DeviceMesh``, or None for the default
             group.
+        check_inputs: before each forward's all-reduce, check in one small all-gather that every rank makes
+            the same call, so that a call that differs by rank raises the same ``ValueError`` on every rank
+            (naming the ranks) instead of a wrong output or an aborted rank; False skips it (the
+            ``check_inputs`` attribute of the layer can be changed later).
 
     Shapes:
         rank r keeps q_proj rows / out_proj columns ``partition.q_rows(d_h)`` (h_local * d_h of them) and
@@ -345,6 +343,8 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
         raise TypeError("this layer is already tensor-parallel; pass the unsharded MultiHeadAttention")
     if not isinstance(attn, MultiHeadAttention):
         raise TypeError(f"tensor_parallel needs a headwise MultiHeadAttention, got {type(attn).__name__}")
+    if not isinstance(check_inputs, bool):
+        raise TypeError(f"check_inputs must be a bool, got {check_inputs!r} ({type(check_inputs).__name__})")
     group = _resolve_group(mesh_or_group)
     # Only local queries of the group object before the plan is validated: no collective can be entered.
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -377,5 +377,6 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None) -> Tens
     tp.global_config = cfg
     tp.plan, tp.partition = plan, part
     tp.group, tp.rank, tp.world_size = group, rank, world_size
+    tp.check_inputs = check_inputs
     tp.train(attn.training)
     return tp

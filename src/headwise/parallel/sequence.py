@@ -11,8 +11,10 @@ Conventions (the same on every rank):
 
 * ``x`` (and ``context`` / ``key`` / ``value``) is this rank's contiguous slice of the sequence, rank order
   = sequence order, any lengths (e.g. ``torch.tensor_split(x, P, dim=1)[rank]``). The lengths are exchanged
-  (one tiny all-gather per call); uneven slices are padded for the all-to-alls and unpadded before
-  attention, so padding is never attended to.
+  (one tiny all-gather per call, :func:`~headwise.parallel.agreement.agree`) with every rank's call
+  signature and the outcome of its own checks: a call refused on one rank, or calls that differ, raise the
+  same error on every rank before any other collective. Uneven slices are padded for the all-to-alls and
+  unpadded before attention, so padding is never attended to.
 * ``mask`` is the *global* mask, identical on every rank: broadcastable to ``(b, h, S_q, S_kv)`` (a padding
   mask ``(b, 1, 1, S_kv)``, a sliding-window mask ``(S_q, S_kv)``, a per-head bias ``(h, S_q, S_kv)`` ...).
   Each rank keeps the rows of its heads. ``causal`` is over global positions, as in one process.
@@ -23,11 +25,11 @@ Conventions (the same on every rank):
   losses, every rank holds the single-process gradient. ``"none"`` leaves the per-rank parts, for a
   data-parallel wrapper whose group already spans the sequence-parallel ranks.
 * With a 2-D ``DeviceMesh`` named ``("sp", "tp")`` the layer is first split by heads over ``tp``
-  (:func:`~headwise.parallel.tensor_parallel.tensor_parallel`), then each shard's heads over ``sp``.
+  (:func:`~headwise.parallel.tensor.tensor_parallel`), then each shard's heads over ``sp``.
 
 Only ``torch.distributed.all_to_all_single``, ``all_gather`` and ``all_reduce`` are called, on tensors on the
 layer's device: gloo on CPU and NCCL on GPU run the same lines. A collective that exceeds the process group's
-timeout raises :class:`CollectiveTimeoutError` naming the step.
+timeout raises :class:`~headwise.parallel.agreement.CollectiveTimeoutError` naming the step.
 
 Shapes:
     b: batch, s_r: this rank's slice, S_q / S_kv: global query / key lengths, s_max = max_r s_r,
@@ -49,36 +51,21 @@ from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import validate_mask
 from ..validation import check_forward, check_positions
+from .agreement import agree, collective, flag, signature
 from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel
-from .tensor_parallel import TensorParallelAttention, tensor_parallel
+from .tensor import TensorParallelAttention, tensor_parallel
 
-__all__ = ["CollectiveTimeoutError", "SequenceParallelAttention", "sequence_parallel", "GRAD_REDUCTIONS"]
+__all__ = ["SequenceParallelAttention", "sequence_parallel", "GRAD_REDUCTIONS"]
 
 GRAD_REDUCTIONS = ("sum", "none")
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective of a sequence-parallel layer did not complete within the process group's timeout."""
-
-
-def _collective(what: str, size: int, fn: Any) -> Any:
-    try:
-        return fn()
-    except RuntimeError as err:
-        text = str(err).lower()
-        if "timed out" in text or "timeout" in text:
-            raise CollectiveTimeoutError(
-                f"sequence_parallel: {what} over {size} ranks did not complete within the process group's "
-                f"timeout: another rank stopped, hangs, or did not make the same call; the timeout is set by "
-                f"init_process_group(timeout=...)") from err
-        raise
 
 
 def _exchange(send: torch.Tensor, group: Any, size: int, send_splits: list[int], recv_splits: list[int],
               what: str) -> torch.Tensor:
     send = send.contiguous()
     out = send.new_empty((sum(recv_splits), *send.shape[1:]))
-    _collective(what, size, lambda: dist.all_to_all_single(out, send, recv_splits, send_splits, group=group))
+    collective(f"sequence_parallel: {what}", size,
+               lambda: dist.all_to_all_single(out, send, recv_splits, send_splits, group=group))
     return out
 
 
@@ -100,8 +87,8 @@ class _AllToAll(torch.autograd.Function):
 
 def _sum_grad(group: Any, size: int, grad: torch.Tensor) -> torch.Tensor:
     grad = grad.contiguous().clone()
-    _collective("the gradient all-reduce of a replicated weight", size,
-                lambda: dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group))
+    collective("sequence_parallel: the gradient all-reduce of a replicated weight", size,
+               lambda: dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group))
     return grad
 
 
@@ -114,17 +101,22 @@ class SequenceParallelAttention(nn.Module):
 
     Attributes:
         plan: the :class:`SequenceParallelPlan`; rank, world_size: this rank's place in the sequence-parallel
-        group; heads: the global query heads this rank attends to; grad_reduction: ``"sum"`` or ``"none"``.
+        group; heads: the global query heads this rank attends to; grad_reduction: ``"sum"`` or ``"none"``;
+        check_group: on a 2-D mesh, the group of all its ranks in which every call is checked (None: the
+        sequence-parallel group).
 
     Shapes:
         x: (b, s_r, d) or (s_r, d) -> (b, s_r, d) or (s_r, d)
     """
 
     def __init__(self, layer: MultiHeadAttention, plan: SequenceParallelPlan, group: Any, rank: int,
-                 tp_rank: int, global_config: AttentionConfig, grad_reduction: str) -> None:
+                 tp_rank: int, global_config: AttentionConfig, grad_reduction: str, check_group: Any = None) -> None:
         super().__init__()
         self.layer = layer
         self.plan, self.group, self.rank, self.world_size = plan, group, rank, plan.sp
+        # On a 2-D mesh the tensor-parallel all-reduce pairs ranks of other sequence-parallel groups too: the
+        # call check then spans every rank of the mesh.
+        self.check_group = check_group
         self.global_config, self.grad_reduction, self.tp_rank = global_config, grad_reduction, tp_rank
         self.part: SequenceRank = plan.rank(rank)
         self.heads = plan.global_q_heads(rank, tp_rank)
@@ -152,13 +144,19 @@ class SequenceParallelAttention(nn.Module):
         """
         layer = self.layer
         w = layer.q_proj.weight
-        x, key, value, _, _, batched = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None,
-                                                     x, context, key, value, None, causal, None, None, False)
-        if positions is not None and layer.rotary is None:
-            raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
-        lq, lkv = self._lengths(x, key, mask, positions, causal)
+        # Refusing alone would leave the other ranks inside a collective that pairs with this rank's next
+        # call: every check runs here, and the outcome travels with the slice lengths (one all-gather).
+        error, checked = None, None
+        try:
+            checked = self._check(x, context, key, value, mask, causal, positions)
+        except (ValueError, TypeError) as err:
+            error = err
+        lq, lkv = self._lengths(x, context, key, value, mask, causal, positions, error)
+        x, key, value, batched = checked
         s_q, s_kv = sum(lq), sum(lkv)
         b, h = x.shape[0], self.global_config.n_heads
+        # What is left depends only on the mask's and positions' shapes and the global lengths, all the same
+        # on every rank: every rank passes or every rank refuses.
         if mask is not None:
             mask = validate_mask(mask, (b, h, s_q, s_kv), w.dtype, w.device)
             if mask.shape[1] == h and h > 1:
@@ -191,26 +189,60 @@ class SequenceParallelAttention(nn.Module):
         return y if batched else y.squeeze(0)
 
     # -- the exchanges -------------------------------------------------------------------------------------
-    def _lengths(self, x: torch.Tensor, key: torch.Tensor | None, mask: Any, positions: Any,
-                 causal: bool) -> tuple[list[int], list[int]]:
-        """Every rank's slice lengths (one all-gather), after checking that the ranks made the same call."""
-        kind = 0 if key is None else 1
-        s_kv = x.shape[1] if key is None else key.shape[1]
-        mine = [x.shape[0], x.shape[1], s_kv, kind, mask is not None, positions is not None, bool(causal)]
-        if self.world_size == 1:
-            return [mine[1]], [mine[2]]
-        meta = torch.tensor(mine, dtype=torch.int64, device=x.device)
-        parts = [torch.empty_like(meta) for _ in range(self.world_size)]
-        _collective("the exchange of slice lengths", self.world_size,
-                    lambda: dist.all_gather(parts, meta, group=self.group))
-        rows = torch.stack(parts).tolist()  # (P, 7)
-        for i, name in ((0, "batch sizes"), (3, "cross-attention (0: self, 1: context/key)"),
-                        (4, "mask given"), (5, "positions given"), (6, "causal")):
-            got = [r[i] for r in rows]
-            if len(set(got)) > 1:
-                raise ValueError(f"the {self.world_size} sequence-parallel ranks must make the same call; "
-                                 f"{name} differ by rank: {got}")
-        return [r[1] for r in rows], [r[2] for r in rows]
+    def _check(self, x: Any, context: Any, key: Any, value: Any, mask: Any, causal: Any,
+               positions: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+        """Every check that needs no other rank: x, key, value batched; the mask and positions as far as
+        they can be checked before the global lengths are known."""
+        layer = self.layer
+        w = layer.q_proj.weight
+        x, key, value, _, _, batched = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None,
+                                                     x, context, key, value, None, causal, None, None, False)
+        if positions is not None and layer.rotary is None:
+            raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
+        b, h = x.shape[0], self.global_config.n_heads
+        if mask is not None:  # against its own last two sizes: the global (S_q, S_kv) are checked after
+            own = tuple(mask.shape[-2:]) if isinstance(mask, torch.Tensor) else ()
+            validate_mask(mask, (b, h, *(1,) * (2 - len(own)), *own), w.dtype, w.device)
+        if positions is not None:
+            s = positions.shape[-1] if isinstance(positions, torch.Tensor) and positions.dim() else 0
+            check_positions(positions, b, s)
+        return x, key, value, batched
+
+    def _lengths(self, x: Any, context: Any, key: Any, value: Any, mask: Any, causal: Any, positions: Any,
+                 error: BaseException | None) -> tuple[list[int], list[int]]:
+        """Every rank's slice lengths, in one all-gather with every rank's check outcome and call signature:
+        raises the same error on every rank if any rank refused the call or the calls differ."""
+        device = self.layer.q_proj.weight.device
+        kv = context if key is None else key
+        sq = x.shape[-2] if isinstance(x, torch.Tensor) and x.dim() >= 2 else 0
+        skv = kv.shape[-2] if isinstance(kv, torch.Tensor) and kv.dim() >= 2 else sq if kv is None else 0
+        batch = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 3 else 1
+        same = {
+            "batch sizes": (batch,),
+            "cross-attention (0: self, 1: context, 2: key/value)": (0 if kv is None else 1 if key is None else 2,),
+            "inputs x": signature(x, device, free_dim=-2),
+            "inputs context": signature(context, device, free_dim=-2),
+            "inputs key": signature(key, device, free_dim=-2),
+            "inputs value": signature(value, device, free_dim=-2),
+            "masks": signature(mask, device),
+            "positions": signature(positions, device),
+            "causal flags (0: False, 1: True, 2: not a bool)": flag(causal),
+        }
+        if self.check_group is None:
+            got = agree(self.group, self.world_size, device, "sequence_parallel", error, same,
+                        {"s_q": (sq,), "s_kv": (skv,)})
+            return [s for (s,) in got["s_q"]], [s for (s,) in got["s_kv"]]
+        got = agree(self.check_group, dist.get_world_size(self.check_group), device, "sequence_parallel", error,
+                    same, {"lengths": (self.rank, self.tp_rank, sq, skv)})
+        by_rank: dict[int, set] = {}
+        for sp_rank, tp_rank, a, b in got["lengths"]:
+            by_rank.setdefault(sp_rank, set()).add((a, b))
+        differ = [r for r in sorted(by_rank) if len(by_rank[r]) > 1]
+        if differ:  # every rank sees the same table, so every rank raises this
+            raise ValueError(f"sequence_parallel: the tensor-parallel shards of sp rank {differ[0]} must hold the "
+                             f"same sequence slice; their (s_q, s_kv) differ: {sorted(by_rank[differ[0]])}")
+        lengths = [next(iter(by_rank[r])) for r in range(self.world_size)]
+        return [a for a, _ in lengths], [b for _, b in lengths]
 
     def _to_heads(self, t: torch.Tensor, lengths: list[int], counts: list[int], what: str) -> torch.Tensor:
         """(b, sum(counts), s_r, d_h), head blocks in rank order -> (b, counts[rank], S, d_h): the sequence
@@ -290,7 +322,8 @@ def sequence_parallel(attn: MultiHeadAttention, group_or_mesh: Any = None, *,
     (its tensor-parallel shard on a 2-D mesh; a :class:`TensorParallelAttention` passed in is wrapped, not
     copied). The plan (:func:`~headwise.parallel.sequence_plan.plan_sequence_parallel`) is checked before
     any communication, so an impossible layout raises ``ValueError`` naming the valid ones on every rank;
-    building the module communicates nothing.
+    building the module communicates nothing (except on a 2-D mesh smaller than the whole world, whose ranks
+    create one process group for the call check, see :attr:`SequenceParallelAttention.check_group`).
 
     Args:
         attn: the layer (MHA, GQA or MQA; rotary, biases, kdim/vdim kept), or its tensor-parallel shard.
@@ -339,4 +372,14 @@ def sequence_parallel(attn: MultiHeadAttention, group_or_mesh: Any = None, *,
         layer = tensor_parallel(attn, tp_mesh)
     else:
         layer = copy.deepcopy(attn)
-    return SequenceParallelAttention(layer, plan, group, sp_rank, tp_rank, cfg, grad_reduction)
+    check_group = _mesh_group(group_or_mesh) if tp_mesh is not None and tp > 1 else None
+    return SequenceParallelAttention(layer, plan, group, sp_rank, tp_rank, cfg, grad_reduction, check_group)
+
+
+def _mesh_group(mesh: Any) -> Any:
+    """A group of every rank of a 2-D mesh, for the call check: the default group when the mesh is the whole
+    world (nothing is created), else a new group of the mesh's ranks (created by them alone)."""
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    if ranks == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return dist.new_group(ranks, use_local_synchronization=True)
