@@ -12,13 +12,36 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .validation import check_dropout, check_scale, type_name
 
 __all__ = ["AttentionConfig", "valid_head_counts"]
 
 
 #: The largest size torch can hold (sizes are int64); bigger widths or head counts describe no tensor.
 MAX_SIZE = 2**63 - 1
+
+def type_name(value: object) -> str:
+    """``float`` for builtins, ``numpy.float32`` for everything else: what a message says was received."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def check_scale(scale: object, name: str = "scale") -> None:
+    """A score scale (or a softcap): None or a positive finite number."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {scale!r} ({type_name(scale)})")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"{name} must be a positive finite float or None, got {scale!r}")
+
+
+def check_dropout(p: object) -> None:
+    """A dropout probability in [0, 1)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"dropout must be a float in [0, 1), got {p!r} ({type_name(p)})")
+    if not 0.0 <= float(p) < 1.0:  # NaN fails both comparisons
+        raise ValueError(f"dropout must be in [0, 1), got {p}")
+
 
 #: Head counts above this are not searched when an error suggests valid ones (no real layer has more).
 MAX_SUGGESTED_HEADS = 4096

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from .masks import causal_mask, combine_masks, validate_mask
 from .plan import Plan, plan_attention
-from .validation import (check_bool, check_causal, check_dropout, check_qkv, check_scale, check_sinks,
-                         check_tensor, has_dead_rows)
+from .config import check_dropout, check_scale
+from .validation import check_bool, check_causal, check_qkv, check_sinks, check_tensor, has_dead_rows
 
 __all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "attend", "softmax_attention",
            "available_backends"]

@@ -10,19 +10,12 @@ Shapes:
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
 
 from .kv_cache import KVCache
 from .masks import validate_mask
-
-
-def type_name(value: object) -> str:
-    """``float`` for builtins, ``numpy.float32`` for everything else: what a message says was received."""
-    t = type(value)
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def check_tensor(name: str, x: object) -> torch.Tensor:
@@ -100,24 +93,6 @@ def check_qkv(q: object, k: object, v: object) -> None:
     if not q.dtype.is_floating_point:
         raise TypeError(f"q, k, v must be floating point, got {q.dtype}")
     raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-
-
-def check_scale(scale: object, name: str = "scale") -> None:
-    """A score scale (or a softcap): None or a positive finite number."""
-    if scale is None:
-        return
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {scale!r} ({type_name(scale)})")
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"{name} must be a positive finite float or None, got {scale!r}")
-
-
-def check_dropout(p: object) -> None:
-    """A dropout probability in [0, 1)."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"dropout must be a float in [0, 1), got {p!r} ({type_name(p)})")
-    if not 0.0 <= float(p) < 1.0:  # NaN fails both comparisons
-        raise ValueError(f"dropout must be in [0, 1), got {p}")
 
 
 def check_sinks(sinks: object, h: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -16,9 +16,8 @@ ROOT = Path(headwise.__file__).parent
 
 # The README's layer order (Architecture), lowest first, by top-level unit (a module or a subpackage).
 LAYERS = [
-    {"masks", "kv_cache", "rotary"},                            # leaves
-    {"validation"},                                             # checks on leaves
-    {"config", "checkpoint"},                                   # the frozen description of a layer
+    {"config", "masks", "kv_cache", "rotary"},                  # leaves
+    {"validation", "checkpoint"},                               # checks on the leaves
     {"plan"},                                                   # every decision, from sizes and flags
     {"functional", "dispatch"},                                 # the math; the plan in words
     {"chunking"},                                               # long forwards, on tensors and callables

@@ -160,6 +160,12 @@ class TensorParallelAttention(MultiHeadAttention):
         p = self.partition
         return mask.narrow(mask.dim() - 3, p.q_heads[0], p.n_local_heads)  # (b, h_local, s_q, s_kv)
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's Q, K, V heads of self-attention: K/V through :meth:`project_kv` (replicas sum gradients).
+
+        Shapes: x (b, s, d) -> (b, h_local, s, d_h), (b, kv_local, s, d_h) x2"""
+        return (self.project_q(x), *self.project_kv(x))
+
     def project_kv(self, key: torch.Tensor, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K/V heads. Shapes: key (b, s_kv, kdim), value (b, s_kv, vdim) -> (b, kv_local, s_kv, d_h)."""
         if not self.plan.kv_replicated or not torch.is_grad_enabled():
