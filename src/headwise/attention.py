@@ -199,7 +199,7 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         wants = tracer.wants_weights(self)  # "pattern" captured: the eager path, whatever was asked
         if wants:
             check_bool("return_weights", return_weights)
-        tracer.qkv(self, q, k, v)
+        q, k, v = tracer.qkv(self, q, k, v)
         z, weights = hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
                                    causal=causal, backend="eager" if wants or return_weights is True else self.backend,
                                    return_weights=True if wants else return_weights)
@@ -268,7 +268,7 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         q, k, v = self.project_qkv(x) if key is None else (self.project_q(x), *self.project_kv(key, value))
         q, k = self.rotate(q, k, positions)
         if tracer is not None:
-            tracer.qkv(self, q, k, v)
+            q, k, v = tracer.qkv(self, q, k, v)
         # Attend: every head on its own (over the cache's positions too, when there is one).
         z, weights = self._attend(plan, cache, tracer, q, k, v, mask)  # (b, h, s_q, d_h)
         del q, k, v  # without autograd, freed before W_O allocates the output
