@@ -6,6 +6,7 @@ Shapes:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -18,6 +19,37 @@ from .record import CAPTURABLE, LayerRecord
 from .tracer import Entry, LayerTracer
 
 __all__ = ["Trace", "trace"]
+
+
+def inert(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """What a copied model keeps of a trace's pre-hook: nothing that runs or refers to the trace."""
+    return None
+
+
+def _inert() -> Any:
+    return inert
+
+
+class _BeforeCall:
+    """The trace's forward pre-hook on the traced module. It refers to its trace weakly, and a copy of the
+    module (``copy.deepcopy``, pickling) keeps only :func:`inert` in its place."""
+
+    def __init__(self, session: "Trace") -> None:
+        self.session = weakref.ref(session)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        session = self.session()
+        if session is not None and session._active and module is session.module:
+            session._before_call(module, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return inert
+
+    def __copy__(self) -> Any:
+        return inert
+
+    def __reduce__(self) -> Any:
+        return (_inert, ())
 
 
 class Trace:
@@ -107,7 +139,7 @@ class Trace:
             record.calls.clear()
             record.paddings.clear()
             tracer.entries.append(Entry(self, record, plans))
-        self._hook = self.module.register_forward_pre_hook(self._before_call, with_kwargs=True)
+        self._hook = self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True)
         self._active = True
         return self
 
