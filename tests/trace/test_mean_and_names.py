@@ -29,9 +29,10 @@ def test_mean_ablation_averages_over_real_tokens_only(family):
     kw = ref.inputs(model)  # row 1 pads its last two positions
     real = kw["attention_mask"].bool()
     h = model.config.num_attention_heads
-    want, _, _ = ref.hooked_run(plain, kw, h, edit={(1, 2): lambda z: real_mean(z, real)})
-    with torch.no_grad(), headwise.trace(model, edit={(1, 2): "mean"}):
+    want, zs, _ = ref.hooked_run(plain, kw, h, edit={(1, 2): lambda z: real_mean(z, real)})
+    with torch.no_grad(), headwise.trace(model, capture={1: ("z",)}, edit={(1, 2): "mean"}) as t:
         got = model(**kw)
+    torch.testing.assert_close(t[1].z, zs[1])  # the edited context W_O reads
     first = "logits" if family == "gpt2" else "last_hidden_state"
     torch.testing.assert_close(getattr(got, first), getattr(want, first))
 
