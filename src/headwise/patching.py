@@ -254,16 +254,10 @@ def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[[
         head_axis = 2 if site == "z" else 1
         delta = delta.movedim(head_axis, 1)  # (b, h, s, n)
         per_layer.append(delta.sum(dim=(0, 3)) if per_position else delta.sum(dim=(0, 2, 3)))  # (h, s) or (h,)
-    heads = max(x.shape[0] for x in per_layer)
-    if not per_position:
-        out = torch.full((len(per_layer), heads), float("nan"), dtype=torch.float64)
-        for li, x in enumerate(per_layer):
-            out[li, :x.shape[0]] = x
-        return out
-    s = max(x.shape[1] for x in per_layer)
-    out = torch.full((len(per_layer), heads, s), float("nan"), dtype=torch.float64)
+    shape = (len(per_layer), *(max(x.shape[k] for x in per_layer) for k in range(per_layer[0].dim())))
+    out = torch.full(shape, float("nan"), dtype=torch.float64)  # NaN where a layer is narrower
     for li, x in enumerate(per_layer):
-        out[li, :x.shape[0], :x.shape[1]] = x
+        out[(li, *(slice(0, n) for n in x.shape))] = x
     return out
 
 
