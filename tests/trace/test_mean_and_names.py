@@ -35,6 +35,10 @@ def test_mean_ablation_averages_over_real_tokens_only(family):
     torch.testing.assert_close(t[1].z, zs[1])  # the edited context W_O reads
     first = "logits" if family == "gpt2" else "last_hidden_state"
     torch.testing.assert_close(getattr(got, first), getattr(want, first))
+    if family == "bert":  # BertModel(input_ids, attention_mask, ...): the mask passed by position is read too
+        with torch.no_grad(), headwise.trace(model, capture={1: ("z",)}, edit={(1, 2): "mean"}) as t:
+            model(kw["input_ids"], kw["attention_mask"])
+        torch.testing.assert_close(t[1].z, zs[1])
 
 
 def test_a_mean_taken_on_other_data():

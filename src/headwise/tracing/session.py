@@ -6,6 +6,7 @@ Shapes:
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any, Iterator, Mapping
 
@@ -166,6 +167,11 @@ class Trace:
                                    "headwise.surgery, which re-patches them); the trace would miss them: close it "
                                    "and open a new trace on the changed model")
         mask = kwargs.get("attention_mask")
+        if mask is None and args:  # passed by position: bind it to the forward's signature
+            try:
+                mask = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+            except (TypeError, ValueError):
+                mask = None
         self.padding = mask != 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
     # -- arguments ---------------------------------------------------------------------------------------
