@@ -1,7 +1,6 @@
-"""``headwise.trace``, callable: the names of :mod:`headwise.tracing` under their former module path.
+"""``headwise.trace``, callable: :mod:`headwise.tracing`'s names under this module path.
 
-Calling this module calls :func:`headwise.tracing.trace`. Once ``headwise.__getattr__`` resolves
-``"trace"`` to that function this module goes (see the trace helper's report).
+Calling this module calls :func:`headwise.tracing.trace`, the implementation.
 """
 
 from __future__ import annotations
