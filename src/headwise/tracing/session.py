@@ -27,6 +27,16 @@ def inert(module: nn.Module, args: tuple, kwargs: dict) -> None:
     return None
 
 
+def _position_of(name: str, module: nn.Module) -> int | None:
+    """The position of ``module.forward``'s parameter ``name`` among the positional ones, or None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional.index(name) if name in positional else None
+
+
 def _inert() -> Any:
     return inert
 
@@ -69,6 +79,7 @@ class Trace:
         self._plans = self._parse_edits(edit)
         self._active = False
         self._hook: Any = None
+        self._mask_at: int | None = None
         #: The real-token mask ((b, s) bool) of the model call running now: its ``attention_mask``, or None.
         self.padding: torch.Tensor | None = None
 
@@ -140,6 +151,7 @@ class Trace:
             record.calls.clear()
             record.paddings.clear()
             tracer.entries.append(Entry(self, record, plans))
+        self._mask_at = _position_of("attention_mask", self.module)
         self._hook = self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True)
         self._active = True
         return self
@@ -167,11 +179,8 @@ class Trace:
                                    "headwise.surgery, which re-patches them); the trace would miss them: close it "
                                    "and open a new trace on the changed model")
         mask = kwargs.get("attention_mask")
-        if mask is None and args:  # passed by position: bind it to the forward's signature
-            try:
-                mask = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
-            except (TypeError, ValueError):
-                mask = None
+        if mask is None and self._mask_at is not None and len(args) > self._mask_at:
+            mask = args[self._mask_at]  # passed by position
         self.padding = mask != 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
     # -- arguments ---------------------------------------------------------------------------------------
