@@ -1,8 +1,8 @@
 """headwise: multi-head attention in which the single head is a first-class object.
 
 ``import headwise`` needs only torch; :mod:`headwise.interop`, :mod:`headwise.viz` and the other optional
-parts load on first use. ``headwise.trace(model, capture=..., edit=...)`` (:mod:`headwise.trace`, a callable
-module) captures and edits every head inside a model's own forward; :mod:`headwise.patching` sweeps them.
+parts load on first use. ``headwise.trace(model, capture=..., edit=...)`` (:func:`headwise.tracing.trace`)
+captures and edits every head inside a model's own forward; :mod:`headwise.patching` sweeps them.
 
 Example:
     >>> import torch, headwise
@@ -50,12 +50,14 @@ _NAMES = {"AttentionConfig": "config", "AttentionHead": "head", "DecodeStep": "d
           "Plan": "plan", "RotaryEmbedding": "rotary"}
 # Optional parts, imported on first attribute access so that `import headwise` needs only torch.
 _LAZY_MODULES = {"interop", "analysis", "viz", "parallel", "checks", "cli", "presets", "functional", "masks",
-                 "plan", "dispatch", "chunking", "validation", "trace", "patching", "surgery"}
+                 "plan", "dispatch", "chunking", "validation", "tracing", "patching", "surgery"}
 
 
 def __getattr__(name: str) -> Any:
     if name == "check":  # headwise.check(layer, ...) is headwise.checks.check, loaded on first use
         return importlib.import_module(".checks", __name__).check
+    if name == "trace":  # headwise.trace(model, ...) is headwise.tracing.trace, loaded on first use
+        return importlib.import_module(".tracing", __name__).trace
     if name in _NAMES:
         return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
     if name in _LAZY_MODULES:
@@ -64,4 +66,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | _LAZY_MODULES | {"check"})
+    return sorted(set(globals()) | set(__all__) | _LAZY_MODULES | {"check", "trace"})

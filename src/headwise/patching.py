@@ -8,6 +8,9 @@
   n_layers x n_heads forwards (of batch b). Each forward also runs the blocks before its patched layer once,
   at batch b (they are the same for every copy), and saves the per-forward overhead that dominates at the
   short inputs patching is used on.
+* :func:`attribution`: attribution patching, the first-order estimate of :func:`head_effects` from one
+  forward on each input and one backward (the captures are the tensors the forward used, so they have
+  gradients).
 * :func:`direct_effects`: each head's direct contribution to a residual direction (e.g. a logit difference,
   :func:`logit_direction`) through the final norm, linearised: the norm's scale (LayerNorm's standard
   deviation, RMSNorm's root mean square) is frozen at this run, so the norm is affine and the heads'
@@ -34,9 +37,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .trace import trace
+from .tracing import find_layers, trace
 
-__all__ = ["head_effects", "direct_effects", "logit_direction", "final_norm"]
+__all__ = ["head_effects", "attribution", "direct_effects", "logit_direction", "final_norm"]
+
+_SITES = ("q", "k", "v", "pattern", "z")
 
 
 # -- inputs and outputs along the batch axis -------------------------------------------------------------
@@ -95,56 +100,85 @@ def _scalar(value: Any) -> torch.Tensor:
 
 
 # -- the sweep -------------------------------------------------------------------------------------------
+def _site(site: Any) -> str:
+    if site not in _SITES:
+        raise ValueError(f"site must be one of {_SITES}, got {site!r}")
+    return site
+
+
+def _head_slices(record: Any, site: str, layer: Any) -> list[torch.Tensor]:
+    """Each query head's slice of a captured site, head-major: q, z (b, s_q, d_h); k, v (b, s_kv, d_h) (the
+    K/V head it reads); pattern (b, s_q, s_kv)."""
+    x = record.get(site)
+    if site == "z":
+        return list(x.unbind(2))
+    g = layer.n_heads // x.shape[1]
+    return [x[:, i // g] for i in range(layer.n_heads)]
+
+
 @torch.no_grad()
 def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[[Any], Any], *,
-                 batch_heads: int | None = None, share_prefix: bool = True) -> torch.Tensor:
-    """``metric(patched) - metric(corrupted)`` for every (layer, head) whose z is patched from ``clean``.
+                 site: str = "z", per_position: bool = False, batch_heads: int | None = None,
+                 share_prefix: bool = True) -> torch.Tensor:
+    """``metric(patched) - metric(corrupted)`` for every (layer, head) whose ``site`` is patched from ``clean``.
 
     ``clean`` and ``corrupted`` are the model's inputs (a tensor, a tuple of positional inputs or a dict of
     keyword inputs, e.g. a tokenizer's encoding) of identical shapes with the batch on dim 0. ``metric``
-    takes one model output of that batch and returns a number. ``batch_heads`` (default: the heads of one
-    layer) is how many patched copies share one forward; memory grows with it. With ``share_prefix`` (the
-    default) the blocks before the first patched layer of a forward run once, at batch b: the copies split
-    off at the block (the numbered child of a ``ModuleList``/``Sequential``) holding that layer, whose
-    batch-b tensor inputs are repeated; where no such block is found, or the model refuses the split
-    batch, every copy runs the whole forward. Run the model in eval mode.
+    takes one model output of that batch and returns a number. ``site`` is what is patched: ``"z"`` (the
+    head's context, default), ``"q"``, ``"k"``, ``"v"`` (the query head's own view of its group's K/V) or
+    ``"pattern"``; with ``per_position`` one position at a time (query positions; key positions for k and v).
+    ``batch_heads`` (default: the heads of one layer) is how many patched copies share one forward; memory
+    grows with it. With ``share_prefix`` (the default) the blocks before the first patched layer of a
+    forward run once, at batch b: the copies split off at the block (the numbered child of a
+    ``ModuleList``/``Sequential``) holding that layer, whose batch-b tensor inputs are repeated; where no such
+    block is found, or the model refuses the split batch, every copy runs the whole forward. Run the model in
+    eval mode.
 
     Args:
         model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
         clean, corrupted: the two inputs.
         metric: output -> number.
+        site: the site patched.
+        per_position: patch one position at a time.
         batch_heads: patched copies per forward.
         share_prefix: run the unpatched prefix once per forward instead of once per copy.
 
     Shapes:
-        inputs: batch b on dim 0; each layer's z (b, s, h, d_h) -> (L, h) float64 (NaN where a layer has
-        fewer heads than the widest)
+        inputs: batch b on dim 0 -> (L, h) float64, or (L, h, s) with per_position (NaN where a layer has
+        fewer heads or positions than the widest)
     """
+    site = _site(site)
     b = _batch_of(clean, "head_effects(clean)")
     if _batch_of(corrupted, "head_effects(corrupted)") != b:
         raise ValueError("head_effects: clean and corrupted must have the same batch size")
-    with trace(model, capture=("z",)) as t_clean:
+    with trace(model, capture=(site,)) as t_clean:
         _call(model, clean)
-    with trace(model, capture=("z",)) as t_bad:
+    with trace(model, capture=(site,)) as t_bad:
         base = _scalar(metric(_call(model, corrupted)))
     sources = []
     for rc, rb in zip(t_clean, t_bad):
-        zc, zb = rc.z, rb.z
+        zc, zb = rc.get(site), rb.get(site)
         if zc.shape != zb.shape:
-            raise ValueError(f"head_effects: layer {rc.index} ({rc.name!r}) has z of shape {tuple(zc.shape)} on the "
-                             f"clean input and {tuple(zb.shape)} on the corrupted one; they must match")
-        sources.append(zc.detach())  # (b, s, h, d_h)
+            raise ValueError(f"head_effects: layer {rc.index} ({rc.name!r}) has {site} of shape {tuple(zc.shape)} on "
+                             f"the clean input and {tuple(zb.shape)} on the corrupted one; they must match")
+        sources.append([x.detach() for x in _head_slices(rc, site, rc.layer)])  # per head (b, s, n)
     heads = [layer.n_heads for _, layer in t_clean.layers]
-    pairs = [(li, i) for li, h in enumerate(heads) for i in range(h)]
+    lengths = [src[0].shape[1] for src in sources]
+    pairs = [(li, i, p) for li, h in enumerate(heads) for i in range(h)
+             for p in (range(lengths[li]) if per_position else [None])]
     per = heads[0] if batch_heads is None else batch_heads
     if isinstance(per, bool) or not isinstance(per, int) or per < 1:
         raise ValueError(f"batch_heads must be a positive int, got {batch_heads!r}")
     blocks = _blocks(model, [name for name, _ in t_clean.layers]) if share_prefix else None
-    effects = torch.full((len(heads), max(heads)), float("nan"), dtype=torch.float64)
+    shape = (len(heads), max(heads), max(lengths)) if per_position else (len(heads), max(heads))
+    effects = torch.full(shape, float("nan"), dtype=torch.float64)
     for start in range(0, len(pairs), per):
         chunk = pairs[start:start + per]
         n = len(chunk)
-        edit = {(li, i): _patch_rows(sources[li][:, :, i], j, n, b) for j, (li, i) in enumerate(chunk)}
+        rows: dict[tuple[int, int], list[tuple[int, int | None]]] = {}
+        for j, (li, i, p) in enumerate(chunk):
+            rows.setdefault((li, i), []).append((j, p))
+        edit = {(li, i, site): _patch_rows(sources[li][i], where, n, b) for (li, i), where in rows.items()}
         outs = None
         if blocks is not None and n > 1:
             try:
@@ -154,20 +188,77 @@ def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[
         if outs is None:
             with trace(model, edit=edit):
                 outs = _split(_call(model, _repeat(corrupted, n)), n, b)
-        for (li, i), out in zip(chunk, outs):
-            effects[li, i] = _scalar(metric(out)) - base
+        for (li, i, p), out in zip(chunk, outs):
+            effects[(li, i) if p is None else (li, i, p)] = _scalar(metric(out)) - base
     return effects
 
 
-def _patch_rows(source: torch.Tensor, j: int, n: int, b: int) -> Callable[..., torch.Tensor]:
-    """An edit that puts ``source`` (b, s, d_h) into the rows of copy ``j`` and leaves the other copies alone."""
-    def edit(z_h: torch.Tensor, layer: int, head: int) -> torch.Tensor:
-        if z_h.shape[0] != n * b:  # the copies did not reach this layer: never patch the wrong rows
-            raise ValueError(f"layer {layer} saw batch {z_h.shape[0]}, not the {n} x {b} patched copies")
-        out = z_h.clone()  # (n * b, s, d_h)
-        out[j * b:(j + 1) * b] = source.to(z_h.dtype)
+def _patch_rows(source: torch.Tensor, where: list[tuple[int, int | None]], n: int, b: int) -> Callable[..., torch.Tensor]:
+    """An edit that puts ``source`` (b, s, n) into the rows of each copy ``j`` in ``where`` (at position ``p``
+    only, unless None) and leaves the other copies alone."""
+    def edit(x_h: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+        if x_h.shape[0] != n * b:  # the copies did not reach this layer: never patch the wrong rows
+            raise ValueError(f"layer {layer} saw batch {x_h.shape[0]}, not the {n} x {b} patched copies")
+        out = x_h.clone()  # (n * b, s, n)
+        for j, p in where:
+            if p is None:
+                out[j * b:(j + 1) * b] = source.to(x_h.dtype)
+            else:
+                out[j * b:(j + 1) * b, p] = source[:, p].to(x_h.dtype)
         return out
     return edit
+
+
+def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[[Any], Any], *,
+                site: str = "z", per_position: bool = False) -> torch.Tensor:
+    """Attribution patching: the first-order estimate of :func:`head_effects`, from one forward on each input
+    and one backward. For every head, ``sum((x_clean - x_corrupted) * d metric / d x)`` over the head's slice
+    of ``site`` (its own view of K/V for k and v), the gradient taken on the corrupted run.
+
+    Args:
+        model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
+        clean, corrupted: the two inputs (as for :func:`head_effects`).
+        metric: output -> a scalar tensor that autograd can differentiate.
+        site: ``"z"`` (default), ``"q"``, ``"k"``, ``"v"`` or ``"pattern"``.
+        per_position: one estimate per position (query positions; key positions for k and v).
+
+    Shapes:
+        -> (L, h) float64, or (L, h, s) with per_position (NaN where a layer has fewer heads or positions)
+
+    Example:
+        >>> import torch, headwise
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Sequential(headwise.MultiHeadAttention(8, 2), headwise.MultiHeadAttention(8, 2)).eval()
+        >>> clean, corrupted = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+        >>> headwise.patching.attribution(model, clean, corrupted, lambda y: y[0, -1, 0]).shape
+        torch.Size([2, 2])
+    """
+    site = _site(site)
+    # k and v: every query head gets its own K/V copy (an identity edit), so each head's view has a gradient.
+    own = {(li, None, site): (lambda x, layer, head: x) for li in range(len(find_layers(model)))} \
+        if site in ("k", "v") else None
+    with torch.no_grad(), trace(model, capture=(site,), edit=own) as t_clean:
+        _call(model, clean)
+    with torch.enable_grad(), trace(model, capture=(site,), edit=own) as t_bad:
+        value = metric(_call(model, corrupted))
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+            raise ValueError("attribution: metric must return a one-element tensor computed from the model's output "
+                             f"(autograd differentiates it), got {type(value).__name__}")
+        captured = [r.get(site) for r in t_bad]
+        grads = torch.autograd.grad(value.reshape(()), captured, allow_unused=True)
+    per_layer = []
+    for rc, rb, grad in zip(t_clean, t_bad, grads):
+        if grad is None:
+            raise ValueError(f"attribution: layer {rb.index} ({rb.name!r}) {site} does not reach the metric")
+        delta = (rc.get(site).detach() - rb.get(site).detach()).double() * grad.double()
+        head_axis = 2 if site == "z" else 1
+        delta = delta.movedim(head_axis, 1)  # (b, h, s, n)
+        per_layer.append(delta.sum(dim=(0, 3)) if per_position else delta.sum(dim=(0, 2, 3)))  # (h, s) or (h,)
+    shape = (len(per_layer), *(max(x.shape[k] for x in per_layer) for k in range(per_layer[0].dim())))
+    out = torch.full(shape, float("nan"), dtype=torch.float64)  # NaN where a layer is narrower
+    for li, x in enumerate(per_layer):
+        out[(li, *(slice(0, n) for n in x.shape))] = x
+    return out
 
 
 def _blocks(model: nn.Module, names: list[str]) -> list[nn.Module] | None:

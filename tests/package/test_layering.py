@@ -25,7 +25,7 @@ LAYERS = [
     {"attention"},                                              # the layer
     {"decoding", "presets", "walkthrough"},                     # built on the layer
     {"interop", "parallel"},                                    # the layer inside other code
-    {"analysis", "trace"},                                      # sizes and costs; every head of a model
+    {"analysis", "tracing"},                                    # sizes and costs; every head of a model
     {"patching", "surgery", "checks", "viz"},                   # built on traces
     {"cli", "__main__"},                                        # the command line
 ]

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..trace import find_layers, trace
+from ..tracing import find_layers, trace
 
 __all__ = ["gradient_importance", "ablation_importance"]
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
-from ..trace import find_layers
+from ..tracing import find_layers
 from .weights import HeadWeights
 
 __all__ = ["Target", "read", "family_of", "check_host", "write_host", "host_module", "new_layer"]

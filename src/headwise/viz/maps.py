@@ -115,7 +115,7 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
         >>> m.weights.shape, bool(torch.allclose(m.weights.sum(-1), torch.ones(4, 5))), bool(m.weights.triu(1).eq(0).all())
         (torch.Size([4, 5, 5]), True, True)
     """
-    from ..trace import trace
+    from ..tracing import trace
 
     if not isinstance(attn, MultiHeadAttention):
         raise TypeError(f"attn must be a MultiHeadAttention, got {type(attn).__name__}")
@@ -161,7 +161,7 @@ def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[
         >>> [m.weights.shape for m in model_layers_head_maps(attn, torch.randn(1, 3, 8), heads=[1])]
         [torch.Size([1, 3, 3])]
     """
-    from ..trace import trace
+    from ..tracing import trace
 
     hw_layers = model_layers(model) if not isinstance(model, MultiHeadAttention) else [("", model)]
     n = len(hw_layers)

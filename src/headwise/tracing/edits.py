@@ -1,0 +1,156 @@
+"""What a trace edit does to one head at one site: parsing ``edit={key: value}`` into per-layer plans.
+
+A plan holds, per site, a per-head scale (``"zero"``, numbers, 0-d tensors: one multiply for the layer) and
+per-head functions (``"mean"``, replacement tensors, callables). :func:`apply` runs a site's plan on the
+layer's tensor.
+
+Shapes (one head's slice ``x_h`` at each site):
+    q, z: (b, s_q, d_h); k, v: (b, s_kv, d_h) (the query head's own view under GQA);
+    pattern: (b, s_q, s_kv).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["SITES", "SitePlan", "parse_value", "apply", "masked_mean"]
+
+SITES = ("q", "k", "v", "pattern", "z")
+_REAL_AXIS = {"q": "query", "z": "query", "k": "key", "v": "key"}  # which positions "mean" averages over
+
+
+class SitePlan:
+    """One site's edits on one layer: ``scale`` (a per-head factor, or None) and ``fns`` [(head, fn)]."""
+
+    def __init__(self, n_heads: int) -> None:
+        self.n_heads = n_heads
+        self.scale: list[float] | None = None
+        self.fns: list[tuple[int, Callable[..., torch.Tensor]]] = []
+
+    def add(self, head: int, factor: float | None, fn: Callable[..., torch.Tensor] | None) -> None:
+        if factor is not None:
+            self.scale = self.scale or [1.0] * self.n_heads
+            self.scale[head] = factor
+        else:
+            self.fns.append((head, fn))
+
+    def __bool__(self) -> bool:
+        return self.scale is not None or bool(self.fns)
+
+
+def apply(plan: SitePlan, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    """``x`` with ``plan``'s edits, head axis 1 (per query head). Shapes: (b, h, s, n) -> (b, h, s, n)."""
+    if plan.scale is not None:
+        x = x * torch.tensor(plan.scale, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    if plan.fns:
+        heads = list(x.unbind(1))  # h x (b, s, n)
+        for i, fn in plan.fns:
+            heads[i] = fn(heads[i], padding)
+        x = torch.stack(heads, dim=1)
+    return x
+
+
+def masked_mean(x_h: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """The mean over positions (axis 1) of each row, real positions only where ``real`` says.
+
+    Shapes: x_h (b, s, n); real (b, s) bool or None -> (b, 1, n)
+
+    Example:
+        >>> x = torch.tensor([[[1.0], [3.0], [100.0]]])
+        >>> masked_mean(x, torch.tensor([[True, True, False]])).flatten().tolist()
+        [2.0]
+    """
+    if real is None:
+        return x_h.mean(dim=1, keepdim=True)
+    w = real.to(x_h.dtype).unsqueeze(-1)  # (b, s, 1)
+    return (x_h * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp(min=1)
+
+
+def _real_positions(padding: torch.Tensor | None, x_h: torch.Tensor, where: str) -> torch.Tensor | None:
+    """The (b, s) real-token mask for ``x_h``'s positions: the last s columns of the model's (b, s_total)
+    ``attention_mask`` (the query positions of a decoding step are the newest)."""
+    if padding is None:
+        return None
+    b, s = x_h.shape[:2]
+    if padding.shape[0] != b or padding.shape[1] < s:
+        raise ValueError(f"{where}: 'mean' reads the model's attention_mask (b, s) = {tuple(padding.shape)}, "
+                         f"which does not cover this call's batch {b} and {s} positions")
+    return padding[:, padding.shape[1] - s:]
+
+
+def _number(value: Any, where: str) -> float:
+    try:
+        factor = float(value)
+    except OverflowError:
+        raise ValueError(f"{where}: a scale must be a finite number, got an int of {len(str(value))} digits") from None
+    if factor != factor or factor in (float("inf"), float("-inf")):
+        raise ValueError(f"{where}: a scale must be a finite number, got {value!r}")
+    return factor
+
+
+def parse_value(value: Any, site: str, where: str, width: int | None, li: int, head: int,
+                reference: Callable[[], torch.Tensor] | None = None) -> tuple[float | None, Callable | None]:
+    """``(factor, None)`` for a scale, ``(None, fn(x_h, padding) -> x_h)`` otherwise.
+
+    ``width`` is the site's last axis (d_h; for ``pattern`` None: any s_kv). ``reference()`` gives the
+    ``("mean", trace)`` replacement."""
+    if isinstance(value, str):
+        if value == "zero":
+            return 0.0, None
+        if value == "mean":
+            if site not in _REAL_AXIS:
+                raise ValueError(f"{where}: 'mean' averages over positions: it applies to q, k, v and z, not {site}")
+            return None, lambda x_h, padding: masked_mean(x_h, _real_positions(padding, x_h, where)).expand_as(x_h)
+        raise ValueError(f"{where}: unknown edit {value!r}; use 'zero', 'mean', ('mean', reference_trace), a "
+                         "number, a tensor or a callable (x_h, layer, head) -> x_h")
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "mean":
+        if reference is None:
+            raise ValueError(f"{where}: ('mean', reference) averages over positions: q, k, v and z only")
+        return None, replacement(reference(), where, width)
+    if isinstance(value, bool):
+        raise TypeError(f"{where}: expected 'zero', 'mean', a number, a tensor or a callable, got a bool")
+    if isinstance(value, numbers.Real):
+        return _number(value, where), None
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            raise ValueError(f"{where}: the edit tensor is on the meta device (it holds no values)")
+        if value.dim() == 0:
+            if not (value.is_floating_point() or value.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
+                                                                 torch.uint8)):
+                raise TypeError(f"{where}: a 0-d tensor is a scale and must be real, got {value.dtype}")
+            return _number(value.item(), where), None
+        return None, replacement(value, where, width)
+    if callable(value):
+        def call(x_h: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+            out = value(x_h, li, head)
+            if not isinstance(out, torch.Tensor) or out.shape != x_h.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"{where}: the callable must return a tensor of the slice's shape "
+                                 f"{tuple(x_h.shape)}, got {got}")
+            return out
+        return None, call
+    raise TypeError(f"{where}: expected 'zero', 'mean', ('mean', trace), a number, a tensor or a callable, "
+                    f"got {type(value).__name__}")
+
+
+def replacement(t: torch.Tensor, where: str, width: int | None) -> Callable[..., torch.Tensor]:
+    """An edit that puts ``t`` in place of the head's slice (broadcast over the leading axes)."""
+    if not t.is_floating_point() or t.dim() > 3 or (width is not None and t.shape[-1] != width):
+        expected = f"(n,), (s, n) or (b, s, n) with n = {width}" if width is not None else "(n,), (s, n) or (b, s, n)"
+        raise ValueError(f"{where}: a replacement is a floating tensor {expected}, got {t.dtype} {tuple(t.shape)}")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{where}: the replacement holds inf or NaN")
+
+    def replace(x_h: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+        try:
+            shape = torch.broadcast_shapes(t.shape, x_h.shape)
+        except RuntimeError:
+            shape = None
+        if shape != x_h.shape:
+            raise ValueError(f"{where}: replacement {tuple(t.shape)} does not broadcast to this call's "
+                             f"{tuple(x_h.shape)}")
+        return t.to(device=x_h.device, dtype=x_h.dtype).expand_as(x_h)
+    return replace

@@ -1,0 +1,66 @@
+"""The layers a trace addresses (:func:`find_layers`) and every head's write (:func:`head_results`).
+
+Shapes:
+    b: batch, s: sequence, h: query heads, d: model width, d_h: head width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention import MultiHeadAttention
+
+__all__ = ["find_layers", "head_results"]
+
+
+def find_layers(module: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+    """``(name, layer)`` of every headwise layer in ``module``, in model order.
+
+    A bare :class:`MultiHeadAttention` is its own only layer (name ``""``); a model patched by
+    :func:`headwise.interop.patch` lists what :func:`headwise.interop.layers` lists (named by the Hugging Face
+    module); any other module lists its :class:`MultiHeadAttention` submodules by ``named_modules`` name.
+
+    Shapes:
+        each layer: MultiHeadAttention(d, h, h_kv, d_h)
+
+    Example:
+        >>> import torch, headwise
+        >>> model = torch.nn.Sequential(headwise.MultiHeadAttention(8, 2), torch.nn.ReLU())
+        >>> [name for name, _ in find_layers(model)]
+        ['0']
+    """
+    if isinstance(module, MultiHeadAttention):
+        return [("", module)]
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"trace: module must be a MultiHeadAttention or a torch.nn.Module containing them, "
+                        f"got {type(module).__name__}")
+    try:
+        from ..interop import layers as patched_layers
+
+        found = list(patched_layers(module))
+    except ImportError:  # pragma: no cover - an interop without its optional peer
+        found = []
+    if not found:
+        found = [(n, m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+    if not found:
+        raise TypeError(f"trace: {type(module).__name__} contains no MultiHeadAttention (patch a Hugging Face "
+                        "model first with headwise.interop.patch)")
+    return found
+
+
+def head_results(z: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """Each head's write into the residual stream, ``z_h @ W_O^h``, as h GEMMs (one ``bmm``).
+
+    Shapes:
+        z: (b, h, s, d_h); w_o: (d, h * d_h) (``out_proj.weight``) -> (b, s, h, d)
+
+    Example:
+        >>> z, w = torch.randn(2, 3, 4, 5), torch.randn(6, 15)
+        >>> torch.testing.assert_close(head_results(z, w).sum(2), z.transpose(1, 2).reshape(2, 4, 15) @ w.T)
+    """
+    b, h, s, d_h = z.shape
+    d = w_o.shape[0]
+    per_head = w_o.reshape(d, h, d_h).permute(1, 2, 0).to(z.dtype)  # (h, d_h, d): W_O^h
+    rows = z.transpose(0, 1).reshape(h, b * s, d_h)  # (h, b * s, d_h)
+    return torch.bmm(rows, per_head).view(h, b, s, d).permute(1, 2, 0, 3)  # (b, s, h, d)

@@ -1,0 +1,94 @@
+"""What one layer reported during a trace: :class:`LayerRecord`.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
+    d: model width, d_h: head width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import MultiHeadAttention
+from .edits import masked_mean
+
+__all__ = ["LayerRecord", "CAPTURABLE"]
+
+CAPTURABLE = ("q", "k", "v", "pattern", "z", "result")
+_BY_POSITION = {"q": 2, "z": 1, "result": 1}  # the query-position axis: several calls concatenate along it
+_TL_NAMES = {"q": "hook_q", "k": "hook_k", "v": "hook_v", "pattern": "hook_pattern", "z": "hook_z",
+             "result": "hook_result"}
+
+
+class LayerRecord:
+    """What one layer reported during a trace: ``.q``, ``.k``, ``.v``, ``.pattern``, ``.z``, ``.result``.
+
+    Each is the tensor the layer's forward used (after every edit), so with autograd on
+    ``torch.autograd.grad(loss, t[i].z)`` is the gradient at that tensor. After several calls (decoding)
+    ``q``, ``z`` and ``result`` are concatenated along the query positions, and ``calls`` holds every call's
+    dict; ``paddings`` holds each call's real-token mask (the model's ``attention_mask``) or None.
+
+    Shapes:
+        q (b, h, s_q, d_h); k, v (b, h_kv, s, d_h) (h where a k/v edit gave every query head its own copy);
+        pattern (b, h, s_q, s_kv); z (b, s_q, h, d_h); result (b, s_q, h, d)
+    """
+
+    def __init__(self, index: int, name: str, layer: MultiHeadAttention, capture: frozenset[str]) -> None:
+        self.index, self.name, self.layer, self.capture = index, name, layer, capture
+        self.calls: list[dict[str, torch.Tensor]] = []
+        self.paddings: list[torch.Tensor | None] = []
+
+    def get(self, what: str) -> torch.Tensor:
+        """The captured ``what`` (one of :data:`CAPTURABLE`)."""
+        if what not in CAPTURABLE:
+            raise KeyError(f"{what!r} is not capturable; choose from {CAPTURABLE}")
+        if what not in self.capture:
+            raise KeyError(f"layer {self.index} ({self.name!r}) did not capture {what!r}: it captured "
+                           f"{sorted(self.capture) or 'nothing'}; pass capture=(..., {what!r})")
+        if not self.calls:
+            raise ValueError(f"layer {self.index} ({self.name!r}) was not called inside the trace")
+        if len(self.calls) == 1:
+            return self.calls[0][what]
+        if what not in _BY_POSITION:
+            raise ValueError(f"layer {self.index} ran {len(self.calls)} times (e.g. decoding) and {what!r} of "
+                             f"different calls differ in length: use .calls[i][{what!r}]")
+        return torch.cat([c[what] for c in self.calls], dim=_BY_POSITION[what])
+
+    q = property(lambda self: self.get("q"), doc="Queries after rotary (b, h, s_q, d_h).")
+    k = property(lambda self: self.get("k"), doc="Keys (b, h_kv, s, d_h).")
+    v = property(lambda self: self.get("v"), doc="Values (b, h_kv, s, d_h).")
+    pattern = property(lambda self: self.get("pattern"), doc="Probabilities (b, h, s_q, s_kv).")
+    z = property(lambda self: self.get("z"), doc="Per-head context after edits (b, s_q, h, d_h).")
+    result = property(lambda self: self.get("result"), doc="Per-head residual writes (b, s_q, h, d).")
+
+    def mean(self, site: str = "z") -> torch.Tensor:
+        """Each head's mean ``site`` vector over every call, batch row and real token (the model's
+        ``attention_mask``; every position when there was none), e.g. a mean-ablation value taken on other
+        data: ``edit={(layer, head): reference[layer].mean()[head]}``.
+
+        Shapes: -> (h, d_h) for q and z; (h_kv, d_h) for k and v (h under a k/v edit's own copies)
+        """
+        if site not in ("q", "k", "v", "z"):
+            raise ValueError(f"mean: site must be one of q, k, v, z, got {site!r}")
+        self.get(site)  # the checks: captured, called
+        total, count = None, 0.0
+        for call, padding in zip(self.calls, self.paddings):
+            x = call[site] if site == "z" else call[site].transpose(1, 2)  # (b, s, heads, d_h)
+            b, s = x.shape[:2]
+            real = None if padding is None else padding[:, padding.shape[1] - s:]
+            flat = x.detach().double().reshape(b, s, -1)  # (b, s, heads * d_h)
+            part = masked_mean(flat, real).squeeze(1)  # (b, heads * d_h) per row
+            weight = torch.full((b,), float(s), dtype=torch.float64) if real is None else real.sum(1).double().cpu()
+            weight = weight.to(part.device)
+            summed = (part * weight[:, None]).sum(0)
+            total = summed if total is None else total + summed
+            count += float(weight.sum())
+        return (total / max(count, 1.0)).view(x.shape[2], x.shape[3]).to(x.dtype)
+
+    def tl_names(self) -> dict[str, str]:
+        """``{TransformerLens hook name: capture name}`` for what this layer captured."""
+        return {f"blocks.{self.index}.attn.{_TL_NAMES[c]}": c for c in CAPTURABLE if c in self.capture}
+
+    def __repr__(self) -> str:
+        return (f"LayerRecord({self.index}, {self.name!r}, capture={sorted(self.capture)}, "
+                f"calls={len(self.calls)})")

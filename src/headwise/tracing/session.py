@@ -1,0 +1,286 @@
+"""A trace session: :class:`Trace` (the context manager) and :func:`trace`.
+
+Shapes:
+    b: batch, s: sequence, h: query heads, h_kv: key/value heads, d_h: head width.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from ..attention import MultiHeadAttention
+from .edits import SITES, SitePlan, parse_value
+from .layers import find_layers
+from .record import CAPTURABLE, LayerRecord
+from .tracer import Entry, LayerTracer
+
+__all__ = ["Trace", "trace"]
+
+
+def inert(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """What a copied model keeps of a trace's pre-hook: nothing that runs or refers to the trace."""
+    return None
+
+
+def _position_of(name: str, module: nn.Module) -> int | None:
+    """The position of ``module.forward``'s parameter ``name`` among the positional ones, or None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional.index(name) if name in positional else None
+
+
+def _inert() -> Any:
+    return inert
+
+
+class _BeforeCall:
+    """The trace's forward pre-hook on the traced module. It refers to its trace weakly, and a copy of the
+    module (``copy.deepcopy``, pickling) keeps only :func:`inert` in its place."""
+
+    def __init__(self, session: "Trace") -> None:
+        self.session = weakref.ref(session)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        session = self.session()
+        if session is not None and session._active and module is session.module:
+            session._before_call(module, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return inert
+
+    def __copy__(self) -> Any:
+        return inert
+
+    def __reduce__(self) -> Any:
+        return (_inert, ())
+
+
+class Trace:
+    """A running (or finished) trace: ``t[i]`` / ``t["transformer.h.0.attn"]`` is a :class:`LayerRecord`.
+
+    Use it as a context manager (see :func:`trace`); it is indexed like :func:`find_layers` (position,
+    negative positions, or the layer's module name).
+    """
+
+    def __init__(self, module: nn.Module, capture: Any = (), edit: Mapping | None = None) -> None:
+        self.module = module
+        self.layers = find_layers(module)
+        self._names = {name: i for i, (name, _) in enumerate(self.layers)}
+        per_layer = self._parse_capture(capture)
+        self.records = [LayerRecord(i, n, m, per_layer.get(i, frozenset())) for i, (n, m) in enumerate(self.layers)]
+        self._plans = self._parse_edits(edit)
+        self._active = False
+        self._hook: Any = None
+        self._mask_at: int | None = None
+        #: The real-token mask ((b, s) bool) of the model call running now: its ``attention_mask``, or None.
+        self.padding: torch.Tensor | None = None
+
+    # -- indexing ----------------------------------------------------------------------------------------
+    def index(self, ref: Any) -> int:
+        """The position of a layer given by position, module name or the layer object itself."""
+        n = len(self.layers)
+        if isinstance(ref, MultiHeadAttention):
+            for i, (_, m) in enumerate(self.layers):
+                if m is ref:
+                    return i
+            raise KeyError("that MultiHeadAttention is not one of the traced layers")
+        if isinstance(ref, str):
+            if ref not in self._names:
+                raise KeyError(f"no traced layer is named {ref!r}; the layers are {list(self._names)}")
+            return self._names[ref]
+        if isinstance(ref, bool) or not isinstance(ref, int):
+            raise TypeError(f"a layer is given by position (int), module name (str) or the layer itself, "
+                            f"got {type(ref).__name__}")
+        if not -n <= ref < n:
+            raise IndexError(f"layer position must be in [-{n}, {n}) for these {n} layers, got {ref}")
+        return ref % n
+
+    def __getitem__(self, ref: Any) -> LayerRecord:
+        return self.records[self.index(ref)]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[LayerRecord]:
+        return iter(self.records)
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """Every capture under its TransformerLens hook name (a porting aid), in TransformerLens' layouts:
+        ``blocks.{l}.attn.hook_q`` / ``hook_k`` / ``hook_v`` (b, s, heads, d_h), ``hook_pattern``
+        (b, h, s_q, s_kv), ``hook_z`` (b, s_q, h, d_h), ``hook_result`` (b, s_q, h, d). Layers not called
+        are left out."""
+        out = {}
+        for record in self.records:
+            if not record.calls:
+                continue
+            for name, what in record.tl_names().items():
+                t = record.get(what)
+                out[name] = t.transpose(1, 2) if what in ("q", "k", "v") else t
+        return out
+
+    @property
+    def materializes_probabilities(self) -> list[str]:
+        """Names of the layers whose probabilities this trace materialises (capturing or editing ``pattern``)."""
+        return [r.name for r, p in zip(self.records, self._plans) if "pattern" in r.capture or p["pattern"]]
+
+    def __repr__(self) -> str:
+        eager = self.materializes_probabilities
+        edited = sum(1 for plans in self._plans if any(plans.values()))
+        return (f"Trace({len(self.records)} layers, edits on {edited} layers, "
+                + (f"materialises probabilities (eager path) in {eager})" if eager else "fused path kept)"))
+
+    # -- the context manager -----------------------------------------------------------------------------
+    def __enter__(self) -> "Trace":
+        if self._active:
+            raise RuntimeError("this trace is already active")
+        current = [layer.__dict__.get("tracer") for _, layer in self.layers]
+        foreign = [n for (n, _), t in zip(self.layers, current) if t is not None and not isinstance(t, LayerTracer)]
+        if foreign:
+            raise RuntimeError(f"layers {foreign} carry a tracer that is not a headwise trace")
+        for (_, layer), tracer, record, plans in zip(self.layers, current, self.records, self._plans):
+            if tracer is None:
+                tracer = layer.tracer = LayerTracer()
+            record.calls.clear()
+            record.paddings.clear()
+            tracer.entries.append(Entry(self, record, plans))
+        self._mask_at = _position_of("attention_mask", self.module)
+        self._hook = self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True)
+        self._active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _, layer in self.layers:
+            tracer = layer.__dict__.get("tracer")
+            if isinstance(tracer, LayerTracer):
+                tracer.entries = [e for e in tracer.entries if e.session is not self]
+                if not tracer.entries:
+                    del layer.__dict__["tracer"]  # back to the class default (None)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.padding = None
+        self._active = False
+
+    def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before each call of the traced module: its layers are still the traced ones, and its
+        ``attention_mask`` (if any) is this call's padding."""
+        if not isinstance(module, MultiHeadAttention):
+            now = find_layers(module)
+            if len(now) != len(self.layers) or any(a is not b for (_, a), (_, b) in zip(now, self.layers)):
+                raise RuntimeError("trace: the model's attention layers were replaced inside the trace (e.g. by "
+                                   "headwise.surgery, which re-patches them); the trace would miss them: close it "
+                                   "and open a new trace on the changed model")
+        mask = kwargs.get("attention_mask")
+        if mask is None and self._mask_at is not None and len(args) > self._mask_at:
+            mask = args[self._mask_at]  # passed by position
+        self.padding = mask != 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    # -- arguments ---------------------------------------------------------------------------------------
+    def _parse_capture(self, capture: Any) -> dict[int, frozenset[str]]:
+        def names(value: Any) -> frozenset[str]:
+            value = (value,) if isinstance(value, str) else value
+            if not isinstance(value, (tuple, list, set, frozenset)):
+                raise TypeError(f"capture takes names from {CAPTURABLE} (a tuple), got {type(value).__name__}")
+            bad = [v for v in value if v not in CAPTURABLE]
+            if bad:
+                raise ValueError(f"capture: {bad} not capturable; choose from {CAPTURABLE}")
+            return frozenset(value)
+
+        if isinstance(capture, Mapping):
+            return {self.index(ref): names(v) for ref, v in capture.items()}
+        every = names(capture)
+        return {i: every for i in range(len(self.layers))}
+
+    def _parse_edits(self, edit: Mapping | None) -> list[dict[str, SitePlan]]:
+        if edit is None:
+            edit = {}
+        if not isinstance(edit, Mapping):
+            raise TypeError(f"edit must be a dict {{(layer, head): edit}}, got {type(edit).__name__}")
+        chosen: dict[tuple[int, int, str], Any] = {}
+        for key, value in edit.items():
+            ref, heads, site = self._key(key)
+            li = self.index(ref)
+            for head in self._heads(heads, self.layers[li][1].n_heads, key):
+                if (li, head, site) in chosen:
+                    raise ValueError(f"edit: {site} of head {head} of layer {li} is edited twice (key {key!r})")
+                chosen[(li, head, site)] = value
+        plans = [{s: SitePlan(layer.n_heads) for s in SITES} for _, layer in self.layers]
+        for (li, head, site), value in sorted(chosen.items()):
+            layer = self.layers[li][1]
+            where = f"edit of layer {li} head {head} {site}"
+            width = None if site == "pattern" else layer.d_head
+            reference = None
+            if site != "pattern":
+                reference = (lambda value=value, li=li, head=head, site=site:  # noqa: E731
+                             self._reference_mean(value[1], li, head, site))
+            factor, fn = parse_value(value, site, where, width, li, head, reference)
+            plans[li][site].add(head, factor, fn)
+        return plans
+
+    def _reference_mean(self, ref: Any, li: int, head: int, site: str) -> torch.Tensor:
+        if not isinstance(ref, Trace) or len(ref) != len(self):
+            raise TypeError(f"edit ('mean', reference): reference must be a finished headwise.trace of the same "
+                            f"{len(self)} layers that captured {site!r}, got {type(ref).__name__}")
+        means = ref[li].mean(site)  # (heads, d_h): over the reference's rows and real tokens
+        layer = self.layers[li][1]
+        return means[head if means.shape[0] == layer.n_heads else head // (layer.n_heads // layer.n_kv_heads)]
+
+    @staticmethod
+    def _key(key: Any) -> tuple[Any, Any, str]:
+        if not isinstance(key, tuple):
+            return key, None, "z"
+        if len(key) == 2:
+            return key[0], key[1], "z"
+        if len(key) == 3:
+            if key[2] not in SITES:
+                raise ValueError(f"edit key {key!r}: the site must be one of {SITES}, got {key[2]!r}")
+            return key
+        raise ValueError(f"edit keys are layer, (layer, head), (layer, (heads...)) or (layer, head, site); "
+                         f"got {key!r}")
+
+    @staticmethod
+    def _heads(heads: Any, h: int, key: Any) -> list[int]:
+        if heads is None:
+            return list(range(h))
+        items = list(heads) if isinstance(heads, (tuple, range)) else [heads]
+        for i in items:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypeError(f"edit key {key!r}: heads are ints, got {type(i).__name__}")
+            if not -h <= i < h:
+                raise IndexError(f"edit key {key!r}: head must be in [0, {h}), got {i}")
+        return [i % h for i in items]
+
+
+def trace(module: nn.Module, capture: Any = (), edit: Mapping | None = None) -> Trace:
+    """Capture and edit every head of ``module``'s layers while its own forward runs (see :mod:`headwise.tracing`).
+
+    Args:
+        module: a :class:`MultiHeadAttention`, a module containing them, or a patched Hugging Face model.
+        capture: names from :data:`CAPTURABLE` for every layer, or ``{layer: names}``.
+        edit: ``{key: e}`` with key ``layer`` (every head's z), ``(layer, head)``, ``(layer, (h1, h2))``
+            (z) or ``(layer, head, site)`` with site one of ``"q"``, ``"k"``, ``"v"``, ``"pattern"``,
+            ``"z"`` (head may be a tuple of heads or None for all); ``e`` one of ``"zero"``, a number or a
+            0-d tensor (scale), ``"mean"`` (each row's mean over its real tokens), ``("mean", reference)``
+            (a finished trace's mean, see :meth:`LayerRecord.mean`), a replacement tensor ((n,), (s, n)
+            or (b, s, n)) or a callable ``(x_h, layer, head) -> x_h``.
+
+    Shapes:
+        x_h: one head's slice: q, z (b, s_q, d_h); k, v (b, s_kv, d_h); pattern (b, s_q, s_kv)
+
+    Example:
+        >>> import torch, headwise
+        >>> attn = headwise.MultiHeadAttention(d_model=16, n_heads=4)
+        >>> with trace(attn, capture=("pattern",), edit={(0, 2, "pattern"): "zero"}) as t:
+        ...     y = attn(torch.randn(1, 3, 16))
+        >>> float(t[0].pattern[:, 2].abs().sum())
+        0.0
+    """
+    return Trace(module, capture, edit)

@@ -1,0 +1,132 @@
+"""The object a traced layer calls (``MultiHeadAttention.tracer``): edits, then captures, for every trace
+active on the layer (nested traces stack: the outer trace's edits first, then the inner's; every trace
+captures the tensors the forward then uses).
+
+Shapes:
+    q (b, h, s_q, d_h); k, v (b, h_kv, s_kv, d_h); weights (b, h, s_q, s_kv); z (b, h, s_q, d_h)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..attention import MultiHeadAttention
+from .edits import SitePlan, apply
+from .layers import head_results
+from .record import LayerRecord
+
+__all__ = ["LayerTracer", "Entry"]
+
+
+def _no_tracer() -> None:
+    return None
+
+
+class Entry:
+    """One active trace on one layer: its record, its per-site plans and its session (for the padding)."""
+
+    def __init__(self, session: Any, record: LayerRecord, plans: dict[str, SitePlan]) -> None:
+        self.session, self.record, self.plans = session, record, plans
+        self.pending: dict[str, torch.Tensor] = {}
+
+
+def _weighted(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``weights @ v`` per head, query head i reading V head i // g. Shapes: (b, h, s_q, s_kv), (b, h_kv, s_kv,
+    d_v) -> (b, h, s_q, d_v)"""
+    b, h, s_q, s_kv = weights.shape
+    h_kv = v.shape[1]
+    z = weights.reshape(b, h_kv, h // h_kv * s_q, s_kv) @ v.to(weights.dtype)  # (b, h_kv, g * s_q, d_v)
+    return z.view(b, h, s_q, v.shape[-1])
+
+
+class LayerTracer:
+    """A layer's tracer while one or more traces are active on it.
+
+    A copy of a traced layer (``copy.deepcopy``, pickling, the surgery functions' copies) gets no tracer:
+    every copy hook answers None, so the copy runs untraced.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.last_results: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    # -- a copy of a traced layer is not traced ----------------------------------------------------------
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __copy__(self) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_no_tracer, ())
+
+    # -- the protocol the layer calls --------------------------------------------------------------------
+    def wants_weights(self, layer: MultiHeadAttention) -> bool:
+        return any("pattern" in e.record.capture or e.plans["pattern"] for e in self.entries)
+
+    def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
+        entries = self.entries
+        if any(e.plans["k"] or e.plans["v"] for e in entries) and k.shape[1] != q.shape[1]:
+            g = q.shape[1] // k.shape[1]  # each query head its own K/V copy: an edit touches that head's view
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (b, h, s_kv, d_h)
+        for e in entries:
+            plans, padding = e.plans, e.session.padding
+            if plans["q"]:
+                q = apply(plans["q"], q, padding)
+            if plans["k"]:
+                k = apply(plans["k"], k, padding)
+            if plans["v"]:
+                v = apply(plans["v"], v, padding)
+        for e in entries:
+            e.pending = {n: t for n, t in (("q", q), ("k", k), ("v", v)) if n in e.record.capture}
+        self.values = v if self.wants_weights(layer) else None
+        return q, k, v
+
+    def context(self, layer: MultiHeadAttention, z: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        entries = self.entries
+        values, self.values = self.values, None
+        edited = [e for e in entries if e.plans["pattern"]]
+        if weights is not None and (edited or (torch.is_grad_enabled() and self.wants_weights(layer))):
+            for e in edited:
+                weights = apply(e.plans["pattern"], weights, e.session.padding)
+            usable = values is not None and values.shape[2] == weights.shape[-1] \
+                and not (layer.training and layer.config.dropout > 0)
+            if usable:  # z from the (edited) probabilities: the captured pattern is the tensor z was made of
+                z = _weighted(weights, values)
+            elif edited:
+                raise ValueError(f"a pattern edit needs every value the layer attends over and no dropout; this "
+                                 f"call attends over {weights.shape[-1]} positions and saw "
+                                 f"{None if values is None else values.shape[2]} values (a bare layer "
+                                 "decoding with a KVCache), or runs dropout in training mode")
+        for e in entries:
+            if e.plans["z"]:
+                z = apply(e.plans["z"], z, e.session.padding)
+        if any("z" in e.record.capture for e in entries):
+            zc = z.transpose(1, 2)  # (b, s_q, h, d_h): what is captured is what W_O reads
+            z = zc.transpose(1, 2)
+        results = None
+        if any("result" in e.record.capture for e in entries):
+            results = head_results(z, layer.out_proj.weight)  # (b, s_q, h, d)
+        for e in entries:
+            call, e.pending = e.pending, {}
+            capture = e.record.capture
+            if "pattern" in capture:
+                call["pattern"] = weights
+            if "z" in capture:
+                call["z"] = zc
+            if "result" in capture:
+                call["result"] = results
+            if capture:
+                e.record.calls.append(call)
+                e.record.paddings.append(e.session.padding)
+        self.last_results = results
+        return z
+
+    def results(self, layer: MultiHeadAttention) -> torch.Tensor | None:
+        """The head writes the context step just captured, handed over once (the layer sums them instead of
+        a second W_O product), or None. Patched modules call ``project_out`` themselves and never ask."""
+        results, self.last_results = self.last_results, None
+        return results

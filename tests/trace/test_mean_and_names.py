@@ -1,0 +1,87 @@
+""""mean" ablation over real tokens only (the model's attention_mask), a mean taken on other data, and
+``Trace.as_dict`` against TransformerLens' own ``run_with_cache`` names, layouts and values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import MultiHeadAttention
+
+transformers = pytest.importorskip("transformers")
+
+from headwise.interop import patch  # noqa: E402
+from tests import hf_reference as ref  # noqa: E402
+
+
+def real_mean(z_h, real):
+    """Each row's mean over its real tokens, written out row by row. Shapes: (b, s, d_h), (b, s) -> (b, s, d_h)."""
+    rows = [z_h[r, real[r]].mean(0).expand(z_h.shape[1], -1) for r in range(z_h.shape[0])]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_mean_ablation_averages_over_real_tokens_only(family):
+    model = ref.BUILDERS[family]("sdpa")
+    plain = ref.twin(model)
+    patch(model)
+    kw = ref.inputs(model)  # row 1 pads its last two positions
+    real = kw["attention_mask"].bool()
+    h = model.config.num_attention_heads
+    want, zs, _ = ref.hooked_run(plain, kw, h, edit={(1, 2): lambda z: real_mean(z, real)})
+    with torch.no_grad(), headwise.trace(model, capture={1: ("z",)}, edit={(1, 2): "mean"}) as t:
+        got = model(**kw)
+    torch.testing.assert_close(t[1].z, zs[1])  # the edited context W_O reads
+    first = "logits" if family == "gpt2" else "last_hidden_state"
+    torch.testing.assert_close(getattr(got, first), getattr(want, first))
+    if family == "bert":  # BertModel(input_ids, attention_mask, ...): the mask passed by position is read too
+        with torch.no_grad(), headwise.trace(model, capture={1: ("z",)}, edit={(1, 2): "mean"}) as t:
+            model(kw["input_ids"], kw["attention_mask"])
+        torch.testing.assert_close(t[1].z, zs[1])
+
+
+def test_a_mean_taken_on_other_data():
+    model = ref.gpt2("sdpa")
+    plain = ref.twin(model)
+    patch(model)
+    other, kw = ref.inputs(model, b=3, s=7, seed=5), ref.inputs(model, seed=6)
+    other["attention_mask"][2, 4:] = 0
+    _, zs_other, _ = ref.hooked_run(plain, other, 4)
+    real = other["attention_mask"].bool()
+    mean = zs_other[0][:, :, 3][real].mean(0)  # head 3 of layer 0 over every real token of the other batch
+    want, _, _ = ref.hooked_run(plain, kw, 4, edit={(0, 3): lambda z: mean.expand_as(z)})
+    with torch.no_grad(), headwise.trace(model, capture=("z",)) as reference:
+        model(**other)
+    torch.testing.assert_close(reference[0].mean()[3], mean)
+    for edit in ({(0, 3): ("mean", reference)}, {(0, 3): reference[0].mean()[3]}):
+        with torch.no_grad(), headwise.trace(model, edit=edit):
+            got = model(**kw)
+        torch.testing.assert_close(got.logits, want.logits)
+
+
+def test_mean_of_a_bare_layer_is_over_every_position():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with headwise.trace(attn, capture=("z",)) as t:
+        attn(x)
+    torch.testing.assert_close(t[0].mean(), t[0].z.reshape(-1, 4, 4).mean(0))
+
+
+@pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
+def test_as_dict_uses_transformer_lens_names_layouts_and_values():
+    pytest.importorskip("transformer_lens")
+    from tests.interop.tl_twin import transformer_lens_twin
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(24, 4).double()
+    model = transformer_lens_twin(attn, True)
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    _, cache = model.run_with_cache(x, start_at_layer=0, stop_at_layer=1)
+    with headwise.trace(attn, capture=("q", "k", "v", "pattern", "z", "result")) as t:
+        attn(x, causal=True)
+    names = t.as_dict()
+    assert sorted(names) == sorted(f"blocks.0.attn.hook_{n}" for n in ("q", "k", "v", "pattern", "z", "result"))
+    for name, tensor in names.items():
+        torch.testing.assert_close(tensor, cache[name])
