@@ -182,3 +182,61 @@ def test_drawings_too_large_are_refused_before_the_model_loads(checkpoint, capsy
     code, out, err = run(capsys, text, "--model", str(big), "--max-tokens", "3000", "--out", str(tmp_path / "x.html"))
     assert code == 2 and "an HTML page of 1 layer(s) x 40 heads x 3000 x 3000 tokens would hold 360M weights" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def tampered(src: Path, dst: Path, edit) -> Path:
+    """A copy of checkpoint `src` in `dst` whose safetensors weights are `edit(state dict)`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    save_file(edit(dict(weights)), dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _renamed(sd: dict, key: str) -> dict:
+    sd[key.replace(".weight", ".renamed")] = sd.pop(key)
+    return sd
+
+
+TAMPERING = {  # what is done to the weights, given layer 1's attention key
+    "an attention weight renamed": _renamed,
+    "an attention weight missing": lambda sd, k: {n: t for n, t in sd.items() if n != k},
+    "a layer missing": lambda sd, k: {n: t for n, t in sd.items() if ".1." not in n},
+}
+ATTENTION_KEY = {"gpt2": "transformer.h.1.attn.c_attn.weight", "llama": "model.layers.1.self_attn.q_proj.weight"}
+
+
+@pytest.mark.parametrize("how", list(TAMPERING))
+def test_weights_that_are_not_the_checkpoints_model_are_refused(checkpoint, capsys, tmp_path, how) -> None:
+    family, path = checkpoint
+    edit = TAMPERING[how]
+    key = ATTENTION_KEY[family]
+    bad = tampered(path, tmp_path / "bad", lambda sd: edit(sd, key))
+    code, out, err = run(capsys, TEXT, "--model", str(bad), "--json")
+    assert code == 2 and out == "", (how, out[:200], err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "refusing to draw a model that is not the checkpoint" in err
+    assert key.split(".")[1] + ".1." in err  # names (a key of) the layer whose weights are not there
+
+
+def test_a_layer_the_config_does_not_have_is_refused(checkpoint, capsys, tmp_path) -> None:
+    family, path = checkpoint
+    bad = tampered(path, tmp_path / "bad", lambda sd: sd)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["n_layer" if family == "gpt2" else "num_hidden_layers"] = 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run(capsys, TEXT, "--model", str(bad))
+    assert code == 2 and "does not take" in err and ".1." in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bert_checkpoint_without_its_pooler_is_drawn(capsys, tmp_path) -> None:
+    path = save_checkpoint("bert", tmp_path / "full")
+    bare = tampered(path, tmp_path / "bare", lambda sd: {k: v for k, v in sd.items() if not k.startswith("pooler.")})
+    tokens, ref = reference_attentions(path, TEXT)  # the pooler never feeds an attention layer
+    code, out, err = run(capsys, TEXT, "--model", str(bare), "--all-layers", "--json")
+    assert code == 0, err
+    drawn = torch.tensor([m["weights"] for m in json.loads(out)["layers"]], dtype=torch.float32)
+    torch.testing.assert_close(drawn, ref, rtol=1e-5, atol=1e-6)

@@ -110,6 +110,8 @@ def _loading(info: Any, what: str) -> Any:
         return models.load_tokenizer(info) if what == "tokenizer" else models.load(info)
     except OSError as exc:  # a half-saved directory: say which, in one line
         raise CliError(f"--model: cannot load {str(info.path)!r}: {exc}") from None
+    except ValueError as exc:  # weights that are not the config's model (refuse_incomplete)
+        raise CliError(str(exc)) from None
 
 
 def check_size(n_layers: int, n_heads_captured: int, n_heads_drawn: int, s: int, html: bool) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUNDLED", "FAMILIES", "ModelInfo", "model_info", "load_tokenizer", "load"]
+__all__ = ["BUNDLED", "FAMILIES", "ModelInfo", "model_info", "load_tokenizer", "load", "refuse_incomplete"]
 
 BUNDLED = "all-minilm-l6-v2"
 # config.json "model_type" values whose attention headwise.interop.patch takes over (BERT, GPT-2, Llama family).
@@ -132,4 +132,40 @@ def load(info: ModelInfo) -> Any:
     """
     from transformers import AutoModel
 
-    return AutoModel.from_pretrained(info.path, local_files_only=True, attn_implementation="sdpa").eval()
+    model, report = AutoModel.from_pretrained(info.path, local_files_only=True, attn_implementation="sdpa",
+                                              output_loading_info=True)
+    refuse_incomplete(model, report, info.path)
+    return model.eval()
+
+
+# A base model's pooler (BERT) reads only the first token's final state: it never feeds an attention layer, and
+# checkpoints saved from a task model (BertForMaskedLM, ...) do not have it.
+_NOT_DRAWN = ("pooler.",)
+
+
+def refuse_incomplete(model: Any, report: dict, path: Path) -> None:
+    """``ValueError`` unless every weight ``model`` needs came from the checkpoint at ``path`` (a weight missing,
+    renamed or of another layer would otherwise keep its random initialisation and be drawn as the model's).
+
+    ``report`` is ``from_pretrained(..., output_loading_info=True)``'s: keys of the model the checkpoint did not
+    have (``missing_keys``), and keys of the checkpoint the model did not take (``unexpected_keys``). An
+    unexpected key is harmless when it belongs to a task head the base model does not have (``lm_head``,
+    ``cls``); one under the base model's own modules (a layer the config does not have, a renamed weight) is
+    refused too.
+
+    Shapes:
+        no tensors
+    """
+    missing = sorted(k for k in report.get("missing_keys", ()) if not k.startswith(_NOT_DRAWN))
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in report.get("mismatched_keys", ()))
+    own = {name for name, _ in model.named_children()}
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    unexpected = sorted(k for k in report.get("unexpected_keys", ())
+                        if (k[len(prefix):] if k.startswith(prefix) else k).split(".")[0] in own)
+    errors = [str(e) for e in report.get("error_msgs", ())]
+    for keys, what in ((missing, "has no weight for"), (mismatched, "has weights of another shape for"),
+                       (unexpected, "has weights the model (per config.json) does not take:"), (errors, "failed:")):
+        if keys:
+            shown = ", ".join(repr(k) for k in keys[:2]) + (f" and {len(keys) - 2} more" if len(keys) > 2 else "")
+            raise ValueError(f"--model: {str(path)!r} {what} {shown}; refusing to draw a model that is not the "
+                             "checkpoint (those weights would be random)")
