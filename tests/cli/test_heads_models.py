@@ -240,3 +240,60 @@ def test_a_bert_checkpoint_without_its_pooler_is_drawn(capsys, tmp_path) -> None
     assert code == 0, err
     drawn = torch.tensor([m["weights"] for m in json.loads(out)["layers"]], dtype=torch.float32)
     torch.testing.assert_close(drawn, ref, rtol=1e-5, atol=1e-6)
+
+
+def timed(capsys, *argv: str) -> tuple[int, str, float]:
+    """(exit code, stderr, seconds) of `heads *argv`, run in a thread so that a hang fails instead of blocking."""
+    import threading
+    import time
+
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(main(["heads", *argv])), daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    thread.join(30)
+    seconds = time.perf_counter() - start
+    _, err = capsys.readouterr()
+    return (result[0] if result else -1), err, seconds
+
+
+@pytest.mark.parametrize("n_layers", [10**6, 10**9])
+def test_a_config_far_larger_than_its_weights_is_refused_at_once(checkpoint, capsys, tmp_path, n_layers) -> None:
+    family, path = checkpoint
+    big = tampered(path, tmp_path / "big", lambda sd: sd)
+    cfg = json.loads((big / "config.json").read_text())
+    cfg["n_layer" if family == "gpt2" else "num_hidden_layers"] = n_layers
+    (big / "config.json").write_text(json.dumps(cfg))
+    for extra in ([], ["--all-layers"]):
+        code, err, seconds = timed(capsys, TEXT, "--model", str(big), *extra)
+        assert code == 2 and seconds < 2, (extra, code, seconds, err)
+        assert f"at least" in err and f"({n_layers} layers)" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_a_fifo_in_the_checkpoint_is_refused_without_opening_it(checkpoint, capsys, tmp_path, name) -> None:
+    import os
+
+    _, path = checkpoint
+    bad = tampered(path, tmp_path / "bad", lambda sd: sd)
+    (bad / name).unlink()
+    os.mkfifo(bad / name)
+    try:
+        code, err, seconds = timed(capsys, TEXT, "--model", str(bad))
+    finally:  # a reader blocked on the FIFO gets end-of-file, so the thread ends
+        try:
+            os.close(os.open(bad / name, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader: nothing blocked
+            pass
+    assert code == 2 and seconds < 2, (code, seconds, err)
+    assert f"{name}' is a FIFO, not a regular file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_config_too_large_for_a_config_is_not_read(capsys, tmp_path) -> None:
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "tokenizer.json").write_text("{}")
+    with open(path / "config.json", "wb") as f:
+        f.truncate(2**30)  # sparse: a gigabyte of zeros on no disk
+    code, err, seconds = timed(capsys, TEXT, "--model", str(path))
+    assert code == 2 and seconds < 2 and "more than a config.json can be" in err, (code, seconds, err)

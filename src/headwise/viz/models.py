@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUNDLED", "FAMILIES", "ModelInfo", "model_info", "load_tokenizer", "load", "refuse_incomplete"]
+__all__ = ["BUNDLED", "FAMILIES", "ModelInfo", "model_info", "load_tokenizer", "load", "check_weights", "refuse_incomplete"]
 
 BUNDLED = "all-minilm-l6-v2"
 # config.json "model_type" values whose attention headwise.interop.patch takes over (BERT, GPT-2, Llama family).
 FAMILIES = ("bert", "gpt2", "llama", "mistral", "qwen2", "qwen3")
 # Files of which at least one must sit beside the model for its tokenizer to load offline.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
+# Weight files transformers loads (one, or the shards an index names), and the largest config.json read.
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+CONFIG_LIMIT_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class ModelInfo:
     n_heads: int
     max_positions: int | None
     bundled: bool
+    min_parameters: int = 0  # a lower bound of the parameters config.json describes
 
     @property
     def min_tokens(self) -> int:
@@ -90,11 +95,18 @@ def model_info(spec: str) -> ModelInfo:
         if not path.is_dir():
             raise ValueError(f"--model: {spec!r} is a file; pass the save_pretrained directory that holds it")
     cfg_path = path / "config.json"
+    if not bundled:
+        _refuse_special_files(path)
     try:
+        if cfg_path.stat().st_size > CONFIG_LIMIT_BYTES:
+            raise ValueError(f"--model: {str(cfg_path)!r} is {cfg_path.stat().st_size} bytes, more than a "
+                             f"config.json can be (at most {CONFIG_LIMIT_BYTES})")
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"--model: {str(path)!r} has no config.json (expected a save_pretrained directory)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model: cannot read {str(cfg_path)!r}: {exc}") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
         raise ValueError(f"--model: cannot read {str(cfg_path)!r}: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"--model: {str(cfg_path)!r} is not a JSON object")
@@ -109,8 +121,57 @@ def model_info(spec: str) -> ModelInfo:
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"--model: {str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
                          "tokenizer beside the model (tokenizer.save_pretrained(DIR))")
+    max_positions = _int(config, ("max_position_embeddings", "n_positions"))
     return ModelInfo(name=name, path=path, family=family, n_layers=n_layers, n_heads=n_heads,
-                     max_positions=_int(config, ("max_position_embeddings", "n_positions")), bundled=bundled)
+                     max_positions=max_positions, bundled=bundled,
+                     min_parameters=_min_parameters(config, family, n_layers, n_heads, max_positions))
+
+
+def _refuse_special_files(path: Path) -> None:
+    # A FIFO, socket or device where a checkpoint file should be would block (or never end) the read that
+    # transformers or we make of it: the file type is known from stat, without opening anything.
+    for entry in path.iterdir():
+        try:
+            mode = entry.stat().st_mode
+        except OSError:  # a dangling link: the loader names it if it needs it
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+            raise ValueError(f"--model: {str(entry)!r} is {kind}, not a regular file; a save_pretrained "
+                             "directory holds regular files only")
+
+
+def _min_parameters(config: dict, family: str, n_layers: int, n_heads: int, max_positions: int | None) -> int:
+    """A lower bound of the parameters ``config`` describes (every size it leaves out counted as 1):
+    the attention and MLP matrices of every layer, the token and (BERT, GPT-2) position embeddings."""
+    d = _int(config, ("hidden_size", "n_embd")) or 1
+    d_head = _int(config, ("head_dim",)) or max(1, d // n_heads)
+    kv = _int(config, ("num_key_value_heads",)) or n_heads
+    inter = _int(config, ("intermediate_size", "n_inner")) or 1
+    per_layer = 2 * d * n_heads * d_head + 2 * d * kv * d_head + 2 * d * inter
+    embeddings = (_int(config, ("vocab_size",)) or 1) * d
+    if family in ("bert", "gpt2"):
+        embeddings += (max_positions or 1) * d
+    return n_layers * per_layer + embeddings
+
+
+def check_weights(info: ModelInfo) -> None:
+    """``ValueError`` if ``config.json`` describes a model larger than the weight files beside it could hold
+    (at half a byte per parameter, 4-bit quantisation), before anything is allocated; standard library only.
+
+    A directory without weight files passes: the loader names what is missing.
+
+    Shapes:
+        no tensors
+    """
+    files = [f for f in info.path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()]
+    if not files:
+        return
+    on_disk = sum(f.stat().st_size for f in files)
+    if info.min_parameters > 2 * on_disk:
+        raise ValueError(f"--model: {str(info.path / 'config.json')!r} describes a model of at least "
+                         f"{info.min_parameters:.3g} parameters ({info.n_layers} layers), but its weight files hold "
+                         f"{on_disk} bytes; config.json does not describe these weights")
 
 
 def load_tokenizer(info: ModelInfo) -> Any:
