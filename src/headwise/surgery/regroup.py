@@ -143,7 +143,8 @@ def _check_groups(groups: Any, h: int, n: int, where: str) -> list[list[int]]:
 
 
 def to_mha(target: Any, *, layers: Any = None) -> Any:
-    """One K/V head per query head again, each a copy of the K/V head it read (exact).
+    """One K/V head per query head again, each a copy of the K/V head it read (exact). A bare layer gives a
+    new copy (also when it already has one K/V head per query head); a model changes in place.
 
     Args:
         target: a layer or a model (as :func:`to_gqa`).
@@ -158,4 +159,6 @@ def to_mha(target: Any, *, layers: Any = None) -> Any:
         hw = read(tgt.layers[i][1])
         if hw.n_kv_heads != hw.n_heads:
             new[i] = expand_kv(hw)
+    if isinstance(target, MultiHeadAttention) and not new:  # already MHA: still the copy promised
+        new = {0: read(target)}
     return tgt.apply(new)
