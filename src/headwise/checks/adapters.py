@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 from typing import Any, Callable, Iterator
 
 import torch
@@ -204,6 +205,7 @@ class ModuleAdapter(CallableAdapter):
         super().__init__(module, d_model=int(d_model), causal=causal, name=name or type(module).__name__)
         self.module = module
         kw = _keywords(module.forward)
+        check_rotary_scaling(getattr(module, "rotary", None), self.name)
         self.positional = getattr(module, "rotary", None) is not None and "positions" in kw
         self.has_cache = callable(getattr(module, "new_cache", None)) and "cache" in kw
         projs = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
@@ -359,6 +361,20 @@ def copy_adapter(adapter: Any, dtype: torch.dtype) -> Any:
     return new
 
 
+def check_rotary_scaling(rotary: Any, where: str) -> None:
+    """``ValueError`` if a rotary embedding multiplies cos and sin by a non-finite ``attention_scaling``: every
+    query and key would be NaN, and no property could say anything about the layer."""
+    scaling = getattr(rotary, "attention_scaling", None)
+    if scaling is None:
+        return
+    try:
+        finite = math.isfinite(float(scaling))
+    except (TypeError, ValueError):
+        finite = False
+    if not finite:
+        raise ValueError(f"{where}: its rotary embedding's attention_scaling must be a finite number, got {scaling!r}")
+
+
 def _linear_in(module: nn.Module, name: str) -> int | None:
     lin = getattr(module, name, None)
     return lin.in_features if isinstance(lin, nn.Linear) else None
@@ -399,7 +415,7 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
         return layer
     if isinstance(layer, nn.MultiheadAttention):
         return TorchMHAAdapter(layer, causal=bool(causal))
-    if isinstance(layer, nn.Module) and type(layer).__module__.startswith("transformers."):
+    if isinstance(layer, nn.Module) and any(c.__module__.startswith("transformers.") for c in type(layer).__mro__):
         from .hf_adapters import hf_adapter
 
         return hf_adapter(layer, causal=causal)
