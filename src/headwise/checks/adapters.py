@@ -12,7 +12,9 @@ and skip the rest. Shipped adapters:
   (``n_kv_heads`` optional), head ``i`` owning output rows ``i * d_head .. (i + 1) * d_head - 1``.
   headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV cache and rotary positions.
 * :class:`TorchMHAAdapter`: ``torch.nn.MultiheadAttention``.
-* Hugging Face BERT, GPT-2 and Llama-family attention: :mod:`headwise.checks.hf_adapters`.
+* Hugging Face BERT, GPT-2 and Llama-family attention: :mod:`headwise.checks.hf_adapters` (built on these).
+
+:func:`headwise.checks.choose.adapt` picks the adapter for a layer.
 
 Shapes:
     b: batch, s: tokens, d: d_model, h: query heads, h_kv: key/value heads, d_h: head width.
@@ -30,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "TorchMHAAdapter", "adapt"]
+__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "TorchMHAAdapter", "check_rotary_scaling"]
 
 # (tensor, dim, start, stop): one head's slice of a projection weight or bias
 Slice = tuple[torch.Tensor, int, int, int]
@@ -394,35 +396,3 @@ def capture_input(module: nn.Module) -> Iterator[list[torch.Tensor]]:
         yield got
     finally:
         handle.remove()
-
-
-def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None) -> Adapter:
-    """Pick the adapter for ``layer``: an :class:`Adapter` is used as is; headwise, torch and Hugging Face
-    attention modules get theirs; any other module or callable gets the generic convention.
-
-    ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not).
-
-    Shapes:
-        layer: (b, s, d) -> (b, s, d).
-
-    Example:
-        >>> type(adapt(nn.MultiheadAttention(8, 2))).__name__
-        'TorchMHAAdapter'
-    """
-    if isinstance(layer, Adapter):
-        if causal is not None:
-            layer.claims_causal = causal
-        return layer
-    if isinstance(layer, nn.MultiheadAttention):
-        return TorchMHAAdapter(layer, causal=bool(causal))
-    if isinstance(layer, nn.Module) and any(c.__module__.startswith("transformers.") for c in type(layer).__mro__):
-        from .hf_adapters import hf_adapter
-
-        return hf_adapter(layer, causal=causal)
-    if isinstance(layer, nn.Module):
-        return ModuleAdapter(layer, d_model=d_model, causal=bool(causal))
-    if callable(layer):
-        if d_model is None:
-            raise ValueError("a plain callable needs d_model= (the width of x in f(x) with x (b, s, d_model))")
-        return CallableAdapter(layer, d_model=d_model, causal=bool(causal))
-    raise TypeError(f"layer must be an attention module or a callable f(x) -> y, got {type(layer).__name__}")
