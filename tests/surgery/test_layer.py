@@ -166,6 +166,11 @@ def test_ablation_importance_equals_reference():
     (lambda a: to_gqa(a, 2.0), TypeError, "n_kv_heads must be an int, got float"),
     (lambda a: to_gqa(a, 2, groups="nearest"), ValueError, "groups must be"),
     (lambda a: to_gqa(a, 2, groups=[[0, 1, 2], [3, 4, 4]]), ValueError, "covering heads"),
+    (lambda a: to_gqa(a, 2, groups=[[0, 1, 2], [3, 4, 5.0]]), TypeError,
+     r"group members must be int head indices, got float \(5\.0\)"),
+    (lambda a: to_gqa(a, 2, groups=[[0.9, 1, 2], [3, 4, 5]]), TypeError, r"got float \(0\.9\)"),
+    (lambda a: to_gqa(a, 2, groups=[[True, 1, 2], [3, 4, 5]]), TypeError, r"got bool \(True\)"),
+    (lambda a: to_gqa(a, 2, groups=[[0, 1, 2], 3]), TypeError, "groups must be a list of lists of head indices"),
     (lambda a: prune_heads("attn", [0]), TypeError, "expected a MultiHeadAttention"),
 ])
 def test_bad_input_names_expected_and_received_and_changes_nothing(call, exc, match):
