@@ -57,7 +57,8 @@ def parse_heads(text: str) -> list[int]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("heads", help="what every head of a real model reads and writes, on your text")
-    p.add_argument("text", help="the text to run through the model")
+    p.add_argument("text", help="the text to run through the model (one starting with '-' and without a space "
+                                "goes after '--': headwise heads -- -x)")
     p.add_argument("--model", default=BUNDLED, metavar="DIR",
                    help=f"a local save_pretrained directory of a BERT, GPT-2 or Llama-family model with its "
                         f"tokenizer (never downloaded), or {BUNDLED} (bundled; the default)")
@@ -66,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--all-layers", action="store_true", help="every layer: the model view")
     p.add_argument("--heads", type=parse_heads, default=None, metavar="LIST",
                    help="only these heads, e.g. 0,3,5-7 (default: all)")
-    p.add_argument("--out", default=None, metavar="FILE", help="also draw the heads into FILE.png (needs headwise[viz]) or FILE.html")
+    p.add_argument("--out", default=None, metavar="FILE", help="draw the heads into FILE.png (needs headwise[viz]) or FILE.html instead of printing "
+                        "the table (one line says where; --json still prints the data)")
     p.add_argument("--max-tokens", type=size, default=64, metavar="N",
                    help="cut the text to this many tokens, at most the model's position limit (default 64); "
                         "a cut is announced on stderr")
@@ -216,8 +218,11 @@ def run(args: argparse.Namespace) -> int:
         fmt.emit_json(head | {"layers": layers} if args.all_layers else layers[0] | head)
         return 0
     first = maps[0]
-    fmt.line(f"{r['model']}, {_what(args, _info(args.model))}, {first.n_heads} heads, {len(first.tokens)} tokens: "
-             + _token_list(first.tokens))
+    what = f"{r['model']}, {_what(args, _info(args.model))}, {first.n_heads} heads, {len(first.tokens)} tokens"
+    if r["out"]:  # the picture is the answer: say where it is, not the table again
+        fmt.line(f"Wrote {r['out']} ({what})")
+        return 0
+    fmt.line(f"{what}: " + _token_list(first.tokens))
     many = len(maps) > 1
     fmt.table("Where each head reads from, and what it actually writes (weight x ||value W_O||)",
               ["layer.head" if many else "head", "reads most from (mean weight)", "writes most from (share of writes)",
@@ -228,6 +233,4 @@ def run(args: argparse.Namespace) -> int:
                 f"{s['value_norm_min']:.2f}..{s['value_norm_max']:.2f}") for m in maps for s in m.summary()],
               optional=["||v W_O|| min..max"])
     fmt.line("A large weight on a token whose value is near zero writes little: compare the two middle columns.")
-    if r["out"]:
-        fmt.line(f"Wrote {r['out']}")
     return 0

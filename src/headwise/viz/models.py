@@ -95,9 +95,9 @@ def model_info(spec: str) -> ModelInfo:
         if not path.is_dir():
             raise ValueError(f"--model: {spec!r} is a file; pass the save_pretrained directory that holds it")
     cfg_path = path / "config.json"
-    if not bundled:
-        _refuse_special_files(path)
     try:
+        if not stat.S_ISREG(cfg_path.stat().st_mode):  # by type, without opening: a FIFO would block the read
+            _refuse_special_files(path, only=cfg_path)
         if cfg_path.stat().st_size > CONFIG_LIMIT_BYTES:
             raise ValueError(f"--model: {str(cfg_path)!r} is {cfg_path.stat().st_size} bytes, more than a "
                              f"config.json can be (at most {CONFIG_LIMIT_BYTES})")
@@ -118,6 +118,8 @@ def model_info(spec: str) -> ModelInfo:
     n_heads = _int(config, ("num_attention_heads", "n_head"))
     if n_layers is None or n_heads is None:
         raise ValueError(f"--model: {str(cfg_path)!r} does not say how many layers and heads the model has")
+    if not bundled:
+        _refuse_special_files(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"--model: {str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
                          "tokenizer beside the model (tokenizer.save_pretrained(DIR))")
@@ -127,10 +129,10 @@ def model_info(spec: str) -> ModelInfo:
                      min_parameters=_min_parameters(config, family, n_layers, n_heads, max_positions))
 
 
-def _refuse_special_files(path: Path) -> None:
+def _refuse_special_files(path: Path, only: Path | None = None) -> None:
     # A FIFO, socket or device where a checkpoint file should be would block (or never end) the read that
     # transformers or we make of it: the file type is known from stat, without opening anything.
-    for entry in path.iterdir():
+    for entry in [only] if only is not None else path.iterdir():
         try:
             mode = entry.stat().st_mode
         except OSError:  # a dangling link: the loader names it if it needs it
