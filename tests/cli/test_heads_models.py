@@ -297,3 +297,26 @@ def test_a_config_too_large_for_a_config_is_not_read(capsys, tmp_path) -> None:
         f.truncate(2**30)  # sparse: a gigabyte of zeros on no disk
     code, err, seconds = timed(capsys, TEXT, "--model", str(path))
     assert code == 2 and seconds < 2 and "more than a config.json can be" in err, (code, seconds, err)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_an_index_naming_a_shard_outside_the_folder_is_refused(capsys, tmp_path, where) -> None:
+    import shutil
+
+    path = save_checkpoint("gpt2", tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    build("gpt2").save_pretrained(path, max_shard_size="4KB")  # the same model, in shards
+    capsys.readouterr()
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--json")
+    assert code == 0, err  # untampered shards load
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / shard
+    shutil.move(path / shard, outside)  # a real shard, so that following the name would load it
+    name = f"../{shard}" if where == "parent" else str(outside)
+    index["weight_map"] = {k: (name if v == shard else v) for k, v in index["weight_map"].items()}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()  # the saving's progress bars
+    code, out, err = run(capsys, TEXT, "--model", str(path))
+    assert code == 2 and f"names shard {name!r}, which is not a file name in the folder" in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -157,15 +157,34 @@ def _min_parameters(config: dict, family: str, n_layers: int, n_heads: int, max_
     return n_layers * per_layer + embeddings
 
 
+def _check_index(index: Path) -> None:
+    """``ValueError`` unless the weights index ``index`` maps names to shard files directly in its folder."""
+    if not index.is_file() or index.stat().st_size > CONFIG_LIMIT_BYTES:
+        raise ValueError(f"--model: {str(index)!r} is not a regular file of at most {CONFIG_LIMIT_BYTES} bytes")
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError, AttributeError) as exc:
+        raise ValueError(f"--model: cannot read the weights index {str(index)!r}: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"--model: {str(index)!r}: 'weight_map' must map weight names to shard file names")
+    outside = sorted(n for n in set(weight_map.values()) if n in ("", ".", "..") or Path(n).name != n or "\\" in n)
+    if outside:
+        raise ValueError(f"--model: {str(index)!r} names shard {outside[0]!r}, which is not a file name in the "
+                         "folder (shards sit beside the index)")
+
+
 def check_weights(info: ModelInfo) -> None:
     """``ValueError`` if ``config.json`` describes a model larger than the weight files beside it could hold
-    (at half a byte per parameter, 4-bit quantisation), before anything is allocated; standard library only.
+    (at half a byte per parameter, 4-bit quantisation), or a weights index names a shard outside the folder;
+    before anything is allocated, standard library only.
 
     A directory without weight files passes: the loader names what is missing.
 
     Shapes:
         no tensors
     """
+    for index in sorted(info.path.glob("*.index.json")):  # sharded weights: every shard must be in the folder
+        _check_index(index)
     files = [f for f in info.path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()]
     if not files:
         return
