@@ -171,3 +171,28 @@ def test_a_damaged_weight_file_of_a_plain_folder_is_a_value_error(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match="the weights in .*: not a readable safetensors file: .*header"):
         load_pretrained(tmp_path, transformers.BertModel)
+
+
+def test_a_config_with_more_layers_than_were_saved_is_refused_before_building(saved, tmp_path):
+    path = copy_of(saved[0], tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = 10**6
+    (path / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    err = load(path)
+    assert isinstance(err, ValueError) and "num_hidden_layers=1000000, but the sidecar records 2" in str(err), repr(err)
+    assert time.perf_counter() - start < 2
+
+
+def test_a_config_that_is_a_fifo_is_refused_without_opening_it(saved, tmp_path):
+    path = copy_of(saved[0], tmp_path)
+    (path / "config.json").unlink()
+    os.mkfifo(path / "config.json")
+    try:
+        err = load(path, seconds=5)
+    finally:
+        try:
+            os.close(os.open(path / "config.json", os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert isinstance(err, ValueError) and "config" in str(err) and "is not a regular file" in str(err), repr(err)

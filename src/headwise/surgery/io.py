@@ -269,7 +269,12 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
         return _plain(model_class, directory, extra)
     files = _weight_files(directory)
     saved = _saved_shapes(files)
+    _read_json(directory / "config.json", "config")  # a regular, readable file (from_pretrained reads it again)
     config = model_class.config_class.from_pretrained(str(directory))
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(n_layers, int) and n_layers > len(modules):  # before the model is built: it would allocate them
+        raise ValueError(f"load_pretrained: {directory / 'config.json'} has num_hidden_layers={n_layers}, but the "
+                         f"sidecar records {len(modules)} attention modules")
     model = model_class(config)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
