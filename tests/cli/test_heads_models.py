@@ -287,6 +287,7 @@ def test_a_fifo_in_the_checkpoint_is_refused_without_opening_it(checkpoint, caps
             pass
     assert code == 2 and seconds < 2, (code, seconds, err)
     assert f"{name}' is a FIFO, not a regular file" in err and len(err.strip().splitlines()) == 1
+    assert "cannot read" not in err and err.count("--model:") == 1  # said once, plainly
 
 
 def test_a_config_too_large_for_a_config_is_not_read(capsys, tmp_path) -> None:

@@ -96,17 +96,19 @@ def model_info(spec: str) -> ModelInfo:
             raise ValueError(f"--model: {spec!r} is a file; pass the save_pretrained directory that holds it")
     cfg_path = path / "config.json"
     try:
-        if not stat.S_ISREG(cfg_path.stat().st_mode):  # by type, without opening: a FIFO would block the read
-            _refuse_special_files(path, only=cfg_path)
-        if cfg_path.stat().st_size > CONFIG_LIMIT_BYTES:
-            raise ValueError(f"--model: {str(cfg_path)!r} is {cfg_path.stat().st_size} bytes, more than a "
-                             f"config.json can be (at most {CONFIG_LIMIT_BYTES})")
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        info = cfg_path.stat()
     except FileNotFoundError:
         raise ValueError(f"--model: {str(path)!r} has no config.json (expected a save_pretrained directory)") from None
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         raise ValueError(f"--model: cannot read {str(cfg_path)!r}: {exc}") from None
-    except ValueError as exc:  # an integer of more digits than Python converts
+    if not stat.S_ISREG(info.st_mode):  # by type, without opening: a FIFO would block the read
+        _refuse_special_files(path, only=cfg_path)
+    if info.st_size > CONFIG_LIMIT_BYTES:
+        raise ValueError(f"--model: {str(cfg_path)!r} is {info.st_size} bytes, more than a config.json can be "
+                         f"(at most {CONFIG_LIMIT_BYTES})")
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:  # ValueError: JSON, too many digits
         raise ValueError(f"--model: cannot read {str(cfg_path)!r}: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"--model: {str(cfg_path)!r} is not a JSON object")
