@@ -55,6 +55,16 @@ def walk(config: AttentionConfig, *, seq_len: int = 128, batch: int = 1, device:
         >>> [(s.name, s.shape, s.kind) for s in steps][2:4]
         [('split Q: view', (1, 128, 32, 128), 'view'), ('split Q: transpose', (1, 32, 128, 128), 'view')]
     """
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(f"walk: config must be an AttentionConfig, got {type(config).__name__}")
+    for name, value in (("seq_len", seq_len), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"walk: {name} must be an int, got {type(value).__name__} ({value!r})")
+        if value < 1:
+            raise ValueError(f"walk: {name} must be a positive int, got {value}")
+    if attn is not None and (not isinstance(attn, MultiHeadAttention) or attn.config != config):
+        got = f"a layer of config {attn.config}" if isinstance(attn, MultiHeadAttention) else type(attn).__name__
+        raise ValueError(f"walk: attn must be a MultiHeadAttention of this config, got {got}")
     b, s, h, h_kv, d_h = batch, seq_len, config.n_heads, config.n_kv_heads, config.d_head
     if attn is None:
         torch.manual_seed(seed)

@@ -121,3 +121,36 @@ def test_unsupported_hf_module_is_refused():
 
     with pytest.raises(TypeError, match="no headwise.check adapter"):
         check(GPT2MLP(8, GPT2Config(n_embd=4, n_head=1)))
+
+
+def _patched(family):
+    from headwise.interop import patch
+    from tests.interop.tiny_models import build
+
+    model = patch(build(family))
+    return [m for m in model.modules() if hasattr(m, "original_class")][0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "qwen3", "bert"])
+def test_hf_attention_patched_by_headwise_passes(family):
+    layer = _patched(family)
+    report = check(layer)
+    assert report.ok, str(report)
+    assert _ran(report) == (ALL - {"causality"} if family == "bert" else ALL), str(report)
+
+
+def test_a_patched_layer_with_a_broken_scale_is_caught():
+    layer = _patched("llama")  # the check runs the patched module, so headwise's own scale is what it sees
+    layer.attn.config = layer.attn.config.replace(scale=1.0 / layer.attn.config.d_head)
+    report = check(layer)
+    assert report.failed == ["softmax_sanity"] and "1/d_head" in report["softmax_sanity"].counterexample["summary"]
+
+
+def test_a_non_finite_rotary_attention_scaling_is_refused():
+    layer = MultiHeadAttention(16, 4, rotary=RotaryEmbedding(4, attention_scaling=float("nan")))
+    with pytest.raises(ValueError, match="attention_scaling must be a finite number, got nan"):
+        check(layer, causal=True)
+    patched = _patched("llama")
+    patched.attn.rotary.attention_scaling = float("inf")
+    with pytest.raises(ValueError, match="attention_scaling must be a finite number, got inf"):
+        check(patched)

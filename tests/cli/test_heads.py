@@ -119,3 +119,40 @@ def test_truncation_is_announced(capsys, minilm) -> None:
     assert r["truncated"] and r["text_tokens"] == n and len(r["tokens"]) == 10
     assert main(["heads", TEXT, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["truncated"] is False
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["-hello world", "--json"], "-hello world"),  # argparse alone reads it as -h given "ello world"
+    (["--json", "-h is a flag here"], "-h is a flag here"),
+    (["-x y", "--layer", "1", "--json"], "-x y"),
+    (["--json", "--", "-x"], "-x"),
+    (["--json", "--", "-hello"], "-hello"),
+])
+def test_a_text_starting_with_a_dash_is_text(capsys, minilm, argv, text) -> None:
+    tokenizer, _ = minilm
+    code = main(["heads", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    want = tokenizer.convert_ids_to_tokens(tokenizer(text)["input_ids"])
+    assert json.loads(out)["tokens"] == want
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-hello"], "'-hello' is not an option; options go before '--' and a text that starts with '-' after it"),
+    (["-x"], "required: text; options go before '--' and a text that starts with '-' after it"),
+    (["--", "-x", "--json"], "unrecognized arguments: --json; options go before '--'"),
+])
+def test_a_dash_text_that_argparse_cannot_read_says_how(capsys, argv, message) -> None:
+    code = main(["heads", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_out_prints_one_line_saying_where(capsys, tmp_path) -> None:
+    page = tmp_path / "all.html"
+    code = main(["heads", TEXT, "--all-layers", "--out", str(page)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.splitlines() == [f"Wrote {page} (all-MiniLM-L6-v2, all 6 layers, 12 heads, 13 tokens)"]
+    assert 'id="headwise-data"' in page.read_text()

@@ -182,3 +182,142 @@ def test_drawings_too_large_are_refused_before_the_model_loads(checkpoint, capsy
     code, out, err = run(capsys, text, "--model", str(big), "--max-tokens", "3000", "--out", str(tmp_path / "x.html"))
     assert code == 2 and "an HTML page of 1 layer(s) x 40 heads x 3000 x 3000 tokens would hold 360M weights" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def tampered(src: Path, dst: Path, edit) -> Path:
+    """A copy of checkpoint `src` in `dst` whose safetensors weights are `edit(state dict)`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    save_file(edit(dict(weights)), dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _renamed(sd: dict, key: str) -> dict:
+    sd[key.replace(".weight", ".renamed")] = sd.pop(key)
+    return sd
+
+
+TAMPERING = {  # what is done to the weights, given layer 1's attention key
+    "an attention weight renamed": _renamed,
+    "an attention weight missing": lambda sd, k: {n: t for n, t in sd.items() if n != k},
+    "a layer missing": lambda sd, k: {n: t for n, t in sd.items() if ".1." not in n},
+}
+ATTENTION_KEY = {"gpt2": "transformer.h.1.attn.c_attn.weight", "llama": "model.layers.1.self_attn.q_proj.weight"}
+
+
+@pytest.mark.parametrize("how", list(TAMPERING))
+def test_weights_that_are_not_the_checkpoints_model_are_refused(checkpoint, capsys, tmp_path, how) -> None:
+    family, path = checkpoint
+    edit = TAMPERING[how]
+    key = ATTENTION_KEY[family]
+    bad = tampered(path, tmp_path / "bad", lambda sd: edit(sd, key))
+    code, out, err = run(capsys, TEXT, "--model", str(bad), "--json")
+    assert code == 2 and out == "", (how, out[:200], err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "refusing to draw a model that is not the checkpoint" in err
+    assert key.split(".")[1] + ".1." in err  # names (a key of) the layer whose weights are not there
+
+
+def test_a_layer_the_config_does_not_have_is_refused(checkpoint, capsys, tmp_path) -> None:
+    family, path = checkpoint
+    bad = tampered(path, tmp_path / "bad", lambda sd: sd)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["n_layer" if family == "gpt2" else "num_hidden_layers"] = 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run(capsys, TEXT, "--model", str(bad))
+    assert code == 2 and "does not take" in err and ".1." in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bert_checkpoint_without_its_pooler_is_drawn(capsys, tmp_path) -> None:
+    path = save_checkpoint("bert", tmp_path / "full")
+    bare = tampered(path, tmp_path / "bare", lambda sd: {k: v for k, v in sd.items() if not k.startswith("pooler.")})
+    tokens, ref = reference_attentions(path, TEXT)  # the pooler never feeds an attention layer
+    code, out, err = run(capsys, TEXT, "--model", str(bare), "--all-layers", "--json")
+    assert code == 0, err
+    drawn = torch.tensor([m["weights"] for m in json.loads(out)["layers"]], dtype=torch.float32)
+    torch.testing.assert_close(drawn, ref, rtol=1e-5, atol=1e-6)
+
+
+def timed(capsys, *argv: str) -> tuple[int, str, float]:
+    """(exit code, stderr, seconds) of `heads *argv`, run in a thread so that a hang fails instead of blocking."""
+    import threading
+    import time
+
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(main(["heads", *argv])), daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    thread.join(30)
+    seconds = time.perf_counter() - start
+    _, err = capsys.readouterr()
+    return (result[0] if result else -1), err, seconds
+
+
+@pytest.mark.parametrize("n_layers", [10**6, 10**9])
+def test_a_config_far_larger_than_its_weights_is_refused_at_once(checkpoint, capsys, tmp_path, n_layers) -> None:
+    family, path = checkpoint
+    big = tampered(path, tmp_path / "big", lambda sd: sd)
+    cfg = json.loads((big / "config.json").read_text())
+    cfg["n_layer" if family == "gpt2" else "num_hidden_layers"] = n_layers
+    (big / "config.json").write_text(json.dumps(cfg))
+    for extra in ([], ["--all-layers"]):
+        code, err, seconds = timed(capsys, TEXT, "--model", str(big), *extra)
+        assert code == 2 and seconds < 2, (extra, code, seconds, err)
+        assert f"at least" in err and f"({n_layers} layers)" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_a_fifo_in_the_checkpoint_is_refused_without_opening_it(checkpoint, capsys, tmp_path, name) -> None:
+    import os
+
+    _, path = checkpoint
+    bad = tampered(path, tmp_path / "bad", lambda sd: sd)
+    (bad / name).unlink()
+    os.mkfifo(bad / name)
+    try:
+        code, err, seconds = timed(capsys, TEXT, "--model", str(bad))
+    finally:  # a reader blocked on the FIFO gets end-of-file, so the thread ends
+        try:
+            os.close(os.open(bad / name, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader: nothing blocked
+            pass
+    assert code == 2 and seconds < 2, (code, seconds, err)
+    assert f"{name}' is a FIFO, not a regular file" in err and len(err.strip().splitlines()) == 1
+    assert "cannot read" not in err and err.count("--model:") == 1  # said once, plainly
+
+
+def test_a_config_too_large_for_a_config_is_not_read(capsys, tmp_path) -> None:
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "tokenizer.json").write_text("{}")
+    with open(path / "config.json", "wb") as f:
+        f.truncate(2**30)  # sparse: a gigabyte of zeros on no disk
+    code, err, seconds = timed(capsys, TEXT, "--model", str(path))
+    assert code == 2 and seconds < 2 and "more than a config.json can be" in err, (code, seconds, err)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_an_index_naming_a_shard_outside_the_folder_is_refused(capsys, tmp_path, where) -> None:
+    import shutil
+
+    path = save_checkpoint("gpt2", tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    build("gpt2").save_pretrained(path, max_shard_size="4KB")  # the same model, in shards
+    capsys.readouterr()
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--json")
+    assert code == 0, err  # untampered shards load
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / shard
+    shutil.move(path / shard, outside)  # a real shard, so that following the name would load it
+    name = f"../{shard}" if where == "parent" else str(outside)
+    index["weight_map"] = {k: (name if v == shard else v) for k, v in index["weight_map"].items()}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()  # the saving's progress bars
+    code, out, err = run(capsys, TEXT, "--model", str(path))
+    assert code == 2 and f"names shard {name!r}, which is not a file name in the folder" in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -130,3 +130,15 @@ def test_all_extra_is_the_union_of_the_others() -> None:
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert sorted(extras["all"]) == sorted({*extras["hf"], *extras["cli"], *extras["viz"]})
+
+
+def test_version(capsys) -> None:
+    import tomllib
+    from pathlib import Path
+
+    from headwise.cli import main
+
+    version = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
+    assert main(["--version"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"headwise {version}\n" and err == ""

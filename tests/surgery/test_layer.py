@@ -166,6 +166,11 @@ def test_ablation_importance_equals_reference():
     (lambda a: to_gqa(a, 2.0), TypeError, "n_kv_heads must be an int, got float"),
     (lambda a: to_gqa(a, 2, groups="nearest"), ValueError, "groups must be"),
     (lambda a: to_gqa(a, 2, groups=[[0, 1, 2], [3, 4, 4]]), ValueError, "covering heads"),
+    (lambda a: to_gqa(a, 2, groups=[[0, 1, 2], [3, 4, 5.0]]), TypeError,
+     r"group members must be int head indices, got float \(5\.0\)"),
+    (lambda a: to_gqa(a, 2, groups=[[0.9, 1, 2], [3, 4, 5]]), TypeError, r"got float \(0\.9\)"),
+    (lambda a: to_gqa(a, 2, groups=[[True, 1, 2], [3, 4, 5]]), TypeError, r"got bool \(True\)"),
+    (lambda a: to_gqa(a, 2, groups=[[0, 1, 2], 3]), TypeError, "groups must be a list of lists of head indices"),
     (lambda a: prune_heads("attn", [0]), TypeError, "expected a MultiHeadAttention"),
 ])
 def test_bad_input_names_expected_and_received_and_changes_nothing(call, exc, match):
@@ -207,7 +212,25 @@ def test_to_gqa_to_the_same_grouping_is_exact_and_empty_pruning_is_a_no_op():
     attn = layer()
     same = to_gqa(attn, 2)
     assert all(torch.equal(a, b) for a, b in zip(attn.state_dict().values(), same.state_dict().values()))
-    assert prune_heads(attn, []) is attn
+
+
+@pytest.mark.parametrize("call", [lambda a: prune_heads(a, []), lambda a: prune_heads(a, {0: []}),
+                                  lambda a: to_mha(a), lambda a: to_mha(a, layers=[])],
+                         ids=["prune nothing", "prune nothing by layer", "to_mha of MHA", "to_mha of no layer"])
+def test_a_surgery_that_changes_nothing_still_returns_a_copy(call):
+    attn = layer(h=4, h_kv=4, d=16)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    want = attn(x)
+    before = {k: v.clone() for k, v in attn.state_dict().items()}
+    copy = call(attn)
+    assert copy is not attn and type(copy) is type(attn) and copy.config == attn.config
+    shared = {p.data_ptr() for p in attn.parameters()} & {p.data_ptr() for p in copy.parameters()}
+    assert not shared  # no weight is shared with the original
+    torch.testing.assert_close(copy(x), want, rtol=0, atol=0)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.zero_()  # editing the copy leaves the original as it was
+    assert all(torch.equal(before[k], v) for k, v in attn.state_dict().items())
 
 
 def test_a_sharded_layer_is_refused():

@@ -152,12 +152,16 @@ class Page:
         return base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
 
 
+# Named again at the end of the run for every browser test it skips (pytest -q shows a skip as one "s").
+NO_BROWSER = "chromium is not installed (Debian/Ubuntu: apt-get install chromium; see docs/cli.md)"
+
+
 @pytest.fixture
 def chromium(tmp_path: Path) -> Iterator:
     """open(path) -> Page of a local file in headless Chromium; skips when Chromium is absent."""
     binary = chromium_binary()
     if binary is None:
-        pytest.skip("chromium is not installed (Debian: apt-get install -y chromium); the HTML page is not checked")
+        pytest.skip(f"{NO_BROWSER}: the HTML page is not checked in a browser")
     procs: list[subprocess.Popen] = []
     sockets: list[_WebSocket] = []
 
@@ -204,3 +208,14 @@ def chromium(tmp_path: Path) -> Iterator:
                 proc.wait()
             except ProcessLookupError:
                 pass
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say, whatever the verbosity, which browser tests did not run and how to run them (from the skip
+    reports, so that it also works when the tests ran in pytest-xdist workers)."""
+    skipped = [r.nodeid for r in terminalreporter.stats.get("skipped", []) if NO_BROWSER in str(r.longrepr)]
+    if skipped:
+        terminalreporter.section("browser tests skipped", sep="-", yellow=True)
+        terminalreporter.line(f"{len(skipped)} test(s) need a browser and were skipped: {NO_BROWSER}")
+        for nodeid in skipped:
+            terminalreporter.line(f"  {nodeid}")

@@ -128,3 +128,30 @@ def test_chromium_draws_heads_and_the_tooltip_shows_the_value(maps: HeadMaps, ch
     assert page.js("document.getElementById('which').textContent") == "layer 2, head 6"
     page.call("Input.dispatchKeyEvent", type="keyDown", key="Escape", code="Escape", windowsVirtualKeyCode=27)
     assert page.js("document.getElementById('headview').hidden") is True
+
+
+def test_browser_tests_skipped_without_chromium_are_named_at_the_end() -> None:
+    from tests.viz import conftest
+
+    class Report:
+        def __init__(self, nodeid, reason):
+            self.nodeid, self.longrepr = nodeid, ("tests/viz/conftest.py", 160, f"Skipped: {reason}")
+
+    class Reporter:
+        def __init__(self, skipped):
+            self.stats, self.lines = {"skipped": skipped}, []
+
+        def section(self, title, **kw):
+            self.lines.append(f"== {title}")
+
+        def line(self, text, **kw):
+            self.lines.append(text)
+
+    quiet = Reporter([Report("tests/x.py::test_other", "needs a GPU")])
+    conftest.pytest_terminal_summary(quiet)
+    assert quiet.lines == []  # nothing to say when every browser test ran
+    told = Reporter([Report("tests/viz/test_html.py::test_chromium_draws", f"{conftest.NO_BROWSER}: not checked")])
+    conftest.pytest_terminal_summary(told)
+    assert told.lines[0] == "== browser tests skipped"
+    assert "1 test(s) need a browser and were skipped: chromium is not installed" in told.lines[1]
+    assert "apt-get install chromium" in told.lines[1] and told.lines[2].endswith("test_chromium_draws")

@@ -74,3 +74,83 @@ def test_long_inputs_keep_sharp_weights_and_say_what_they_leave_out(tmp_path) ->
 
     one = png_plan(maps[0])
     assert one.cols == 6 and one.label_every == -(-s // 32) and not any("heads are drawn" in n for n in one.notes)
+
+
+def _dark(rgb: np.ndarray) -> np.ndarray:
+    return rgb.sum(-1) < 3 * 160  # text and strong colours, not the white background or pale cells
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_the_title_stays_inside_a_small_figure(tmp_path, n_layers) -> None:
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    maps = _one_hot_maps(10, n_layers, 3, (4, 2))  # a small model: the model view is three panels wide
+    title = "headwise: a-checkpoint-with-a-long-name, all 2 layers, heads 0,1,2, 10 tokens"
+    img = np.asarray(Image.open(save_png(maps, tmp_path / "m.png", title=title)).convert("RGB"), dtype=np.int32)
+    band = _dark(img[:60])  # the title's first lines, above the panels
+    assert band.sum() > 500  # the title is drawn
+    columns = np.flatnonzero(band.any(0))
+    assert columns.min() > 2 and columns.max() < img.shape[1] - 3, (columns.min(), columns.max(), img.shape)
+
+
+def _colour_bar_columns(rgb: np.ndarray, strip: int) -> list[int]:
+    """Columns of the right-hand ``strip`` whose pixels run, top to bottom, monotonically from dark to light
+    through at least 40 distinct shades: a colour scale (a panel's cells are a few flat blocks)."""
+    found = []
+    for x in range(rgb.shape[1] - strip, rgb.shape[1]):
+        col = rgb[:, x].sum(-1)
+        coloured = np.flatnonzero(col < 3 * 250)
+        if len(coloured) < 40:
+            continue
+        run = col[coloured.min():coloured.max() + 1]
+        inner = run[2:-2]  # the bar's black frame at either end
+        if len(np.unique(inner)) >= 40 and (np.diff(inner) >= 0).mean() > 0.97:
+            found.append(x)
+    return found
+
+
+def test_every_png_has_its_colour_scales(maps, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    strip = 110  # px: the colour-scale column of the figure
+    one = np.asarray(Image.open(save_png(maps, tmp_path / "one.png")).convert("RGB"), dtype=np.int32)
+    bars = _colour_bar_columns(one, strip)
+    assert bars, "no colour scale in the one-layer picture"
+    x = bars[len(bars) // 2]
+    col = one[:, x]
+    blue = (col[:, 2] > col[:, 0] + 40).sum()
+    orange = (col[:, 0] > col[:, 2] + 40).sum()
+    assert blue > 30 and orange > 30  # a weights (blue) and a writes (orange) scale, one above the other
+    model = np.asarray(Image.open(save_png(_one_hot_maps(12, 3, 4, (3, 1)), tmp_path / "model.png")).convert("RGB"),
+                       dtype=np.int32)
+    assert _colour_bar_columns(model, strip), "no colour scale in the model view"
+
+
+def test_dollar_signs_in_tokens_and_titles_are_text(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    import torch
+    from matplotlib.text import Text
+
+    from headwise.viz.maps import HeadMaps
+
+    tokens = ["$", "$$", "$x^$", "a$b$c", "\\$"]
+    w = torch.full((2, 5, 5), 0.2)
+    maps = HeadMaps(tokens, 0, w, w, torch.ones(2, 5))
+    figures = []
+    real_close = plt.close
+    plt_close = lambda fig=None: figures.append(fig)  # noqa: E731 - keep the figure to read its texts
+    try:
+        plt.close = plt_close
+        path = save_png(maps, tmp_path / "dollars.png", title="cost $5, or $$ and $\\frac$")
+    finally:
+        plt.close = real_close
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    fig = figures[0]
+    texts = [t for t in fig.findobj(Text) if "$" in t.get_text()]
+    labels = {t.get_text() for t in texts}
+    assert set(tokens) <= labels and any("cost $5, or $$ and $\\frac$" in t for t in labels)
+    assert all(not t.get_parse_math() for t in texts)  # drawn as the characters they are, never mathtext
+    real_close(fig)

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 from .report import CORE_PROPERTIES, FAIL, PASS, PROPERTY_NAMES, SKIPPED, PropertyResult, Report
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .adapters import Adapter, CallableAdapter, ModuleAdapter, TorchMHAAdapter, adapt
+    from .adapters import Adapter, CallableAdapter, ModuleAdapter, TorchMHAAdapter
+    from .choose import adapt
     from .run import check
 
 __all__ = ["check", "Report", "PropertyResult", "Adapter", "CallableAdapter", "ModuleAdapter",
@@ -31,7 +32,7 @@ __all__ = ["check", "Report", "PropertyResult", "Adapter", "CallableAdapter", "M
 # The names that need torch load on first use, so that the CLI can check its arguments (property names)
 # before importing torch.
 _LAZY = {"check": "run", "Adapter": "adapters", "CallableAdapter": "adapters", "ModuleAdapter": "adapters",
-         "TorchMHAAdapter": "adapters", "adapt": "adapters"}
+         "TorchMHAAdapter": "adapters", "adapt": "choose"}
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,9 @@ and skip the rest. Shipped adapters:
   (``n_kv_heads`` optional), head ``i`` owning output rows ``i * d_head .. (i + 1) * d_head - 1``.
   headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV cache and rotary positions.
 * :class:`TorchMHAAdapter`: ``torch.nn.MultiheadAttention``.
-* Hugging Face BERT, GPT-2 and Llama-family attention: :mod:`headwise.checks.hf_adapters`.
+* Hugging Face BERT, GPT-2 and Llama-family attention: :mod:`headwise.checks.hf_adapters` (built on these).
+
+:func:`headwise.checks.choose.adapt` picks the adapter for a layer.
 
 Shapes:
     b: batch, s: tokens, d: d_model, h: query heads, h_kv: key/value heads, d_h: head width.
@@ -24,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "TorchMHAAdapter", "adapt"]
+__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "TorchMHAAdapter", "check_rotary_scaling"]
 
 # (tensor, dim, start, stop): one head's slice of a projection weight or bias
 Slice = tuple[torch.Tensor, int, int, int]
@@ -204,6 +207,7 @@ class ModuleAdapter(CallableAdapter):
         super().__init__(module, d_model=int(d_model), causal=causal, name=name or type(module).__name__)
         self.module = module
         kw = _keywords(module.forward)
+        check_rotary_scaling(getattr(module, "rotary", None), self.name)
         self.positional = getattr(module, "rotary", None) is not None and "positions" in kw
         self.has_cache = callable(getattr(module, "new_cache", None)) and "cache" in kw
         projs = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
@@ -359,6 +363,20 @@ def copy_adapter(adapter: Any, dtype: torch.dtype) -> Any:
     return new
 
 
+def check_rotary_scaling(rotary: Any, where: str) -> None:
+    """``ValueError`` if a rotary embedding multiplies cos and sin by a non-finite ``attention_scaling``: every
+    query and key would be NaN, and no property could say anything about the layer."""
+    scaling = getattr(rotary, "attention_scaling", None)
+    if scaling is None:
+        return
+    try:
+        finite = math.isfinite(float(scaling))
+    except (TypeError, ValueError):
+        finite = False
+    if not finite:
+        raise ValueError(f"{where}: its rotary embedding's attention_scaling must be a finite number, got {scaling!r}")
+
+
 def _linear_in(module: nn.Module, name: str) -> int | None:
     lin = getattr(module, name, None)
     return lin.in_features if isinstance(lin, nn.Linear) else None
@@ -378,35 +396,3 @@ def capture_input(module: nn.Module) -> Iterator[list[torch.Tensor]]:
         yield got
     finally:
         handle.remove()
-
-
-def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None) -> Adapter:
-    """Pick the adapter for ``layer``: an :class:`Adapter` is used as is; headwise, torch and Hugging Face
-    attention modules get theirs; any other module or callable gets the generic convention.
-
-    ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not).
-
-    Shapes:
-        layer: (b, s, d) -> (b, s, d).
-
-    Example:
-        >>> type(adapt(nn.MultiheadAttention(8, 2))).__name__
-        'TorchMHAAdapter'
-    """
-    if isinstance(layer, Adapter):
-        if causal is not None:
-            layer.claims_causal = causal
-        return layer
-    if isinstance(layer, nn.MultiheadAttention):
-        return TorchMHAAdapter(layer, causal=bool(causal))
-    if isinstance(layer, nn.Module) and type(layer).__module__.startswith("transformers."):
-        from .hf_adapters import hf_adapter
-
-        return hf_adapter(layer, causal=causal)
-    if isinstance(layer, nn.Module):
-        return ModuleAdapter(layer, d_model=d_model, causal=bool(causal))
-    if callable(layer):
-        if d_model is None:
-            raise ValueError("a plain callable needs d_model= (the width of x in f(x) with x (b, s, d_model))")
-        return CallableAdapter(layer, d_model=d_model, causal=bool(causal))
-    raise TypeError(f"layer must be an attention module or a callable f(x) -> y, got {type(layer).__name__}")

@@ -20,9 +20,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .adapters import Adapter, capture_input, causal_keep, copy_adapter, split
+from .adapters import Adapter, capture_input, causal_keep, check_rotary_scaling, copy_adapter, split
 
-__all__ = ["HFAdapter", "BertAdapter", "GPT2Adapter", "LlamaAdapter", "hf_adapter"]
+__all__ = ["HFAdapter", "BertAdapter", "GPT2Adapter", "LlamaAdapter", "hf_adapter", "hf_class"]
 
 
 class HFAdapter(Adapter):
@@ -206,13 +206,16 @@ class LlamaAdapter(HFAdapter):
         self.d_head = module.head_dim
         self.n_heads = module.q_proj.out_features // self.d_head
         self.n_kv_heads = module.k_proj.out_features // self.d_head
-        family = sys.modules[type(module).__module__]
+        family = sys.modules[hf_class(module).__module__]  # the family's own module, also when patched
         rope_cls = [getattr(family, n) for n in dir(family) if n.endswith("RotaryEmbedding")
                     and isinstance(getattr(family, n), type)]
         if not rope_cls or not hasattr(family, "apply_rotary_pos_emb"):
             raise ValueError(f"{type(module).__name__}: cannot find the family's rotary embedding")
         self._apply_rotary = family.apply_rotary_pos_emb
         self.rope = rope_cls[0](config=cfg).to(self.device)
+        check_rotary_scaling(self.rope, self.name)
+        # a patched module rotates with its headwise layer when the model passes no position_embeddings
+        check_rotary_scaling(getattr(getattr(module, "attn", None), "rotary", None), self.name)
 
     def _position_embeddings(self, x, positions):
         if positions is None:
@@ -229,6 +232,9 @@ class LlamaAdapter(HFAdapter):
     def qk(self, x):
         q = split(self.module.q_proj(x), self.n_heads)  # (b, h, s, d_h)
         k = split(self.module.k_proj(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
+        q_norm, k_norm = getattr(self.module, "q_norm", None), getattr(self.module, "k_norm", None)
+        if q_norm is not None and k_norm is not None:  # Qwen3: RMSNorm of each head's q and k before rotary
+            q, k = q_norm(q), k_norm(k)
         cos, sin = self._position_embeddings(x, None)
         return self._apply_rotary(q, k, cos, sin)
 
@@ -243,6 +249,12 @@ class LlamaAdapter(HFAdapter):
         return new
 
 
+def hf_class(module: nn.Module) -> type | None:
+    """The first Hugging Face class of ``module``'s class hierarchy (itself, or the original class of a module
+    patched by :func:`headwise.interop.patch`), or None when it is not a transformers module."""
+    return next((c for c in type(module).__mro__ if c.__module__.startswith("transformers.")), None)
+
+
 _BERT = ("BertSelfAttention", "BertAttention", "RobertaSelfAttention", "RobertaAttention")
 _GPT2 = ("GPT2Attention",)
 
@@ -254,7 +266,7 @@ def hf_adapter(module: nn.Module, *, causal: bool | None = None) -> HFAdapter:
     Shapes:
         module: hidden states (b, s, d) -> (b, s, d).
     """
-    name = type(module).__name__
+    name = hf_class(module).__name__  # a module patched by headwise.interop.patch keeps its HF class as a base
     if name in _BERT:
         return BertAdapter(module, causal=bool(causal))
     if name in _GPT2:

@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .adapters import Adapter, adapt
+from .adapters import Adapter
+from .choose import adapt
 from .properties import PROPERTIES, Probe
 from .report import FAIL, PropertyResult, Report
 from .sizes import check_input_size

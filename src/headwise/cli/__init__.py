@@ -59,11 +59,33 @@ class _Parser(argparse.ArgumentParser):
         message = " ".join(message.split())
         # "argument --seq: must be ..." reads better as "--seq must be ..."
         message = re.sub(r"^argument (--[\w-]+): must be ", r"\1 must be ", message)
+        glued = re.match(r"argument (-\w)/--[\w-]+: ignored explicit argument '(.*)'$", message)
+        if glued:  # "-hello" read as -h given "ello"
+            message = f"{glued[1] + glued[2]!r} is not an option"
+        reads_text = self.prog.endswith(" heads") or getattr(self, "command", None) == "heads"
+        if reads_text and (glued or re.search(r"required: text\b|unrecognized arguments: -", message)):
+            message += ("; options go before '--' and a text that starts with '-' after it, e.g. "
+                        "headwise heads --json -- '-x'")
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _texts_last(argv: list[str]) -> list[str]:
+    """``argv`` with every argument that reads as text, not as an option (it starts with '-' and holds a space,
+    as in ``headwise heads "-hello world"``), moved after a ``--``: argparse would otherwise read "-hello world"
+    as ``-h`` given "ello world". Only ``heads`` takes text, and it has one positional, so no order changes."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    texts = [i for i, a in enumerate(argv[:end]) if a[:1] == "-" and a[1:2] != "-" and any(c.isspace() for c in a)]
+    if not texts:
+        return argv
+    rest = [a for i, a in enumerate(argv[:end]) if i not in texts]
+    return rest + ["--"] + [argv[i] for i in texts] + argv[end + 1:]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = _Parser(prog="headwise", description="Multi-head attention, one head at a time.")
+    parser.add_argument("--version", action="version", version=f"headwise {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in SUBCOMMANDS:
@@ -79,8 +101,10 @@ def _one_line(text: str, limit: int = 400) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 a check failed, 2 anything else)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser.command = argv[0] if argv else None  # for the hint of its errors (only heads reads text)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_texts_last(argv))
     except SystemExit as exc:  # argparse exits 2 on bad input, 0 on --help
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     try:

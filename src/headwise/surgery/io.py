@@ -15,6 +15,7 @@ Shapes:
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,9 @@ __all__ = ["save_pretrained", "load_pretrained", "SIDECAR", "head_shapes"]
 
 SIDECAR = "headwise_surgery.json"
 FORMAT = 1
+FAMILIES = ("bert", "gpt2", "llama")
+# The largest sidecar or weights index read (either is a few KiB for any real model).
+JSON_LIMIT_BYTES = 16 * 2**20
 
 
 def _families() -> dict[str, tuple[type, ...]]:
@@ -100,20 +104,140 @@ def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> b
     return plain
 
 
-def _state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read_json(path: Path, what: str) -> Any:
+    """The JSON in ``path`` (a regular file of at most :data:`JSON_LIMIT_BYTES`), else ``ValueError`` naming it.
 
+    The file type comes from ``stat`` before anything is opened (a FIFO would block the read)."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise ValueError(f"load_pretrained: cannot read the {what} {str(path)!r}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"load_pretrained: the {what} {str(path)!r} is not a regular file")
+    if info.st_size > JSON_LIMIT_BYTES:
+        raise ValueError(f"load_pretrained: the {what} {str(path)!r} is {info.st_size} bytes, more than the "
+                         f"{JSON_LIMIT_BYTES} it can be")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:  # ValueError: JSONDecodeError, digits
+        raise ValueError(f"load_pretrained: the {what} {str(path)!r} is not readable JSON: "
+                         f"{type(exc).__name__}: {exc}") from None
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of ``directory``: ``model.safetensors``, or the shards its index names (each a
+    regular file directly in ``directory``: an index cannot point outside the folder)."""
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     if single.exists():
-        return load_file(str(single))
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(directory / f)))
-        return state
-    raise ValueError(f"load_pretrained: {directory} has neither model.safetensors nor model.safetensors.index.json "
-                     "(save with safe_serialization, the default)")
+        files = [single]
+    elif index.exists():
+        data = _read_json(index, "weights index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"load_pretrained: {str(index)!r}: 'weight_map' must map weight names to shard file "
+                             f"names, got {type(weight_map).__name__}")
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if n in ("", ".", "..") or Path(n).name != n or "\\" in n]
+        if outside:
+            raise ValueError(f"load_pretrained: {str(index)!r}: 'weight_map' names shard {outside[0]!r}, which is not "
+                             "a file name in the folder (shards sit beside the index)")
+        files = [directory / n for n in names]
+    else:
+        raise ValueError(f"load_pretrained: {directory} has neither model.safetensors nor "
+                         "model.safetensors.index.json (save with safe_serialization, the default)")
+    for f in files:
+        try:
+            regular = stat.S_ISREG(f.stat().st_mode)
+        except OSError as exc:
+            raise ValueError(f"load_pretrained: weight file {str(f)!r}: {exc.strerror or exc}") from None
+        if not regular:
+            raise ValueError(f"load_pretrained: weight file {str(f)!r} is not a regular file")
+    return files
+
+
+def _safetensors(f: Path, read: Any, *, plain: bool = False) -> Any:
+    """``read(f)`` with safetensors' own errors (a damaged header, a truncated file) as one ValueError naming
+    ``f``; unless ``plain`` (transformers' loader, whose other errors say what they are), so are the OSError,
+    ValueError and RuntimeError of reading it."""
+    foreseen = () if plain else (OSError, ValueError, RuntimeError)
+    try:
+        return read(str(f))
+    except Exception as exc:  # safetensors' SafetensorError derives from Exception only
+        if not (isinstance(exc, foreseen) or type(exc).__name__ == "SafetensorError"):
+            raise
+        raise ValueError(f"load_pretrained: {'the weights in' if plain else 'weight file'} {str(f)!r}: not a "
+                         f"readable safetensors file: {exc}") from None
+
+
+def _saved_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every saved tensor's shape, from the safetensors headers (nothing is loaded)."""
+    from safetensors import safe_open
+
+    def header(path: str) -> dict[str, tuple[int, ...]]:
+        with safe_open(path, "pt") as sf:
+            return {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()}
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        shapes.update(_safetensors(f, header))
+    return shapes
+
+
+def _state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(_safetensors(f, load_file))
+    return state
+
+
+def _check_sidecar(sidecar: Any, path: Path) -> dict[str, dict[str, Any]]:
+    """The sidecar's ``modules``, every field checked: ``ValueError`` naming the first one that is wrong."""
+    if not isinstance(sidecar, dict) or type(sidecar.get("format")) is not int or sidecar["format"] != FORMAT:
+        got = sidecar.get("format") if isinstance(sidecar, dict) else type(sidecar).__name__
+        raise ValueError(f"load_pretrained: {path} is not a headwise surgery sidecar of format {FORMAT} "
+                         f"(got format {got!r})")
+    if not isinstance(sidecar.get("plain_hf", False), bool):
+        raise ValueError(f"load_pretrained: {path}: 'plain_hf' must be true or false, got {sidecar['plain_hf']!r}")
+    modules = sidecar.get("modules")
+    if not isinstance(modules, dict):
+        raise ValueError(f"load_pretrained: {path}: 'modules' must be an object of module name -> head counts, "
+                         f"got {type(modules).__name__}")
+    for name, shape in modules.items():
+        where = f"load_pretrained: {path}: modules[{name!r}]"
+        if not isinstance(shape, dict):
+            raise ValueError(f"{where} must be an object with family, n_heads, n_kv_heads, d_head, got "
+                             f"{type(shape).__name__}")
+        if shape.get("family") not in FAMILIES:
+            raise ValueError(f"{where}.family must be one of {list(FAMILIES)}, got {shape.get('family')!r}")
+        for key in ("n_heads", "n_kv_heads", "d_head"):
+            value = shape.get(key)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{where}.{key} must be a positive int, got {value!r}")
+        h, h_kv = shape["n_heads"], shape["n_kv_heads"]
+        if h_kv > h or h % h_kv:
+            raise ValueError(f"load_pretrained: module {name!r}: n_heads={h!r}, n_kv_heads={h_kv!r} is not a valid "
+                             "head grouping")
+    return modules
+
+
+def _check_saved(name: str, family: str, shape: dict[str, int], saved: dict[str, tuple[int, ...]]) -> None:
+    """The recorded head counts must be those of the saved weights (checked before a module is resized)."""
+    h, h_kv, d_h = shape["n_heads"], shape["n_kv_heads"], shape["d_head"]
+    if family == "gpt2":
+        want = {f"{name}.c_attn.weight": (1, 3 * h * d_h)}  # Conv1D: (d, 3 h d_h)
+    elif family == "bert":
+        want = {f"{name}.self.query.weight": (0, h * d_h), f"{name}.self.key.weight": (0, h * d_h)}
+    else:
+        want = {f"{name}.q_proj.weight": (0, h * d_h), f"{name}.k_proj.weight": (0, h_kv * d_h)}
+    for key, (dim, size) in want.items():
+        got = saved.get(key)
+        if got is None:
+            raise ValueError(f"load_pretrained: the weights have no {key!r} for the recorded module {name!r}")
+        if len(got) != 2 or got[dim] != size:
+            raise ValueError(f"load_pretrained: module {name!r}: the sidecar's n_heads={h}, n_kv_heads={h_kv}, "
+                             f"d_head={d_h} do not fit the saved {key!r} of shape {got}")
 
 
 def load_pretrained(directory: str | Path, model_class: type, *, attn_implementation: str | None = None) -> nn.Module:
@@ -138,21 +262,26 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     path = directory / SIDECAR
     if not path.exists():
-        return model_class.from_pretrained(str(directory), **extra).eval()
-    sidecar = json.loads(path.read_text())
-    if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT or not isinstance(sidecar.get("modules"), dict):
-        raise ValueError(f"load_pretrained: {path} is not a headwise surgery sidecar of format {FORMAT} "
-                         f"(got format {sidecar.get('format') if isinstance(sidecar, dict) else type(sidecar).__name__})")
+        return _plain(model_class, directory, extra)
+    sidecar = _read_json(path, "sidecar")
+    modules = _check_sidecar(sidecar, path)
     if sidecar.get("plain_hf"):
-        return model_class.from_pretrained(str(directory), **extra).eval()
+        return _plain(model_class, directory, extra)
+    files = _weight_files(directory)
+    saved = _saved_shapes(files)
+    _read_json(directory / "config.json", "config")  # a regular, readable file (from_pretrained reads it again)
     config = model_class.config_class.from_pretrained(str(directory))
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(n_layers, int) and n_layers > len(modules):  # before the model is built: it would allocate them
+        raise ValueError(f"load_pretrained: {directory / 'config.json'} has num_hidden_layers={n_layers}, but the "
+                         f"sidecar records {len(modules)} attention modules")
     model = model_class(config)
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
-    for name, shape in sidecar["modules"].items():
+    for name, shape in modules.items():
         try:
             module = model.get_submodule(name)
-        except AttributeError:
+        except (AttributeError, TypeError):
             raise ValueError(f"load_pretrained: the sidecar names module {name!r}, which {model_class.__name__} "
                              "built from this config does not have") from None
         family = _family(module)
@@ -164,14 +293,17 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
             raise ValueError(f"load_pretrained: module {name!r} has d_head={now['d_head']} from the config; the "
                              f"sidecar recorded d_head={shape['d_head']}: head widths cannot be rebuilt")
         h, h_kv = shape["n_heads"], shape["n_kv_heads"]
-        if not (isinstance(h, int) and isinstance(h_kv, int) and 1 <= h_kv <= h and h % h_kv == 0):
-            raise ValueError(f"load_pretrained: module {name!r}: n_heads={h!r}, n_kv_heads={h_kv!r} is not a valid "
-                             "head grouping")
+        _check_saved(name, family, shape, saved)
         if (h, h_kv) != (now["n_heads"], now["n_kv_heads"]):
             write_host(module, family, _zeros(module, family, h, h_kv, shape["d_head"]))
     sync_llama_config(model)
-    _load_weights(model, _state_dict(directory), directory)
+    _load_weights(model, _state_dict(files), directory)
     return model.eval()
+
+
+def _plain(model_class: type, directory: Path, extra: dict[str, Any]) -> nn.Module:
+    """``model_class.from_pretrained``, a damaged safetensors file as a ValueError naming the folder."""
+    return _safetensors(directory, lambda d: model_class.from_pretrained(d, **extra), plain=True).eval()
 
 
 def _zeros(module: nn.Module, family: str, h: int, h_kv: int, d_h: int) -> HeadWeights:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
+from ..attention import MultiHeadAttention
 from .layers import Target, read
 from .weights import HeadWeights, empty_like, take_heads
 
@@ -115,4 +116,6 @@ def prune_heads(target: Any, heads: Mapping[Any, Any] | Iterable[int], *, regrou
         plan[i] = _heads(value, layer.n_heads, f"prune_heads, layer {ref!r}")
     new = {i: pruned(read(tgt.layers[i][1]), drop, regroup=regroup, where=f"prune_heads, layer {i}")
            for i, drop in plan.items() if drop}
+    if isinstance(target, MultiHeadAttention) and not new:  # nothing removed: still the copy promised
+        new = {0: read(target)}
     return tgt.apply(new)

@@ -15,6 +15,7 @@ Shapes:
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -132,10 +133,16 @@ def to_gqa(target: Any, n_kv_heads: int, *, groups: str | Sequence[Sequence[int]
 
 def _check_groups(groups: Any, h: int, n: int, where: str) -> list[list[int]]:
     try:
-        parts = [[int(j) if not isinstance(j, bool) else None for j in g] for g in groups]
+        parts = [list(g) for g in groups]
     except TypeError:
         raise TypeError(f"{where}: groups must be a list of lists of head indices, got {groups!r}") from None
-    flat = sorted(j for g in parts for j in g if j is not None)
+    for g in parts:
+        for j in g:
+            if isinstance(j, bool) or not hasattr(type(j), "__index__"):  # an int (or numpy / torch integer)
+                raise TypeError(f"{where}: group members must be int head indices, got {type(j).__name__} "
+                                f"({j!r}) in {groups!r}")
+    parts = [[operator.index(j) for j in g] for g in parts]
+    flat = sorted(j for g in parts for j in g)
     if len(parts) != n or len({len(g) for g in parts}) != 1 or flat != list(range(h)):
         raise ValueError(f"{where}: expected {n} groups of {h // n} heads covering heads 0..{h - 1} once each, "
                          f"got {groups!r}")
@@ -143,7 +150,8 @@ def _check_groups(groups: Any, h: int, n: int, where: str) -> list[list[int]]:
 
 
 def to_mha(target: Any, *, layers: Any = None) -> Any:
-    """One K/V head per query head again, each a copy of the K/V head it read (exact).
+    """One K/V head per query head again, each a copy of the K/V head it read (exact). A bare layer gives a
+    new copy (also when it already has one K/V head per query head); a model changes in place.
 
     Args:
         target: a layer or a model (as :func:`to_gqa`).
@@ -158,4 +166,6 @@ def to_mha(target: Any, *, layers: Any = None) -> Any:
         hw = read(tgt.layers[i][1])
         if hw.n_kv_heads != hw.n_heads:
             new[i] = expand_kv(hw)
+    if isinstance(target, MultiHeadAttention) and not new:  # already MHA: still the copy promised
+        new = {0: read(target)}
     return tgt.apply(new)

@@ -14,6 +14,7 @@ Shapes:
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -27,7 +28,13 @@ __all__ = ["save_png", "png_layout", "png_plan", "PngPlan"]
 PANEL_INCHES = 2.6
 LONG_PANEL_INCHES = 4.0  # one layer past LABEL_ALL tokens: larger panels
 MODEL_PANEL_INCHES = 1.3
-TITLE_INCHES = 0.9
+TITLE_INCHES = 0.9  # the least room above the panels; a longer (wrapped) title gets more
+TITLE_POINTS = 9
+# An average character of the title font, and a line of it, in inches (DejaVu Sans, matplotlib's default).
+CHAR_INCHES = TITLE_POINTS * 0.6 / 72
+LINE_INCHES = TITLE_POINTS * 1.3 / 72
+COLORBAR_INCHES = 1.0  # the column on the right that holds the colour scales
+MIN_MODEL_INCHES = 6.0  # the model view of a small model stays wide enough for its title
 LABEL_ALL = 48  # up to this many tokens every one is labelled
 MAX_LABELS = 32  # past it, at most this many labels per axis
 MAX_ROWS, MAX_COLS = 24, 16  # the model view's largest grid
@@ -35,25 +42,27 @@ MAX_ROWS, MAX_COLS = 24, 16  # the model view's largest grid
 
 def png_layout(n_heads: int, *, heads_per_row: int = 3, dpi: int = 100,
                panel_inches: float = PANEL_INCHES) -> tuple[int, int, int, int]:
-    """(rows, columns of panels, width px, height px) of one layer's figure (two panels per head).
+    """(rows, columns of panels, width px, height px) of one layer's figure (two panels per head, and the
+    colour scales on the right), with a title of up to three lines.
 
     Shapes:
         h heads -> ceil(h / heads_per_row) rows of 2 * heads_per_row panels
 
     Example:
         >>> png_layout(12)
-        (4, 6, 1560, 1130)
+        (4, 6, 1660, 1130)
     """
     per_row = min(heads_per_row, n_heads)
     rows = math.ceil(n_heads / per_row)
     cols = 2 * per_row
-    return rows, cols, round(cols * panel_inches * dpi), round((rows * panel_inches + TITLE_INCHES) * dpi)
+    return (rows, cols, round((cols * panel_inches + COLORBAR_INCHES) * dpi),
+            round((rows * panel_inches + TITLE_INCHES) * dpi))
 
 
 @dataclass
 class PngPlan:
     """What :func:`save_png` will draw: the grid, the panels ``(map index, head row, kind)``, the label
-    step, and ``notes`` naming everything left out or simplified.
+    step, ``notes`` naming everything left out or simplified, and the title wrapped to the figure's width.
 
     Shapes:
         panels: one per drawn (layer, head, kind) with kind "weights" or "writes"
@@ -67,9 +76,15 @@ class PngPlan:
     panels: list[tuple[int, int, str]]
     label_every: int
     notes: list[str] = field(default_factory=list)
+    title_lines: list[str] = field(default_factory=list)
+
+    @property
+    def title_inches(self) -> float:
+        return max(TITLE_INCHES, 0.45 + len(self.title_lines) * LINE_INCHES)
 
 
-def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi: int = 100) -> PngPlan:
+def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi: int = 100,
+             title: str | None = None) -> PngPlan:
     """The layout :func:`save_png` uses for ``maps`` (one HeadMaps: the layer view; several: the model view).
 
     Shapes:
@@ -89,13 +104,15 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
     if len(many) == 1:
         m = many[0]
         inches = PANEL_INCHES if s <= 64 else LONG_PANEL_INCHES
-        rows, cols, width, height = png_layout(m.n_heads, heads_per_row=heads_per_row, dpi=dpi, panel_inches=inches)
+        rows, cols, width, _ = png_layout(m.n_heads, heads_per_row=heads_per_row, dpi=dpi, panel_inches=inches)
         panels = [(0, i, kind) for i in range(m.n_heads) for kind in ("weights", "writes")]
+        extra = 0.0
     else:
         inches = MODEL_PANEL_INCHES
         drawn_layers, drawn_heads = min(len(many), MAX_ROWS), min(many[0].n_heads, MAX_COLS)
         rows, cols = drawn_layers, drawn_heads
-        width, height = round(cols * inches * dpi), round((rows * inches + TITLE_INCHES + 0.6) * dpi)
+        width = round(max(cols * inches + COLORBAR_INCHES + 0.5, MIN_MODEL_INCHES) * dpi)
+        extra = 0.6  # the bottom row's token labels
         panels = [(li, i, "weights") for li in range(drawn_layers) for i in range(drawn_heads)]
         notes.append("model view: attention weights only (the writes are in the one-layer picture and the HTML page)")
         if drawn_layers < len(many):
@@ -109,7 +126,23 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
     if s > pixels:
         notes.append(f"each pixel shows the largest of about {math.ceil(s / pixels)} x {math.ceil(s / pixels)} "
                      "weights (max-pooled)")
-    return PngPlan(rows, cols, width, height, inches, panels, every, notes)
+    plan = PngPlan(rows, cols, width, 0, inches, panels, every, notes)
+    plan.title_lines = _title_lines(many, plan, title, width / dpi)
+    plan.height = round((rows * inches + plan.title_inches + extra) * dpi)
+    return plan
+
+
+def _title_lines(many: list[HeadMaps], plan: PngPlan, title: str | None, width_inches: float) -> list[str]:
+    """The figure's title, wrapped so that no line is wider than the figure."""
+    one = len(many) == 1
+    head = title or (f"Layer {many[0].layer}" if one else f"Every layer ({len(many)}) x head")
+    what = ("where each head reads from (blue, attention weights) and what it writes (orange, weight x "
+            "||value W_O||, one scale for all heads)" if one else "attention weights of each head")
+    parts = [f"{head}: {what}", "rows = query tokens, columns = key tokens; colour ~ square root of the value"]
+    if plan.notes:
+        parts.append("; ".join(plan.notes))
+    chars = max(20, int((width_inches - 0.2) / CHAR_INCHES))
+    return [line for part in parts for line in textwrap.wrap(part, chars, break_on_hyphens=False)]
 
 
 def _ordinal(n: int) -> str:
@@ -157,29 +190,33 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
     if path.suffix.lower() != ".png":
         raise ValueError(f"save_png writes a .png file, got {str(path)!r}")
     many = _as_list(maps)
-    plan = png_plan(many, heads_per_row=heads_per_row, dpi=dpi)
+    plan = png_plan(many, heads_per_row=heads_per_row, dpi=dpi, title=title)
     s, tokens = len(many[0].tokens), many[0].tokens
     one = len(many) == 1
-    fig = plt.figure(figsize=(plan.width / dpi, plan.height / dpi), dpi=dpi)
+    width_in, height_in = plan.width / dpi, plan.height / dpi
+    fig = plt.figure(figsize=(width_in, height_in), dpi=dpi)
     try:
-        top = 1 - TITLE_INCHES / (plan.height / dpi)
-        bottom = min(0.3, 0.8 / (plan.height / dpi))  # room for the bottom row's rotated token labels
-        grid = fig.add_gridspec(plan.rows, plan.cols, left=0.05, right=0.99, bottom=bottom, top=top,
-                                wspace=0.45 if one else 0.15, hspace=0.45 if one else 0.25)
-        vmax_writes = max(float(m.writes.max()) for m in many) or 1.0
         ticks = list(range(0, s, plan.label_every))
         label_size = max(4.0, min(7.0, 90.0 / max(len(ticks), 1)))
+        label_in = max(len(tokens[j]) for j in ticks) * label_size * 0.6 / 72  # the longest token label
+        top = 1 - plan.title_inches / height_in
+        bottom = min(0.3, max(0.8, 0.2 + label_in) / height_in)  # room for the bottom row's rotated labels
+        left = min(0.3, (0.15 + label_in) / width_in)
+        right = 1 - COLORBAR_INCHES / width_in
+        grid = fig.add_gridspec(plan.rows, plan.cols, left=left, right=right, bottom=bottom, top=top,
+                                wspace=0.45 if one else 0.15, hspace=0.45 if one else 0.25)
+        vmax_writes = max(float(m.writes.max()) for m in many) or 1.0
+        norms = {"weights": PowerNorm(0.5, vmin=0.0, vmax=1.0), "writes": PowerNorm(0.5, vmin=0.0, vmax=vmax_writes)}
+        cmaps = {"weights": "Blues", "writes": "Oranges"}
         pixels = plan.panel_inches * dpi * 0.8
         for n, (li, i, kind) in enumerate(plan.panels):
             m = many[li]
             r, c = (divmod(n // 2, plan.cols // 2) if one else divmod(n, plan.cols))
             c = 2 * c + (kind == "writes") if one else c
-            data, vmax, cmap = ((m.weights[i], 1.0, "Blues") if kind == "weights"
-                                else (m.writes[i], vmax_writes, "Oranges"))
-            img, f = _pooled(data, pixels)
+            img, f = _pooled(m.weights[i] if kind == "weights" else m.writes[i], pixels)
             ax = fig.add_subplot(grid[r, c])
             n_px = img.shape[-1] * f
-            ax.imshow(img.numpy(), cmap=cmap, norm=PowerNorm(0.5, vmin=0.0, vmax=vmax), interpolation="nearest",
+            ax.imshow(img.numpy(), cmap=cmaps[kind], norm=norms[kind], interpolation="nearest",
                       extent=(-0.5, n_px - 0.5, n_px - 0.5, -0.5))
             ax.set_xlim(-0.5, s - 0.5)
             ax.set_ylim(s - 0.5, -0.5)
@@ -189,16 +226,34 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
             ax.set_xticks(ticks)
             ax.set_yticks(ticks)
             outer_x, outer_y = one or r == plan.rows - 1, (one and kind == "weights") or (not one and c == 0)
-            ax.set_xticklabels([tokens[j] for j in ticks] if outer_x else [], rotation=90, fontsize=label_size)
-            ax.set_yticklabels([tokens[j] for j in ticks] if outer_y else [], fontsize=label_size)
+            # parse_math=False: a token such as "$" or "$x$" is text, never matplotlib mathtext
+            ax.set_xticklabels([tokens[j] for j in ticks] if outer_x else [], rotation=90, fontsize=label_size,
+                               parse_math=False)
+            ax.set_yticklabels([tokens[j] for j in ticks] if outer_y else [], fontsize=label_size, parse_math=False)
             ax.tick_params(length=0, pad=1)
-        head = title or (f"Layer {many[0].layer}" if one else f"Every layer ({len(many)}) x head")
-        what = ("where each head reads from (blue, attention weights) and what it writes (orange, weight x "
-                "||value W_O||, one scale for all heads)" if one else "attention weights of each head")
-        notes = ("\n" + "; ".join(plan.notes)) if plan.notes else ""
-        fig.suptitle(f"{head}: {what}\nrows = query tokens, columns = key tokens; colour ~ square root of the value"
-                     f"{notes}", fontsize=9)
+        _colour_scales(fig, plt, norms, cmaps, ["weights", "writes"] if one else ["weights"],
+                       x=(width_in - COLORBAR_INCHES + 0.25) / width_in, bottom=bottom, top=top, width=0.15 / width_in)
+        fig.suptitle("\n".join(plan.title_lines), fontsize=TITLE_POINTS, parse_math=False)
         fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)
     return path
+
+
+def _colour_scales(fig, plt, norms, cmaps, kinds, *, x: float, bottom: float, top: float, width: float) -> None:
+    """One colour bar per drawn kind, stacked in the right-hand column, titled with what it measures; its
+    ticks at fixed fractions of the scale (the colours are square-root spaced)."""
+    from matplotlib.ticker import FormatStrFormatter
+
+    titles = {"weights": "weight", "writes": "write"}
+    gap = 0.12 * (top - bottom) if len(kinds) > 1 else 0.0
+    height = min((top - bottom - gap * (len(kinds) - 1)) / len(kinds), 0.5)
+    for k, kind in enumerate(kinds):
+        y = top - (k + 1) * height - k * gap
+        cax = fig.add_axes((x, y, width, height))
+        bar = fig.colorbar(plt.cm.ScalarMappable(norm=norms[kind], cmap=cmaps[kind]), cax=cax)
+        vmax = norms[kind].vmax
+        bar.set_ticks([f * vmax for f in (0.0, 0.1, 0.25, 0.5, 1.0)])
+        bar.ax.yaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+        bar.ax.tick_params(labelsize=6)
+        bar.ax.set_title(titles[kind], fontsize=7)

@@ -1,0 +1,49 @@
+"""Which adapter :func:`headwise.check` uses for a layer (:func:`adapt`).
+
+The adapters themselves live in :mod:`.adapters` (generic, headwise, ``nn.MultiheadAttention``) and
+:mod:`.hf_adapters` (Hugging Face, built on the generic ones); this module depends on both, neither on it.
+
+Shapes:
+    layer: (b, s, d) -> (b, s, d).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .adapters import Adapter, CallableAdapter, ModuleAdapter, TorchMHAAdapter
+from .hf_adapters import hf_adapter, hf_class
+
+__all__ = ["adapt"]
+
+
+def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None) -> Adapter:
+    """Pick the adapter for ``layer``: an :class:`Adapter` is used as is; headwise, torch and Hugging Face
+    attention modules get theirs; any other module or callable gets the generic convention.
+
+    ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not).
+
+    Shapes:
+        layer: (b, s, d) -> (b, s, d).
+
+    Example:
+        >>> type(adapt(nn.MultiheadAttention(8, 2))).__name__
+        'TorchMHAAdapter'
+    """
+    if isinstance(layer, Adapter):
+        if causal is not None:
+            layer.claims_causal = causal
+        return layer
+    if isinstance(layer, nn.MultiheadAttention):
+        return TorchMHAAdapter(layer, causal=bool(causal))
+    if isinstance(layer, nn.Module) and hf_class(layer) is not None:
+        return hf_adapter(layer, causal=causal)
+    if isinstance(layer, nn.Module):
+        return ModuleAdapter(layer, d_model=d_model, causal=bool(causal))
+    if callable(layer):
+        if d_model is None:
+            raise ValueError("a plain callable needs d_model= (the width of x in f(x) with x (b, s, d_model))")
+        return CallableAdapter(layer, d_model=d_model, causal=bool(causal))
+    raise TypeError(f"layer must be an attention module or a callable f(x) -> y, got {type(layer).__name__}")
