@@ -147,7 +147,10 @@ def test_a_patched_layer_with_a_broken_scale_is_caught():
 
 
 def test_a_non_finite_rotary_attention_scaling_is_refused():
-    layer = MultiHeadAttention(16, 4, rotary=RotaryEmbedding(4, attention_scaling=float("nan")))
+    with pytest.raises(ValueError, match="attention_scaling must be a positive finite float, got nan"):
+        RotaryEmbedding(4, attention_scaling=float("nan"))  # refused where it is made
+    layer = MultiHeadAttention(16, 4, rotary=RotaryEmbedding(4))
+    layer.rotary.attention_scaling = float("nan")  # set afterwards: the check refuses it
     with pytest.raises(ValueError, match="attention_scaling must be a finite number, got nan"):
         check(layer, causal=True)
     patched = _patched("llama")
