@@ -41,6 +41,7 @@ from .qk_norm import QKNormAttention, QKNormMixin
 __all__ = ["classes", "from_module", "load_into", "rotary_from_hf", "LlamaView", "QKNormLlamaView",
            "PatchedLlamaStyle"]
 
+KEY = "llama"
 NAME = "Llama-family (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention with QK-norm)"
 
 
