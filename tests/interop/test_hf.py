@@ -475,3 +475,15 @@ def test_unsupported_attention_implementation_raises():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
         patch(model)
+
+
+def test_a_rotary_emb_whose_inv_freq_is_not_a_tensor_is_refused_naming_it():
+    import types
+
+    import numpy as np
+
+    model = llama("llama-gqa", "sdpa")
+    rot = types.SimpleNamespace(inv_freq=np.ones(2), attention_scaling=1.0)
+    with pytest.raises(TypeError, match=r"^rotary_emb must be the model's rotary module, whose inv_freq is a "
+                                        r"torch.Tensor; got SimpleNamespace with inv_freq numpy.ndarray$"):
+        from_hf(model.model.layers[0].self_attn, rotary_emb=rot)

@@ -83,11 +83,23 @@ def _sizes(module: nn.Module, entry: Entry) -> tuple[int, int, int, int]:
     d_v = _count(owners, entry.d_v) or (d // h if d else None)
     if d_v is None:
         raise ValueError(f"{type(module).__name__}: cannot find its head width (looked for {entry.d_v})")
-    h_kv = _count((module,), entry.kv_heads)
+    h_kv = _count((module,), entry.kv_heads) or _kv_from_weights(module, entry, h, d_v)
     groups = _count((module,), ("num_key_value_groups",))
     if h_kv is None:
         h_kv = h // groups if groups else (_count((cfg,), entry.kv_heads) or h)
     return d or h * d_v, h, h_kv, d_v
+
+
+def _kv_from_weights(module: nn.Module, entry: Entry, h: int, d_v: int) -> int | None:
+    """K/V heads from the key projection's width (configs may carry a num_key_value_heads a family ignores)."""
+    if entry.unlocated:
+        return None
+    if entry.qkv is not None:
+        fused = getattr(module, entry.qkv, None)
+        rest = fused.out_features - h * d_v if isinstance(fused, nn.Linear) else 0
+        return rest // (2 * d_v) if rest > 0 and rest % (2 * d_v) == 0 else None
+    _, k = _linear(module, entry.k)
+    return k.out_features // d_v if k is not None and k.out_features % d_v == 0 else None
 
 
 def _rows(fused: Callable[[], nn.Linear], a: int, b: int, what: str) -> ProjectionView:
@@ -211,8 +223,9 @@ class InterfaceView(LayerView):
     def resolve(self, name: str) -> Any:
         where = self._hw_where[name]
         if isinstance(where, str):
-            raise ValueError(f"{self._hw_name or type(self.host).__name__}: {name} (and what needs it: head weight "
-                             f"views, 'result' captures, surgery) is unavailable: {where}")
+            needs = "'result' captures, head W_O views" if name == "out_proj" else "head weight views"
+            raise ValueError(f"{self._hw_name or type(self.host).__name__}: {name} (and what needs it: {needs}, "
+                             f"surgery) is unavailable: {where}")
         return where if isinstance(where, ProjectionView) else where()
 
     def sources(self) -> list[tuple[str, nn.Module]]:
