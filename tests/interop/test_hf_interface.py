@@ -13,9 +13,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import headwise.interop  # noqa: E402,F401  (registers "headwise")
-from headwise.interop.hf_interface import attention_forward  # noqa: E402
+from headwise.interop.hf_interface import attention_forward, mask  # noqa: E402
 
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 
@@ -37,9 +37,10 @@ def reference(q, k, v, mask=None, scale=None, causal=False, bias=None):
 
 
 class Module(torch.nn.Module):
-    def __init__(self, causal: bool) -> None:
+    def __init__(self, causal: bool, family: str = "llama") -> None:
         super().__init__()
         self.is_causal = causal
+        self.config = transformers.AutoConfig.for_model(family)
 
 
 def qkv(b=2, h=4, h_kv=2, s_q=5, s_kv=5, d=6, seed=0):
@@ -50,7 +51,7 @@ def qkv(b=2, h=4, h_kv=2, s_q=5, s_kv=5, d=6, seed=0):
 
 def test_importing_headwise_interop_registers_the_function_and_its_mask():
     assert ALL_ATTENTION_FUNCTIONS["headwise"] is attention_forward
-    assert ALL_MASK_ATTENTION_FUNCTIONS["headwise"] is sdpa_mask
+    assert ALL_MASK_ATTENTION_FUNCTIONS["headwise"] is mask
 
 
 def test_import_headwise_alone_does_not_import_transformers():
@@ -65,6 +66,14 @@ def test_no_mask_follows_the_module_is_causal_flag(causal):
     out, weights = attention_forward(Module(causal), q, k, v, None, scaling=0.3)
     torch.testing.assert_close(out, reference(q, k, v, scale=0.3, causal=causal).float())
     assert weights is None
+
+
+def test_no_mask_in_an_eager_only_family_attends_everywhere_as_eager_does():
+    q, k, v = qkv()
+    out, _ = attention_forward(Module(True, "pegasus_x"), q, k, v, None)
+    torch.testing.assert_close(out, reference(q, k, v).float())
+    out, _ = attention_forward(Module(False, "pegasus_x"), q, k, v, None, is_causal=True)  # the keyword wins
+    torch.testing.assert_close(out, reference(q, k, v, causal=True).float())
 
 
 def test_a_bool_mask_and_output_attentions_give_the_weights():
@@ -135,3 +144,25 @@ def test_set_attn_implementation_headwise_and_back():
         model.set_attn_implementation("sdpa")
     torch.testing.assert_close(got, want)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_causal_mask_is_skipped_only_in_families_transformers_runs_under_sdpa():
+    sdpa_family = transformers.AutoConfig.for_model("llama")
+    eager_only = transformers.AutoConfig.for_model("pegasus_x")
+    assert mask(batch_size=1, q_length=4, kv_length=4, config=sdpa_family) is None  # the kernel's is_causal
+    got = mask(batch_size=1, q_length=4, kv_length=4, config=eager_only)
+    torch.testing.assert_close(got, torch.ones(1, 1, 4, 4, dtype=torch.bool).tril())
+
+
+def test_an_eager_only_family_whose_decoder_says_is_causal_false_equals_eager():
+    cfg = transformers.AutoConfig.for_model("bigbird_pegasus", vocab_size=64, d_model=16, encoder_layers=1,
+                                            decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                                            encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.BigBirdPegasusForCausalLM(cfg).eval()
+    assert model.model.decoder.layers[0].self_attn.is_causal is False  # what its sdpa path would trust
+    with torch.no_grad():
+        want = model(IDS).logits
+        model.set_attn_implementation("headwise")
+        got = model(IDS).logits
+    torch.testing.assert_close(got, want)

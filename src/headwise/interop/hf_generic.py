@@ -18,6 +18,7 @@ Shapes:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable
@@ -253,6 +254,14 @@ class InterfaceView(LayerView):
             head.__class__ = InterleavedHead
             object.__setattr__(head, "_hw_layer", self)
         return head
+
+    def adopt_kv_heads(self, n_kv_heads: int) -> bool:
+        """Take the K/V head count transformers hands over when it could not be read from located weights (a
+        config may carry a ``num_key_value_heads`` its family ignores); False where the weights fixed it."""
+        if any(not self.located[p] for p in ("q_proj", "k_proj", "v_proj")) or self.n_heads % n_kv_heads:
+            return False
+        object.__setattr__(self, "config", dataclasses.replace(self.config, n_kv_heads=n_kv_heads))
+        return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"{type(self).__name__} of {self._hw_name or type(self.host).__name__} does not run on its "

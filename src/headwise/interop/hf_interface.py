@@ -5,7 +5,7 @@ attention module projects, normalises and rotates Q/K/V itself, then calls the r
 q ``(b, h, s_q, d_qk)``, k ``(b, h_kv, s_kv, d_qk)``, v ``(b, h_kv, s_kv, d_v)`` and the mask, and applies its
 own output projection to what comes back. Importing :mod:`headwise.interop` registers :func:`attention_forward`
 there under the name ``"headwise"``, with transformers' own ``sdpa_mask`` as its mask function (boolean masks,
-True = may attend: headwise's convention), so
+True = may attend: headwise's convention; see :func:`mask`), so
 
 * ``AutoModel.from_pretrained(..., attn_implementation="headwise")`` or
   ``model.set_attn_implementation("headwise")`` computes every head with :func:`headwise.functional.attention`;
@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -45,10 +46,34 @@ NAME = "headwise"
 def register() -> None:
     """Register :func:`attention_forward` and its mask function with transformers under :data:`NAME` (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _trusts_is_causal(config_class: type) -> bool:
+    """Whether transformers runs this family under sdpa, where a missing mask means ``module.is_causal``.
+
+    Families that run only eager always get a materialised mask: their modules' ``is_causal`` flags were never
+    read (several say False on causal decoders), and eager treats "no mask" as "attend to everything"."""
+    from transformers import MODEL_MAPPING
+
+    try:
+        return bool(getattr(MODEL_MAPPING[config_class], "_supports_sdpa", False))
+    except (KeyError, ValueError):
+        return False
+
+
+def mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' ``sdpa_mask`` (bool, True = may attend), which may return None for a purely causal mask
+    (the kernel's ``is_causal`` is faster) only in families transformers runs under sdpa."""
+    from transformers.masking_utils import sdpa_mask
+
+    if config is None or not _trusts_is_causal(type(config)):
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, config=config, **kwargs)
 
 
 def _position_bias_mask(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, s_q: int,
@@ -74,10 +99,10 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every head's attention with headwise, in transformers' attention-interface signature.
 
-    Masks and causality follow transformers' sdpa function exactly (the mask function is ``sdpa_mask``): a 4-D
+    Masks and causality follow transformers' sdpa function exactly (the mask function is :func:`mask`): a 4-D
     bool (True = may attend) or float (added) mask is used as given; without one, ``is_causal`` (the keyword, else
-    ``module.is_causal``, default True) applies when ``s_q > 1``, after cropping K/V to ``s_q`` when there are
-    more (an empty static cache's prefill). ``position_bias`` (T5's relative bias) is added to the scores.
+    ``module.is_causal``, default True, in families transformers runs under sdpa) applies when ``s_q > 1``, after
+    cropping K/V to ``s_q`` when there are more (an empty static cache's prefill). ``position_bias`` (T5's relative bias) is added to the scores.
     ``softcap`` (Gemma 2) and ``s_aux`` (attention sinks, gpt-oss) go to :func:`headwise.functional.attention`;
     ``sliding_window`` is already in the mask. The weights are computed (the eager path) when
     ``output_attentions`` is asked for or a trace captures ``"pattern"``; otherwise the fused path runs.
@@ -105,7 +130,9 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if layer is not None:
         check_heads(layer, module, query, value)
     s_q, s_kv = query.shape[2], key.shape[2]
-    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    config = getattr(module, "config", None)
+    if is_causal is None:  # eager-only families: no mask means no mask (see mask())
+        is_causal = getattr(module, "is_causal", True) and config is not None and _trusts_is_causal(type(config))
     causal = bool(is_causal) and attention_mask is None and s_q > 1
     if causal and s_kv > s_q:
         key, value = key[:, :, :s_q], value[:, :, :s_q]  # (b, h_kv, s_q, d): sdpa's top-left causal, cropped
@@ -115,7 +142,6 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if position_bias is not None:
         mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
         causal = False
-    config = getattr(module, "config", None)
     wants = bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
     if tracer is not None:
         wants = tracer.wants_weights(layer) or wants
@@ -139,7 +165,8 @@ def check_heads(layer: nn.Module, module: nn.Module, query: torch.Tensor, value:
     cfg = layer.config
     got = (query.shape[1], value.shape[1], value.shape[-1])
     want = (cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
-    if got != want:
+    adopt = getattr(layer, "adopt_kv_heads", None)
+    if got != want and not (got[::2] == want[::2] and adopt is not None and adopt(got[1])):
         raise ValueError(f"{type(module).__name__} handed headwise (h, h_kv, d_v) = {got}, but its patched layer "
                          f"was built for {want} from the module's config and weights; unpatch and patch again after "
                          "changing the module's head counts")

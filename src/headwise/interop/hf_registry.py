@@ -68,6 +68,8 @@ _MLA = ("multi-head latent attention: each head's Q, K and V come out of shared 
 ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     "phi3": Entry(qkv="qkv_proj", layout="blocks"),
     "gpt_neox": Entry(qkv="query_key_value", layout="per_head"),
+    "persimmon": Entry(qkv="query_key_value", layout="per_head"),
+    "ctrl": Entry(q=("Wq",), k=("Wk",), v=("Wv",)),
     "modernbert": Entry(qkv="Wqkv", layout="blocks"),
     "gpt_bigcode": lambda cfg: Entry(qkv="c_attn", layout="blocks" if cfg.multi_query else "per_head"),
     "codegen": Entry(unlocated="CodeGen's qkv_proj interleaves its heads over 4 model-parallel shards"),
