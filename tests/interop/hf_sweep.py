@@ -22,7 +22,7 @@ SMALL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_lay
              num_key_value_heads=2, d_model=16, n_embd=16, n_head=4, n_layer=2, num_layers=2, num_heads=4,
              d_kv=4, d_ff=32, ffn_dim=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
-             n_positions=64, image_size=16, patch_size=4, num_channels=3, pad_token_id=0, bos_token_id=1,
+             n_positions=64, max_source_positions=16, num_mel_bins=8, image_size=16, patch_size=4, num_channels=3, pad_token_id=0, bos_token_id=1,
              eos_token_id=2, decoder_start_token_id=0, num_local_experts=2, num_experts=2, num_experts_per_tok=1,
              n_routed_experts=2, moe_intermediate_size=8, n_shared_experts=1)
 # Families whose defaults outgrow SMALL (latent ranks, expert groups).
@@ -34,8 +34,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma2": dict(head_dim=4, query_pre_attn_scalar=4),
     "gemma3_text": dict(head_dim=4, query_pre_attn_scalar=4),
     "gpt_oss": dict(head_dim=4),
+    "codegen": dict(rotary_dim=2),
+    "gptj": dict(rotary_dim=2),
 }
-MAX_PARAMS = 2_000_000  # a "tiny" config that still builds this big has sizes SMALL does not reach
+MAX_PARAMS = 8_000_000  # a "tiny" config that still builds this big has sizes SMALL does not reach
 BUDGET_S = 10  # seconds per family; slower ones are listed as not run
 COLUMNS = ("model_type", "class", "patch", "equal", "trace", "result", "heads", "surgery")
 
@@ -63,6 +65,16 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:90]}".replace("|", "/")
 
 
+def _config(transformers: Any, model_type: str) -> Any:
+    """The tiny config: every SMALL size, else (a config that refuses some) only the sizes it has by default."""
+    sizes = {**SMALL, **OVERRIDES.get(model_type, {})}
+    try:
+        return transformers.AutoConfig.for_model(model_type, **sizes)
+    except Exception:  # noqa: BLE001 - retried with fewer sizes; a second failure is the row's reason
+        default = transformers.AutoConfig.for_model(model_type)
+        return transformers.AutoConfig.for_model(model_type, **{k: v for k, v in sizes.items() if hasattr(default, k)})
+
+
 def _model_class(transformers: Any, config: Any) -> type:
     for mapping in (transformers.MODEL_FOR_CAUSAL_LM_MAPPING, transformers.MODEL_MAPPING):
         with contextlib.suppress(KeyError):
@@ -79,6 +91,12 @@ def _inputs(model: Any, config: Any) -> dict[str, torch.Tensor]:
         batch = {"input_ids": ids}
         if getattr(config, "is_encoder_decoder", False):
             batch["decoder_input_ids"] = ids[:, :4]
+        return batch
+    if name == "input_features" and isinstance(getattr(config, "num_mel_bins", None), int):
+        frames = 2 * getattr(config, "max_source_positions", 16)  # Whisper's encoder halves the frames once
+        batch = {"input_features": torch.randn(2, config.num_mel_bins, frames, generator=g)}
+        if getattr(config, "is_encoder_decoder", False):
+            batch["decoder_input_ids"] = torch.randint(3, 64, (2, 4), generator=g)
         return batch
     if name == "pixel_values":
         size, channels = getattr(config, "image_size", 16), getattr(config, "num_channels", 3)
@@ -110,7 +128,7 @@ def row(model_type: str) -> dict[str, str]:
     cells["model_type"] = model_type
     try:
         with _budget(BUDGET_S):
-            config = transformers.AutoConfig.for_model(model_type, **{**SMALL, **OVERRIDES.get(model_type, {})})
+            config = _config(transformers, model_type)
             cls = _model_class(transformers, config)
             cells["class"] = cls.__name__
             with torch.device("meta"):

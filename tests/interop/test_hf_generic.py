@@ -154,3 +154,17 @@ def test_the_registry_has_one_entry_per_family():
     assert hf_registry.entry_for("llama") is hf_registry.DEFAULT
     big = transformers.AutoConfig.for_model("gpt_bigcode", multi_query=False)
     assert hf_registry.entry_for("gpt_bigcode", big).layout == "per_head"
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_neox", "opt", "deepseek_v3"])
+def test_greedy_generation_with_the_models_cache_is_unchanged(model_type):
+    model = tiny(model_type)
+    ids = torch.tensor([[0, 5, 7, 3], [2, 4, 6, 8]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    patch(model)
+    with headwise.trace(model, capture=("z",)) as t:
+        got = model.generate(ids, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(t[0].calls) == 5 and t[0].z.shape[1] == 4 + 4  # prefill + one call per new token but the last
