@@ -17,7 +17,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 
 BASE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
-EXTRA = {"phi3": dict(num_key_value_heads=2), "gpt_neox": {}, "opt": dict(ffn_dim=32, word_embed_proj_dim=16),
+EXTRA = {"phi3": dict(num_key_value_heads=2), "gpt_neox": {},
+         "mixtral": dict(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1), "opt": dict(ffn_dim=32, word_embed_proj_dim=16),
          "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
                              q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6,
                              first_k_dense_replace=0, n_group=1, topk_group=1)}
@@ -39,7 +40,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
     return model(IDS).logits
 
 
-@pytest.mark.parametrize("model_type", list(EXTRA))
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_neox", "opt", "deepseek_v3"])
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_patch_unpatch_round_trip_on_the_interface(model_type, impl):
     model = tiny(model_type, impl)
@@ -168,3 +169,37 @@ def test_greedy_generation_with_the_models_cache_is_unchanged(model_type):
         got = model.generate(ids, **kw)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(t[0].calls) == 5 and t[0].z.shape[1] == 4 + 4  # prefill + one call per new token but the last
+
+
+def test_from_hf_of_a_module_without_an_adapter_points_to_patch():
+    from headwise.interop import from_hf
+
+    module = tiny("phi3").model.layers[0].self_attn
+    with pytest.raises(TypeError, match=r"^from_hf: Phi3Attention has no family adapter \(adapters: BERT.*\); it is "
+                                        r"on transformers' attention interface, so patch\(model\) takes it over"):
+        from_hf(module)
+
+
+@pytest.mark.parametrize("model_type, drop", [("opt", [0]), ("gpt_neox", [2]), ("mixtral", [0, 1])])
+def test_write_heads_removing_heads_equals_zeroing_them(model_type, drop):
+    """The surgery seam: the host rebuilt without some heads (then patched again) computes what zeroing them
+    computes (mixtral: heads 0 and 1 are K/V group 0, so the group goes too)."""
+    model = patch(tiny(model_type))
+    with headwise.trace(model, edit={(0, h): "zero" for h in drop}), torch.no_grad():
+        want = logits(model)
+    attn = layers(model)[0][1]
+    h, h_kv, d_h, g = attn.n_heads, attn.n_kv_heads, attn.d_head, attn.config.group_size
+    keep = [i for i in range(h) if i not in drop]
+    keep_kv = sorted({i // g for i in keep})
+    rows = lambda heads: torch.cat([torch.arange(i * d_h, (i + 1) * d_h) for i in heads])  # noqa: E731
+    with torch.no_grad():
+        new = {p: (getattr(attn, p).weight[rows(keep if p == "q_proj" else keep_kv)].clone(),
+                   None if getattr(attn, p).bias is None else
+                   getattr(attn, p).bias[rows(keep if p == "q_proj" else keep_kv)].clone())
+               for p in ("q_proj", "k_proj", "v_proj")}
+        new["out_proj"] = (attn.out_proj.weight[:, rows(keep)].clone(), attn.out_proj.bias)
+        attn.write_heads(new, len(keep), len(keep_kv))
+    unpatch(model)
+    patch(model)
+    assert (layers(model)[0][1].n_heads, layers(model)[0][1].n_kv_heads) == (len(keep), len(keep_kv))
+    torch.testing.assert_close(logits(model), want)

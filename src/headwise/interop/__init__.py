@@ -2,8 +2,10 @@
 
 * :mod:`headwise.interop.torch_mha`: ``torch.nn.MultiheadAttention`` (``from_torch`` / ``to_torch``; ``share=True``
   for a view of the module's own parameters).
-* :mod:`headwise.interop.hf`: Hugging Face BERT, GPT-2, Llama/Mistral/Qwen2 and Qwen3 attention (``patch`` /
-  ``unpatch`` / ``from_hf`` / ``to_hf`` / ``layers``); needs the optional ``transformers`` package.
+* :mod:`headwise.interop.hf`: Hugging Face attention (``patch`` / ``unpatch`` / ``from_hf`` / ``to_hf`` /
+  ``layers``): adapters for BERT, GPT-2, Llama/Mistral/Qwen2/Qwen3, and every other module on transformers'
+  attention interface (:mod:`headwise.interop.hf_generic`, located by :mod:`headwise.interop.hf_registry`);
+  needs the optional ``transformers`` package.
 * :mod:`headwise.interop.qk_norm`: per-head Q/K normalisation (Qwen3's QK-norm) for layers and heads.
 * :mod:`headwise.interop.hf_interface`: headwise as a transformers attention implementation,
   ``attn_implementation="headwise"``.

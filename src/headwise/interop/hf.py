@@ -1,4 +1,4 @@
-"""Hugging Face interop: take over the attention of BERT, GPT-2 and Llama-family models, and give it back.
+"""Hugging Face interop: take over the attention of transformers models, and give it back.
 
 * :func:`from_hf` / :func:`to_hf`: one HF attention module <-> one :class:`MultiHeadAttention` (copies).
 * :func:`patch` / :func:`unpatch`: make every supported attention module of a model compute with headwise, in
@@ -14,9 +14,13 @@ Supported modules (the per-family name maps are in :mod:`~headwise.interop.hf_be
   explicit ``head_dim``, biases, rotary from ``rope_parameters``, Qwen3's per-head Q/K RMSNorm; sliding-window
   layers work because HF's masks carry the window).
 
-Models must use ``attn_implementation`` ``"eager"`` or ``"sdpa"``; flash/flex attention raise ``ValueError``
-before anything changes. transformers
-is imported only here and in the family modules (``pip install headwise[hf]``).
+Every other module whose forward calls transformers' attention interface is patched on the generic path
+(:mod:`~headwise.interop.hf_generic`, projections located by :mod:`~headwise.interop.hf_registry`): the model's
+attention implementation becomes ``"headwise"`` (:mod:`~headwise.interop.hf_interface`).
+
+Models must use ``attn_implementation`` ``"eager"``, ``"sdpa"`` or ``"headwise"``; flash/flex attention raise
+``ValueError`` before anything changes. transformers is imported only by the interop modules
+(``pip install headwise[hf]``).
 
 Shapes:
     b: batch, s: sequence, h: query heads, h_kv: key/value heads, d: model width, d_h: head width.
@@ -94,7 +98,13 @@ def _unsupported(module: object, what: str) -> Exception:
     if isinstance(module, (self_cls, cross_cls)):
         return TypeError(f"{what}: {name} holds only W_Q, W_K, W_V (W_O is the sibling BertSelfOutput.dense); "
                          "pass the enclosing BertAttention (e.g. model.encoder.layer[0].attention)")
-    return TypeError(f"{what}: {name} is not a supported attention module; supported: {_supported()}")
+    from . import hf_generic
+
+    adapters = "; ".join(family.NAME for family, _ in _families())
+    if hf_generic.is_target(module):
+        return TypeError(f"{what}: {name} has no family adapter (adapters: {adapters}); it is on transformers' "
+                         "attention interface, so patch(model) takes it over and layers(model) gives its heads")
+    return TypeError(f"{what}: {name} is not a supported attention module; supported: {adapters}")
 
 
 def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:

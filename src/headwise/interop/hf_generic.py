@@ -103,6 +103,20 @@ def _kv_from_weights(module: nn.Module, entry: Entry, h: int, d_v: int) -> int |
     return k.out_features // d_v if k is not None and k.out_features % d_v == 0 else None
 
 
+class Path:
+    """A projection found at ``path`` below ``owner``, looked up on every call (it may be replaced)."""
+
+    def __init__(self, owner: nn.Module, path: str) -> None:
+        self.owner, self.path = owner, path
+
+    def __call__(self) -> nn.Module:
+        return self.owner.get_submodule(self.path)
+
+    def replace(self, new: nn.Module) -> None:
+        parent, _, attr = self.path.rpartition(".")
+        setattr(self.owner.get_submodule(parent) if parent else self.owner, attr, new)
+
+
 def _rows(fused: Callable[[], nn.Linear], a: int, b: int, what: str) -> ProjectionView:
     def weight() -> torch.Tensor:
         return fused().weight[a:b]
@@ -163,7 +177,7 @@ def _locate_qkv(module: nn.Module, entry: Entry, h: int, h_kv: int, d_v: int) ->
         return {}, f"{owner}: the projections have {got} outputs, h={h}, h_kv={h_kv}, d_h={d_v} need {want}"
     if len({q.bias is None, k.bias is None, v.bias is None}) != 1:
         return {}, f"{owner}: some of {qn}, {kn}, {vn} have a bias and some do not"
-    return {hw: (lambda path=name: module.get_submodule(path)) for hw, (name, _) in found.items()}, ""
+    return {hw: Path(module, name) for hw, (name, _) in found.items()}, ""
 
 
 def _locate_o(module: nn.Module, parent: nn.Module | None, entry: Entry, d: int, inner: int) -> tuple[Any, str]:
@@ -172,7 +186,7 @@ def _locate_o(module: nn.Module, parent: nn.Module | None, entry: Entry, d: int,
             continue
         name, o = _linear(owner, names)
         if o is not None and o.in_features == inner and o.out_features == d:
-            return (lambda owner=owner, path=name: owner.get_submodule(path)), ""
+            return Path(owner, name), ""
     where = f"{entry.o} on {type(module).__name__}" + (f" or {entry.o_parent} on {type(parent).__name__}"
                                                       if parent is not None else "")
     return None, f"no nn.Linear ({d}, {inner}) named {where}"
@@ -255,6 +269,56 @@ class InterfaceView(LayerView):
             object.__setattr__(head, "_hw_layer", self)
         return head
 
+    def write_heads(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], n_heads: int,
+                    n_kv_heads: int) -> None:
+        """Give the host module new projections holding ``weights`` (``{q_proj, k_proj, v_proj, out_proj:
+        (weight (out, in), bias)}``) for ``n_heads`` / ``n_kv_heads`` heads of this layer's width (the seam for
+        head surgery): new modules under the same names (a fused Q/K/V in its own layout), and the host's head
+        counts set where the module and this view read them. Patch the model again afterwards. A family whose
+        forward reads head counts from the model's shared config (Phi-3 splits ``qkv_proj`` at
+        ``config.num_attention_heads``) needs that config changed too, for every layer alike.
+
+        Shapes:
+            q_proj (h * d_h, d), k_proj / v_proj (h_kv * d_h, d), out_proj (d, h * d_h)
+        """
+        for hw in PROJECTIONS:
+            self.resolve(hw)  # refuse, with the reason, what is not located
+        d_h, host = self.d_head, self.host
+        (qw, qb), (kw, kb), (vw, vb) = (weights[p] for p in ("q_proj", "k_proj", "v_proj"))
+        if (qw.shape[0], kw.shape[0], vw.shape[0]) != (n_heads * d_h, n_kv_heads * d_h, n_kv_heads * d_h):
+            raise ValueError(f"write_heads: Q/K/V rows {qw.shape[0]}, {kw.shape[0]}, {vw.shape[0]} do not hold "
+                             f"h={n_heads}, h_kv={n_kv_heads} heads of d_h={d_h}")
+        new = {}
+        if self._hw_layout == "split":
+            new.update({p: (w, b) for p, (w, b) in zip(("q_proj", "k_proj", "v_proj"), ((qw, qb), (kw, kb), (vw, vb)))})
+        else:
+            if self._hw_layout == "per_head":
+                if n_heads != n_kv_heads:
+                    raise ValueError(f"write_heads: a head-interleaved Q/K/V needs h == h_kv, got {n_heads}, "
+                                     f"{n_kv_heads}")
+                rows = [t.view(n_heads, 1, d_h, -1) for t in (qw, kw, vw)]
+                fused_w = torch.cat(rows, 1).reshape(3 * n_heads * d_h, -1)
+                fused_b = None if qb is None else torch.cat([t.view(n_heads, 1, d_h) for t in (qb, kb, vb)], 1
+                                                            ).reshape(-1)
+            else:
+                fused_w = torch.cat([qw, kw, vw])
+                fused_b = None if qb is None else torch.cat([qb, kb, vb])
+            fused = getattr(host, self._hw_fused)
+            setattr(host, self._hw_fused, _new_linear(fused_w, fused_b, fused))
+        ow, ob = weights["out_proj"]
+        new["out_proj"] = (ow, ob)
+        for p, (w, b) in new.items():
+            where = self._hw_where[p]
+            where.replace(_new_linear(w, b, where()))
+        for names, value in ((("num_heads", "num_attention_heads", "n_heads", "n_head"), n_heads),
+                             (("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads"), n_kv_heads),
+                             (("num_key_value_groups",), n_heads // n_kv_heads),
+                             (("all_head_size", "inner_dim"), n_heads * d_h)):
+            for name in names:
+                if isinstance(getattr(host, name, None), int):
+                    setattr(host, name, value)
+        host.num_heads, host.num_key_value_heads = n_heads, n_kv_heads  # what the next patch reads first
+
     def adopt_kv_heads(self, n_kv_heads: int) -> bool:
         """Take the K/V head count transformers hands over when it could not be read from located weights (a
         config may carry a ``num_key_value_heads`` its family ignores); False where the weights fixed it."""
@@ -305,3 +369,13 @@ class InterleavedHead(AttentionHead):
 class PatchedInterface:
     """Mixin of a module patched on the generic path: no forward of its own (the module's computes, and its
     attention interface call reaches headwise)."""
+
+
+def _new_linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> nn.Linear:
+    """A new ``nn.Linear`` holding copies of ``weight`` / ``bias`` on ``like``'s device, dtype and mode."""
+    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(weight)
+        if bias is not None:
+            new.bias.copy_(bias)
+    return new.train(like.training)
