@@ -203,3 +203,15 @@ def test_write_heads_removing_heads_equals_zeroing_them(model_type, drop):
     patch(model)
     assert (layers(model)[0][1].n_heads, layers(model)[0][1].n_kv_heads) == (len(keep), len(keep_kv))
     torch.testing.assert_close(logits(model), want)
+
+
+def test_an_adapter_family_loaded_with_the_headwise_implementation_patches_and_matches_eager():
+    from tests.interop.tiny_models import build, inputs, output
+
+    eager, model = build("llama", "eager"), build("llama", "headwise")
+    batch = inputs(4)
+    patch(model)
+    assert [how for _, _, how in layers(model, how=True)] == ["adapter:llama"] * 2
+    got, want = output(model, batch), output(eager, batch)
+    keep = batch["attention_mask"].bool()  # padded queries read nothing: eager averages, headwise gives zeros
+    torch.testing.assert_close(got[keep], want[keep])
