@@ -215,3 +215,22 @@ def test_an_adapter_family_loaded_with_the_headwise_implementation_patches_and_m
     got, want = output(model, batch), output(eager, batch)
     keep = batch["attention_mask"].bool()  # padded queries read nothing: eager averages, headwise gives zeros
     torch.testing.assert_close(got[keep], want[keep])
+
+
+@pytest.mark.parametrize("model_type, fused", [("phi3", "qkv_proj"), ("gpt_neox", "query_key_value")])
+def test_a_deep_copy_and_a_pickle_of_a_patched_model_view_their_own_weights(model_type, fused, tmp_path):
+    import copy
+
+    model = patch(tiny(model_type))
+    want = logits(model)
+    torch.save(model, tmp_path / "m.pt")
+    for again in (copy.deepcopy(model), torch.load(tmp_path / "m.pt", weights_only=False)):
+        name, attn = layers(again)[0]
+        weight = getattr(again.get_submodule(name), fused).weight
+        assert attn.head(0).w_q.data_ptr() == weight.data_ptr()  # the copy's storage, not the original's
+        torch.testing.assert_close(logits(again), want, rtol=0, atol=0)
+        with torch.no_grad():
+            weight.zero_()
+        assert layers(again)[0][1].q_proj.weight.abs().sum() == 0
+        torch.testing.assert_close(logits(model), want, rtol=0, atol=0)  # the original is untouched
+        assert unpatch(again).config._attn_implementation == "sdpa"

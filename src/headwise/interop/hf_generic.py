@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -117,28 +117,32 @@ class Path:
         setattr(self.owner.get_submodule(parent) if parent else self.owner, attr, new)
 
 
-def _rows(fused: Callable[[], nn.Linear], a: int, b: int, what: str) -> ProjectionView:
-    def weight() -> torch.Tensor:
-        return fused().weight[a:b]
+class FusedRows:
+    """One projection's rows of a fused Q/K/V ``host.<name>``, read on every access: a block ``[a, b)``, or
+    (``interleaved``) rows ``j`` of each of ``h`` heads of ``d_h`` (head-major ``[q_i, k_i, v_i]``: not one slice,
+    so that weight is a copy). An object, not a closure, so a deep copy or a pickle of the model follows its
+    own host."""
 
-    def bias() -> torch.Tensor | None:
-        t = fused().bias
-        return None if t is None else t[a:b]
+    def __init__(self, host: nn.Module, name: str, a: int = 0, b: int = 0, *, interleaved: tuple[int, int, int]
+                 | None = None) -> None:
+        self.host, self.name, self.a, self.b, self.interleaved = host, name, a, b, interleaved
 
-    return ProjectionView(weight, bias, what=what)
-
-
-def _interleaved(fused: Callable[[], nn.Linear], h: int, d_h: int, j: int, what: str) -> ProjectionView:
-    # Head-major rows [q_0, k_0, v_0, q_1, ...]: one projection's rows are not one slice, so this is a copy.
-    def weight() -> torch.Tensor:
-        w = fused().weight
+    def weight(self) -> torch.Tensor:
+        w = getattr(self.host, self.name).weight
+        if self.interleaved is None:
+            return w[self.a:self.b]
+        h, d_h, j = self.interleaved
         return w.view(h, 3, d_h, w.shape[-1])[:, j].reshape(h * d_h, w.shape[-1])
 
-    def bias() -> torch.Tensor | None:
-        t = fused().bias
-        return None if t is None else t.view(h, 3, d_h)[:, j].reshape(h * d_h)
+    def bias(self) -> torch.Tensor | None:
+        t = getattr(self.host, self.name).bias
+        if t is None or self.interleaved is None:
+            return None if t is None else t[self.a:self.b]
+        h, d_h, j = self.interleaved
+        return t.view(h, 3, d_h)[:, j].reshape(h * d_h)
 
-    return ProjectionView(weight, bias, what=what)
+    def view(self, what: str) -> ProjectionView:
+        return ProjectionView(self.weight, self.bias, what=what)
 
 
 def _locate_qkv(module: nn.Module, entry: Entry, h: int, h_kv: int, d_v: int) -> tuple[dict[str, Any], str]:
@@ -153,17 +157,14 @@ def _locate_qkv(module: nn.Module, entry: Entry, h: int, h_kv: int, d_v: int) ->
             got = fused.out_features if isinstance(fused, nn.Linear) else type(fused).__name__
             return {}, f"{owner}.{entry.qkv} is not an nn.Linear with (h + 2 h_kv) d_h = {want} outputs (got {got})"
         name = entry.qkv
-
-        def get() -> nn.Linear:
-            return getattr(module, name)
-
         if entry.layout == "blocks":
             q, k = h * d_v, (h + h_kv) * d_v
-            return {"q_proj": _rows(get, 0, q, f"{name}[:{q}]"), "k_proj": _rows(get, q, k, f"{name}[{q}:{k}]"),
-                    "v_proj": _rows(get, k, want, f"{name}[{k}:]")}, ""
+            return {"q_proj": FusedRows(module, name, 0, q).view(f"{name}[:{q}]"),
+                    "k_proj": FusedRows(module, name, q, k).view(f"{name}[{q}:{k}]"),
+                    "v_proj": FusedRows(module, name, k, want).view(f"{name}[{k}:]")}, ""
         if h_kv != h:
             return {}, f"{owner}.{name}: a head-interleaved Q/K/V layout needs h_kv == h, got {h_kv} and {h}"
-        return {p: _interleaved(get, h, d_v, j, f"{name} ({'qkv'[j]} rows of each head)")
+        return {p: FusedRows(module, name, interleaved=(h, d_v, j)).view(f"{name} ({'qkv'[j]} rows of each head)")
                 for j, p in enumerate(("q_proj", "k_proj", "v_proj"))}, ""
     found = {hw: _linear(module, names) for hw, names in (("q_proj", entry.q), ("k_proj", entry.k),
                                                           ("v_proj", entry.v))}
