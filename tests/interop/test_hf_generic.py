@@ -234,3 +234,25 @@ def test_a_deep_copy_and_a_pickle_of_a_patched_model_view_their_own_weights(mode
         assert layers(again)[0][1].q_proj.weight.abs().sum() == 0
         torch.testing.assert_close(logits(model), want, rtol=0, atol=0)  # the original is untouched
         assert unpatch(again).config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "opt"])
+def test_output_attentions_of_a_patched_model_are_the_eager_weights(model_type):
+    plain = tiny(model_type, "eager")
+    model = patch(tiny(model_type, "sdpa"))
+    with torch.no_grad():
+        want, got = plain(IDS, output_attentions=True).attentions, model(IDS, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_neox", "deepseek_v3"])
+def test_training_gradients_through_the_interface_equal_the_unpatched_models(model_type):
+    plain, model = tiny(model_type), patch(tiny(model_type))
+    for m in (plain, model):
+        m.train()
+        m(IDS, labels=IDS).loss.backward()
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=name)

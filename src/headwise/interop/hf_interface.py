@@ -105,7 +105,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     cropping K/V to ``s_q`` when there are more (an empty static cache's prefill). ``position_bias`` (T5's relative bias) is added to the scores.
     ``softcap`` (Gemma 2) and ``s_aux`` (attention sinks, gpt-oss) go to :func:`headwise.functional.attention`;
     ``sliding_window`` is already in the mask. The weights are computed (the eager path) when
-    ``output_attentions`` is asked for or a trace captures ``"pattern"``; otherwise the fused path runs.
+    ``output_attentions`` is asked for (as a keyword, or by the model recording them) or a trace captures
+    ``"pattern"``; otherwise the fused path runs.
 
     In a module patched by :func:`headwise.interop.patch`, the layer's tracer sees q, k, v (and may replace
     them) and the per-head context before the module's output projection (and may edit it).
@@ -142,7 +143,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if position_bias is not None:
         mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
         causal = False
-    wants = bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
+    wants = bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False))) or _recording()
     if tracer is not None:
         wants = tracer.wants_weights(layer) or wants
         edited = tracer.qkv(layer, query, key, value)
@@ -158,6 +159,17 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if tracer is not None:
         z = tracer.context(layer, z, weights)  # (b, h, s_q, d_v), possibly edited
     return z.transpose(1, 2).contiguous(), weights  # (b, s_q, h, d_v)
+
+
+def _recording() -> bool:
+    """Whether the running model records attention weights (``output_attentions=True`` that its layers do not
+    pass down: transformers collects the modules' returned weights through its output-capturing hooks)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - another transformers layout: the keyword still works
+        return False
+    collected = _active_collector.get()
+    return isinstance(collected, dict) and any(k.endswith("attentions") for k in collected)
 
 
 def check_heads(layer: nn.Module, module: nn.Module, query: torch.Tensor, value: torch.Tensor) -> None:
