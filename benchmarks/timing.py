@@ -1,13 +1,16 @@
-"""Interleaved timing: every entry of a group runs on the same inputs, round after round, in rotating order,
-so slow drift of a shared machine (other processes, clocks, thermals) lands on every entry alike.
+"""Interleaved timing with an honest-peer check.
 
-Each round times one block of ``number`` calls per entry with ``torch.utils.benchmark.Timer`` (which also
-pins the thread count); the statistics are over rounds: median, min, max, and every round's time is kept
-(``round_s``) so that two entries can be compared round by round (:mod:`benchmarks.ratios`).
+A :class:`Group` is a set of entries that compute the same thing on the same inputs. :func:`run_group` calls
+each entry once (warm-up), checks every entry's output against its reference entry's, then times
+``rounds`` rounds; each round times one block of calls per entry, the entries in rotating order, so slow
+drift of a shared machine lands on every entry alike. With ``memory=True`` it also measures each entry's peak
+resident memory above what was resident before the call.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 import statistics
 import time
@@ -15,150 +18,109 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.utils.benchmark import Timer
 
-from headwise.buffers import fresh_empty, huge_pages_advised
-
-__all__ = ["Entry", "Group", "run_group", "ticks", "refresh_memory", "forward_flops"]
+__all__ = ["Entry", "Group", "run_group", "compare", "peak_rss_above"]
 
 
 @dataclass
 class Entry:
     """One implementation in a comparison.
 
-    ``fn`` is the timed call; its return value (the first call's) is compared with the headwise entry's
-    when the group has a tolerance. ``reset`` (untimed) runs before the warm-up and before every round
-    (decoding rewinds its cache there). ``number`` fixes the calls per block (else calibrated).
+    ``fn`` is the timed call. Its first call's output is compared with entry ``ref``'s (default: the group's
+    first entry) unless ``compare`` is False. ``reset`` (untimed) runs before the warm-up and before every
+    block (a decoder rewinds its cache there). ``number`` fixes the calls per block (else calibrated).
     """
 
     name: str
     fn: Callable[[], Any]
-    role: str = "peer"  # "headwise", "limit" (the practical limit) or "peer"
+    ref: str | None = None
+    compare: bool = True
     reset: Callable[[], None] | None = None
     number: int | None = None
     note: str = ""
-    compare: bool = True
-    ref: str | None = None  # the headwise entry this one is compared with (default: the role "headwise" one)
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
 class Group:
-    """A set of entries measured together on identical inputs."""
+    """Entries measured together; ``key`` names the group for the goals, ``base`` is the entry every table
+    ratio divides by, ``tol`` the (rtol, atol) of the output check."""
 
-    case: str
-    name: str
+    key: str
+    title: str
     entries: list[Entry]
-    rounds: int = 3
+    base: str
+    rounds: int = 5
     block_s: float = 0.2
-    tol: tuple[float, float] | None = (1e-4, 1e-4)
-    flops: float | None = None
-    meta: dict = field(default_factory=dict)
+    tol: tuple[float, float] = (2e-4, 2e-5)
+    memory: bool = False
     notes: list[str] = field(default_factory=list)
 
 
-def forward_flops(b: int, s: int, d: int, inner: int, kv: int, causal: bool = False) -> float:
-    """FLOPs of one self-attention forward: the four projections plus 4 * b * s^2 * inner for attention
-    (half of it when causal, the part a causal kernel computes).
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
 
-    Shapes:
-        x: (b, s, d); inner = h * d_h; kv = h_kv * d_h
+
+def compare(out: Any, ref: Any, tol: tuple[float, float]) -> tuple[float, bool]:
+    """(largest |out - ref| over every tensor, whether each tensor is within ``atol + rtol * max|ref|``).
+
+    Outputs are tensors or (nested) lists of tensors; a different count or shape is a mismatch.
 
     Example:
-        >>> forward_flops(1, 2, 4, 4, 4)
-        320.0
+        >>> compare([torch.ones(2)], [torch.ones(2) + 1e-6], (1e-4, 0.0))
+        (9.5367431640625e-07, True)
+        >>> compare(torch.ones(2), torch.ones(3), (1e-4, 0.0))
+        (inf, False)
     """
-    proj = 2 * b * s * d * (2 * inner + 2 * kv)  # q, o: d x inner; k, v: d x kv_dim
-    attn = 4 * b * s * s * inner * (0.5 if causal else 1.0)
-    return float(proj + attn)
+    a, b = _tensors(out), _tensors(ref)
+    if not a or len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return math.inf, False
+    diff, ok = 0.0, True
+    for x, y in zip(a, b):
+        x, y = x.detach().double(), y.detach().double()
+        d = float((x - y).abs().max()) if x.numel() else 0.0
+        diff = max(diff, d)
+        ok = ok and d <= tol[1] + tol[0] * (float(y.abs().max()) if y.numel() else 0.0)
+    return diff, ok
 
 
-def refresh_memory(*modules: Any, huge_pages: bool | None = None) -> None:
-    """Give every parameter and buffer of ``modules`` a freshly allocated copy, in order (tensors that share a
-    storage, such as headwise's packed W_Q, W_K, W_V, get one new shared storage with the same layout).
-
-    On a virtualised machine a GEMV over weights allocated early in a process can run slower than over a
-    later copy of the same weights (docs/benchmarks.md). Every group builds headwise first and
-    its peers by copying headwise's weights, which would hand the peers the faster memory; re-allocating
-    every entry's tensors after all are built removes that bias.
-
-    Each copy keeps its original's page advice: headwise advises its large weights and caches onto huge
-    pages (:mod:`headwise.buffers`), a peer's tensors come from the allocator as a user's would.
-    ``huge_pages=True`` advises every large copy (a peer given huge pages on purpose).
-    """
-    seen: set[int] = set()
-    fresh: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # one new copy per storage: shared storage stays shared
-    with torch.no_grad():
-        for m in modules:
-            if isinstance(m, torch.nn.Module):
-                tensors = [*m.parameters(), *m.buffers()]
-            else:  # e.g. a KVCache that is not a module: its tensor attributes
-                tensors = [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
-            for t in tensors:
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                storage = t.untyped_storage()
-                key = (storage.data_ptr(), t.dtype)
-                if key not in fresh:
-                    whole = torch.empty(0, dtype=t.dtype, device=t.device)
-                    whole.set_(storage, 0, (storage.nbytes() // t.element_size(),))
-                    if huge_pages or (huge_pages is None and huge_pages_advised(whole)):
-                        fresh[key] = fresh_empty(whole.shape, whole.dtype, whole.device).copy_(whole)
-                    else:
-                        fresh[key] = whole.clone()
-                t.data = fresh[key].as_strided(t.shape, t.stride(), t.storage_offset())
-
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
+def _status_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     return None
 
 
-def _check(group: Group, outputs: dict[str, Any]) -> dict[str, float | None]:
-    """Max |difference| of every entry's output from the headwise entry's (None: not comparable)."""
-    main = next((e.name for e in group.entries if e.role == "headwise"), None)
-    diffs: dict[str, float | None] = {}
-    for e in group.entries:
-        if e.ref is None and e.role.startswith("headwise") and e.role != "headwise-compiled":
-            diffs[e.name] = None  # a headwise reference itself (another layer than the main one)
-            continue
-        ref_name = e.ref or main
-        ref = _first_tensor(outputs.get(ref_name)) if ref_name else None
-        out = _first_tensor(outputs.get(e.name))
-        if ref is None or out is None or not e.compare or out.shape != ref.shape:
-            diffs[e.name] = None
-            continue
-        diffs[e.name] = float((out.detach().double() - ref.detach().double()).abs().max())
-    return diffs
-
-
-def _time_block(timer: Timer, number: int, threads: int) -> float:
-    """Seconds per call of one block of ``number`` calls.
-
-    ``Timer.timeit`` first runs at least two untimed calls per block, which triples the cost of a
-    seconds-long call; every entry here is warmed up once per group instead, so the block is timed with
-    the Timer's own clock and thread setting directly (its public call where that is unavailable).
-    """
+def peak_rss_above(fn: Callable[[], Any]) -> int | None:
+    """Bytes the resident set rose above its level before ``fn()`` at its highest during the call, its
+    output included (Linux: freed heap is returned first, then the high-water mark is reset through
+    ``/proc/self/clear_refs``); None where that is unavailable."""
+    gc.collect()
     try:
-        from torch.utils.benchmark.utils.common import set_torch_threads
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, AttributeError):
+        return None
+    before = _status_kib("VmRSS")
+    out = fn()
+    peak = _status_kib("VmHWM")
+    del out
+    return None if before is None or peak is None else max(0, peak - before) * 1024
 
-        with set_torch_threads(threads):
-            return timer._timeit(number) / number
-    except (ImportError, AttributeError):  # pragma: no cover - private API moved in another torch version
-        return timer.timeit(number).mean
 
+def run_group(group: Group) -> dict:
+    """Warm up and check every entry, then time ``group.rounds`` interleaved rounds; a JSON-ready dict.
 
-def run_group(group: Group, *, advance: Callable[[str], None] | None = None) -> dict:
-    """Warm up (and check) every entry, then time ``group.rounds`` interleaved rounds.
-
-    Returns a plain dict (JSON-ready): per entry median/min/max seconds per call, calls per block, the
-    output difference from headwise, and whether it is within the group's tolerance.
+    Each entry's ``round_s`` is one list (this process) of seconds per call, one per round.
     """
-    threads = torch.get_num_threads()
     outputs: dict[str, Any] = {}
     numbers: dict[str, int] = {}
     for e in group.entries:
@@ -166,44 +128,38 @@ def run_group(group: Group, *, advance: Callable[[str], None] | None = None) -> 
             e.reset()
         t0 = time.perf_counter()
         outputs[e.name] = e.fn()
-        warm = time.perf_counter() - t0
-        numbers[e.name] = e.number or max(1, math.ceil(group.block_s / max(warm, 1e-7)))
-        if advance is not None:
-            advance(f"{group.name}: warm {e.name}")
-    diffs = _check(group, outputs)
-    scales = {name: float(t.detach().abs().max()) for name, out in outputs.items()
-              if (t := _first_tensor(out)) is not None and t.numel()}
+        numbers[e.name] = e.number or max(1, math.ceil(group.block_s / max(time.perf_counter() - t0, 1e-7)))
+    first = group.entries[0].name
+    checks = {}
+    for e in group.entries:
+        ref = e.ref or first
+        if e.compare and e.name != ref:
+            checks[e.name] = (ref, *compare(outputs[e.name], outputs[ref], group.tol))
     del outputs
 
     times: dict[str, list[float]] = {e.name: [] for e in group.entries}
-    timers = {e.name: Timer("fn()", globals={"fn": e.fn}, num_threads=threads) for e in group.entries}
     n = len(group.entries)
     for r in range(group.rounds):
-        order = group.entries[r % n:] + group.entries[:r % n]
-        for e in order:
+        for e in group.entries[r % n:] + group.entries[:r % n]:
             if e.reset is not None:
                 e.reset()
-            times[e.name].append(_time_block(timers[e.name], numbers[e.name], threads))
-            if advance is not None:
-                advance(f"{group.name}: {e.name}")
+            calls = numbers[e.name]
+            fn = e.fn
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[e.name].append((time.perf_counter() - t0) / calls)
 
     rows = []
     for e in group.entries:
-        ts = times[e.name]
-        diff = diffs[e.name]
-        ok = None
-        if diff is not None and group.tol is not None:
-            ok = diff <= group.tol[1] + group.tol[0] * scales.get(e.name, 1.0)
-        rows.append({
-            "name": e.name, "role": e.role, "median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
-            "rounds": len(ts), "round_s": ts, "calls_per_round": numbers[e.name], "max_abs_diff_vs_headwise": diff,
-            "matches_headwise": ok, "vs": e.ref, "note": e.note,
-            **{k: (v() if callable(v) else v) for k, v in e.extra.items()},
-        })
-    return {"case": group.case, "group": group.name, "threads": threads, "flops": group.flops,
-            "meta": group.meta, "notes": list(group.notes), "entries": rows}
-
-
-def ticks(group: Group) -> int:
-    """Progress-bar steps one group takes (warm-up plus every timed block)."""
-    return len(group.entries) * (group.rounds + 1)
+        ref, diff, ok = checks.get(e.name, (None, None, None))
+        peak = None
+        if group.memory:
+            if e.reset is not None:
+                e.reset()
+            peak = peak_rss_above(e.fn)
+        rows.append({"name": e.name, "note": e.note, "round_s": [times[e.name]], "calls": numbers[e.name],
+                     "median_s": statistics.median(times[e.name]), "checked_against": ref,
+                     "max_abs_diff": diff, "matches": ok, "peak_bytes": peak})
+    return {"key": group.key, "title": group.title, "base": group.base, "threads": torch.get_num_threads(),
+            "notes": list(group.notes), "entries": rows}

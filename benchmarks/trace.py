@@ -1,186 +1,214 @@
-"""Case ``trace``: what seeing every head costs (issue 16).
+"""What seeing every head costs: ``headwise.trace`` on a patched GPT-2-shaped model against a plain forward
+of the unpatched model and against the peers researchers use, each capturing the same tensors.
 
-* ``trace result``: a forward that captures every head's residual write (``headwise.trace(capture=
-  ("result",))``, h GEMMs after the fused attention) vs the plain forward of the same layer; plus the
-  extra peak memory of the traced forward over the plain one (each measured in a fresh process, RSS
-  high-water mark as in :mod:`benchmarks.memory`) against the size of the result tensor itself.
-* ``trace sweep``: :func:`headwise.patching.head_effects` (batched over heads) vs the brute-force loop of
-  one traced forward per (layer, head), on all-MiniLM-L6-v2 (6 x 12 heads; a tiny random BERT at quick
-  sizes), metric: cosine of two sentences' mean-pooled embeddings.
-* TransformerLens 3.9.0 (the dev extra installs it beside our pins): the same layer as a one-layer
-  attention-only ``HookedTransformer`` (:func:`benchmarks.peers.transformer_lens_twin`), ``run_with_cache``
-  keeping only ``hook_result``, in the result group; without TransformerLens, issue 16's figure is cited.
+* ``trace result``: every head's residual write ``z_h W_O^h`` (b, s, h, d) of every layer.
+* ``trace pattern+z``: every head's probabilities (b, h, s, s) and context (b, s, h, d_h) of every layer.
 
-Run one memory measurement by hand: ``python -m benchmarks.trace traced 8 512 768 12``.
+Peers: plain PyTorch hooks on the unpatched model (a pre-hook on ``c_proj`` for z, then an einsum with
+W_O for the result; the eager model's ``output_attentions`` for the pattern), and where installed
+TransformerLens's ``HookedTransformer.run_with_cache`` with the same weights, nnsight (``NNsight.trace``)
+and pyvene (a ``CollectIntervention``; result only). Every capture is checked against headwise's; each row also has the peak resident memory of one
+call above that of a plain forward.
 
 Shapes:
-    x: (b, s, d); result: (b, s, h, d); b: batch, s: sequence, d: d_model, h: heads.
+    ids: (b, s); result: (b, s, h, d); pattern: (b, h, s, s); z: (b, s, h, d_h).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import copy
+import importlib.util
+import warnings
 from functools import partial
+from typing import Callable
 
 import torch
 
 import headwise
-from headwise import MultiHeadAttention
-from .peers import transformer_lens_twin
-from .timing import Entry, Group, forward_flops
 
-__all__ = ["trace_groups", "measure_memory", "SENTENCES"]
+from .cases import Sizes
+from .timing import Entry, Group
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SENTENCES = (["A man is playing a guitar.", "A woman is playing a violin."],
-             ["A man is eating some bread.", "A woman is playing a violin."])
-TL_FIGURE = ("TransformerLens 3.9.0 run_with_cache, all 12 heads' residual writes of a GPT-2-small-sized layer "
-             "(b8 s512): 7.2-12.4 s and 10 GB (figure cited from issue 16, not measured here)")
+__all__ = ["gpt2_models", "trace_groups"]
 
 
-def _plain(layer: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return layer(x)
-
-
-def _traced(layer: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad(), headwise.trace(layer, capture=("result",)) as t:
-        y = layer(x)
-    t[0].result  # noqa: B018 - the capture is part of what is timed
-    return y
-
-
-def _transformer_lens(model, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    hook = "blocks.0.attn.hook_result"
-    with torch.no_grad():
-        resid, cache = model.run_with_cache(x, start_at_layer=0, stop_at_layer=1, names_filter=hook)
-    cache[hook]  # noqa: B018 - every head's result, (b, s, h, d), as headwise's capture
-    return resid - x  # the block returns input + attention output
-
-
-def _child(kind: str, b: int, s: int, d: int, h: int) -> dict:
-    from .memory import _peak_bytes, _reset_peak, _rss_bytes
-
-    torch.manual_seed(0)
-    layer = MultiHeadAttention(d, h).eval()
-    x = torch.randn(b, s, d)
-    run = _traced if kind == "traced" else _plain
-    run(layer, x[:1, :8])  # warm code paths outside the measurement
-    reset = _reset_peak()
-    base = _rss_bytes()
-    with torch.no_grad():
-        if kind == "traced":
-            with headwise.trace(layer, capture=("result",)) as t:
-                layer(x)
-            kept = t[0].result
-        else:
-            kept = layer(x)
-    peak = _peak_bytes()
-    del kept
-    return {"kind": kind, "peak_above_inputs": max(0, peak - base), "reset_peak": reset}
-
-
-def measure_memory(kind: str, b: int, s: int, d: int, h: int, timeout: float = 600.0) -> dict:
-    """Peak RSS of one ``kind`` ("plain" / "traced") forward above its inputs, in a fresh process."""
-    cmd = [sys.executable, "-m", "benchmarks.trace", kind, str(b), str(s), str(d), str(h)]
-    try:
-        out = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=timeout, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
-        return {"kind": kind, "error": f"{type(exc).__name__}: {exc}"}
-
-
-def _result_group(sz, shape: tuple[int, int, int, int]) -> Group:
-    b, s, d, h = shape
-    torch.manual_seed(0)
-    layer = MultiHeadAttention(d, h).eval()
-    x = torch.randn(b, s, d)
-    es = [Entry("headwise trace result", partial(_traced, layer, x), role="headwise",
-                note="capture=('result',): every head's z_h W_O^h, (b, s, h, d)"),
-          Entry("plain forward", partial(_plain, layer, x), role="limit", note="the same layer, no trace")]
-    notes = []
-    try:
-        twin = transformer_lens_twin(layer, n_ctx=s)
-    except ImportError:
-        notes.append(TL_FIGURE)
-    else:
-        es.append(Entry("TransformerLens run_with_cache", partial(_transformer_lens, twin, x), role="peer",
-                        note="transformer_lens 3.9.0 HookedTransformer, attention only, use_attn_result=True, "
-                             "names_filter='blocks.0.attn.hook_result'"))
-    memory = {kind: measure_memory(kind, b, s, d, h) for kind in ("plain", "traced")}
-    result_bytes = b * s * h * d * 4
-    cfg = layer.config
-    return Group("trace", f"trace result b{b} s{s} d{d} h{h}", es, rounds=sz.rounds, block_s=sz.block_s,
-                 tol=(1e-5, 1e-5), flops=forward_flops(b, s, d, cfg.inner_dim, cfg.kv_dim),
-                 meta={"b": b, "s": s, "d": d, "h": h, "result_bytes": result_bytes, "memory": memory}, notes=notes)
-
-
-def _sweep_model(real: bool):  # type: ignore[no-untyped-def]
+def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
+    """The models of both groups, by name: ``plain`` (unpatched ``GPT2Model``, sdpa), ``patched`` (a patched
+    copy), ``eager`` (an unpatched eager copy), and where installed ``tl`` (TransformerLens's
+    ``HookedTransformer`` of the same weights), ``nnsight`` and ``nnsight eager`` (copies wrapped in
+    ``nnsight.NNsight``) and ``pyvene`` (an ``IntervenableModel`` collecting every block's z at every one of
+    ``s`` positions)."""
     import transformers
 
     from headwise.interop import patch
 
-    if real:
-        try:
-            from headwise.viz.maps import load_minilm
-
-            tok, model = load_minilm()
-            enc = [dict(tok(p, return_tensors="pt")) for p in SENTENCES]
-            return "all-MiniLM-L6-v2", patch(model), enc[0], enc[1]
-        except ImportError:
-            pass
-    cfg = transformers.BertConfig(vocab_size=40, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-                                  intermediate_size=32, max_position_embeddings=32)
+    cfg = transformers.GPT2Config(n_embd=d, n_head=h, n_layer=layers, vocab_size=vocab,
+                                  bos_token_id=vocab - 1, eos_token_id=vocab - 1, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = patch(transformers.BertModel(cfg).eval())
-    ids = torch.randint(3, 40, (2, 2, 7))
-    ids[1, 1] = ids[0, 1]
-    return "tiny random BERT", model, {"input_ids": ids[0]}, {"input_ids": ids[1]}
+    lm = transformers.GPT2LMHeadModel(cfg).eval()
+    plain = lm.transformer
+    eager = copy.deepcopy(plain)
+    eager.set_attn_implementation("eager")
+    models = {"plain": plain, "patched": patch(copy.deepcopy(plain)), "eager": eager}
+    if _installed("transformer_lens"):
+        models["tl"] = _transformer_lens(lm)
+    if _installed("nnsight"):
+        from nnsight import NNsight
+
+        models["nnsight"], models["nnsight eager"] = NNsight(copy.deepcopy(plain)), NNsight(copy.deepcopy(eager))
+    if _installed("pyvene"):
+        import pyvene as pv
+
+        config = pv.IntervenableConfig([{"layer": i, "component": "attention_value_output", "max_number_of_units": s,
+                                         "intervention_type": pv.CollectIntervention} for i in range(layers)])
+        models["pyvene"] = pv.IntervenableModel(config, model=copy.deepcopy(plain))
+    return models
 
 
-def similarity(out) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """Cosine of the two sentences' mean-pooled embeddings (rows 0 and 1, no padding)."""
-    e = out.last_hidden_state.mean(1)
-    return torch.nn.functional.cosine_similarity(e[0], e[1], dim=0)
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
-def brute_force(model, clean: dict, corrupted: dict) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The sweep as a loop: one traced forward per (layer, head), the clean z given as a replacement."""
-    with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:
-        model(**clean)
+def _transformer_lens(lm):  # type: ignore[no-untyped-def]
+    import transformer_lens as tl
+    from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
+
+    c = lm.config
+    cfg = tl.HookedTransformerConfig(
+        n_layers=c.n_layer, d_model=c.n_embd, d_head=c.n_embd // c.n_head, n_heads=c.n_head, d_mlp=4 * c.n_embd,
+        d_vocab=c.vocab_size, n_ctx=c.n_positions, act_fn="gelu_new", normalization_type="LN",
+        eps=c.layer_norm_epsilon, original_architecture="GPT2LMHeadModel", default_prepend_bos=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tl.HookedTransformer(cfg)
+        model.load_and_process_state_dict(convert_gpt2_weights(lm, cfg), fold_ln=False,
+                                          center_writing_weights=False, center_unembed=False,
+                                          fold_value_biases=False)
+    return model.eval()
+
+
+def _plain(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     with torch.no_grad():
-        base = float(similarity(model(**corrupted)))
-    heads = [r.layer.n_heads for r in t]
-    out = torch.empty(len(heads), max(heads), dtype=torch.float64)
-    for li, h in enumerate(heads):
-        for i in range(h):
-            with torch.no_grad(), headwise.trace(model, edit={(li, i): t[li].z[:, :, i]}):
-                out[li, i] = float(similarity(model(**corrupted))) - base
-    return out
+        return model(input_ids=ids).last_hidden_state
 
 
-def _sweep_group(sz) -> Group:
-    from headwise.patching import head_effects
-
-    real = sz.forward[0][2] >= 384
-    name, model, clean, corrupted = _sweep_model(real)
-    n_layers, h = model.config.num_hidden_layers, model.config.num_attention_heads
-    es = [Entry("headwise head_effects", partial(head_effects, model, clean, corrupted, similarity), role="headwise",
-                note=f"2 + {n_layers} forwards of batch {h} x 2, the prefix before each patched layer run once"),
-          Entry("brute-force loop", partial(brute_force, model, clean, corrupted), role="peer",
-                note=f"2 + {n_layers * h} forwards of batch 2")]
-    return Group("trace", f"trace sweep {name} {n_layers}x{h}", es, rounds=sz.rounds, block_s=sz.block_s,
-                 tol=(1e-5, 1e-5), meta={"model": name, "layers": n_layers, "heads": h})
+def _headwise(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    with torch.no_grad(), headwise.trace(model, capture=capture) as t:
+        model(input_ids=ids)
+    return [getattr(t[i], c) for i in range(len(t)) for c in capture]
 
 
-def trace_groups(sz) -> list:
-    """Factories of the trace case: the result capture at ``sz.forward[0]`` and the patching sweep."""
-    return [partial(_result_group, sz, sz.forward[0]), partial(_sweep_group, sz)]
+def _assemble(zs: list[torch.Tensor], patterns: list[torch.Tensor], w_o: list[torch.Tensor],
+              capture: tuple[str, ...]) -> list[torch.Tensor]:
+    """Per layer, what ``capture`` names from z (b, s, h * d_h) and the pattern: the result as z_h @ W_O^h in
+    one einsum per layer, ``w_o`` the layers' W_O viewed (h, d_h, d)."""
+    got = []
+    for i, z in enumerate(zs):
+        z = z.view(*z.shape[:2], w_o[i].shape[0], -1)  # (b, s, h, d_h)
+        per = {"z": z, "pattern": patterns[i] if patterns else None}
+        if "result" in capture:
+            with torch.no_grad():
+                per["result"] = torch.einsum("bshk,hkd->bshd", z, w_o[i])
+        got += [per[c] for c in capture]
+    return got
 
 
-if __name__ == "__main__":
-    kind, *dims = sys.argv[1:]
-    print(json.dumps(_child(kind, *map(int, dims))))
+def _hooks(model, ids: torch.Tensor, capture: tuple[str, ...], w_o: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Plain PyTorch: z from a pre-hook on each block's ``c_proj``, the pattern from ``output_attentions``."""
+    zs: list[torch.Tensor] = []
+    hooks = [blk.attn.c_proj.register_forward_pre_hook(lambda m, args: zs.append(args[0])) for blk in model.h]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions="pattern" in capture)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return _assemble(zs, list(out.attentions or ()), w_o, capture)
+
+
+def _nnsight(model, ids: torch.Tensor, capture: tuple[str, ...], w_o: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """nnsight: z saved from each block's ``c_proj`` input, the pattern from the attention's output."""
+    zs: list = []
+    patterns: list = []
+    pattern = "pattern" in capture
+    with torch.no_grad(), model.trace(input_ids=ids, output_attentions=pattern):
+        for blk in model.h:  # nnsight reads values in execution order
+            zs.append(blk.attn.c_proj.input.save())
+            if pattern:
+                patterns.append(blk.attn.output[1].save())
+    return _assemble(zs, patterns, w_o, capture)
+
+
+def _pyvene(model, ids: torch.Tensor, capture: tuple[str, ...], w_o: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """pyvene: z collected by a ``CollectIntervention`` at every position of every block's ``c_proj`` input."""
+    every = [list(range(ids.shape[1]))] * ids.shape[0]
+    with torch.no_grad():
+        (_, zs), _ = model(base={"input_ids": ids}, unit_locations={"base": [every] * len(w_o)})
+    return _assemble(zs, [], w_o, capture)
+
+
+_TL_NAMES = {"result": "hook_result", "pattern": "hook_pattern", "z": "hook_z"}
+
+
+def _tl_cache(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    names = [f"blocks.{i}.attn.{_TL_NAMES[c]}" for i in range(model.cfg.n_layers) for c in capture]
+    model.set_use_attn_result("result" in capture)  # how TransformerLens computes hook_result at all
+    with torch.no_grad():
+        _, cache = model.run_with_cache(ids, names_filter=names, stop_at_layer=model.cfg.n_layers)
+    return [cache[n] for n in names]
+
+
+def _tl_forward(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    model.set_use_attn_result(False)
+    with torch.no_grad():
+        return model.ln_final(model(ids, stop_at_layer=model.cfg.n_layers))  # = GPT2Model's last_hidden_state
+
+
+def _group(sz: Sizes, capture: tuple[str, ...], models: dict) -> Group:
+    d, h, layers, vocab, b, s = sz.trace
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
+    w_o = [blk.attn.c_proj.weight.detach().view(h, d // h, d) for blk in models["plain"].h]  # Conv1D (in, out)
+    pattern = "pattern" in capture
+    es = [Entry("headwise trace", partial(_headwise, models["patched"], ids, capture)),
+          Entry("hooks + einsum" if "result" in capture else "hooks",
+                partial(_hooks, models["eager" if pattern else "plain"], ids, capture, w_o),
+                note="plain PyTorch hooks on the unpatched model" + (" (eager)" if pattern else ""))]
+    if "tl" in models:
+        es.append(Entry("TransformerLens run_with_cache", partial(_tl_cache, models["tl"], ids, capture),
+                        note="HookedTransformer, the same weights"))
+    if "nnsight" in models:
+        es.append(Entry("nnsight", partial(_nnsight, models["nnsight eager" if pattern else "nnsight"], ids,
+                                           capture, w_o), note="NNsight(model).trace" + (" (eager)" if pattern else "")))
+    if "pyvene" in models and not pattern:
+        es.append(Entry("pyvene", partial(_pyvene, models["pyvene"], ids, capture, w_o),
+                        note="IntervenableModel with a CollectIntervention per block"))
+    notes = [f"{m} not installed: skipped" for m, key in (("TransformerLens", "tl"), ("nnsight", "nnsight"),
+                                                          ("pyvene", "pyvene")) if key not in models]
+    if pattern and "pyvene" in models:
+        notes.append("pyvene: not in this group (its attention_weight site is not set up to collect whole patterns)")
+    es.append(Entry("plain forward", partial(_plain, models["plain"], ids), compare=False,
+                    note="unpatched, no capture"))
+    es.append(Entry("headwise patched, no trace", partial(_plain, models["patched"], ids), ref="plain forward"))
+    if "tl" in models and not pattern:
+        es.append(Entry("TransformerLens forward", partial(_tl_forward, models["tl"], ids), ref="plain forward"))
+    key = "trace " + "+".join(capture)
+    return Group(key, f"{key} GPT-2-shaped d{d} h{h} {layers} layers b{b} s{s}", es, base="plain forward",
+                 rounds=sz.rounds, block_s=sz.block_s, tol=(1e-4, 1e-5), memory=True, notes=notes)
+
+
+def trace_groups(sz: Sizes) -> dict[str, list[Callable[[], Group]]]:
+    """The trace factories (none without transformers); both groups share one set of models."""
+    if not _installed("transformers"):
+        return {"trace": []}
+    shared: list[dict] = []
+
+    def make(capture: tuple[str, ...]) -> Group:
+        if not shared:
+            d, h, layers, vocab, _, s = sz.trace
+            shared.append(gpt2_models(d, h, layers, vocab, s))
+        group = _group(sz, capture, shared[0])
+        if capture == ("pattern", "z"):
+            shared.clear()  # the last group: the models go with it
+        return group
+
+    return {"trace": [partial(make, ("result",)), partial(make, ("pattern", "z"))]}

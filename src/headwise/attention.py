@@ -1,7 +1,9 @@
 """The multi-head attention layer: packed projections over independent heads.
 
-``attn(x)`` runs: validate the inputs once (this module), plan the call (:func:`headwise.plan.plan_attention`),
-then project, split, attend (:func:`headwise.functional.attend`), merge and project out.
+``attn(x)`` reads like the seeds: check the inputs once (:func:`headwise.validation.check_forward`), plan the
+call once (:func:`headwise.plan.plan_attention`, where every decision is made and explained), then project,
+split, rotate, attend (:func:`headwise.functional.attend`), merge and project out. A decode step with a
+cache is the same forward: the cache's keys and values join the call's own before attending.
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
@@ -11,9 +13,9 @@ Shapes:
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint
@@ -24,17 +26,16 @@ from .dispatch import DispatchInfo, describe
 from .head import LayerHeads
 from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
-from .projections import PackedLayout, PackedWeight, packed_linears, packed_product, plain_linear
 from .rotary import RotaryEmbedding, apply_rotary
-from .validation import check_bool, check_dtype, check_forward
+from .validation import check_bool, check_dtype, check_forward, has_dead_rows
 
 __all__ = ["MultiHeadAttention"]
 
 
-class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
+class MultiHeadAttention(LayerHeads, nn.Module):
     """Multi-head attention (MHA, GQA or MQA) whose heads can be taken out, run alone and put back.
 
-    The per-head matrices W_Q^h, W_K^h, W_V^h (each ``(d_model, d_head)``) are packed into one
+    The per-head matrices W_Q^h, W_K^h, W_V^h (each ``(d_model, d_head)``) are packed into one plain
     ``nn.Linear`` each (``q_proj``, ``k_proj``, ``v_proj``); the split into heads is a view, each head runs
     ``softmax(Q K^T / sqrt(d_head)) V`` independently, and ``out_proj`` (W_O) is the only place where heads
     mix. Under GQA/MQA query head ``i`` reads K/V head ``i // (n_heads // n_kv_heads)``.
@@ -98,8 +99,6 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         elif (d_model, n_heads, n_kv_heads, d_head, kdim, vdim, scale, out_bias) != (None,) * 8 \
                 or (bias, dropout) != (True, 0.0):
             raise ValueError("pass either config= or the individual fields (d_model, n_heads, ...), not both")
-        if backend not in hwf.available_backends():
-            raise ValueError(f"backend must be one of {hwf.available_backends()}, got {backend!r}")
         if rotary is not None:
             if not isinstance(rotary, RotaryEmbedding):
                 raise TypeError(f"rotary must be a RotaryEmbedding, got {type(rotary).__name__}")
@@ -108,18 +107,12 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         check_dtype("dtype", dtype)
         self.config = config
         self.backend = backend
-        # Weights stored (d_in, d_out), Q, K, V packed into one matrix where their inputs agree (projections.py).
-        if config.kdim == config.vdim == config.d_model:
-            self.q_proj, self.k_proj, self.v_proj = packed_linears(
-                config.d_model, [config.inner_dim, config.kv_dim, config.kv_dim], config.bias, device, dtype)
-        else:
-            self.q_proj, = packed_linears(config.d_model, [config.inner_dim], config.bias, device, dtype)
-            self.k_proj, = packed_linears(config.kdim, [config.kv_dim], config.bias, device, dtype)
-            self.v_proj, = packed_linears(config.vdim, [config.kv_dim], config.bias, device, dtype)
-        self.out_proj, = packed_linears(config.inner_dim, [config.d_model], config.out_bias, device, dtype)
+        self.q_proj = nn.Linear(config.d_model, config.inner_dim, bias=config.bias, device=device, dtype=dtype)
+        self.k_proj = nn.Linear(config.kdim, config.kv_dim, bias=config.bias, device=device, dtype=dtype)
+        self.v_proj = nn.Linear(config.vdim, config.kv_dim, bias=config.bias, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(config.inner_dim, config.d_model, bias=config.out_bias, device=device, dtype=dtype)
         self.rotary = rotary
         self._chunk_queries: bool | int = True
-        self._packed_qkv = PackedWeight()  # the one-product QKV weight, remembered between calls
 
     @classmethod
     def from_config(cls, config: AttentionConfig, **kwargs) -> "MultiHeadAttention":  # type: ignore[no-untyped-def]
@@ -138,6 +131,18 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
     n_heads = property(lambda self: self.config.n_heads, doc="Query heads h.")
     n_kv_heads = property(lambda self: self.config.n_kv_heads, doc="Key/value heads h_kv.")
     d_head = property(lambda self: self.config.d_head, doc="Head width d_h.")
+
+    @property
+    def backend(self) -> str:
+        """``"sdpa"`` (fused, the default) or ``"eager"`` (the reference; materialises every head's weights).
+        Checked whenever it is set."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        if value not in hwf.available_backends():
+            raise ValueError(f"backend must be one of {hwf.available_backends()}, got {value!r}")
+        self._backend = value
 
     @property
     def chunk_queries(self) -> bool | int:
@@ -165,19 +170,14 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         return k, v
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Self-attention's queries, keys and values. Without autograd, one product over the packed W_Q, W_K,
-        W_V (:mod:`headwise.projections`) while they are still packed; otherwise the three projections.
+        """Self-attention's queries, keys and values: the three projections, each split into heads.
 
         Shapes: x (b, s, d) -> (b, h, s, d_h), (b, h_kv, s, d_h), (b, h_kv, s, d_h)"""
-        packed = None
-        own = self._modules  # the core's own projections (a view's live in its host: never packed here)
-        if "v_proj" in own and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            packed = self._packed_qkv.get((own["q_proj"], own["k_proj"], own["v_proj"]))
-        if packed is None:
-            return (self.project_q(x), *self.project_kv(x))
         cfg = self.config
-        qkv = packed_product(x, *packed)  # (b, s, h * d_h + 2 * h_kv * d_h)
-        return hwf.split_qkv(qkv, cfg.n_heads, cfg.n_kv_heads)  # (b, h, s, d_h), (b, h_kv, s, d_h) x2
+        q = hwf.split_heads(self.q_proj(x), cfg.n_heads)  # (b, h, s, d_h)
+        k = hwf.split_heads(self.k_proj(x), cfg.n_kv_heads)  # (b, h_kv, s, d_h)
+        v = hwf.split_heads(self.v_proj(x), cfg.n_kv_heads)  # (b, h_kv, s, d_h)
+        return q, k, v
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
@@ -194,13 +194,13 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         tracer = self.tracer  # a headwise.trace sees (and may edit) the heads of this step too
         if tracer is None:
             backend = "eager" if return_weights is True else self.backend
-            return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
+            return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self.config.dropout if self.training else 0.0,
                                  causal=causal, backend=backend, return_weights=return_weights)
         wants = tracer.wants_weights(self)  # "pattern" captured: the eager path, whatever was asked
         if wants:
             check_bool("return_weights", return_weights)
-        tracer.qkv(self, q, k, v)
-        z, weights = hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self._dropout_p(),
+        q, k, v = tracer.qkv(self, q, k, v)
+        z, weights = hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self.config.dropout if self.training else 0.0,
                                    causal=causal, backend="eager" if wants or return_weights is True else self.backend,
                                    return_weights=True if wants else return_weights)
         return tracer.context(self, z, weights), (weights if return_weights is True else None)
@@ -210,18 +210,16 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
 
         ``results``, every head's write ``z_h W_O^h`` already computed (a trace capturing them), make the
         output their sum plus the bias: the same value without a second product over W_O. They are used only
-        while ``out_proj`` is a plain ``nn.Linear`` (a hook or an adapter on it still runs, through the call).
+        while ``out_proj`` is a plain ``nn.Linear`` without hooks (a hook or an adapter on W_O must run, so
+        it gets the module call).
 
         Shapes: z (b, h, s_q, d_h); results (b, s_q, h, d) -> (b, s_q, d)
         """
         out = self.out_proj
-        if not plain_linear(out):  # a hook or an adapter on W_O runs through the module call
-            return out(hwf.merge_heads(z))  # (b, s_q, d)
-        if results is not None:
+        if results is not None and _bare_linear(out):
             y = results.sum(2)  # (b, s_q, d)
-            return y if out.bias is None else y.add_(out.bias)
-        # A plain nn.Linear is exactly F.linear: called directly, a decode step skips the module call.
-        return F.linear(hwf.merge_heads(z), out.weight, out.bias)  # (b, s_q, d)
+            return y if out.bias is None else y + out.bias
+        return out(hwf.merge_heads(z))  # (b, s_q, d)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary embedding of Q and K at ``positions`` (identity without rotary).
@@ -253,11 +251,15 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
             mask: broadcastable to (b, h, s_q, s_kv); positions: (s_q,) or (b, s_q)
             -> (b, s_q, d) [, weights (b, h, s_q, s_kv)]
         """
-        x, key, value, mask, positions, batched = self._validate(x, context, key, value, mask, causal, cache,
-                                                                 positions, return_weights)
+        w = self.q_proj.weight
+        x, key, value, mask, positions, batched = check_forward(
+            self.config, w.dtype, w.device, self.rotary is not None, x, context, key, value, mask, causal, cache,
+            positions, return_weights)
+        if cache is not None:
+            cache.claim(self)  # after every check: a refused call never binds a cache
         tracer = self.tracer  # headwise.trace: capture and edit (None outside a trace)
         wants_weights = return_weights or (tracer is not None and tracer.wants_weights(self))
-        plan = self._plan_call(x, key, value, mask, causal, cache, wants_weights, chunk=tracer is None)
+        plan = self._plan(x, key, mask, causal, cache, wants_weights, chunk=tracer is None)
         if plan.warn:
             warnings.warn(forward_warning(plan), stacklevel=2)
         if plan.chunk is not None:
@@ -266,31 +268,30 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
             return y if batched else y.squeeze(0)
         # Project and split: (b, h, s_q, d_h) queries; (b, h_kv, s_kv, d_h) keys and values.
         q, k, v = self.project_qkv(x) if key is None else (self.project_q(x), *self.project_kv(key, value))
-        q, k = self.rotate(q, k, positions)
+        if self.rotary is not None:
+            q, k = self.rotary.rotate(q, k, positions)
         if tracer is not None:
-            tracer.qkv(self, q, k, v)
-        # Attend: every head on its own (over the cache's positions too, when there is one).
-        z, weights = self._attend(plan, cache, tracer, q, k, v, mask)  # (b, h, s_q, d_h)
-        del q, k, v  # without autograd, freed before W_O allocates the output
-        # Merge and project out: W_O is the only place heads mix.
-        y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
-        if not batched:
-            y, weights = y.squeeze(0), None if weights is None else weights.squeeze(0)
-        return (y, weights) if return_weights else y
-
-    def _attend(self, plan, cache, tracer, q, k, v, mask):  # type: ignore[no-untyped-def]
+            q, k, v = tracer.qkv(self, q, k, v)
+        # Attend: every head on its own, over the cache's positions too when there is one.
         start = 0 if cache is None else cache.length
         if cache is not None:
             k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
         try:
-            z, weights = hwf.attend(plan, q, k, v, mask)
-            return (z, weights) if tracer is None else (tracer.context(self, z, weights), weights)
+            z, weights = hwf.attend(plan, q, k, v, mask)  # (b, h, s_q, d_h)
+            if tracer is not None:
+                z = tracer.context(self, z, weights)
         except BaseException:
             # A failed step after the cache write rolls the cache back to the length it had: the positions
             # it reads are exactly as before (the write's slots are past the length again, never read).
             if cache is not None:
                 cache.crop(start)
             raise
+        del q, k, v  # without autograd, freed before W_O allocates the output
+        # Merge and project out: W_O is the only place heads mix.
+        y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
+        if not batched:
+            y, weights = y.squeeze(0), None if weights is None else weights.squeeze(0)
+        return (y, weights) if return_weights else y
 
     def _forward_in_chunks(self, plan: Plan, x, key, value, mask, positions):  # type: ignore[no-untyped-def]
         k, v = self.project_kv(x) if key is None else self.project_kv(key, value)  # (b, h_kv, s_kv, d_h)
@@ -310,32 +311,23 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         attend_in_chunks(plan, queries, k, v, mask, write)
         return y
 
-    # -- the public edge: validate once, then plan --------------------------------------------------------
-    def _validate(self, x, context, key, value, mask, causal, cache, positions, return_weights,  # type: ignore[no-untyped-def]
-                  bind: bool = True):
-        """The forward's inputs, checked once and batched (:func:`headwise.validation.check_forward`);
-        ``bind``: claim the cache for this layer (explaining only checks that it is not another layer's)."""
-        w = self.q_proj.weight
-        checked = check_forward(self.config, w.dtype, w.device, self.rotary is not None, x, context, key, value,
-                                mask, causal, cache, positions, return_weights)
-        if cache is not None and (bind or cache.owner is not None):
-            cache.claim(self)  # last: a refused call never binds a cache
-        return checked
-
-    def _dropout_p(self) -> float:
-        return self.config.dropout if self.training else 0.0
-
-    def _records_grad(self, *inputs: torch.Tensor | None) -> bool:
-        return torch.is_grad_enabled() and (any(t is not None and t.requires_grad for t in inputs)
-                                            or any(p.requires_grad for p in self.parameters()))
-
-    def _plan_call(self, x, key, value, mask, causal, cache, return_weights, chunk=True) -> Plan:  # type: ignore[no-untyped-def]
+    def _plan(self, x, key, mask, causal, cache, return_weights, chunk=True) -> Plan:  # type: ignore[no-untyped-def]
+        """The plan of one call on checked inputs: the one place its decisions are made."""
+        cfg = self.config
         s_kv = (cache.length + x.shape[1]) if cache is not None else (x.shape[1] if key is None else key.shape[1])
+        # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
+        grad = torch.is_grad_enabled() and (x.requires_grad or (key is not None and key.requires_grad))
+        if torch.is_grad_enabled() and not grad:
+            for p in self.parameters():
+                if p.requires_grad:
+                    grad = True
+                    break
         return plan_attention(
-            self.config, b=x.shape[0], s_q=x.shape[1], s_kv=s_kv, dtype=x.dtype, device=x.device,
-            backend=self.backend, causal=causal, has_mask=mask is not None, cached=cache is not None,
-            return_weights=return_weights, dropout_p=self._dropout_p(), chunk_queries=self._chunk_queries if chunk else False,
-            records_grad=lambda: self._records_grad(x, key, value))
+            h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
+            s_kv=s_kv, dtype=x.dtype, device=x.device, backend=self._backend, causal=causal,
+            has_mask=mask is not None, cached=cache is not None, return_weights=return_weights,
+            dropout_p=cfg.dropout if self.training else 0.0, chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
+            dead_rows=grad and mask is not None and has_dead_rows(mask))
 
     def explain_dispatch(
         self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -359,13 +351,21 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
             >>> attn.explain_dispatch(torch.randn(2, 6, 32), return_weights=True).probability_bytes
             1152
         """
-        x, key, value, mask, _, _ = self._validate(x, context, None, None, mask, causal, cache, None,
-                                                   return_weights, bind=False)
-        plan = self._plan_call(x, key, value, mask, causal, cache, return_weights)
         w = self.q_proj.weight
+        x, key, value, mask, _, _ = check_forward(self.config, w.dtype, w.device, self.rotary is not None, x,
+                                                  context, None, None, mask, causal, cache, None, return_weights)
+        if cache is not None and cache.owner is not None:
+            cache.claim(self)  # only checks: explaining never binds a cache
+        plan = self._plan(x, key, mask, causal, cache, return_weights)
         return describe(plan, d_head=self.d_head, n_kv_heads=self.n_kv_heads, dtype=w.dtype, device=w.device,
-                        mask=mask, grad=self._records_grad(x, key, value), causal_given=causal,
+                        mask=mask, grad=torch.is_grad_enabled(), causal_given=causal,
                         cache_length=0 if cache is None else cache.length, warn_bytes=warn_bytes)
+
+    # -- copies: a trace's tracer belongs to the layer it was put on, never to a copy ------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("tracer", None)
+        return state
 
     # -- checkpoints: the config rides in the state dict's metadata (see headwise.checkpoint) -------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
@@ -400,3 +400,11 @@ class MultiHeadAttention(LayerHeads, PackedLayout, nn.Module):
         c = self.config
         return (f"d_model={c.d_model}, n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads}, d_head={c.d_head}, "
                 f"kind={c.kind}, backend={self.backend!r}")
+
+
+def _bare_linear(module: Any) -> bool:
+    """Whether calling ``module`` is exactly ``F.linear`` with its weight and bias: an ``nn.Linear`` (not a
+    subclass such as a LoRA wrapper) with no forward hooks of its own or global ones."""
+    return type(module) is nn.Linear and not (
+        module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks)

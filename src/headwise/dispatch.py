@@ -104,8 +104,7 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
         out.append("return_weights=True: only the eager path returns per-head probabilities" if plan.return_weights
                    else "backend='eager' was chosen when the layer was built")
         out.append(f"the eager path materialises b*h*s_q*s_kv = {b}*{h}*{s_q}*{s_kv} probabilities "
-                   f"({plan.probability_bytes} bytes)"
-                   + (", in place without autograd" if plan.in_place else ", with autograd recording"))
+                   f"({plan.probability_bytes} bytes)")
     if plan.causal and s_q == 1:
         out.append("causal with a single query: bottom-right alignment lets it read every key, no mask")
     elif plan.chunk is not None:

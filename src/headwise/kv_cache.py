@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from .buffers import fresh_empty
-
 __all__ = ["KVCache", "KVCheckpoint"]
 
 
@@ -109,9 +107,17 @@ class KVCache:
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {str(device)!r} was requested but CUDA is not available here")
         shape = (batch_size, n_kv_heads, max_len, d_head)
-        # Every decode step reads the whole filled prefix: large CPU buffers go on huge pages (buffers.py).
-        self.keys = fresh_empty(shape, dtype, device).zero_()
-        self.values = fresh_empty(shape, dtype, device).zero_()
+        numel = batch_size * n_kv_heads * max_len * d_head
+        nbytes = 2 * numel * dtype.itemsize
+        if numel > 2**63 - 1:
+            raise ValueError(f"a KVCache of shape (b, h_kv, max_len, d_h) = {shape} has {numel} elements per buffer, "
+                             f"more than a tensor can hold (2**63 - 1); use a smaller max_len or batch_size")
+        try:
+            self.keys = torch.zeros(shape, dtype=dtype, device=device)
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as exc:  # out of memory: say what was asked for
+            raise ValueError(f"a KVCache of shape (b, h_kv, max_len, d_h) = {shape} needs {nbytes} bytes, which "
+                             f"could not be allocated; use a smaller max_len or batch_size") from exc
         self.batch_size, self.max_len, self.n_kv_heads, self.d_head = batch_size, max_len, n_kv_heads, d_head
         self._length = 0
         self._owner: Any = None
@@ -211,11 +217,6 @@ class KVCache:
 
     def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every check of :meth:`check_update` but the overflow."""
-        keys = self.keys
-        if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape == v.shape and k.dim() == 4
-                and k.shape[0] == keys.shape[0] and k.shape[1] == keys.shape[1] and k.shape[3] == keys.shape[3]
-                and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
-            return  # the common case (every decode step): no message is built
         for name, t in (("keys", k), ("values", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"cache {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -239,7 +240,11 @@ class KVCache:
         Shapes:
             k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each
         """
-        self._check_write(k, v)
+        keys = self.keys
+        if not (type(k) is torch.Tensor and type(v) is torch.Tensor and k.shape == v.shape and k.dim() == 4
+                and k.shape[0] == keys.shape[0] and k.shape[1] == keys.shape[1] and k.shape[3] == keys.shape[3]
+                and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
+            self._check_write(k, v)  # a decode step's writes fit: only a misfit pays for the call and a message
         if self._length + k.shape[-2] > self.max_len:
             if torch.compiler.is_compiling():
                 return self._overflow_in_graph(k, v)

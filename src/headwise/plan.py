@@ -5,9 +5,11 @@
 decides. The rules:
 
 1. **Empty** (b, s_q or s_kv is 0): no kernel runs; the context is zeros.
-2. **Backend**: ``return_weights=True`` or ``backend="eager"`` take the eager path, which materialises every
-   head's probabilities (``b * h * s_q * s_kv`` floats, float32 for half-precision inputs). Without autograd it
-   runs the in-place variant (one score buffer, softmax written over it); with autograd the reference formula.
+2. **Backend**: ``return_weights=True``, ``backend="eager"``, a score softcap or attention sinks take the
+   eager path (:func:`headwise.functional.softmax_attention`), which materialises every head's probabilities
+   (``b * h * s_q * s_kv`` floats, float32 for half-precision inputs). So does a floating mask with a row
+   that is entirely at the dtype's minimum (Hugging Face's padding convention) while autograd records:
+   PyTorch's fused CPU backward is wrong on such rows (docs/guarantees.md has the reproduction).
    Everything else runs ``F.scaled_dot_product_attention``.
 3. **Causal** (a cache forces it: new tokens read the cache and themselves), always bottom-right aligned:
    a single query reads every key, so needs no mask; with ``s_q == s_kv`` and no mask the fused kernel's own
@@ -29,11 +31,10 @@ Shapes:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from .config import AttentionConfig
 
 __all__ = ["Plan", "plan_attention", "MaterializationWarning", "forward_warning", "CHUNK_ABOVE_BYTES", "CHUNK_BYTES", "FORWARD_WARN_BYTES",
            "lse_merge_available"]
@@ -63,9 +64,8 @@ class Plan(NamedTuple):
         causal_via: ``"none needed"``, ``"kernel is_causal"`` or ``"explicit mask"``.
         causal: whether the call is causal at all (given, or forced by a cache).
         has_mask: whether a user mask is applied.
-        enable_gqa: SDPA's ``enable_gqa``, from the config (h != h_kv), never from tensor shapes.
+        enable_gqa: SDPA's ``enable_gqa``, from the head counts (h != h_kv), never from tensor shapes.
         fold_decode: one query under GQA/MQA: a group's query heads become query rows of its K/V head.
-        in_place: the eager path without autograd (one score buffer, in-place softmax).
         chunk: query positions per chunk, or None for one pass.
         lse_chunks: causal chunks merge a key prefix and the diagonal block by log-sum-exp.
         probability_bytes: bytes of probabilities the eager path materialises (0 on the fused path; the
@@ -74,6 +74,7 @@ class Plan(NamedTuple):
         scale: the score scale; dropout_p: dropout on the probabilities (0 outside training).
         cached: a KV cache supplies earlier positions; return_weights: the call returns probabilities.
         chunk_forced: the layer fixed the chunk length (``chunk_queries`` is an int).
+        softcap: the score softcap or None; sinks: the call adds one sink logit per head.
     """
 
     shape: tuple[int, int, int, int]
@@ -83,7 +84,6 @@ class Plan(NamedTuple):
     has_mask: bool
     enable_gqa: bool
     fold_decode: bool
-    in_place: bool
     chunk: int | None
     lse_chunks: bool
     probability_bytes: int
@@ -93,6 +93,8 @@ class Plan(NamedTuple):
     cached: bool
     return_weights: bool
     chunk_forced: bool
+    softcap: float | None = None
+    sinks: bool = False
 
     @property
     def is_causal(self) -> bool:
@@ -131,7 +133,7 @@ def lse_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
-def chunk_length(config: AttentionConfig, b: int, s_q: int, s_kv: int, dtype: torch.dtype,
+def chunk_length(h: int, h_kv: int, d_h: int, b: int, s_q: int, s_kv: int, dtype: torch.dtype,
                  setting: bool | int = True) -> int | None:
     """Query positions per chunk for a forward of these sizes (rule 5), or None for one pass.
 
@@ -139,15 +141,14 @@ def chunk_length(config: AttentionConfig, b: int, s_q: int, s_kv: int, dtype: to
     positions per chunk whenever chunking is allowed).
 
     Shapes:
-        x: (b, s_q, d); keys/values: (b, s_kv, d)
+        x: (b, s_q, h * d_h); keys/values: (b, s_kv, h_kv * d_h)
 
     Example:
-        >>> cfg = AttentionConfig(d_model=4096, n_heads=32)
-        >>> chunk_length(cfg, 1, 8192, 8192, torch.float32) is None       # Q, K, V, context: 512 MiB
+        >>> chunk_length(32, 32, 128, 1, 8192, 8192, torch.float32) is None       # Q, K, V, context: 512 MiB
         True
-        >>> chunk_length(cfg, 1, 16384, 16384, torch.float32)             # 1 GiB: chunks of 1024 queries
+        >>> chunk_length(32, 32, 128, 1, 16384, 16384, torch.float32)             # 1 GiB: chunks of 1024
         1024
-        >>> chunk_length(cfg, 1, 10, 10, torch.float32, setting=4)        # a fixed length
+        >>> chunk_length(32, 32, 128, 1, 10, 10, torch.float32, setting=4)        # a fixed length
         4
     """
     if setting is False:
@@ -155,25 +156,25 @@ def chunk_length(config: AttentionConfig, b: int, s_q: int, s_kv: int, dtype: to
     if setting is not True:
         return setting if setting < s_q else None
     itemsize = dtype.itemsize
-    q_bytes = b * s_q * config.inner_dim * itemsize
-    if 2 * q_bytes + 2 * b * s_kv * config.kv_dim * itemsize <= CHUNK_ABOVE_BYTES:  # Q, context; K, V
+    q_bytes = b * s_q * h * d_h * itemsize
+    if 2 * q_bytes + 2 * b * s_kv * h_kv * d_h * itemsize <= CHUNK_ABOVE_BYTES:  # Q, context; K, V
         return None
-    per_position = max(1, b * config.inner_dim * itemsize)
+    per_position = max(1, b * h * d_h * itemsize)
     c = max(CHUNK_ALIGN, CHUNK_BYTES // per_position // CHUNK_ALIGN * CHUNK_ALIGN)
     return c if c < s_q else None
 
 
 def plan_attention(
-    config: AttentionConfig, *, b: int, s_q: int, s_kv: int, dtype: torch.dtype, device: torch.device,
-    backend: str = "sdpa", causal: bool = False, has_mask: bool = False, cached: bool = False,
-    return_weights: bool = False, dropout_p: float = 0.0, chunk_queries: bool | int = True,
-    records_grad: Callable[[], bool] = torch.is_grad_enabled,
+    *, h: int, h_kv: int, d_h: int, scale: float, b: int, s_q: int, s_kv: int, dtype: torch.dtype,
+    device: torch.device, backend: str = "sdpa", causal: bool = False, has_mask: bool = False,
+    cached: bool = False, return_weights: bool = False, dropout_p: float = 0.0, chunk_queries: bool | int = True,
+    records_grad: bool = False, softcap: float | None = None, sinks: bool = False, dead_rows: bool = False,
 ) -> Plan:
     """The plan of one attention call (see the module docstring for the rules). Inputs are trusted: the
     caller validated them (``MultiHeadAttention.forward`` and ``functional.attention`` do).
 
     Args:
-        config: the layer's configuration (head counts, scale).
+        h, h_kv, d_h: query heads, key/value heads, head width; scale: the score scale.
         b, s_q, s_kv: batch, query length, key length (cached positions included).
         dtype, device: of the queries.
         backend: the layer's backend, ``"sdpa"`` or ``"eager"``.
@@ -183,43 +184,40 @@ def plan_attention(
         return_weights: per-head probabilities are returned.
         dropout_p: dropout on the probabilities (0 outside training).
         chunk_queries: the layer's chunking setting (see :func:`chunk_length`).
-        records_grad: called at most once, only where the answer matters (chunking, the in-place eager
-            variant): whether autograd records this call.
+        records_grad: autograd records this call (no chunks then: a backward keeps every chunk).
+        softcap, sinks: a score softcap, attention sinks (both run eager).
+        dead_rows: the floating mask has a row entirely at the dtype's minimum (rule 2).
 
     Shapes:
         scores: (b, h, s_q, s_kv)
 
     Example:
-        >>> cfg = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2)
-        >>> p = plan_attention(cfg, b=2, s_q=1, s_kv=9, dtype=torch.float32, device=torch.device("cpu"),
-        ...                    cached=True)
+        >>> p = plan_attention(h=4, h_kv=2, d_h=8, scale=8 ** -0.5, b=2, s_q=1, s_kv=9, dtype=torch.float32,
+        ...                    device=torch.device("cpu"), cached=True)
         >>> p.backend, p.causal_via, p.fold_decode
         ('sdpa', 'none needed', True)
     """
-    h = config.n_heads
     causal = causal or cached
-    backend = "eager" if return_weights or backend == "eager" else "sdpa"
+    eager = return_weights or backend == "eager" or softcap is not None or sinks or (dead_rows and records_grad)
+    backend = "eager" if eager else "sdpa"
     if b == 0 or s_q == 0 or s_kv == 0:
         backend = "empty"
-    via = causal_mode(backend, causal, has_mask, s_q, s_kv)
-    gqa = config.n_kv_heads != h
-    fold = backend == "sdpa" and gqa and s_q == 1 and not has_mask
-    chunk, lse, in_place, nbytes = None, False, False, 0
+    via = causal_mode(backend, causal, has_mask, s_q, s_kv) if causal and s_q != 1 else "none needed"
+    gqa = h_kv != h
+    chunk, lse, nbytes = None, False, 0
     if backend == "eager":
         nbytes = b * h * s_q * s_kv * (4 if dtype in _LOW_PRECISION else dtype.itemsize)
-        in_place = not records_grad()
-    elif backend == "sdpa" and not cached and not dropout_p:
-        chunk = chunk_length(config, b, s_q, s_kv, dtype, chunk_queries)
-        if chunk is not None and records_grad():
-            chunk = None  # a backward would keep every chunk's activations: chunking saves nothing
+    elif backend == "sdpa" and not cached and not dropout_p and not records_grad:
+        chunk = chunk_length(h, h_kv, d_h, b, s_q, s_kv, dtype, chunk_queries)
         if chunk is not None and causal:
             lse = not has_mask and s_kv >= s_q and lse_merge_available(device, dtype)
             via = "kernel is_causal" if lse else "explicit mask"
+    fold = backend == "sdpa" and gqa and s_q == 1 and not has_mask and chunk is None
     return Plan(shape=(b, h, s_q, s_kv), backend=backend, causal_via=via, causal=causal, has_mask=has_mask,
-                enable_gqa=gqa, fold_decode=fold and chunk is None, in_place=in_place, chunk=chunk,
-                lse_chunks=lse, probability_bytes=nbytes, warn=nbytes > FORWARD_WARN_BYTES,
-                scale=config.scale, dropout_p=dropout_p, cached=cached, return_weights=return_weights,
-                chunk_forced=chunk_queries is not True)
+                enable_gqa=gqa, fold_decode=fold, chunk=chunk, lse_chunks=lse, probability_bytes=nbytes,
+                warn=nbytes > FORWARD_WARN_BYTES, scale=scale, dropout_p=dropout_p, cached=cached,
+                return_weights=return_weights, chunk_forced=chunk_queries is not True, softcap=softcap,
+                sinks=sinks)
 
 
 def forward_warning(plan: Plan) -> MaterializationWarning:

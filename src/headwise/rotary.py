@@ -10,6 +10,8 @@ Shapes:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -85,9 +87,16 @@ class RotaryEmbedding(nn.Module):
             if not base > 0:
                 raise ValueError(f"base must be positive, got {base}")
             inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        elif not isinstance(inv_freq, torch.Tensor) or not inv_freq.dtype.is_floating_point:
+            got = inv_freq.dtype if isinstance(inv_freq, torch.Tensor) else type(inv_freq).__name__
+            hint = "; convert it with torch.from_numpy(inv_freq)" if type(inv_freq).__module__ == "numpy" else ""
+            raise TypeError(f"inv_freq must be a floating torch.Tensor of shape ({rotary_dim // 2},), got {got}{hint}")
         elif tuple(inv_freq.shape) != (rotary_dim // 2,):
             raise ValueError(f"inv_freq must have shape ({rotary_dim // 2},), got {tuple(inv_freq.shape)}")
         self.d_head, self.rotary_dim, self.base = d_head, rotary_dim, base
+        if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, (int, float)) \
+                or not (math.isfinite(attention_scaling) and attention_scaling > 0):
+            raise ValueError(f"attention_scaling must be a positive finite float, got {attention_scaling!r}")
         self.attention_scaling = float(attention_scaling)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 

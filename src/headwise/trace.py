@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from .attention import MultiHeadAttention
-from .buffers import fresh_empty
 
 __all__ = ["trace", "Trace", "LayerRecord", "find_layers", "head_results", "CAPTURABLE"]
 
@@ -99,10 +98,7 @@ def head_results(z: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     d = w_o.shape[0]
     per_head = w_o.reshape(d, h, d_h).permute(1, 2, 0).to(z.dtype)  # (h, d_h, d): W_O^h
     rows = z.transpose(0, 1).reshape(h, b * s, d_h)  # (h, b * s, d_h)
-    if torch.is_grad_enabled() and (z.requires_grad or w_o.requires_grad):
-        out = torch.bmm(rows, per_head)  # autograd records no out= products
-    else:  # h times the output's size in fresh memory: on huge pages, where they fault in far fewer times
-        out = torch.bmm(rows, per_head, out=fresh_empty((h, b * s, d), z.dtype, z.device))  # (h, b * s, d)
+    out = torch.bmm(rows, per_head)  # (h, b * s, d)
     return out.view(h, b, s, d).permute(1, 2, 0, 3)  # (b, s, h, d)
 
 
@@ -162,8 +158,10 @@ class _LayerTracer:
     def wants_weights(self, layer: MultiHeadAttention) -> bool:
         return "pattern" in self.capture
 
-    def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.pending = {n: t for n, t in (("q", q), ("k", k), ("v", v)) if n in self.capture}
+        return q, k, v
 
     def context(self, layer: MultiHeadAttention, z: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         if self.scale is not None:  # "zero" and scales: one multiply by a per-head factor

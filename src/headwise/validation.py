@@ -10,11 +10,10 @@ Shapes:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from .config import AttentionConfig
 from .kv_cache import KVCache
 from .masks import validate_mask
 
@@ -96,6 +95,25 @@ def check_qkv(q: object, k: object, v: object) -> None:
     raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
+def check_sinks(sinks: object, h: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Attention sinks: None or one floating logit per query head, on the queries' device."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks)
+    if tuple(sinks.shape) != (h,) or not sinks.dtype.is_floating_point:
+        raise ValueError(f"sinks must be a floating tensor of shape (h={h},), got {tuple(sinks.shape)} {sinks.dtype}")
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device} but the queries are on {device}")
+
+
+def has_dead_rows(mask: torch.Tensor | None) -> bool:
+    """Whether a floating mask has a query row entirely at (or below half of) its dtype's minimum: Hugging
+    Face's padding rows. Reads the mask: called only while autograd records (see plan rule 2)."""
+    if mask is None or mask.dtype == torch.bool or mask.numel() == 0:
+        return False
+    return bool((mask <= torch.finfo(mask.dtype).min / 2).all(-1).any())
+
+
 def check_dtype(name: str, dtype: object) -> None:
     """``dtype`` is None or a floating torch.dtype (attention weights and activations are floats)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -114,19 +132,24 @@ class ForwardInputs(NamedTuple):
     batched: bool
 
 
-def check_forward(config: AttentionConfig, dtype: torch.dtype, device: torch.device, rotary: bool,
+def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary: bool,
                   x: object, context: object, key: object, value: object, mask: object, causal: object,
                   cache: object, positions: object, return_weights: object) -> ForwardInputs:
-    """Every check of a layer's forward, once, before any work or state change.
+    """Every check of a layer's forward, once, before any work or state change. ``config`` is the layer's
+    :class:`~headwise.AttentionConfig` (not imported here: the config is built on these checks).
 
     Shapes:
         x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); key: (b, s_kv, kdim); value: (b, s_kv, vdim)
         mask: broadcastable to (b, h, s_q, s_kv) with s_kv = cache.length + s_q under a cache
         positions: (s_q,), (1, s_q) or (b, s_q)
     """
-    check_causal(causal)
-    check_bool("return_weights", return_weights)
-    x = check_input("x", x, config.d_model, "d_model", dtype, device)
+    if causal is not True and causal is not False:
+        check_causal(causal)
+    if return_weights is not True and return_weights is not False:
+        check_bool("return_weights", return_weights)
+    if not (type(x) is torch.Tensor and x.dim() in (2, 3) and x.shape[-1] == config.d_model and x.dtype == dtype
+            and x.device == device):  # the common case builds no message
+        x = check_input("x", x, config.d_model, "d_model", dtype, device)
     batched = x.dim() == 3
     if (key is None) != (value is None):
         raise ValueError("pass both key= and value= (or neither)")

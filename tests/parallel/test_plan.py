@@ -105,3 +105,29 @@ def test_head_lookup_names_the_owner():
 def test_bad_counts_are_rejected(args, exc):
     with pytest.raises(exc):
         plan_heads(*args)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(8, 3), (8, 0), (8, 2.0), (0, 1), (True, 1), (12, 5)])
+def test_plans_refuse_head_counts_exactly_as_a_layer_config_does(n_heads, n_kv_heads):
+    from headwise import AttentionConfig
+    from headwise.parallel import plan_sequence_parallel
+
+    with pytest.raises((TypeError, ValueError)) as want:
+        AttentionConfig(d_model=64, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=8)
+    for plan in (lambda: plan_heads(n_heads, n_kv_heads, 2), lambda: valid_world_sizes(n_heads, n_kv_heads),
+                 lambda: plan_sequence_parallel(n_heads, n_kv_heads, sp=2)):
+        with pytest.raises(want.type) as got:
+            plan()
+        assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(8, 8), (8, 2), (8, 1), (6, 3), (1, 1)])
+def test_plans_name_the_layer_kind_as_its_config_does(n_heads, n_kv_heads):
+    from headwise import AttentionConfig
+    from headwise.parallel import plan_sequence_parallel
+
+    cfg = AttentionConfig(d_model=8 * n_heads, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    plan = plan_heads(n_heads, n_kv_heads, 1)
+    assert plan.kind == plan_sequence_parallel(n_heads, n_kv_heads, sp=1).kind == cfg.kind
+    assert plan.partition(0).group_size == cfg.group_size
+    assert f"({cfg.kind}, group size {cfg.group_size})" in plan.describe()

@@ -68,8 +68,8 @@ def test_layouts_and_bad_arguments():
     assert "2 or 1 query heads per rank" in text and "uneven" in text and "sp rank 3: query heads [5], K/V heads [1]" in text
 
 
-@pytest.mark.parametrize("first", ["headwise.parallel.tensor_parallel", "headwise.parallel.sequence_parallel",
-                                   "headwise.parallel"])
+@pytest.mark.parametrize("first", ["headwise.parallel.tensor", "headwise.parallel.sequence",
+                                   "headwise.parallel.agreement", "headwise.parallel"])
 def test_package_names_are_the_functions_whatever_is_imported_first_and_plans_need_no_torch(first):
     import subprocess
     import sys
@@ -81,6 +81,8 @@ def test_package_names_are_the_functions_whatever_is_imported_first_and_plans_ne
             f"from headwise.parallel import sequence_parallel, tensor_parallel, CollectiveTimeoutError\n"
             f"import headwise.parallel as p\n"
             f"assert callable(sequence_parallel) and callable(tensor_parallel), (sequence_parallel, tensor_parallel)\n"
-            f"assert p.sequence_parallel is sequence_parallel and p.tensor_parallel is tensor_parallel\n")
+            f"assert p.sequence_parallel is sequence_parallel and p.tensor_parallel is tensor_parallel\n"
+            f"import types\n"
+            f"assert type(p) is types.ModuleType, type(p)  # a plain module: nothing replaces its class\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 
-from headwise import KVCache, MultiHeadAttention
+from headwise import KVCache, MaterializationWarning, MultiHeadAttention
 from headwise import masks as hwm
 
 D, H, H_KV, D_H = 16, 4, 2, 4
@@ -134,3 +137,69 @@ def test_cache_bad_device_strings():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device 'cuda:0' was requested but CUDA is not available here"):
             KVCache(1, 4, 2, 4, device="cuda:0")
+
+
+PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+
+
+def _cache_state(cache: KVCache):
+    return cache.length, cache.keys.clone(), cache.values.clone()
+
+
+def _assert_same_state(cache: KVCache, state, readable_only: bool = False) -> None:
+    """Bitwise the same cache; ``readable_only``: the length and every position it reads (a write that was
+    rolled back may leave its slots past the length, which no read ever reaches)."""
+    length, keys, values = state
+    assert cache.length == length
+    n = length if readable_only else keys.shape[2]
+    assert torch.equal(cache.keys[:, :, :n], keys[:, :, :n]) and torch.equal(cache.values[:, :, :n], values[:, :, :n])
+
+
+def _filled(attn: MultiHeadAttention, n: int = 3) -> KVCache:
+    cache = attn.new_cache(2, 8)
+    attn(torch.randn(2, n, 16), cache=cache)
+    return cache
+
+
+def test_an_exception_in_the_attention_step_rolls_the_cache_back(monkeypatch):
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    cache = _filled(attn)
+    before = _cache_state(cache)
+
+    def broken(*a, **k):
+        raise RuntimeError("kernel failure")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", broken)
+    with pytest.raises(RuntimeError, match="kernel failure"):
+        attn(torch.randn(2, 1, 16), cache=cache)
+    _assert_same_state(cache, before, readable_only=True)
+    monkeypatch.undo()
+    x = torch.randn(2, 1, 16)  # and decoding goes on as if the failed call never happened
+    fresh = attn.new_cache(2, 8)
+    fresh.update(before[1][:, :, :3], before[2][:, :, :3])
+    torch.testing.assert_close(attn(x, cache=cache), attn(x, cache=fresh))
+
+
+def test_a_warning_raised_as_an_error_leaves_the_cache_unchanged(monkeypatch):
+    monkeypatch.setitem(PLAN, "FORWARD_WARN_BYTES", 0)
+    attn = MultiHeadAttention(16, 4).eval()
+    cache = _filled(attn)
+    before = _cache_state(cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MaterializationWarning)
+        with pytest.raises(MaterializationWarning):
+            attn(torch.randn(2, 1, 16), cache=cache, return_weights=True)
+    _assert_same_state(cache, before)
+
+
+def test_a_cache_of_another_layer_is_refused_and_left_unchanged():
+    a, b = MultiHeadAttention(16, 4).eval(), MultiHeadAttention(16, 4).eval()
+    cache = _filled(a)
+    before = _cache_state(cache)
+    with pytest.raises(ValueError, match="one cache per layer"):
+        b(torch.randn(2, 1, 16), cache=cache)
+    with pytest.raises(ValueError, match="one cache per layer"):
+        b.explain_dispatch(torch.randn(2, 1, 16), cache=cache)
+    _assert_same_state(cache, before)
+    a(torch.randn(2, 1, 16), cache=cache)  # its own layer still decodes into it
+    assert cache.length == 4

@@ -15,7 +15,7 @@ import torch
 from headwise import MultiHeadAttention
 from headwise import functional as hwf
 from headwise import masks as hwm
-from tests.robustness.test_fuzz import reference
+from tests.reference import reference_mha as reference
 
 D, H, H_KV = 16, 4, 2
 PATHS = ["sdpa", "eager", "weights", "head", "cache"]

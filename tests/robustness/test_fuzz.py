@@ -21,6 +21,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tests.reference import reference_mha
 from headwise import MultiHeadAttention
 from headwise import masks as hwm
 
@@ -36,66 +37,11 @@ TOL = {  # (rtol, atol) against the float64 reference at scale 1; see tests/TOLE
 # ---------------------------------------------------------------------------------------------------------
 # The reference: y = concat_h softmax(Q_h K_g^T * scale + mask) V_g  W_O + b_O, g = h // (n_heads / n_kv_heads)
 # ---------------------------------------------------------------------------------------------------------
-def allowed_and_additive(b, h, s_q, s_kv, mask, causal):
-    """Boolean "may attend" and float64 additive terms, both (b, h, s_q, s_kv)."""
-    allowed = torch.ones(b, h, s_q, s_kv, dtype=torch.bool)
-    add = torch.zeros(b, h, s_q, s_kv, dtype=torch.float64)
-    if causal:  # bottom-right: query i sits at absolute position s_kv - s_q + i
-        i = torch.arange(s_q)[:, None]
-        j = torch.arange(s_kv)[None, :]
-        allowed &= j <= i + (s_kv - s_q)
-    if mask is not None:
-        m = torch.broadcast_to(mask, (b, h, s_q, s_kv))
-        if m.dtype == torch.bool:
-            allowed &= m
-        else:
-            m = m.double()
-            allowed &= m != -math.inf
-            add = add + torch.where(m == -math.inf, torch.zeros_like(m), m)
-    return allowed, add
-
-
 def reference(attn, x, context=None, mask=None, causal=False):
-    """float64, one head at a time. x (b, s_q, d), context (b, s_kv, kdim) -> y (b, s_q, d), w (b, h, s_q, s_kv)."""
-    cfg = attn.config
-    X = x.double()
-    C = X if context is None else context.double()
-    b, s_q, _ = X.shape
-    s_kv = C.shape[1]
-    d_h, h, group = cfg.d_head, cfg.n_heads, cfg.n_heads // cfg.n_kv_heads
-
-    def w_and_b(proj, rows):
-        w = proj.weight.detach().double()[rows]
-        bias = proj.bias.detach().double()[rows] if proj.bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
-        return w, bias
-
-    allowed, add = allowed_and_additive(b, h, s_q, s_kv, mask, causal)
-    contexts, weights, peak = [], [], 0.0
-    for head in range(h):
-        g = head // group
-        wq, bq = w_and_b(attn.q_proj, slice(head * d_h, (head + 1) * d_h))
-        wk, bk = w_and_b(attn.k_proj, slice(g * d_h, (g + 1) * d_h))
-        wv, bv = w_and_b(attn.v_proj, slice(g * d_h, (g + 1) * d_h))
-        q, k, v = X @ wq.T + bq, C @ wk.T + bk, C @ wv.T + bv  # (b, s, d_h) each
-        scores = q @ k.transpose(-1, -2) * cfg.scale + add[:, head]  # (b, s_q, s_kv)
-        ok = allowed[:, head]
-        scores = scores.masked_fill(~ok, -math.inf)
-        any_ok = ok.any(-1, keepdim=True)
-        if s_kv:
-            top = torch.where(any_ok, scores.amax(-1, keepdim=True), torch.zeros_like(scores[..., :1]))
-        else:
-            top = torch.zeros(b, s_q, 1, dtype=torch.float64)
-        e = torch.exp(scores - top).masked_fill(~ok, 0.0)
-        a = torch.where(any_ok, e / e.sum(-1, keepdim=True).clamp_min(1e-300), torch.zeros_like(e))
-        contexts.append(a @ v)
-        weights.append(a)
-        peak = max([peak] + [float(t.abs().max()) for t in (q, k, v) if t.numel()])
-    wo = attn.out_proj.weight.detach().double()
-    y = torch.cat(contexts, -1) @ wo.T
-    if attn.out_proj.bias is not None:
-        y = y + attn.out_proj.bias.detach().double()
-    reference.peak = max([peak] + ([float(y.abs().max())] if y.numel() else []))  # largest |q|, |k|, |v|, |y|
-    return y, torch.stack(weights, 1)
+    """The shared float64 reference; ``reference.peak`` is the largest |q|, |k|, |v|, |y| it met."""
+    out = reference_mha(attn, x, context, mask=mask, causal=causal)
+    reference.peak = reference_mha.peak
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import nn
 
 from headwise import MultiHeadAttention
 from headwise import masks as hwm
-from tests.robustness.test_fuzz import reference
+from tests.reference import reference_mha as reference
 
 SIZES = [(0, 0), (1, 1), (1, 4), (3, 3), (2, 5), (5, 2), (4, 0), (0, 3)]
 

@@ -22,15 +22,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadPartition", "TensorParallelPlan", "plan_heads", "valid_world_sizes"]
+from ..config import AttentionConfig
+
+__all__ = ["HeadPartition", "TensorParallelPlan", "head_config", "plan_heads", "valid_world_sizes"]
 
 
-def _check_count(name: str, value: object) -> int:
+def check_count(name: str, value: object) -> int:
+    """``value`` if it is a positive int (a count of ranks); raises naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
     if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value}")
     return value
+
+
+def head_config(n_heads: int, n_kv_heads: int | None = None) -> AttentionConfig:
+    """The head counts as an :class:`~headwise.AttentionConfig` (head width 1: only the heads matter to a
+    plan), so that the counts' checks and the MHA/GQA/MQA rule (``kind``, ``group_size``, ``kv_head_of``)
+    are the layer's own.
+
+    Example:
+        >>> cfg = head_config(8, 2)
+        >>> cfg.kind, cfg.group_size, cfg.kv_head_of(5)
+        ('GQA', 4, 1)
+    """
+    return AttentionConfig(d_model=1, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=1)
 
 
 def _split_ok(n_heads: int, n_kv_heads: int, world_size: int) -> bool:
@@ -50,11 +66,8 @@ def valid_world_sizes(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
         >>> valid_world_sizes(6, 2)      # 3 ranks would each need parts of two K/V groups
         [1, 2, 6]
     """
-    n_heads = _check_count("n_heads", n_heads)
-    n_kv_heads = n_heads if n_kv_heads is None else _check_count("n_kv_heads", n_kv_heads)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"n_kv_heads={n_kv_heads} does not divide n_heads={n_heads}")
-    return [w for w in range(1, n_heads + 1) if _split_ok(n_heads, n_kv_heads, w)]
+    cfg = head_config(n_heads, n_kv_heads)
+    return [w for w in range(1, cfg.n_heads + 1) if _split_ok(cfg.n_heads, cfg.n_kv_heads, w)]
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,7 @@ class HeadPartition:
     @property
     def group_size(self) -> int:
         """Query heads per K/V head in the unsharded layer (g)."""
-        return self.n_heads // self.n_kv_heads
+        return head_config(self.n_heads, self.n_kv_heads).group_size
 
     @property
     def local_group_size(self) -> int:
@@ -139,7 +152,7 @@ class TensorParallelPlan:
 
     ``kv_replicated`` is True when there are fewer K/V heads than ranks: each K/V head is then held by
     ``kv_replicas`` ranks (``world_size // n_kv_heads``), whose copies must stay identical (their gradients
-    are summed across the replicas, see :mod:`headwise.parallel.tensor_parallel`).
+    are summed across the replicas, see :mod:`headwise.parallel.tensor`).
 
     Shapes:
         h = n_heads, h_kv = n_kv_heads; partitions[r] is rank r's :class:`HeadPartition`.
@@ -181,9 +194,8 @@ class TensorParallelPlan:
 
     @property
     def kind(self) -> str:
-        if self.n_kv_heads == self.n_heads:
-            return "MHA"
-        return "MQA" if self.n_kv_heads == 1 else "GQA"
+        """``"MHA"``, ``"GQA"`` or ``"MQA"`` (:attr:`headwise.AttentionConfig.kind`)."""
+        return head_config(self.n_heads, self.n_kv_heads).kind
 
     def partition(self, rank: int) -> HeadPartition:
         """Rank ``rank``'s heads."""
@@ -205,9 +217,10 @@ class TensorParallelPlan:
 
     def describe(self) -> str:
         """A human-readable account of the split, one line per rank."""
-        group = self.n_heads // self.n_kv_heads
+        cfg = head_config(self.n_heads, self.n_kv_heads)
+        group = cfg.group_size
         head = (f"{self.n_heads} query head{'s' if self.n_heads > 1 else ''}, {self.n_kv_heads} K/V "
-                f"head{'s' if self.n_kv_heads > 1 else ''} ({self.kind}, group size {group}) over "
+                f"head{'s' if self.n_kv_heads > 1 else ''} ({cfg.kind}, group size {group}) over "
                 f"{self.world_size} rank{'s' if self.world_size > 1 else ''}: {self.n_local_heads} query "
                 f"head{'s' if self.n_local_heads > 1 else ''} per rank; ")
         if self.kv_replicated:
@@ -237,11 +250,9 @@ def plan_heads(n_heads: int, n_kv_heads: int | None, world_size: int) -> TensorP
             ...
         ValueError: cannot split n_heads=6 over world_size=4 ranks by whole heads (6 % 4 != 0); valid world sizes for n_heads=6, n_kv_heads=2: [1, 2, 6]
     """
-    n_heads = _check_count("n_heads", n_heads)
-    n_kv_heads = n_heads if n_kv_heads is None else _check_count("n_kv_heads", n_kv_heads)
-    world_size = _check_count("world_size", world_size)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"n_kv_heads={n_kv_heads} does not divide n_heads={n_heads}")
+    cfg = head_config(n_heads, n_kv_heads)
+    n_heads, n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+    world_size = check_count("world_size", world_size)
     valid = valid_world_sizes(n_heads, n_kv_heads)
     sizes = f"valid world sizes for n_heads={n_heads}, n_kv_heads={n_kv_heads}: {valid}"
     if n_heads % world_size:
@@ -254,13 +265,12 @@ def plan_heads(n_heads: int, n_kv_heads: int | None, world_size: int) -> TensorP
             f"would need parts of two K/V groups; {sizes}"
         )
     h_local = n_heads // world_size
-    group = n_heads // n_kv_heads
     replicated = n_kv_heads < world_size
     parts = []
     for r in range(world_size):
         q = tuple(range(r * h_local, (r + 1) * h_local))
         # The K/V heads a rank needs are exactly those its query heads read; contiguous by construction.
-        kv = tuple(sorted({h // group for h in q}))
+        kv = tuple(sorted({cfg.kv_head_of(h) for h in q}))
         parts.append(HeadPartition(rank=r, world_size=world_size, n_heads=n_heads, n_kv_heads=n_kv_heads,
                                    q_heads=q, kv_heads=kv, kv_replicated=replicated))
     return TensorParallelPlan(n_heads=n_heads, n_kv_heads=n_kv_heads, world_size=world_size,

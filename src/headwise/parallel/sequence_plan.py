@@ -28,17 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import plan_heads, valid_world_sizes
+from .plan import check_count, head_config, plan_heads, valid_world_sizes
 
 __all__ = ["SequenceParallelPlan", "SequenceRank", "plan_sequence_parallel", "valid_sequence_layouts"]
-
-
-def _count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
 
 
 def valid_sequence_layouts(n_heads: int, n_kv_heads: int | None, world_size: int) -> list[tuple[int, int]]:
@@ -53,7 +45,7 @@ def valid_sequence_layouts(n_heads: int, n_kv_heads: int | None, world_size: int
         >>> valid_sequence_layouts(4, 1, 8)     # 8 ranks but 4 heads: no layout
         []
     """
-    world_size = _count("world_size", world_size)
+    world_size = check_count("world_size", world_size)
     tps = valid_world_sizes(n_heads, n_kv_heads)
     return [(world_size // tp, tp) for tp in sorted(tps, reverse=True)
             if world_size % tp == 0 and world_size // tp <= n_heads // tp]
@@ -125,9 +117,8 @@ class SequenceParallelPlan:
 
     @property
     def kind(self) -> str:
-        if self.n_kv_heads == self.n_heads:
-            return "MHA"
-        return "MQA" if self.n_kv_heads == 1 else "GQA"
+        """``"MHA"``, ``"GQA"`` or ``"MQA"`` (:attr:`headwise.AttentionConfig.kind`)."""
+        return head_config(self.n_heads, self.n_kv_heads).kind
 
     def rank(self, r: int) -> SequenceRank:
         """Sequence-parallel rank ``r``'s heads."""
@@ -212,11 +203,9 @@ def plan_sequence_parallel(n_heads: int, n_kv_heads: int | None = None, *, sp: i
             ...
         ValueError: cannot split the heads over tp=3 ranks (cannot split n_kv_heads=2 over world_size=3 ranks: neither partitioned (2 % 3 != 0) nor replicated (3 % 2 != 0), so a rank would need parts of two K/V groups; valid world sizes for n_heads=6, n_kv_heads=2: [1, 2, 6]); valid (sp, tp) layouts for 6 ranks with n_heads=6, n_kv_heads=2: [(1, 6), (3, 2), (6, 1)]
     """
-    n_heads = _count("n_heads", n_heads)
-    n_kv_heads = n_heads if n_kv_heads is None else _count("n_kv_heads", n_kv_heads)
-    sp, tp = _count("sp", sp), _count("tp", tp)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"n_kv_heads={n_kv_heads} does not divide n_heads={n_heads}")
+    cfg = head_config(n_heads, n_kv_heads)
+    n_heads, n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+    sp, tp = check_count("sp", sp), check_count("tp", tp)
     valid = valid_sequence_layouts(n_heads, n_kv_heads, sp * tp)
     layouts = (f"valid (sp, tp) layouts for {sp * tp} ranks with n_heads={n_heads}, n_kv_heads={n_kv_heads}: "
                f"{valid}" if valid else f"no (sp, tp) layout of {sp * tp} ranks works: sp * tp must be at most "
@@ -232,14 +221,15 @@ def plan_sequence_parallel(n_heads: int, n_kv_heads: int | None = None, *, sp: i
         where = f"sp={sp} ranks" + (f" in each of tp={tp} shards" if tp > 1 else "")
         raise ValueError(f"cannot run sequence parallelism over {where}: {what} "
                          f"{h} query heads, fewer than sp={sp}, so a rank would attend to no head; {layouts}")
-    group = h // h_kv
+    shard = head_config(h, h_kv)
     ranks, start = [], 0
     for r in range(sp):
         n = h // sp + (1 if r < h % sp else 0)
         q = tuple(range(start, start + n))
         start += n
-        kv = tuple(range(q[0] // group, q[-1] // group + 1))  # contiguous: the heads its queries read
-        index = tuple(i // group - kv[0] for i in q)
-        grouped = n % len(kv) == 0 and index == tuple(j // (n // len(kv)) for j in range(n))
+        kv = tuple(range(shard.kv_head_of(q[0]), shard.kv_head_of(q[-1]) + 1))  # the heads its queries read
+        index = tuple(shard.kv_head_of(i) - kv[0] for i in q)
+        # Grouped: the rank's own heads follow the same rule, so the kernel reads its K/V heads as they are.
+        grouped = n % len(kv) == 0 and index == tuple(map(head_config(n, len(kv)).kv_head_of, range(n)))
         ranks.append(SequenceRank(rank=r, q_heads=q, kv_heads=kv, kv_index=index, grouped=grouped))
     return SequenceParallelPlan(n_heads=n_heads, n_kv_heads=n_kv_heads, sp=sp, tp=tp, ranks=tuple(ranks))

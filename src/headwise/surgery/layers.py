@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
-from ..projections import packed_linears
 from ..trace import find_layers
 from .weights import HeadWeights
 
@@ -54,24 +53,13 @@ def _linear(w: torch.Tensor, b: torch.Tensor | None, like: nn.Module) -> nn.Line
 
 
 def new_layer(layer: MultiHeadAttention, hw: HeadWeights) -> MultiHeadAttention:
-    """A copy of the bare ``layer`` (its class, rotary, norms, backend) holding ``hw``, packed like the core."""
+    """A copy of the bare ``layer`` (its class, rotary, norms, backend) holding ``hw`` in new projections."""
     new = copy.deepcopy(layer)
     cfg = layer.config.replace(n_heads=hw.n_heads, n_kv_heads=hw.n_kv_heads, d_head=hw.d_head, scale=layer.config.scale)
-    w = layer.q_proj.weight
-    with torch.no_grad():
-        if cfg.kdim == cfg.vdim == cfg.d_model:
-            q, k, v = packed_linears(cfg.d_model, [cfg.inner_dim, cfg.kv_dim, cfg.kv_dim], cfg.bias, w.device, w.dtype)
-        else:
-            q, = packed_linears(cfg.d_model, [cfg.inner_dim], cfg.bias, w.device, w.dtype)
-            k, = packed_linears(cfg.kdim, [cfg.kv_dim], cfg.bias, w.device, w.dtype)
-            v, = packed_linears(cfg.vdim, [cfg.kv_dim], cfg.bias, w.device, w.dtype)
-        o, = packed_linears(cfg.inner_dim, [cfg.d_model], cfg.out_bias, w.device, w.dtype)
-        for lin, wt, bt in ((q, hw.q_w, hw.q_b), (k, hw.k_w, hw.k_b), (v, hw.v_w, hw.v_b), (o, hw.o_w, hw.o_b)):
-            lin.weight.copy_(wt)
-            if bt is not None:
-                lin.bias.copy_(bt)
+    new.q_proj, new.k_proj, new.v_proj, new.out_proj = (
+        _linear(wt, bt, old) for wt, bt, old in ((hw.q_w, hw.q_b, layer.q_proj), (hw.k_w, hw.k_b, layer.k_proj),
+                                                 (hw.v_w, hw.v_b, layer.v_proj), (hw.o_w, hw.o_b, layer.out_proj)))
     new.config = cfg
-    new.q_proj, new.k_proj, new.v_proj, new.out_proj = q, k, v, o
     return new
 
 

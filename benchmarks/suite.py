@@ -1,0 +1,180 @@
+"""``python -m benchmarks``: run the cases, print each group's table and the goals, write ``RESULTS.md``.
+
+``--processes N`` runs the whole suite N times, one fresh process after the other; each ratio is then the
+median of the per-round ratios over every round of every process, with each process's own ratio range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["CASES", "main", "run_cases", "merge_processes", "resolve_only"]
+
+CASES = ("forward", "backward", "gqa", "decode", "trace", "patched", "families")
+#: The folder holding the ``benchmarks`` package: child processes run there.
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_only(only: str | None) -> list[str]:
+    """Case names to run, in suite order, from a comma-separated ``--only`` value.
+
+    Example:
+        >>> resolve_only("decode,forward")
+        ['forward', 'decode']
+    """
+    if not only:
+        return list(CASES)
+    wanted = {p.strip() for p in only.split(",") if p.strip()}
+    unknown = sorted(wanted - set(CASES))
+    if unknown:
+        raise ValueError(f"--only takes case names from {', '.join(CASES)}, got {', '.join(unknown)}")
+    return [c for c in CASES if c in wanted]
+
+
+def run_cases(sizes, cases: list[str], *, show: Callable[[dict], None] | None = None) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Every group of ``cases`` at ``sizes``, one after the other, in this process."""
+    from .cases import layer_groups
+    from .hf import hf_groups
+    from .timing import run_group
+    from .trace import trace_groups
+
+    factories = {**layer_groups(sizes), **trace_groups(sizes), **hf_groups(sizes)}
+    results = []
+    for case in cases:
+        for factory in factories[case]:
+            t0 = time.perf_counter()
+            res = run_group(factory())
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
+            results.append(res)
+            if show is not None:
+                show(res)
+    return results
+
+
+def _merge_entry(entries: list[dict]) -> dict:
+    merged = dict(entries[0])
+    merged["round_s"] = [r for e in entries for r in e["round_s"]]
+    merged["median_s"] = statistics.median(e["median_s"] for e in entries)
+    diffs = [e["max_abs_diff"] for e in entries if e["max_abs_diff"] is not None]
+    merged["max_abs_diff"] = max(diffs) if diffs else None
+    checks = [e["matches"] for e in entries if e["matches"] is not None]
+    merged["matches"] = all(checks) if checks else None
+    peaks = [e["peak_bytes"] for e in entries if e.get("peak_bytes") is not None]
+    merged["peak_bytes"] = max(peaks) if peaks else None
+    return merged
+
+
+def merge_processes(runs: list[list[dict]]) -> list[dict]:
+    """One group list from the group lists of several processes: each entry keeps every process's rounds
+    (one list per process), the median of their medians, the largest output difference and peak, and an
+    output check that passes only where it passed in every process.
+
+    Example:
+        >>> run = lambda t: [{"key": "g", "entries": [{"name": "a", "round_s": [[t]], "median_s": t,
+        ...     "max_abs_diff": None, "matches": None}]}]
+        >>> merge_processes([run(1.0), run(3.0)])[0]["entries"][0]["round_s"]
+        [[1.0], [3.0]]
+    """
+    first = runs[0]
+    for i, run in enumerate(runs[1:], start=2):
+        shape = [(g["key"], [e["name"] for e in g["entries"]]) for g in run]
+        if shape != [(g["key"], [e["name"] for e in g["entries"]]) for g in first]:
+            raise ValueError(f"process {i} measured other groups or entries than process 1: {shape}")
+    return [{**g, "entries": [_merge_entry([run[j]["entries"][k] for run in runs]) for k in range(len(g["entries"]))],
+             "wall_s": sum(run[j].get("wall_s", 0.0) for run in runs)} for j, g in enumerate(first)]
+
+
+def _show(res: dict) -> None:
+    from .report import group_rows
+
+    rows = [["entry", "median ms", "ratio", "range", "peak MiB", "output", "note"]] + group_rows(res)
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    print(f"\n{res['title']}  (ratio: time / {res['base']}'s, {res.get('wall_s', 0)} s)", flush=True)
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)), flush=True)
+    for n in res["notes"]:
+        print(f"  note: {n}")
+
+
+def _children(argv: list[str], n: int) -> list[list[dict]]:
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="headwise-bench-") as tmp:
+        for i in range(n):
+            out = Path(tmp) / f"p{i}.json"
+            print(f"process {i + 1} of {n}", flush=True)
+            done = subprocess.run([sys.executable, "-m", "benchmarks", *argv, "--json", str(out)],
+                                  cwd=ROOT)
+            if done.returncode != 0:
+                raise SystemExit(f"benchmark process {i + 1} of {n} exited with {done.returncode}")
+            runs.append(json.loads(out.read_text()))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m benchmarks``."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes, under a minute (a check of the machinery)")
+    p.add_argument("--only", metavar="CASES", help=f"comma-separated cases: {', '.join(CASES)}")
+    p.add_argument("--processes", type=int, default=1, metavar="N", help="run the suite N times, each in a fresh "
+                   "process; ratios pool every round of every process")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; 1 with --quick)")
+    p.add_argument("--out", metavar="MD", help="where RESULTS.md goes (default benchmarks/RESULTS.md; with "
+                   "--quick a temporary folder)")
+    p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child process's results
+    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if args.processes < 1:
+        p.error(f"--processes takes a count >= 1, got {args.processes}")
+    try:
+        cases = resolve_only(args.only)
+    except ValueError as exc:
+        p.error(str(exc))
+    import torch
+
+    from .cases import FULL, QUICK
+    from .report import environment, evaluate, write_results
+
+    if args.threads or args.quick:
+        torch.set_num_threads(args.threads or 1)  # tiny ops on many threads time thread wake-ups
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.processes > 1:
+        child = (["--quick"] if args.quick else []) + (["--only", args.only] if args.only else []) + (
+            ["--threads", str(args.threads)] if args.threads else [])
+        groups = merge_processes(_children(child, args.processes))
+        for g in groups:
+            _show(g)
+    else:
+        show = (lambda r: print(f"  {r['title']}: {r['wall_s']} s", flush=True)) if args.json else _show
+        groups = run_cases(QUICK if args.quick else FULL, cases, show=show)
+    if args.json:
+        Path(args.json).write_text(json.dumps(groups))
+        return 0
+    goals = evaluate(groups)
+    env = environment()
+    command = " ".join(f"{k}={v}" for k, v in env.items() if k.isupper() and v != "unset")
+    command += " python -m benchmarks" + "".join(" " + shlex.quote(a) for a in argv)
+    default = Path(tempfile.gettempdir()) / "headwise-bench-quick" / "RESULTS.md" if args.quick else \
+        ROOT / "benchmarks" / "RESULTS.md"
+    path = write_results(args.out or default, groups, goals, command=command.strip(), env=env,
+                         processes=args.processes, quick=args.quick)
+    print(f"\n{'goal':<52} {'target':<8} {'ratio':<7} status")
+    for g in goals:
+        ratio = "" if g["ratio"] is None else f"{g['ratio']:.3f}"
+        print(f"{g['goal']:<52} {g['target']:<8} {ratio:<7} {g['status']}")
+    print(f"\nwrote {path}" + (" (quick: tiny shapes, the ratios say nothing about the goals)" if args.quick else ""))
+    different = [f"{g['title']}: {e['name']}" for g in groups for e in g["entries"] if e["matches"] is False]
+    if different:  # a peer that computes something else makes the run no measurement
+        print("outputs differ from the reference entry: " + "; ".join(different), file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,128 @@
+"""The benchmark suite's machinery on tiny shapes: every case builds and times its groups, every peer
+computes what headwise computes (the honest-peer check), every goal finds its entries, and the command line
+writes RESULTS.md with the shared environment. Never a timing assertion (speed goals live in benchmarks/)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.cases import QUICK
+from benchmarks.hf import FAMILIES
+from benchmarks.report import GOALS, evaluate, write_results
+from benchmarks.suite import CASES, ROOT, resolve_only, run_cases
+from benchmarks.timing import Entry, Group, run_group
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.xdist_group("bench")  # the command-line test spawns processes
+
+TINY = replace(QUICK, rounds=2, decode_rounds=2, block_s=0.0)
+HAS = {m: importlib.util.find_spec(m) is not None for m in ("transformer_lens", "nnsight", "pyvene")}
+
+
+@pytest.fixture(scope="module")
+def groups() -> list[dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_cases(TINY, list(CASES))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_case_times_its_groups(groups):
+    families = [f"patched {name} {mode}" for name, *_ in FAMILIES.values() for mode in ("forward", "generate")]
+    assert [g["key"] for g in groups] == [
+        "forward", "forward causal", "fwd+bwd", "gqa", "decode", "trace result", "trace pattern+z",
+        "patched BERT forward", "patched Llama forward", "patched Llama generate", *families]
+    for g in groups:
+        assert any(e["name"] == g["base"] for e in g["entries"]), g["key"]
+        refused = any("patch refused it" in n for n in g["notes"])
+        for e in g["entries"]:
+            (rounds,) = e["round_s"]  # one process
+            assert len(rounds) == (1 if refused else TINY.decode_rounds if g["key"] == "decode" else
+                                   3 * TINY.rounds if g["key"].endswith("generate") else TINY.rounds)
+            assert all(t > 0 for t in rounds) and e["calls"] >= 1
+
+
+def test_every_family_is_patched_and_equal_or_says_why_not(groups):
+    for g in groups:
+        if g["key"].startswith("patched"):
+            names = [e["name"] for e in g["entries"]]
+            if "headwise (patched)" in names:
+                assert g["entries"][1]["matches"] is True, g["key"]
+            else:
+                assert len(names) == 1 and any("patch refused it: " in n for n in g["notes"]), g
+
+
+def test_every_peer_computes_what_headwise_computes(groups):
+    checked = {(g["key"], e["name"]): e for g in groups for e in g["entries"] if e["matches"] is not None}
+    assert all(e["matches"] for e in checked.values()), {k: e["max_abs_diff"] for k, e in checked.items()}
+    expected = {("forward", "packed SDPA"), ("forward", "nn.MultiheadAttention fast path"),
+                ("forward causal", "packed SDPA"), ("forward causal", "nn.MultiheadAttention fast path"),
+                ("fwd+bwd", "packed SDPA"), ("gqa", "packed SDPA enable_gqa"), ("gqa", "packed SDPA repeat K/V"),
+                ("decode", "x @ W preallocated loop"), ("trace result", "hooks + einsum"),
+                ("trace result", "headwise patched, no trace"), ("trace pattern+z", "hooks"),
+                ("patched BERT forward", "HF BERT (unpatched)"), ("patched Llama forward", "HF Llama (unpatched)"),
+                ("patched Llama generate", "HF Llama (unpatched)"), ("patched GPT-2 forward", "HF GPT-2 (unpatched)"),
+                ("patched GPT-2 generate", "HF GPT-2 (unpatched)")}
+    if HAS["transformer_lens"]:
+        expected |= {("trace result", "TransformerLens run_with_cache"), ("trace result", "TransformerLens forward"),
+                     ("trace pattern+z", "TransformerLens run_with_cache")}
+    if HAS["nnsight"]:
+        expected |= {("trace result", "nnsight"), ("trace pattern+z", "nnsight")}
+    if HAS["pyvene"]:
+        expected |= {("trace result", "pyvene")}
+    assert expected <= set(checked)
+    # the trace groups measured every entry's peak memory
+    assert all(e["peak_bytes"] is not None for g in groups if g["key"].startswith("trace") for e in g["entries"])
+
+
+def test_a_peer_that_computes_something_else_is_caught():
+    x = torch.randn(3, 4)
+    group = Group("g", "g", [Entry("headwise", lambda: x * 2), Entry("peer", lambda: x * 2 + 1e-3)],
+                  base="peer", rounds=1, block_s=0.0)
+    res = run_group(group)
+    assert res["entries"][1]["matches"] is False and res["entries"][1]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    goal = replace(GOALS[0], key="g", entry="headwise", others=("peer",))
+    assert evaluate([res], (goal,))[0]["status"] == "output mismatch"
+
+
+def test_every_goal_finds_its_entries(groups, tmp_path):
+    goals = evaluate(groups)
+    assert [g["goal"] for g in goals] == [g.label for g in GOALS]
+    assert all(g["status"].startswith(("met", "missed")) for g in goals), goals
+    path = write_results(tmp_path / "RESULTS.md", groups, goals, command="pytest", env={"THP_MEM_ALLOC_ENABLE": "1"},
+                         processes=1, quick=True)
+    text = path.read_text()
+    assert "## Goals" in text and "| THP_MEM_ALLOC_ENABLE | 1 |" in text
+    assert all(f"## {g['title']}" in text for g in groups)
+
+
+def test_only_takes_case_names():
+    assert resolve_only("decode,forward") == ["forward", "decode"]
+    assert resolve_only(None) == list(CASES)
+    with pytest.raises(ValueError, match="--only takes case names"):
+        resolve_only("forward,nope")
+
+
+def test_command_line_sets_huge_pages_and_pools_processes(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    out = tmp_path / "R.md"
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "decode", "--processes", "2",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert "| THP_MEM_ALLOC_ENABLE | 1 |" in text and "| processes | 2 |" in text
+    assert "| decode vs the x @ W preallocated loop | <= 1.05 |" in text
+    bad = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nope"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--only takes case names" in bad.stderr and "Traceback" not in bad.stderr

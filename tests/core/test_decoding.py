@@ -1,0 +1,182 @@
+"""DecodeStep: the same tokens as the layer's forward with its cache, bit for bit, and the forward's errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import DecodeStep, MultiHeadAttention, RotaryEmbedding
+from headwise import functional as hwf
+from tests.reference import reference_mha
+
+
+def _layer(h: int, h_kv: int, rotary: bool = False, dtype=torch.float32) -> MultiHeadAttention:
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(8) if rotary else None
+    return MultiHeadAttention(8 * h, h, h_kv, rotary=rope, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("h, h_kv, rotary", [(4, 4, False), (4, 2, False), (4, 1, True), (2, 2, True)])
+def test_steps_equal_the_forward_with_a_cache_bit_for_bit(h, h_kv, rotary):
+    attn = _layer(h, h_kv, rotary)
+    x = torch.randn(3, 9, attn.d_model)
+    by_forward, by_step = attn.new_cache(3, 12), attn.new_cache(3, 12)
+    step = DecodeStep(attn, by_step)
+    with torch.no_grad():
+        want = [attn(x[:, :5], cache=by_forward)] + [attn(x[:, t:t + 1], cache=by_forward) for t in range(5, 9)]
+        got = [attn(x[:, :5], cache=by_step)] + [step(x[:, t:t + 1]) for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=0, atol=0)
+    torch.testing.assert_close(by_step.keys[:, :, :9], by_forward.keys[:, :, :9], rtol=0, atol=0)
+    assert by_step.length == by_forward.length == 9
+
+
+def test_steps_compute_the_float64_formula():
+    attn = _layer(4, 2, rotary=True, dtype=torch.float64)
+    x = torch.randn(2, 6, attn.d_model, dtype=torch.float64)
+    cache = attn.new_cache(2, 6)
+    step = DecodeStep(attn, cache)
+    with torch.no_grad():
+        ys = [step(x[:, t:t + 1]) for t in range(6)]
+    torch.testing.assert_close(torch.cat(ys, 1), reference_mha(attn, x, causal=True)[0])
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "batch", "numpy", "full cache"])
+def test_calls_it_is_not_built_for_get_the_forwards_answer_and_leave_the_cache_as_the_forward_does(case):
+    attn = _layer(4, 2)
+    d = attn.d_model
+    bad = {"shape": torch.randn(2, 1, d + 1), "dtype": torch.randn(2, 1, d, dtype=torch.float64),
+           "batch": torch.randn(3, 1, d), "numpy": torch.randn(2, 1, d).numpy(), "full cache": torch.randn(2, 1, d)}[case]
+    results = []
+    for use_step in (False, True):
+        cache = attn.new_cache(2, 3 if case == "full cache" else 8)
+        step = DecodeStep(attn, cache)
+        with torch.no_grad():
+            attn(torch.ones(2, 3, d) if case == "full cache" else torch.ones(2, 2, d), cache=cache)
+            before = cache.length, cache.keys.clone()
+            results.append(_outcome(lambda: step(bad) if use_step else attn(bad, cache=cache)))
+        assert cache.length == before[0]
+        torch.testing.assert_close(cache.keys, before[1], rtol=0, atol=0)
+    assert results[0][0] != "ok" and results[0] == results[1]
+
+
+def test_autograd_training_and_a_trace_take_the_forward():
+    attn = _layer(4, 2)
+    x = torch.randn(2, 1, attn.d_model)
+    cache, twin = attn.new_cache(2, 4), attn.new_cache(2, 4)
+    step = DecodeStep(attn, cache)
+    y = step(x)  # autograd on: the forward records the graph
+    assert y.grad_fn is not None
+    torch.testing.assert_close(y, attn(x, cache=twin), rtol=0, atol=0)
+    with headwise.trace(attn, capture=("z",), edit={(0, 1): "zero"}) as t, torch.no_grad():
+        y_step = step(x)
+    with headwise.trace(attn, edit={(0, 1): "zero"}), torch.no_grad():
+        y_forward = attn(x, cache=twin)
+    torch.testing.assert_close(y_step, y_forward, rtol=0, atol=0)  # the edit applied: the forward ran
+    assert t[0].z.shape == (2, 1, 4, 8) and bool(t[0].z[:, :, 1].eq(0).all())
+    attn.train()
+    with torch.no_grad():
+        torch.testing.assert_close(step(x), attn(x, cache=twin), rtol=0, atol=0)
+
+
+def test_weights_changed_after_the_step_was_built_are_used():
+    attn = _layer(4, 2)
+    x = torch.randn(2, 1, attn.d_model)
+    cache, twin = attn.new_cache(2, 4), attn.new_cache(2, 4)
+    step = DecodeStep(attn, cache)
+    with torch.no_grad():
+        step(x)
+        attn(x, cache=twin)
+        attn.load_state_dict({k: torch.randn_like(v) for k, v in attn.state_dict().items()})
+        torch.testing.assert_close(step(x), attn(x, cache=twin), rtol=0, atol=0)
+        attn.q_proj.weight = torch.nn.Parameter(torch.randn_like(attn.q_proj.weight))  # packing broken: 3 products
+        torch.testing.assert_close(step(x), attn(x, cache=twin), rtol=0, atol=0)
+
+
+def test_a_step_that_fails_after_its_cache_write_crops_the_cache_back(monkeypatch):
+    attn = _layer(4, 2)
+    cache = attn.new_cache(1, 6)
+    step = DecodeStep(attn, cache)
+    with torch.no_grad():
+        step(torch.randn(1, 1, attn.d_model))
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("kernel failed")
+
+        monkeypatch.setattr(hwf, "attend", broken)
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            step(torch.randn(1, 1, attn.d_model))
+    assert cache.length == 1
+
+
+def test_refusals_name_what_was_expected_and_bind_nothing():
+    attn, other = _layer(4, 2), _layer(4, 2)
+    with pytest.raises(TypeError, match="needs a MultiHeadAttention, got Linear"):
+        DecodeStep(torch.nn.Linear(2, 2), attn.new_cache(1, 4))
+    with pytest.raises(TypeError, match="needs a KVCache"):
+        DecodeStep(attn, None)
+    with pytest.raises(ValueError, match="decodes self-attention; this layer has kdim=16"):
+        DecodeStep(MultiHeadAttention(32, 4, kdim=16, vdim=16), headwise.KVCache(1, 4, 4, 8))
+    with pytest.raises(ValueError, match="the cache holds n_kv_heads=4, d_head=8; the layer has n_kv_heads=2"):
+        DecodeStep(attn, headwise.KVCache(1, 4, 4, 8))
+    theirs = other.new_cache(1, 4)
+    with pytest.raises(ValueError, match="belongs to"):
+        DecodeStep(attn, theirs)
+    assert theirs.owner is other
+
+
+def test_after_a_first_step_hooks_config_and_module_swaps_are_honoured():
+    # A step is the forward: whatever the forward honours between tokens, a step honours too.
+    attn = _layer(4, 2)
+    d = attn.d_model
+    x = torch.randn(2, 6, d)
+
+    def pair():
+        """(the step's answer, the forward's answer) for the same next token from equal caches."""
+        a, b = attn.new_cache(2, 8), attn.new_cache(2, 8)
+        with torch.no_grad():
+            attn(x[:, :4], cache=a)
+            attn(x[:, :4], cache=b)
+            step = DecodeStep(attn, a)
+            step(x[:, 4:5])  # a first call, before anything changes
+            attn(x[:, 4:5], cache=b)
+            return step, a, b
+
+    step, a, b = pair()
+    handle = attn.register_forward_hook(lambda m, i, o: o * 0 + 7)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x[:, 5:6]), torch.full((2, 1, d), 7.0))
+    handle.remove()
+    pre = attn.register_forward_pre_hook(lambda m, args: (args[0] * 0,))
+    step, a, b = pair()
+    with torch.no_grad():
+        torch.testing.assert_close(step(x[:, 5:6]), attn(x[:, 5:6] * 0, cache=b))
+    pre.remove()
+    step, a, b = pair()
+    attn.config = attn.config.replace(scale=0.05)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x[:, 5:6]), attn(x[:, 5:6], cache=b))
+        torch.testing.assert_close(attn.explain_dispatch(x[:, :1]).plan.scale, 0.05)
+    step, a, b = pair()
+    attn.out_proj = torch.nn.Identity()  # a module swap: the step writes the merged heads
+    with torch.no_grad():
+        assert step(x[:, 5:6]).shape == (2, 1, attn.config.inner_dim)
+
+
+def test_backend_is_checked_whenever_it_is_set():
+    attn = _layer(4, 2)
+    with pytest.raises(ValueError, match=r"backend must be one of \['eager', 'sdpa'\], got 'eagre'"):
+        attn.backend = "eagre"
+    assert attn.backend == "sdpa"
+    attn.backend = "eager"
+    cache = attn.new_cache(2, 4)
+    with torch.no_grad():
+        _, w = attn(torch.randn(2, 2, attn.d_model), cache=cache, return_weights=True)
+    assert w.shape == (2, 4, 2, 2)

@@ -1,0 +1,301 @@
+"""KVCache: size, prefill + decode, overflow safety, reset, and torch.compile without recompiles."""
+
+from __future__ import annotations
+
+import warnings
+import math
+
+import pytest
+import torch
+import numpy as np
+import torch.nn.functional as F
+
+from headwise import KVCache, MultiHeadAttention
+from headwise import AttentionConfig, AttentionHead, KVCache, MaterializationWarning, MultiHeadAttention
+from headwise import RotaryEmbedding
+from headwise import functional as hwf
+from headwise import masks as hwm
+from headwise import AttentionConfig, KVCache, MultiHeadAttention
+from headwise.config import valid_head_counts
+
+
+@pytest.mark.parametrize("n_kv", [8, 2, 1])
+def test_cache_stores_only_kv_heads(n_kv):
+    attn = MultiHeadAttention(64, 8, n_kv)
+    cache = attn.new_cache(batch_size=3, max_len=50)
+    assert cache.keys.shape == (3, n_kv, 50, 8)
+    assert cache.nbytes == 2 * 3 * 50 * n_kv * 8 * 4
+    assert attn.to(torch.float64).new_cache(1, 10).nbytes == 2 * 1 * 10 * n_kv * 8 * 8
+
+
+def test_overflow_raises_and_leaves_the_cache_unchanged():
+    attn = MultiHeadAttention(16, 4, 2)
+    cache = attn.new_cache(batch_size=2, max_len=5)
+    x = torch.randn(2, 7, 16)
+    attn(x[:, :4], cache=cache)
+    keys, values, length = cache.keys.clone(), cache.values.clone(), cache.length
+    with pytest.raises(ValueError, match=r"cache overflow: 4 cached \+ 2 new > max_len=5"):
+        attn(x[:, 4:6], cache=cache)
+    assert cache.length == length and torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
+    attn(x[:, 4:5], cache=cache)  # still usable
+    assert cache.length == 5
+
+
+def test_wrong_batch_or_dtype_is_refused_before_writing():
+    attn = MultiHeadAttention(16, 4)
+    cache = attn.new_cache(batch_size=2, max_len=5)
+    with pytest.raises(ValueError, match=r"cache keys must have shape \(b=2, h_kv=4, s, d_h=4\), got \(3, 4, 1, 4\)"):
+        attn(torch.randn(3, 1, 16), cache=cache)
+    with pytest.raises(TypeError, match="cache holds torch.float64, got keys of dtype torch.float32"):
+        attn(torch.randn(2, 1, 16), cache=KVCache(2, 5, 4, 4, dtype=torch.float64))
+    assert cache.length == 0
+
+
+def test_reset_then_decode_another_sequence_matches_a_fresh_cache():
+    attn = MultiHeadAttention(16, 4, 2)
+    a, b = torch.randn(1, 6, 16), torch.randn(1, 3, 16)
+    cache = attn.new_cache(1, 8)
+    attn(a, cache=cache)
+    cache.reset()
+    assert cache.length == 0
+    used = torch.cat([attn(b[:, :1], cache=cache), attn(b[:, 1:], cache=cache)], 1)
+    torch.testing.assert_close(used, attn(b, causal=True))
+
+
+def test_compiled_decode_compiles_once_for_all_positions():
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    attn = MultiHeadAttention(32, 4, 2).eval()
+    x = torch.randn(2, 12, 32)
+    counter = CompileCounter()
+    step = torch.compile(attn, backend=counter, fullgraph=True)
+    cache = attn.new_cache(2, 16)
+    with torch.no_grad():
+        outs = [step(x[:, :4], cache=cache), step(x[:, 4:5], cache=cache)]
+        after_first_decode = counter.frame_count
+        outs += [step(x[:, t:t + 1], cache=cache) for t in range(5, 12)]
+    assert after_first_decode == 2  # the prefill graph and the decode graph
+    assert counter.frame_count == 2  # ...and no recompilation at positions 5..11
+    torch.testing.assert_close(torch.cat(outs, 1), attn(x, causal=True))
+
+
+def test_default_path_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    attn = MultiHeadAttention(32, 8, 2)
+    x = torch.randn(2, 6, 32)
+    mask = torch.rand(2, 1, 6, 6) > 0.3
+    compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)  # fullgraph: a break would raise
+    for kwargs in ({}, {"causal": True}, {"mask": mask}):
+        torch.testing.assert_close(compiled(x, **kwargs), attn(x, **kwargs))
+    compiled(x, causal=True).sum().backward()
+    assert attn.q_proj.weight.grad is not None
+
+
+def _filled(attn: MultiHeadAttention, n: int = 3) -> KVCache:
+    cache = attn.new_cache(2, 8)
+    attn(torch.randn(2, n, 16), cache=cache)
+    return cache
+
+
+PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+
+
+
+
+
+
+def brute_divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+
+def test_explaining_never_binds_a_cache():
+    cache = KVCache(1, 4, 4, 4)
+    a, b = MultiHeadAttention(16, 4), MultiHeadAttention(16, 4)
+    a.explain_dispatch(torch.randn(1, 2, 16), cache=cache)
+    assert cache.owner is None
+    b(torch.randn(1, 2, 16), cache=cache)
+    assert cache.owner is b
+
+
+
+
+
+
+def filled(cache: KVCache, n: int) -> KVCache:
+    g = torch.Generator().manual_seed(n)
+    shape = (cache.batch_size, cache.n_kv_heads, n, cache.d_head)
+    cache.update(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    return cache
+
+
+def snapshot(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
+    return cache.keys.clone(), cache.values.clone(), cache.length
+
+
+def assert_same(cache: KVCache, snap: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+    assert cache.length == snap[2]
+    assert torch.equal(cache.keys, snap[0]) and torch.equal(cache.values, snap[1])  # bitwise, every slot
+
+
+def test_claim_binds_the_first_owner_and_refuses_others():
+    a, b = MultiHeadAttention(16, 4, 2), MultiHeadAttention(16, 4, 2)
+    cache = filled(KVCache(1, 8, 2, 4), 3)
+    assert cache.owner is None
+    cache.claim(a)
+    cache.claim(a)  # the same owner: a no-op
+    assert cache.owner is a
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=rf"belongs to <MultiHeadAttention at {id(a):#x}>, not "
+                                         rf"<MultiHeadAttention at {id(b):#x}>: one cache per layer; "
+                                         r"make another with layer.new_cache\(\.\.\.\)"):
+        cache.claim(b)
+    assert cache.owner is a
+    assert_same(cache, snap)
+    cache.reset()
+    assert cache.owner is a
+    with pytest.raises(AttributeError):
+        cache.owner = b  # read-only
+
+
+def test_claim_checkpoint_update_compile_into_one_graph_for_every_decode_position():
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    owner = MultiHeadAttention(16, 4, 2)
+
+    def step(cache, k, v):
+        cache.claim(owner)
+        saved = cache.checkpoint(k.shape[-2])
+        keys, values = cache.update(k, v)
+        return keys.sum(2) + values.sum(2), saved
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    cache, ref = KVCache(2, 12, 2, 4), KVCache(2, 12, 2, 4)
+    cache.claim(owner)
+    kv = torch.randn(2, 2, 10, 4)
+    outs, expected = [], []
+    for t0, t1 in [(0, 3)] + [(t, t + 1) for t in range(3, 10)]:
+        out, saved = compiled(cache, kv[:, :, t0:t1], kv[:, :, t0:t1])
+        outs.append(out)
+        expected.append(ref.update(kv[:, :, t0:t1], kv[:, :, t0:t1])[0].sum(2) * 2)
+    assert counter.frame_count == 2  # prefill, then one graph for decode positions 3..9
+    torch.testing.assert_close(torch.stack(outs), torch.stack(expected))
+    assert cache.length == 10 and torch.equal(cache.keys, ref.keys) and cache.owner is owner
+    assert saved.length == 9 and torch.equal(saved.keys, torch.zeros(2, 2, 1, 4))  # slot 9 before its write
+    torch.compile(lambda c, s: c.restore(s), backend="eager", fullgraph=True)(cache, saved)
+    assert cache.length == 9 and torch.equal(cache.keys[:, :, :9], ref.keys[:, :, :9])
+    assert torch.equal(cache.keys[:, :, 9], torch.zeros(2, 2, 4))
+
+
+@pytest.mark.parametrize("n_written, n_saved", [(1, 1), (3, 3), (2, 3), (0, 2)])
+def test_checkpoint_restore_is_bitwise_and_saves_only_the_new_slots(n_written, n_saved):
+    cache = filled(KVCache(2, 10, 2, 4), 4)
+    snap = snapshot(cache)
+    cp = cache.checkpoint(n_saved)
+    assert cp.keys.shape == cp.values.shape == (2, 2, n_saved, 4)  # the new slots only, not the context
+    if n_written:
+        filled(cache, n_written)
+        assert not torch.equal(cache.keys, snap[0])
+    cache.restore(cp)
+    assert_same(cache, snap)
+    filled(cache, 2)  # usable afterwards, as if nothing had happened
+    assert cache.length == 6
+
+
+def test_checkpoint_clamps_at_max_len_and_refuses_what_it_cannot_undo():
+    cache = filled(KVCache(1, 5, 1, 2), 4)
+    cp = cache.checkpoint(3)
+    assert cp.keys.shape == (1, 1, 1, 2)  # only one slot is left before max_len
+    snap = snapshot(cache)
+    filled(cache, 1)
+    cache.restore(cp)
+    assert_same(cache, snap)
+
+    cp = cache.checkpoint(1)
+    filled(cache, 1)
+    other = filled(KVCache(1, 5, 1, 2), 4)
+    with pytest.raises(ValueError, match="this checkpoint was taken on another KVCache"):
+        other.restore(cp)
+    cache.reset()
+    filled(cache, 2)
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"cannot restore: the checkpoint saved 1 positions after length 4, "
+                                         r"but the cache now holds 2 and was reset since"):
+        cache.restore(cp)
+    assert_same(cache, snap)
+    cp = cache.checkpoint(1)
+    filled(cache, 2)
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"saved 1 positions after length 2, but the cache now holds 4"):
+        cache.restore(cp)
+    assert_same(cache, snap)
+    with pytest.raises(TypeError, match="restore needs a KVCheckpoint"):
+        cache.restore((2, None))
+    with pytest.raises(ValueError, match="checkpoint needs a non-negative int"):
+        cache.checkpoint(-1)
+
+
+def test_checkpoint_restore_undoes_a_forward_that_fails_after_the_write():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    cache = attn.new_cache(1, 8)
+    x = torch.randn(1, 6, 16)
+    attn(x[:, :4], cache=cache)
+    snap = snapshot(cache)
+    cp = cache.checkpoint(2)
+    attn(x[:, 4:6], cache=cache)  # pretend the forward failed after this write
+    cache.restore(cp)
+    assert_same(cache, snap)
+    torch.testing.assert_close(attn(x[:, 4:6], cache=cache), attn(x, causal=True)[:, 4:6])
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_overflow_under_fullgraph_compile_raises_the_eager_value_error(backend):
+    torch._dynamo.reset()
+    cache = KVCache(1, 4, 2, 4)
+
+    def step(k, v):
+        keys, values = cache.update(k, v)
+        return keys.sum() + values.sum()
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    kv = torch.randn(1, 2, 4, 4)
+    compiled(kv[:, :, :2], kv[:, :, :2])
+    for t in (2, 3):
+        compiled(kv[:, :, t:t + 1], kv[:, :, t:t + 1])
+    snap = snapshot(cache)
+    for new in (1, 3):
+        with pytest.raises(ValueError, match=rf"cache overflow: 4 cached \+ {new} new > max_len=4"):
+            compiled(kv[:, :, :new], kv[:, :, :new])
+        assert_same(cache, snap)
+        with pytest.raises(ValueError, match=rf"cache overflow: 4 cached \+ {new} new > max_len=4"):
+            step(kv[:, :, :new], kv[:, :, :new])  # eager: the same error
+        assert_same(cache, snap)
+    cache.reset()
+    torch.testing.assert_close(compiled(kv[:, :, :1], kv[:, :, :1]), 2 * kv[:, :, :1].sum())  # still usable
+
+
+def test_overflow_through_a_compiled_layer_raises_value_error():
+    torch._dynamo.reset()
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    step = torch.compile(attn, backend="eager", fullgraph=True)
+    cache = attn.new_cache(1, 3)
+    x = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        step(x[:, :2], cache=cache)
+        step(x[:, 2:3], cache=cache)
+        snap = snapshot(cache)
+        with pytest.raises(ValueError, match=r"cache overflow: 3 cached \+ 1 new > max_len=3"):
+            step(x[:, 3:4], cache=cache)
+    assert_same(cache, snap)
+
+
+@pytest.mark.timeout(10)
+def test_a_cache_too_large_to_allocate_is_a_value_error_naming_its_size():
+    with pytest.raises(ValueError, match=r"more than a tensor can hold"):
+        KVCache(1, 2**62, 4, 8)
+    with pytest.raises(ValueError, match=r"needs 2199023255552 bytes, which could not be allocated"):
+        KVCache(1, 2**34, 4, 4)
