@@ -417,19 +417,19 @@ def test_unsupported_modules_raise_clear_errors():
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
-def test_cross_attention_layers_are_left_alone_and_the_decoder_still_matches(family, impl):
+def test_cross_attention_layers_take_the_interface_path_and_the_decoder_still_matches(family, impl):
     if family == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=12, n_head=3, n_layer=2, add_cross_attention=True,
                                       attn_implementation=impl)
         model = transformers.GPT2LMHeadModel(cfg).eval()
-        names = ["transformer.h.0.attn", "transformer.h.1.attn"]
+        names = [f"transformer.h.{i}.{part}" for i in range(2) for part in ("attn", "crossattention")]
         cross = lambda: model.transformer.h[0].crossattention  # noqa: E731
     else:
         cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=12, num_attention_heads=3, num_hidden_layers=2,
                                       intermediate_size=16, is_decoder=True, add_cross_attention=True,
                                       attn_implementation=impl)
         model = transformers.BertLMHeadModel(cfg).eval()
-        names = [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]
+        names = [f"bert.encoder.layer.{i}.{part}.self" for i in range(2) for part in ("attention", "crossattention")]
         cross = lambda: model.bert.encoder.layer[0].crossattention.self  # noqa: E731
     ids, mask = batch(10, "right")
     enc = torch.randn(3, 5, 12)
@@ -443,10 +443,14 @@ def test_cross_attention_layers_are_left_alone_and_the_decoder_still_matches(fam
 
     want = two_steps()
     patch(model)
-    assert [n for n, _ in layers(model)] == names
-    assert type(cross()).__name__ in ("GPT2Attention", "BertCrossAttention")  # still HF's own class
+    assert [(n, how) for n, _, how in layers(model, how=True)] == [
+        (n, "interface" if "cross" in n else f"adapter:{family}") for n in names]
+    assert type(cross()).__name__ in ("HeadwiseGPT2Attention", "HeadwiseBertCrossAttention")
+    assert model.config._attn_implementation == "headwise"
     for g, w in zip(two_steps(), want):
         torch.testing.assert_close(g, w)
+    unpatch(model)
+    assert model.config._attn_implementation == impl and layers(model) == []
 
 
 def test_unsupported_layouts_raise_clear_errors():
@@ -471,3 +475,15 @@ def test_unsupported_attention_implementation_raises():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
         patch(model)
+
+
+def test_a_rotary_emb_whose_inv_freq_is_not_a_tensor_is_refused_naming_it():
+    import types
+
+    import numpy as np
+
+    model = llama("llama-gqa", "sdpa")
+    rot = types.SimpleNamespace(inv_freq=np.ones(2), attention_scaling=1.0)
+    with pytest.raises(TypeError, match=r"^rotary_emb must be the model's rotary module, whose inv_freq is a "
+                                        r"torch.Tensor; got SimpleNamespace with inv_freq numpy.ndarray$"):
+        from_hf(model.model.layers[0].self_attn, rotary_emb=rot)

@@ -204,20 +204,19 @@ def test_unsupported_attention_implementations_are_refused_before_anything_chang
     model = build(family)
     before = fingerprint(model)
     model.config._attn_implementation_internal = impl
-    refused = rf"attn_implementation='{impl}' is not supported.*supported: \('eager', 'sdpa'\)"
+    refused = rf"attn_implementation='{impl}' is not supported.*supported: \('eager', 'sdpa', 'headwise'\)"
     with pytest.raises(ValueError, match=refused):
         patch(model)
     assert_unchanged(model, before)
 
 
-def test_an_unknown_family_is_refused_naming_its_classes():
-    cfg = transformers.RobertaConfig(vocab_size=40, hidden_size=12, num_attention_heads=3, num_hidden_layers=1,
-                                     intermediate_size=8)
-    model = transformers.RobertaModel(cfg).eval()
+def test_a_family_outside_the_attention_interface_is_refused_naming_its_classes():
+    cfg = transformers.FalconConfig(vocab_size=40, hidden_size=12, num_attention_heads=3, num_hidden_layers=1)
+    model = transformers.FalconModel(cfg).eval()
     before = fingerprint(model)
-    with pytest.raises(TypeError, match=r"RobertaModel contains no attention module headwise can patch; supported: "
-                                        r"BERT.*GPT-2.*Llama-family.*Qwen3.*; it has \['RobertaAttention', "
-                                        r"'RobertaSelfAttention'\], none of them a supported class"):
+    with pytest.raises(TypeError, match=r"FalconModel contains no attention module headwise can patch; supported: "
+                                        r"BERT.*GPT-2.*Llama-family.*attention interface.*; it has "
+                                        r"\['FalconAttention'\], none of them a supported class"):
         patch(model)
     assert_unchanged(model, before)
 

@@ -25,12 +25,15 @@ from ..rotary import RotaryEmbedding
 __all__ = ["HeadwiseHFModule", "hf_attend", "check_linear", "new_copy", "patched_class", "patch_in_place",
            "unpatch_in_place", "SUPPORTED_IMPLS"]
 
-SUPPORTED_IMPLS = ("eager", "sdpa")
+SUPPORTED_IMPLS = ("eager", "sdpa", "headwise")
 
 
 def check_linear(owner: str, name: str, layer: object, out_features: int, in_features: int) -> nn.Linear:
     """``layer`` must be an ``nn.Linear`` whose weight is ``(out, in)`` and bias ``(out,)`` or None."""
     if not isinstance(layer, nn.Linear):
+        if isinstance(getattr(layer, "base_layer", None), nn.Module):  # a PEFT adapter wrapping the projection
+            raise TypeError(f"{owner}.{name} is wrapped by PEFT ({type(layer).__module__}.{type(layer).__name__}); "
+                            "patch the model before get_peft_model, or merge_and_unload() it first")
         raise TypeError(f"{owner}.{name} must be an nn.Linear, got {type(layer).__name__}")
     got = tuple(layer.weight.shape)
     if got != (out_features, in_features):
@@ -77,8 +80,8 @@ def check_impl(config: Any, where: str) -> str:
     if impl not in SUPPORTED_IMPLS:
         raise ValueError(
             f"{where}: attn_implementation={impl!r} is not supported (its masks are not 4-D tensors); "
-            f"supported: {SUPPORTED_IMPLS}. Load the model with attn_implementation='sdpa' or 'eager', or call "
-            "model.set_attn_implementation('sdpa') before patching"
+            f"supported: {SUPPORTED_IMPLS}. Load the model with attn_implementation='headwise', 'sdpa' or 'eager', "
+            "or call model.set_attn_implementation('headwise') before patching"
         )
     return impl
 
@@ -108,7 +111,7 @@ def hf_attend(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                    else type(attention_mask).__name__)
             raise ValueError(f"{type(module).__name__} expects Hugging Face's prepared 4-D attention mask "
                              f"(b, 1, s_q, s_kv), bool or float; got {got}")
-    elif impl == "sdpa":
+    elif impl in ("sdpa", "headwise"):  # "headwise" prepares sdpa's masks
         is_causal = kwargs.get("is_causal")
         is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         s_q, s_kv = q.shape[2], k.shape[2]

@@ -1,4 +1,4 @@
-"""Hugging Face interop: take over the attention of BERT, GPT-2 and Llama-family models, and give it back.
+"""Hugging Face interop: take over the attention of transformers models, and give it back.
 
 * :func:`from_hf` / :func:`to_hf`: one HF attention module <-> one :class:`MultiHeadAttention` (copies).
 * :func:`patch` / :func:`unpatch`: make every supported attention module of a model compute with headwise, in
@@ -14,9 +14,13 @@ Supported modules (the per-family name maps are in :mod:`~headwise.interop.hf_be
   explicit ``head_dim``, biases, rotary from ``rope_parameters``, Qwen3's per-head Q/K RMSNorm; sliding-window
   layers work because HF's masks carry the window).
 
-Models must use ``attn_implementation`` ``"eager"`` or ``"sdpa"``; flash/flex attention raise ``ValueError``
-before anything changes. transformers
-is imported only here and in the family modules (``pip install headwise[hf]``).
+Every other module whose forward calls transformers' attention interface is patched on the generic path
+(:mod:`~headwise.interop.hf_generic`, projections located by :mod:`~headwise.interop.hf_registry`): the model's
+attention implementation becomes ``"headwise"`` (:mod:`~headwise.interop.hf_interface`).
+
+Models must use ``attn_implementation`` ``"eager"``, ``"sdpa"`` or ``"headwise"``; flash/flex attention raise
+``ValueError`` before anything changes. transformers is imported only by the interop modules
+(``pip install headwise[hf]``).
 
 Shapes:
     b: batch, s: sequence, h: query heads, h_kv: key/value heads, d: model width, d_h: head width.
@@ -52,6 +56,7 @@ from torch import nn
 
 from ..attention import MultiHeadAttention
 from ._hf_common import HeadwiseHFModule, check_impl, patch_in_place, unpatch_in_place
+from .hf_interface import NAME
 
 __all__ = ["from_hf", "to_hf", "patch", "unpatch", "layers", "HeadwiseHFModule"]
 
@@ -68,7 +73,9 @@ def _families() -> list[tuple[ModuleType, type]]:
 
 
 def _supported() -> str:
-    return "; ".join(family.NAME for family, _ in _families())
+    from . import hf_generic
+
+    return "; ".join([family.NAME for family, _ in _families()] + [hf_generic.NAME])
 
 
 def _family_of(module: object) -> tuple[ModuleType, type] | None:
@@ -91,7 +98,13 @@ def _unsupported(module: object, what: str) -> Exception:
     if isinstance(module, (self_cls, cross_cls)):
         return TypeError(f"{what}: {name} holds only W_Q, W_K, W_V (W_O is the sibling BertSelfOutput.dense); "
                          "pass the enclosing BertAttention (e.g. model.encoder.layer[0].attention)")
-    return TypeError(f"{what}: {name} is not a supported attention module; supported: {_supported()}")
+    from . import hf_generic
+
+    adapters = "; ".join(family.NAME for family, _ in _families())
+    if hf_generic.is_target(module):
+        return TypeError(f"{what}: {name} has no family adapter (adapters: {adapters}); it is on transformers' "
+                         "attention interface, so patch(model) takes it over and layers(model) gives its heads")
+    return TypeError(f"{what}: {name} is not a supported attention module; supported: {adapters}")
 
 
 def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiHeadAttention:
@@ -151,30 +164,56 @@ def to_hf(attn: MultiHeadAttention, like: nn.Module) -> nn.Module:
 
 
 def patch(model: nn.Module) -> nn.Module:
-    """Make, in place, every supported attention module of ``model`` compute its attention with headwise.
+    """Make, in place, every attention module of ``model`` that headwise can take over compute with headwise.
+
+    Two paths, chosen per module (:func:`layers` with ``how=True`` says which each layer took):
+
+    * **adapter** (BERT, GPT-2, Llama family): the module's forward is headwise's (``attn.project_qkv``, HF's
+      rotary cos/sin, the model's own cache, ``attn.attend`` on HF's prepared mask, ``attn.project_out``), and
+      ``attn`` is a full layer (``attn(x)`` runs alone, surgery works).
+    * **interface** (every other module that calls transformers' attention interface): the module keeps its own
+      forward and the model's attention implementation becomes ``"headwise"``
+      (:mod:`~headwise.interop.hf_interface`), so each head is computed by headwise and reported to ``attn`` (an
+      :class:`~headwise.interop.hf_generic.InterfaceView`): :func:`headwise.trace` captures and edits it.
+      Projections located through :mod:`~headwise.interop.hf_registry` give ``attn.head(i)`` weight views and
+      ``result`` captures; where they are not located, reading them says why.
 
     Nothing is replaced, copied or renamed: each module keeps its identity, parameters, buffers, submodules
     (under their Hugging Face names), hooks and attributes, and only its class changes to
     ``Headwise<Original>`` (a subclass of the original, so ``isinstance`` checks, weight init and
-    ``output_attentions`` recording still work). Its ``.attn`` is a :class:`MultiHeadAttention` that is a
-    *view* of the module's current weights (never a registered submodule, so ``state_dict`` keys,
-    ``save_pretrained``, tensor-parallel plans and PEFT targets are unchanged) and its forward computes with
-    it: ``attn.project_qkv``, HF's rotary cos/sin (equal to ``attn.rotary``), the model's own cache via
-    ``cache.update(k, v, layer_idx)``, ``attn.attend`` on HF's prepared mask, ``attn.project_out``.
-    Already patched modules are left as they are; cross-attention modules are not patched. No data is read,
-    so a model on the meta device can be patched before its weights arrive.
+    ``output_attentions`` recording still work). Its ``.attn`` is a view of the module's current weights (never a
+    registered submodule, so ``state_dict`` keys, ``save_pretrained``, tensor-parallel plans and PEFT targets are
+    unchanged). Already patched modules are left as they are. No data is read, so a model on the meta device
+    can be patched before its weights arrive.
 
     Everything is checked before anything changes. Returns ``model``. Raises ``TypeError`` if nothing in
     ``model`` can be patched (naming the attention classes found) and ``ValueError`` for attention
-    implementations other than eager / sdpa.
+    implementations other than eager / sdpa / headwise.
 
     Shapes:
         per layer, as the original module: hidden_states (b, s, d) -> (b, s, d), weights (b, h, s, s_kv) or None
+
+    Example:
+        >>> import torch, transformers
+        >>> cfg = transformers.AutoConfig.for_model("phi3", vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                                         num_hidden_layers=1, num_attention_heads=4, pad_token_id=0)
+        >>> model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        >>> ids = torch.tensor([[1, 5, 7, 3]])
+        >>> before = model(ids).logits
+        >>> [(name, how) for name, attn, how in layers(patch(model), how=True)]
+        [('model.layers.0.self_attn', 'interface')]
+        >>> torch.testing.assert_close(model(ids).logits, before)
+        >>> attn = layers(model)[0][1]
+        >>> attn.head(1).w_q.data_ptr() == model.model.layers[0].self_attn.qkv_proj.weight[4:].data_ptr()
+        True
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: model must be a torch.nn.Module, got {type(model).__name__}")
     families = _families()
+    from . import hf_generic
+
     targets = []
+    covered: set[int] = set()
     for name, module in model.named_modules():
         if isinstance(module, HeadwiseHFModule):
             continue
@@ -186,21 +225,70 @@ def patch(model: nn.Module) -> nn.Module:
                 config = module.self.config if hasattr(module, "self") else module.config
                 check_impl(config, f"patch({type(model).__name__}) at {name!r}")
                 targets.append((name, module, family, mixin))
-    if not targets and not layers(model):
+                covered.update((id(module), id(family.host_of(module)[0])))
+    modules = dict(model.named_modules())
+    generic = []
+    for name, module in modules.items():
+        if id(module) in covered or not hf_generic.is_target(module):
+            continue
+        if name == "":
+            raise TypeError(f"patch: {type(model).__name__} is itself an attention module; patch the model that "
+                            "contains it")
+        check_impl(module.config, f"patch({type(model).__name__}) at {name!r}")
+        generic.append((name, module, modules[name.rpartition(".")[0]]))
+    if not targets and not generic and not layers(model):
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
         seen = f"; it has {found}, none of them a supported class" if found else ""
         raise TypeError(f"patch: {type(model).__name__} contains no attention module headwise can patch; "
                         f"supported: {_supported()}{seen}")
-    views = [(module, family.from_module(module, share=True), family, mixin) for _, module, family, mixin in targets]
-    for (name, *_), (module, attn, family, mixin) in zip(targets, views):
-        host, suffix = family.host_of(module)
-        object.__setattr__(attn, "_hw_name", name + suffix)
-        patch_in_place(host, attn, mixin)
+    if generic and not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"patch: {type(model).__name__} is not a transformers PreTrainedModel, so its attention "
+                        "implementation cannot be set to 'headwise'; patch the PreTrainedModel that contains it")
+    views = [(module, family.from_module(module, share=True), family.host_of(module), mixin, f"adapter:{family.KEY}",
+              name) for name, module, family, mixin in targets]
+    views += [(module, hf_generic.from_module(module, parent, name=name), (module, ""), hf_generic.PatchedInterface,
+               "interface", name) for name, module, parent in generic]
+    before = _impls(model) if generic else []
+    done = []
+    try:
+        for module, attn, (host, suffix), mixin, how, name in views:
+            object.__setattr__(attn, "_hw_name", name + suffix)
+            object.__setattr__(attn, "_hw_how", how)
+            patch_in_place(host, attn, mixin)
+            done.append(host)
+        if generic:
+            model.set_attn_implementation(NAME)
+            stuck = sorted({type(m).__name__ for _, m, _ in generic if m.config._attn_implementation != NAME})
+            if stuck:
+                raise TypeError(f"patch: {type(model).__name__} did not switch {stuck} to "
+                                f"attn_implementation={NAME!r} (transformers cannot set it dynamically for them)")
+            model.__dict__["_hw_impls"] = before
+    except BaseException:
+        for host in done:
+            unpatch_in_place(host)
+        _restore(before)
+        raise
     return model
 
 
+def _impls(model: nn.Module) -> list[tuple[object, object]]:
+    """Every config of ``model`` and its attention implementation, to put back on unpatch."""
+    seen: dict[int, tuple[object, object]] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "_attn_implementation_internal"):
+            seen[id(config)] = (config, config._attn_implementation_internal)
+    return list(seen.values())
+
+
+def _restore(impls: list[tuple[object, object]]) -> None:
+    for config, impl in impls:
+        config._attn_implementation_internal = impl
+
+
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch`: every patched module gets its original class back and returns ``model``.
+    """Undo :func:`patch`: every patched module gets its original class back, the model its attention
+    implementation, and ``model`` is returned.
 
     The weights never moved, so nothing is copied; edits made through ``.attn`` or its heads while patched
     are edits of the model's own weights. A model without patched modules is returned unchanged.
@@ -212,12 +300,15 @@ def unpatch(model: nn.Module) -> nn.Module:
         raise TypeError(f"unpatch: model must be a torch.nn.Module, got {type(model).__name__}")
     for module in [m for m in model.modules() if isinstance(m, HeadwiseHFModule)]:
         unpatch_in_place(module)
+    _restore(model.__dict__.pop("_hw_impls", []))
     return model
 
 
-def layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+def layers(model: nn.Module, *, how: bool = False) -> list[tuple]:
     """``(qualified name of the patched module, its MultiHeadAttention)`` for every patched layer, in model
     order (empty if ``model`` is not patched). Each layer's ``repr`` names the module it is a view of.
+    ``how=True`` adds which path :func:`patch` took: ``"adapter:bert"``, ``"adapter:gpt2"``,
+    ``"adapter:llama"`` or ``"interface"``.
 
     Shapes:
         each layer: MultiHeadAttention(d, h, h_kv, d_h); ``attn.head(i)`` gives head i's (d, d_h) weights
@@ -229,4 +320,5 @@ def layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
         >>> [name for name, attn in layers(patch(transformers.BertModel(cfg)))]
         ['encoder.layer.0.attention.self', 'encoder.layer.1.attention.self']
     """
-    return [(name, module.attn) for name, module in model.named_modules() if isinstance(module, HeadwiseHFModule)]
+    found = [(name, module.attn) for name, module in model.named_modules() if isinstance(module, HeadwiseHFModule)]
+    return [(name, attn, attn.__dict__.get("_hw_how", "adapter")) for name, attn in found] if how else found

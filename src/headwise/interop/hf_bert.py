@@ -43,6 +43,7 @@ from ._view import LayerView
 
 __all__ = ["classes", "from_module", "load_into", "BertView", "PatchedBertSelf"]
 
+KEY = "bert"
 NAME = "BERT (BertAttention: .self query/key/value + .output.dense)"
 
 

@@ -44,6 +44,7 @@ from ._view import LayerView, ProjectionView
 
 __all__ = ["classes", "from_module", "load_into", "split_c_attn", "GPT2View", "PatchedGPT2"]
 
+KEY = "gpt2"
 NAME = "GPT-2 (GPT2Attention: Conv1D c_attn/c_proj)"
 
 

@@ -41,6 +41,7 @@ from .qk_norm import QKNormAttention, QKNormMixin
 __all__ = ["classes", "from_module", "load_into", "rotary_from_hf", "LlamaView", "QKNormLlamaView",
            "PatchedLlamaStyle"]
 
+KEY = "llama"
 NAME = "Llama-family (LlamaAttention, MistralAttention, Qwen2Attention, Qwen3Attention with QK-norm)"
 
 
@@ -75,7 +76,11 @@ def rotary_from_hf(config: Any, d_head: int, rotary_emb: nn.Module | None = None
     inv_freq = None
     if rotary_emb is not None:
         inv_freq = getattr(rotary_emb, "original_inv_freq", None)
-        inv_freq = rotary_emb.inv_freq if inv_freq is None else inv_freq
+        inv_freq = getattr(rotary_emb, "inv_freq", None) if inv_freq is None else inv_freq
+        if not isinstance(inv_freq, torch.Tensor):
+            raise TypeError(f"rotary_emb must be the model's rotary module, whose inv_freq is a torch.Tensor; got "
+                            f"{type(rotary_emb).__name__} with inv_freq {type(inv_freq).__module__}."
+                            f"{type(inv_freq).__name__}")
         if inv_freq.is_meta:
             inv_freq = None  # not materialised yet: derive from the config instead
         else:

@@ -1,0 +1,184 @@
+"""headwise as a transformers attention implementation: ``attn_implementation="headwise"``.
+
+transformers routes the attention of most of its families through one seam, ``ALL_ATTENTION_FUNCTIONS``: the
+attention module projects, normalises and rotates Q/K/V itself, then calls the registered function with
+q ``(b, h, s_q, d_qk)``, k ``(b, h_kv, s_kv, d_qk)``, v ``(b, h_kv, s_kv, d_v)`` and the mask, and applies its
+own output projection to what comes back. Importing :mod:`headwise.interop` registers :func:`attention_forward`
+there under the name ``"headwise"``, with transformers' own ``sdpa_mask`` as its mask function (boolean masks,
+True = may attend: headwise's convention; see :func:`mask`), so
+
+* ``AutoModel.from_pretrained(..., attn_implementation="headwise")`` or
+  ``model.set_attn_implementation("headwise")`` computes every head with :func:`headwise.functional.attention`;
+* a model patched by :func:`headwise.interop.patch` also reports each head to its layer's tracer, so
+  :func:`headwise.trace` captures and edits the heads of every family on the interface.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
+    d_qk: query/key head width, d_v: value head width.
+
+Example:
+    >>> import torch, transformers
+    >>> import headwise.interop                                     # registers "headwise"
+    >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                                num_attention_heads=4, num_key_value_heads=2)
+    >>> model = transformers.LlamaForCausalLM(cfg).eval()
+    >>> ids = torch.tensor([[1, 5, 7, 3]])
+    >>> before = model(ids).logits
+    >>> model.set_attn_implementation("headwise")
+    >>> torch.testing.assert_close(model(ids).logits, before)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import functional as hwf
+
+__all__ = ["NAME", "register", "attention_forward"]
+
+NAME = "headwise"
+
+
+def register() -> None:
+    """Register :func:`attention_forward` and its mask function with transformers under :data:`NAME` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _trusts_is_causal(config_class: type) -> bool:
+    """Whether transformers runs this family under sdpa, where a missing mask means ``module.is_causal``.
+
+    Families that run only eager always get a materialised mask: their modules' ``is_causal`` flags were never
+    read (several say False on causal decoders), and eager treats "no mask" as "attend to everything"."""
+    from transformers import MODEL_MAPPING
+
+    try:
+        return bool(getattr(MODEL_MAPPING[config_class], "_supports_sdpa", False))
+    except (KeyError, ValueError):
+        return False
+
+
+def mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' ``sdpa_mask`` (bool, True = may attend), which may return None for a purely causal mask
+    (the kernel's ``is_causal`` is faster) only in families transformers runs under sdpa."""
+    from transformers.masking_utils import sdpa_mask
+
+    if config is None or not _trusts_is_causal(type(config)):
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
+def _position_bias_mask(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, s_q: int,
+                        s_kv: int) -> torch.Tensor:
+    """T5-style relative position bias combined with the mask into one additive mask, as transformers' sdpa does.
+
+    Shapes: bias (b or 1, h, s_q, s_kv); mask (b or 1, 1, s_q, s_kv) or None -> (b or 1, h, s_q, s_kv)"""
+    low = torch.finfo(bias.dtype).min
+    if mask is None:
+        if not causal:
+            return bias
+        keep = torch.ones(s_q, s_kv, dtype=torch.bool, device=bias.device).tril()  # top-left, as sdpa's is_causal
+        return torch.where(keep, bias, low)
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias, low)
+    return bias + mask
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, position_bias: torch.Tensor | None = None,
+                      softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs: Any,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every head's attention with headwise, in transformers' attention-interface signature.
+
+    Masks and causality follow transformers' sdpa function exactly (the mask function is :func:`mask`): a 4-D
+    bool (True = may attend) or float (added) mask is used as given; without one, ``is_causal`` (the keyword, else
+    ``module.is_causal``, default True, in families transformers runs under sdpa) applies when ``s_q > 1``, after
+    cropping K/V to ``s_q`` when there are more (an empty static cache's prefill). ``position_bias`` (T5's relative bias) is added to the scores.
+    ``softcap`` (Gemma 2) and ``s_aux`` (attention sinks, gpt-oss) go to :func:`headwise.functional.attention`;
+    ``sliding_window`` is already in the mask. The weights are computed (the eager path) when
+    ``output_attentions`` is asked for (as a keyword, or by the model recording them) or a trace captures
+    ``"pattern"``; otherwise the fused path runs.
+
+    In a module patched by :func:`headwise.interop.patch`, the layer's tracer sees q, k, v (and may replace
+    them) and the per-head context before the module's output projection (and may edit it).
+
+    Args:
+        module: the Hugging Face attention module calling.
+        query, key, value: the split heads after the module's norms and rotary.
+        attention_mask: the prepared 4-D mask, or None.
+        dropout: dropout on the probabilities (transformers passes 0.0 in eval mode).
+        scaling: score scale (None: ``d_qk ** -0.5``).
+        is_causal: overrides ``module.is_causal`` when no mask is given.
+        position_bias: an additive per-head bias (T5).
+        softcap: logit soft-capping ``softcap * tanh(scores / softcap)``.
+        s_aux: one sink logit per query head.
+
+    Shapes:
+        query (b, h, s_q, d_qk); key (b, h_kv, s_kv, d_qk); value (b, h_kv, s_kv, d_v);
+        attention_mask (b or 1, 1, s_q, s_kv) -> (b, s_q, h, d_v), weights (b, h, s_q, s_kv) or None
+    """
+    layer = module.__dict__.get("_hw_attn")  # set by headwise.interop.patch: the module's headwise layer
+    tracer = None if layer is None else layer.tracer
+    if layer is not None:
+        check_heads(layer, module, query, value)
+    s_q, s_kv = query.shape[2], key.shape[2]
+    config = getattr(module, "config", None)
+    if is_causal is None:  # eager-only families: no mask means no mask (see mask())
+        is_causal = getattr(module, "is_causal", True) and config is not None and _trusts_is_causal(type(config))
+    causal = bool(is_causal) and attention_mask is None and s_q > 1
+    if causal and s_kv > s_q:
+        key, value = key[:, :, :s_q], value[:, :, :s_q]  # (b, h_kv, s_q, d): sdpa's top-left causal, cropped
+        if position_bias is not None:
+            position_bias = position_bias[..., :s_q]
+    mask = attention_mask
+    if position_bias is not None:
+        mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
+        causal = False
+    wants = bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False))) or _recording()
+    if tracer is not None:
+        wants = tracer.wants_weights(layer) or wants
+        edited = tracer.qkv(layer, query, key, value)
+        if edited is not None:
+            query, key, value = edited
+    extra: dict[str, Any] = {}
+    if softcap is not None:
+        extra["softcap"] = softcap
+    if s_aux is not None:
+        extra["sinks"] = s_aux
+    z, weights = hwf.attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout, causal=causal,
+                               backend="eager" if wants else "sdpa", return_weights=wants, **extra)
+    if tracer is not None:
+        z = tracer.context(layer, z, weights)  # (b, h, s_q, d_v), possibly edited
+    return z.transpose(1, 2).contiguous(), weights  # (b, s_q, h, d_v)
+
+
+def _recording() -> bool:
+    """Whether the running model records attention weights (``output_attentions=True`` that its layers do not
+    pass down: transformers collects the modules' returned weights through its output-capturing hooks)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - another transformers layout: the keyword still works
+        return False
+    collected = _active_collector.get()
+    return isinstance(collected, dict) and any(k.endswith("attentions") for k in collected)
+
+
+def check_heads(layer: nn.Module, module: nn.Module, query: torch.Tensor, value: torch.Tensor) -> None:
+    """The heads transformers hands over must be the heads the layer was built for (edits name heads by index)."""
+    cfg = layer.config
+    got = (query.shape[1], value.shape[1], value.shape[-1])
+    want = (cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
+    adopt = getattr(layer, "adopt_kv_heads", None)
+    if got != want and not (got[::2] == want[::2] and adopt is not None and adopt(got[1])):
+        raise ValueError(f"{type(module).__name__} handed headwise (h, h_kv, d_v) = {got}, but its patched layer "
+                         f"was built for {want} from the module's config and weights; unpatch and patch again after "
+                         "changing the module's head counts")

@@ -1,0 +1,85 @@
+"""Where each Hugging Face family keeps its attention weights: one small :class:`Entry` per family.
+
+:func:`headwise.interop.patch` takes over every attention module that calls transformers' attention interface
+(see :mod:`~headwise.interop.hf_interface`). Tracing needs nothing else; heads as weight objects
+(``attn.head(i)``), ``result`` captures and surgery need Q/K/V and W_O located, and this registry is the one place
+that says where they are. A family without an entry uses :data:`DEFAULT` (the usual attribute names); adding a
+family is one line in :data:`ENTRIES`.
+
+Layouts of a fused Q/K/V projection (``qkv``, rows of the ``(out, in)`` weight):
+
+* ``"blocks"``: every query head, then every key head, then every value head (Phi-3 ``qkv_proj``, ModernBERT
+  ``Wqkv``, GPT-BigCode ``c_attn`` with multi-query).
+* ``"per_head"``: head by head, each head's q, k, v rows together (GPT-NeoX ``query_key_value``).
+
+Shapes:
+    h: query heads, h_kv: key/value heads, d: model width, d_qk: query/key head width, d_v: value head width.
+
+Example:
+    >>> entry_for("phi3").qkv, entry_for("phi3").layout
+    ('qkv_proj', 'blocks')
+    >>> entry_for("some_new_family") is DEFAULT
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["Entry", "DEFAULT", "ENTRIES", "entry_for"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one family's attention module keeps its projections and head sizes.
+
+    Attributes:
+        q, k, v: candidate attribute names of the separate Q, K, V projections (``nn.Linear``), first match wins.
+        o: candidate names of W_O on the attention module itself.
+        o_parent: candidate paths of W_O on the module's parent (BERT-style ``SelfOutput.dense``).
+        qkv: the fused Q/K/V projection's name (then q, k, v are ignored), with its ``layout``.
+        heads, kv_heads: names of the module's (or its config's) query / key-value head counts.
+        d_v: names of the value head width (the width of each head's context).
+        unlocated: why Q/K/V cannot be located as per-head weight slices ("" when they can).
+    """
+
+    q: tuple[str, ...] = ("q_proj", "query", "q", "q_lin")
+    k: tuple[str, ...] = ("k_proj", "key", "k", "k_lin")
+    v: tuple[str, ...] = ("v_proj", "value", "v", "v_lin")
+    o: tuple[str, ...] = ("o_proj", "out_proj", "dense", "o", "out_lin", "Wo", "c_proj")
+    o_parent: tuple[str, ...] = ("output.dense",)
+    qkv: str | None = None
+    layout: str = "split"
+    heads: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads")
+    kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
+    d_v: tuple[str, ...] = ("v_head_dim", "head_dim", "head_size", "attention_head_size", "key_value_proj_dim",
+                            "d_kv")
+    unlocated: str = ""
+
+
+DEFAULT = Entry()
+
+_MLA = ("multi-head latent attention: each head's Q, K and V come out of shared low-rank latents "
+        "(q_a_proj/q_b_proj, kv_a_proj_with_mqa/kv_b_proj), so they are not slices of one projection")
+
+#: model_type -> where its attention keeps Q/K/V and W_O (families not listed use DEFAULT); a callable gets the
+#: module's config, for families whose layout depends on it.
+ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
+    "phi3": Entry(qkv="qkv_proj", layout="blocks"),
+    "gpt_neox": Entry(qkv="query_key_value", layout="per_head"),
+    "persimmon": Entry(qkv="query_key_value", layout="per_head"),
+    "ctrl": Entry(q=("Wq",), k=("Wk",), v=("Wv",)),
+    "modernbert": Entry(qkv="Wqkv", layout="blocks"),
+    "gpt_bigcode": lambda cfg: Entry(qkv="c_attn", layout="blocks" if cfg.multi_query else "per_head"),
+    "codegen": Entry(unlocated="CodeGen's qkv_proj interleaves its heads over 4 model-parallel shards"),
+    "deepseek_v2": Entry(unlocated=_MLA),
+    "deepseek_v3": Entry(unlocated=_MLA),
+}
+
+
+def entry_for(model_type: str | None, config: Any = None) -> Entry:
+    """The registry entry of ``model_type`` (a config's ``model_type``; ``config`` for layouts that depend on
+    it), or :data:`DEFAULT`."""
+    entry = ENTRIES.get(model_type or "", DEFAULT)
+    return entry if isinstance(entry, Entry) else entry(config)

@@ -1,0 +1,258 @@
+"""patch on the generic path (any module on transformers' attention interface): the unpatched model is the peer
+for outputs, plain tensors of the model's own weights for head views, and transformers' modules for what is
+captured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import headwise  # noqa: E402
+from headwise.interop import hf_registry, layers, patch, unpatch  # noqa: E402
+
+# PEFT asks transformers a deprecated question; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+BASE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+EXTRA = {"phi3": dict(num_key_value_heads=2), "gpt_neox": {},
+         "mixtral": dict(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1), "opt": dict(ffn_dim=32, word_embed_proj_dim=16),
+         "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                             q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6,
+                             first_k_dense_replace=0, n_group=1, topk_group=1)}
+IDS = torch.tensor([[1, 5, 7, 3, 9], [2, 4, 6, 8, 10]])
+
+
+def tiny(model_type: str, impl: str = "sdpa") -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(model_type, **BASE, **EXTRA[model_type])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # non-trivial biases and norms
+    return model
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    return model(IDS).logits
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_neox", "opt", "deepseek_v3"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_patch_unpatch_round_trip_on_the_interface(model_type, impl):
+    model = tiny(model_type, impl)
+    want = logits(model)
+    keys = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    patch(model)
+    assert [how for _, _, how in layers(model, how=True)] == ["interface", "interface"]
+    assert model.config._attn_implementation == "headwise"
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == keys
+    torch.testing.assert_close(logits(model), want)
+    unpatch(model)
+    assert model.config._attn_implementation == impl and layers(model) == []
+    assert not any(type(m).__name__.startswith("Headwise") for m in model.modules())
+
+
+def test_phi3_heads_are_live_views_of_the_fused_qkv_proj():
+    model = patch(tiny("phi3"))
+    attn = layers(model)[0][1]
+    fused = model.model.layers[0].self_attn.qkv_proj.weight  # rows: 4 q heads, 2 k heads, 2 v heads of 4
+    head = attn.head(3)
+    assert head.kv_index == 1
+    torch.testing.assert_close(head.w_q, fused[12:16].T, rtol=0, atol=0)
+    torch.testing.assert_close(head.w_k, fused[16 + 4:16 + 8].T, rtol=0, atol=0)
+    torch.testing.assert_close(head.w_v, fused[24 + 4:24 + 8].T, rtol=0, atol=0)
+    assert head.w_q.data_ptr() == fused[12].data_ptr()
+    torch.testing.assert_close(head.w_o, model.model.layers[0].self_attn.o_proj.weight[:, 12:16].T, rtol=0, atol=0)
+
+
+def test_gpt_neox_heads_read_and_write_the_interleaved_query_key_value():
+    model = patch(tiny("gpt_neox"))
+    attn = layers(model)[0][1]
+    qkv = model.gpt_neox.layers[0].attention.query_key_value
+    per_head = qkv.weight.view(4, 3, 4, 16)  # head-major rows [q_i, k_i, v_i]
+    head = attn.head(2)
+    for j, w in enumerate((head.w_q, head.w_k, head.w_v)):
+        torch.testing.assert_close(w, per_head[2, j].T, rtol=0, atol=0)
+    torch.testing.assert_close(head.b_v, qkv.bias.view(4, 3, 4)[2, 2], rtol=0, atol=0)
+    torch.testing.assert_close(attn.v_proj.weight, per_head[:, 2].reshape(16, 16), rtol=0, atol=0)
+    new = torch.randn(16, 4)
+    head.w_k = new
+    torch.testing.assert_close(qkv.weight[2 * 12 + 4:2 * 12 + 8], new.T, rtol=0, atol=0)  # the model's weight
+
+
+def test_captured_values_are_the_located_value_weights_applied_to_the_module_input():
+    model = patch(tiny("opt"))
+    seen = {}
+    module = model.model.decoder.layers[0].self_attn
+    handle = module.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw.get("hidden_states", a[0] if a
+                                                                                     else None)), with_kwargs=True)
+    with headwise.trace(model, capture=("v",)) as t, torch.no_grad():
+        logits(model)
+    handle.remove()
+    attn = layers(model)[0][1]
+    want = torch.stack([seen["x"] @ attn.head(i).w_v + attn.head(i).b_v for i in range(4)], dim=1)
+    torch.testing.assert_close(t[0].v, want)
+
+
+def test_latent_attention_traces_but_has_no_head_weights():
+    model = patch(tiny("deepseek_v3"))
+    attn = layers(model)[0][1]
+    assert attn.located["out_proj"] == "" and "latent" in attn.located["q_proj"]
+    with pytest.raises(ValueError, match="q_proj .* is unavailable: Q/K/V are not located: multi-head latent"):
+        attn.head(0)
+    with headwise.trace(model, capture=("z", "result")) as t, torch.no_grad():
+        out = logits(model)
+    assert t[0].z.shape == (2, 5, 4, 6)  # d_v = 6, while q/k heads are 8 wide
+    o = model.model.layers[0].self_attn.o_proj
+    torch.testing.assert_close(t[0].result.sum(2), o(t[0].z.reshape(2, 5, 24)))
+    assert torch.isfinite(out).all()
+
+
+def test_without_a_located_w_o_result_says_why_and_z_still_traces(monkeypatch):
+    monkeypatch.setitem(hf_registry.ENTRIES, "opt", hf_registry.Entry(o=(), o_parent=()))
+    model = patch(tiny("opt"))
+    with headwise.trace(model, capture=("z", "pattern")) as t, torch.no_grad():
+        logits(model)
+    assert t[0].z.shape == (2, 5, 4, 4) and t[0].pattern.shape == (2, 4, 5, 5)
+    with pytest.raises(ValueError, match=r"out_proj .*'result' captures.* is unavailable: W_O is not located: no "
+                                         r"nn.Linear \(16, 16\) named"):
+        with headwise.trace(model, capture=("result",)), torch.no_grad():
+            logits(model)
+
+
+def test_a_failed_switch_of_the_implementation_leaves_the_model_as_it_was(monkeypatch):
+    model = tiny("phi3")
+    classes = [type(m) for m in model.modules()]
+
+    def refuse(*a, **k):
+        raise ValueError("no")
+
+    monkeypatch.setattr(model, "set_attn_implementation", refuse)
+    with pytest.raises(ValueError, match="no"):
+        patch(model)
+    assert [type(m) for m in model.modules()] == classes and layers(model) == []
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_patch_after_peft_says_to_patch_first():
+    peft = pytest.importorskip("peft")
+    from tests.interop.tiny_models import build
+
+    model = peft.get_peft_model(build("llama"), peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=2))
+    with pytest.raises(TypeError, match=r"^LlamaAttention.q_proj is wrapped by PEFT \(peft\.tuners\.lora\.layer\."
+                                        r"Linear\); patch the model before get_peft_model, or merge_and_unload"):
+        patch(model)
+    assert layers(model) == []
+
+
+def test_the_registry_has_one_entry_per_family():
+    assert hf_registry.entry_for("phi3").qkv == "qkv_proj"
+    assert hf_registry.entry_for("gpt_neox").layout == "per_head"
+    assert hf_registry.entry_for("llama") is hf_registry.DEFAULT
+    big = transformers.AutoConfig.for_model("gpt_bigcode", multi_query=False)
+    assert hf_registry.entry_for("gpt_bigcode", big).layout == "per_head"
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_neox", "opt", "deepseek_v3"])
+def test_greedy_generation_with_the_models_cache_is_unchanged(model_type):
+    model = tiny(model_type)
+    ids = torch.tensor([[0, 5, 7, 3], [2, 4, 6, 8]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    patch(model)
+    with headwise.trace(model, capture=("z",)) as t:
+        got = model.generate(ids, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(t[0].calls) == 5 and t[0].z.shape[1] == 4 + 4  # prefill + one call per new token but the last
+
+
+def test_from_hf_of_a_module_without_an_adapter_points_to_patch():
+    from headwise.interop import from_hf
+
+    module = tiny("phi3").model.layers[0].self_attn
+    with pytest.raises(TypeError, match=r"^from_hf: Phi3Attention has no family adapter \(adapters: BERT.*\); it is "
+                                        r"on transformers' attention interface, so patch\(model\) takes it over"):
+        from_hf(module)
+
+
+@pytest.mark.parametrize("model_type, drop", [("opt", [0]), ("gpt_neox", [2]), ("mixtral", [0, 1])])
+def test_write_heads_removing_heads_equals_zeroing_them(model_type, drop):
+    """The surgery seam: the host rebuilt without some heads (then patched again) computes what zeroing them
+    computes (mixtral: heads 0 and 1 are K/V group 0, so the group goes too)."""
+    model = patch(tiny(model_type))
+    with headwise.trace(model, edit={(0, h): "zero" for h in drop}), torch.no_grad():
+        want = logits(model)
+    attn = layers(model)[0][1]
+    h, h_kv, d_h, g = attn.n_heads, attn.n_kv_heads, attn.d_head, attn.config.group_size
+    keep = [i for i in range(h) if i not in drop]
+    keep_kv = sorted({i // g for i in keep})
+    rows = lambda heads: torch.cat([torch.arange(i * d_h, (i + 1) * d_h) for i in heads])  # noqa: E731
+    with torch.no_grad():
+        new = {p: (getattr(attn, p).weight[rows(keep if p == "q_proj" else keep_kv)].clone(),
+                   None if getattr(attn, p).bias is None else
+                   getattr(attn, p).bias[rows(keep if p == "q_proj" else keep_kv)].clone())
+               for p in ("q_proj", "k_proj", "v_proj")}
+        new["out_proj"] = (attn.out_proj.weight[:, rows(keep)].clone(), attn.out_proj.bias)
+        attn.write_heads(new, len(keep), len(keep_kv))
+    unpatch(model)
+    patch(model)
+    assert (layers(model)[0][1].n_heads, layers(model)[0][1].n_kv_heads) == (len(keep), len(keep_kv))
+    torch.testing.assert_close(logits(model), want)
+
+
+def test_an_adapter_family_loaded_with_the_headwise_implementation_patches_and_matches_eager():
+    from tests.interop.tiny_models import build, inputs, output
+
+    eager, model = build("llama", "eager"), build("llama", "headwise")
+    batch = inputs(4)
+    patch(model)
+    assert [how for _, _, how in layers(model, how=True)] == ["adapter:llama"] * 2
+    got, want = output(model, batch), output(eager, batch)
+    keep = batch["attention_mask"].bool()  # padded queries read nothing: eager averages, headwise gives zeros
+    torch.testing.assert_close(got[keep], want[keep])
+
+
+@pytest.mark.parametrize("model_type, fused", [("phi3", "qkv_proj"), ("gpt_neox", "query_key_value")])
+def test_a_deep_copy_and_a_pickle_of_a_patched_model_view_their_own_weights(model_type, fused, tmp_path):
+    import copy
+
+    model = patch(tiny(model_type))
+    want = logits(model)
+    torch.save(model, tmp_path / "m.pt")
+    for again in (copy.deepcopy(model), torch.load(tmp_path / "m.pt", weights_only=False)):
+        name, attn = layers(again)[0]
+        weight = getattr(again.get_submodule(name), fused).weight
+        assert attn.head(0).w_q.data_ptr() == weight.data_ptr()  # the copy's storage, not the original's
+        torch.testing.assert_close(logits(again), want, rtol=0, atol=0)
+        with torch.no_grad():
+            weight.zero_()
+        assert layers(again)[0][1].q_proj.weight.abs().sum() == 0
+        torch.testing.assert_close(logits(model), want, rtol=0, atol=0)  # the original is untouched
+        assert unpatch(again).config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "opt"])
+def test_output_attentions_of_a_patched_model_are_the_eager_weights(model_type):
+    plain = tiny(model_type, "eager")
+    model = patch(tiny(model_type, "sdpa"))
+    with torch.no_grad():
+        want, got = plain(IDS, output_attentions=True).attentions, model(IDS, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt_neox", "deepseek_v3"])
+def test_training_gradients_through_the_interface_equal_the_unpatched_models(model_type):
+    plain, model = tiny(model_type), patch(tiny(model_type))
+    for m in (plain, model):
+        m.train()
+        m(IDS, labels=IDS).loss.backward()
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
