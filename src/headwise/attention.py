@@ -29,7 +29,7 @@ from .plan import Plan, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_dtype, check_forward, has_dead_rows
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "has_forward_hooks"]
 
 
 class MultiHeadAttention(LayerHeads, nn.Module):
@@ -402,9 +402,14 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                 f"kind={c.kind}, backend={self.backend!r}")
 
 
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs forward hooks (its own or global ones): then its output may not be
+    replaced by a sum computed elsewhere."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
+                or nn.modules.module._global_forward_pre_hooks)
+
+
 def _bare_linear(module: Any) -> bool:
     """Whether calling ``module`` is exactly ``F.linear`` with its weight and bias: an ``nn.Linear`` (not a
-    subclass such as a LoRA wrapper) with no forward hooks of its own or global ones."""
-    return type(module) is nn.Linear and not (
-        module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
-        or nn.modules.module._global_forward_pre_hooks)
+    subclass such as a LoRA wrapper) without forward hooks."""
+    return type(module) is nn.Linear and not has_forward_hooks(module)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .. import functional as hwf
-from ..attention import MultiHeadAttention
+from ..attention import MultiHeadAttention, has_forward_hooks
 from ..config import AttentionConfig
 from ._hf_common import check_same, copy_into, hf_attend, new_copy, pop_cache
 from ._view import LayerView, ProjectionView
@@ -177,10 +177,14 @@ class GPT2View(LayerView):
         return hwf.split_qkv(self._hw_host.c_attn(x), cfg.n_heads, cfg.n_kv_heads)  # (b, h, s, d_h) each
 
     def project_out(self, context: torch.Tensor, results: torch.Tensor | None = None) -> torch.Tensor:
-        """Merge heads and run ``c_proj`` (always the call: ``results`` is accepted and not used).
+        """Merge heads and run ``c_proj``; with ``results`` (every head's write, from a trace) while ``c_proj``
+        is HF's plain ``Conv1D`` without hooks, their sum plus its bias: the same value, no second product.
 
-        Shapes: (b, h, s, d_h) -> (b, s, d)"""
-        return self._hw_host.c_proj(hwf.merge_heads(context))  # (b, s, d)
+        Shapes: context (b, h, s, d_h); results (b, s, h, d) -> (b, s, d)"""
+        c_proj = self._hw_host.c_proj
+        if results is not None and type(c_proj).__name__ == "Conv1D" and not has_forward_hooks(c_proj):
+            return results.sum(2) + c_proj.bias  # (b, s, d)
+        return c_proj(hwf.merge_heads(context))  # (b, s, d)
 
 
 class PatchedGPT2:
@@ -205,4 +209,5 @@ class PatchedGPT2:
             current = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache with cross-attention
             k, v = current.update(k, v, self.layer_idx, kwargs=kwargs)
         out, weights = hf_attend(self, q, k, v, attention_mask, kwargs)
-        return self.resid_dropout(attn.project_out(out)), weights
+        results = None if attn.tracer is None else attn.tracer.results(attn)  # a trace's per-head writes
+        return self.resid_dropout(attn.project_out(out, results)), weights

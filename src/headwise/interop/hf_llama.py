@@ -292,4 +292,5 @@ class PatchedLlamaStyle:
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         out, weights = hf_attend(self, q, k, v, attention_mask, kwargs)
-        return attn.project_out(out), weights
+        results = None if attn.tracer is None else attn.tracer.results(attn)  # a trace's per-head writes
+        return attn.project_out(out, results), weights
