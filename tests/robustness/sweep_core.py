@@ -7,13 +7,10 @@ import math
 
 import numpy as np
 import torch
-from torch import nn
 
-from headwise import (AttentionConfig, AttentionHead, DecodeStep, KVCache, MultiHeadAttention,
-                      RotaryEmbedding)
+from headwise import AttentionConfig, DecodeStep, KVCache, MultiHeadAttention, RotaryEmbedding
 from headwise import functional as hwf
-from headwise import masks
-from tests.reference import reference_heads, reference_mha, rope64
+from tests.reference import reference_heads, reference_mha
 from tests.robustness.sweep_harness import Case, Setup, close
 
 D, H, HKV, DH = 16, 4, 2, 4

@@ -147,6 +147,8 @@ def run_case(case: Case, tmp: Path, deadline: float = DEADLINE_S) -> Outcome:
     if kind == "error":
         exc = value
         text = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, TimeoutError):  # a case that watches its own child process (the CLI) timed out
+            return Outcome("hang", text[:500])
         if not isinstance(exc, REFUSALS) or not str(exc).strip():
             return Outcome("traceback", text[:500])
         diff = _diff(setup.watch, before)

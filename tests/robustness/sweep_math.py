@@ -13,8 +13,8 @@ from headwise import functional as hwf
 from headwise import masks
 from headwise.config import valid_head_counts
 from headwise.plan import plan_attention
-from tests.reference import allowed_and_additive, reference_heads, reference_mha, rope64
-from tests.robustness.sweep_core import D, DH, HKV, layer, xs
+from tests.reference import reference_heads, rope64
+from tests.robustness.sweep_core import DH, HKV, layer, xs
 from tests.robustness.sweep_harness import Case, Setup, close
 
 CASES: list[Case] = []

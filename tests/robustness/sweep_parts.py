@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import nn
 
-from headwise import AttentionConfig, AttentionHead, DecodeStep, KVCache, MultiHeadAttention, RotaryEmbedding
+from headwise import AttentionHead, KVCache, MultiHeadAttention, RotaryEmbedding
 from headwise import functional as hwf
-from headwise import masks
-from headwise.plan import plan_attention
-from tests.reference import reference_heads, reference_mha, rope64
+from tests.reference import reference_heads, reference_mha
 from tests.robustness.sweep_core import D, DH, H, HKV, layer, xs
 from tests.robustness.sweep_harness import Case, Setup, close
 
