@@ -36,10 +36,6 @@ def works(id: str, build, xfail: str | None = None) -> None:
     CASES.append(Case(id, build, works=True, xfail=xfail))
 
 
-def call(fn, *watch) -> callable:
-    return lambda tmp: Setup(fn, list(watch))
-
-
 # -- MultiHeadAttention(...) ---------------------------------------------------------------------------------
 BAD_INIT = {
     "d_model=0": dict(d_model=0), "d_model=-1": dict(d_model=-1), "d_model=1.5": dict(d_model=1.5),
