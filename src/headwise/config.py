@@ -31,7 +31,7 @@ def check_scale(scale: object, name: str = "scale") -> None:
         return
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{name} must be a float or None, got {scale!r} ({type_name(scale)})")
-    if not (scale > 0 and math.isfinite(scale)):
+    if not 0 < scale <= _FLOAT_MAX:  # NaN fails; an int beyond any float (10**400) too
         raise ValueError(f"{name} must be a positive finite float or None, got {scale!r}")
 
 
@@ -42,6 +42,8 @@ def check_dropout(p: object) -> None:
     if not 0.0 <= float(p) < 1.0:  # NaN fails both comparisons
         raise ValueError(f"dropout must be in [0, 1), got {p}")
 
+
+_FLOAT_MAX = 1.7976931348623157e308  # the largest finite float64
 
 #: Head counts above this are not searched when an error suggests valid ones (no real layer has more).
 MAX_SUGGESTED_HEADS = 4096
