@@ -184,6 +184,8 @@ class AttentionConfig:
 
     def kv_head_of(self, head: int) -> int:
         """The K/V head that query head ``head`` reads (the SDPA ``enable_gqa`` / Hugging Face rule)."""
+        if isinstance(head, bool) or not isinstance(head, int):
+            raise TypeError(f"head index must be an int, got {head!r} ({type_name(head)})")
         if not 0 <= head < self.n_heads:
             raise IndexError(f"head index must be in [0, {self.n_heads}), got {head}")
         return head // self.group_size

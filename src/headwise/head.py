@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import functional as hwf
+from .config import check_scale
 from .validation import check_input, check_positions, check_tensor
 from .masks import validate_mask
 
@@ -85,6 +86,7 @@ class AttentionHead(nn.Module):
         self.kv_index = 0
         for name, t in zip(_WEIGHTS + _BIASES, (w_q, w_k, w_v, b_q, b_k, b_v)):
             self.register_parameter("_" + name, None if t is None else nn.Parameter(t.detach().clone()))
+        check_scale(scale)
         self.scale = d_head ** -0.5 if scale is None else float(scale)
         self.rotary = rotary
 
@@ -124,6 +126,7 @@ class AttentionHead(nn.Module):
 
     def _set(self, name: str, value: torch.Tensor) -> None:
         target = self._get(name)
+        check_tensor(name, value)
         if target is None:
             raise ValueError(f"{name} does not exist on this head (the layer has no bias)")
         if tuple(value.shape) != tuple(target.shape):
@@ -200,6 +203,7 @@ class AttentionHead(nn.Module):
                    else check_positions(positions, x.shape[0], x.shape[1]))
             q, k = self.rotary.rotate(q, k, pos)
         if mask is not None:
+            check_tensor("mask", mask)
             if mask.dim() >= 3 and mask.shape[-3] > 1:  # a per-head mask: (h, s_q, s_kv) or (b, h, s_q, s_kv)
                 mask = mask.narrow(-3, self._mask_row(mask.shape[-3]), 1)
             mask = validate_mask(mask, (q.shape[0], 1, q.shape[2], k.shape[2]), q.dtype, q.device)

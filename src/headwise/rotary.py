@@ -84,8 +84,8 @@ class RotaryEmbedding(nn.Module):
         if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d_head:
             raise ValueError(f"rotary_dim must be even and in (0, d_head={d_head}], got {rotary_dim}")
         if inv_freq is None:
-            if not base > 0:
-                raise ValueError(f"base must be positive, got {base}")
+            if not 0 < base < math.inf:  # NaN fails too
+                raise ValueError(f"base must be positive, got {base}" if not base > 0 else f"base must be finite, got {base}")
             inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         elif not isinstance(inv_freq, torch.Tensor) or not inv_freq.dtype.is_floating_point:
             got = inv_freq.dtype if isinstance(inv_freq, torch.Tensor) else type(inv_freq).__name__
@@ -93,6 +93,8 @@ class RotaryEmbedding(nn.Module):
             raise TypeError(f"inv_freq must be a floating torch.Tensor of shape ({rotary_dim // 2},), got {got}{hint}")
         elif tuple(inv_freq.shape) != (rotary_dim // 2,):
             raise ValueError(f"inv_freq must have shape ({rotary_dim // 2},), got {tuple(inv_freq.shape)}")
+        elif not bool(torch.isfinite(inv_freq).all()):
+            raise ValueError("inv_freq must be finite, got NaN or infinite entries")
         self.d_head, self.rotary_dim, self.base = d_head, rotary_dim, base
         if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, (int, float)) \
                 or not (math.isfinite(attention_scaling) and attention_scaling > 0):
