@@ -316,17 +316,19 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         cfg = self.config
         s_kv = (cache.length + x.shape[1]) if cache is not None else (x.shape[1] if key is None else key.shape[1])
         # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
-        grad = torch.is_grad_enabled() and (x.requires_grad or (key is not None and key.requires_grad))
-        if torch.is_grad_enabled() and not grad:
-            for p in self.parameters():
-                if p.requires_grad:
-                    grad = True
+        grad = False
+        if torch.is_grad_enabled():
+            grad = x.requires_grad or (key is not None and key.requires_grad)
+            for p in self.parameters():  # a plain loop: no generator frame on every call
+                if grad:
                     break
+                grad = p.requires_grad
         return plan_attention(
             h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
             s_kv=s_kv, dtype=x.dtype, device=x.device, backend=self._backend, causal=causal,
             has_mask=mask is not None, cached=cache is not None, return_weights=return_weights,
-            dropout_p=cfg.dropout if self.training else 0.0, chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
+            dropout_p=cfg.dropout if self.training else 0.0,
+            chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
             dead_rows=grad and mask is not None and has_dead_rows(mask))
 
     def explain_dispatch(
