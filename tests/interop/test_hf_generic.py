@@ -256,3 +256,17 @@ def test_training_gradients_through_the_interface_equal_the_unpatched_models(mod
     grads = dict(plain.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
+
+
+def test_latent_attention_ignores_the_configs_key_value_head_count():
+    # DeepSeek's config carries num_key_value_heads (128 by default) that its latent attention never reads:
+    # every query head gets its own K/V from kv_b_proj, so patch must count K/V heads as query heads.
+    kw = {k: v for k, v in EXTRA["deepseek_v3"].items() if k != "num_key_value_heads"}
+    cfg = transformers.AutoConfig.for_model("deepseek_v3", **BASE, **kw)
+    assert cfg.num_key_value_heads != cfg.num_attention_heads
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    want = logits(model)
+    patch(model)
+    assert [v.n_kv_heads for _, v in layers(model)] == [cfg.num_attention_heads] * cfg.num_hidden_layers
+    torch.testing.assert_close(logits(model), want)

@@ -73,8 +73,9 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     "modernbert": Entry(qkv="Wqkv", layout="blocks"),
     "gpt_bigcode": lambda cfg: Entry(qkv="c_attn", layout="blocks" if cfg.multi_query else "per_head"),
     "codegen": Entry(unlocated="CodeGen's qkv_proj interleaves its heads over 4 model-parallel shards"),
-    "deepseek_v2": Entry(unlocated=_MLA),
-    "deepseek_v3": Entry(unlocated=_MLA),
+    # Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
+    "deepseek_v2": Entry(unlocated=_MLA, kv_heads=()),
+    "deepseek_v3": Entry(unlocated=_MLA, kv_heads=()),
 }
 
 
