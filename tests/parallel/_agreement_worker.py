@@ -11,14 +11,12 @@ hanging.
 from __future__ import annotations
 
 import datetime
-import os
-import sys
-import traceback
-from pathlib import Path
 
 import torch
 
 from headwise import MultiHeadAttention
+
+from tests.parallel.spawn import rank_session
 
 DTYPE = torch.float64
 B, S, D, H, H_KV = 2, 6, 16, 4, 2
@@ -224,41 +222,19 @@ def mesh_cases(rank: int) -> dict:
 
 def run_mesh_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one of the 4 ranks of the mesh cases."""
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    results: dict = {}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=2 * TIMEOUT_S))
-    try:
+    def cases(results: dict) -> None:
         results["mesh"] = mesh_cases(rank)
-    except BaseException:
-        results["traceback"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+
+    rank_session(rank, world, port, out_dir, 2 * TIMEOUT_S, cases)
 
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    results: dict = {}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    def cases(results: dict) -> None:
         results["sp"] = sp_cases(rank, world)
         results["tp_exchanges"] = tp_exchanges(rank, world)
         results["tp"] = tp_cases(rank, world)
-    except BaseException:
-        results["traceback"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+
+    rank_session(rank, world, port, out_dir, 60, cases)

@@ -9,16 +9,14 @@ runs the single-process layer on the whole sequence, and does all the comparing.
 from __future__ import annotations
 
 import datetime
-import os
-import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
 
 from headwise import MultiHeadAttention, RotaryEmbedding
 from headwise.masks import padding_mask, sliding_window_mask
+
+from tests.parallel.spawn import rank_session
 
 DTYPE = torch.float64
 B = 2
@@ -240,15 +238,8 @@ def _timeout(rank: int) -> dict:
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    results: dict = {}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
+    def cases(results: dict) -> None:
         mesh2d = None
         if world == 4:
             from torch.distributed.device_mesh import init_device_mesh
@@ -264,9 +255,5 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         results["refusals"] = _refusals(world, rank)
         if world == 2:
             results["timeout"] = _timeout(rank)
-    except BaseException:
-        results["traceback"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+
+    rank_session(rank, world, port, out_dir, 30, cases)

@@ -7,16 +7,13 @@ same unsharded layers and inputs from the same seeds and does all the comparing.
 
 from __future__ import annotations
 
-import datetime
-import os
-import sys
-import traceback
-from pathlib import Path
 
 import torch
 
 from headwise import MultiHeadAttention, RotaryEmbedding
 from headwise.masks import padding_mask
+
+from tests.parallel.spawn import rank_session
 
 DTYPE = torch.float64
 B, S, S_KV, PREFILL, DECODE = 2, 6, 5, 5, 3
@@ -166,15 +163,9 @@ def _run_submesh(rank: int) -> dict:
 
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections stay on loopback
-    results: dict = {}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
+    def cases(results: dict) -> None:
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
@@ -195,9 +186,5 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                 else:
                     results["invalid"] = None
             dist.barrier()
-    except BaseException:
-        results["traceback"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+
+    rank_session(rank, world, port, out_dir, 30, cases)

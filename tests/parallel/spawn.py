@@ -1,14 +1,16 @@
-"""Process groups for the parallel tests: a free port, every scenario of a worker on ``world`` ranks, and
-torchrun of an example."""
+"""Process groups for the parallel tests: a free port, every scenario of a worker on ``world`` ranks, one
+rank's session, and torchrun of an example."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +44,28 @@ def spawn(run_rank: Callable[..., None], world: int) -> list[dict]:
                     p.kill()
                     p.join(5)
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def rank_session(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
+                 cases: Callable[[dict], None]) -> None:
+    """One spawned rank: one thread, a gloo group on loopback, ``cases(results)`` filling the dict that is saved
+    as ``rank{r}.pt`` for :func:`spawn` (with the traceback when a case raised), the group destroyed."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections stay on loopback
+    results: dict = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        cases(results)
+    except BaseException:
+        results["traceback"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
 
 
 def torchrun(module: str, *extra: str, ranks: int = 2, timeout: float = 150.0) -> subprocess.CompletedProcess:
