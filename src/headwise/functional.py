@@ -13,6 +13,8 @@ Shapes:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -227,7 +229,7 @@ def attention(
                           b=b, s_q=s_q, s_kv=s_kv, dtype=q.dtype, device=q.device, backend=backend, causal=causal,
                           has_mask=mask is not None, return_weights=return_weights, dropout_p=float(dropout_p),
                           chunk_queries=False, records_grad=grad, softcap=softcap, sinks=sinks is not None,
-                          dead_rows=grad and has_dead_rows(mask))
+                          dead_rows=partial(has_dead_rows, mask))
     return attend(plan, q, k, v, mask, sinks)
 
 

@@ -31,7 +31,7 @@ Shapes:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -168,7 +168,8 @@ def plan_attention(
     *, h: int, h_kv: int, d_h: int, scale: float, b: int, s_q: int, s_kv: int, dtype: torch.dtype,
     device: torch.device, backend: str = "sdpa", causal: bool = False, has_mask: bool = False,
     cached: bool = False, return_weights: bool = False, dropout_p: float = 0.0, chunk_queries: bool | int = True,
-    records_grad: bool = False, softcap: float | None = None, sinks: bool = False, dead_rows: bool = False,
+    records_grad: bool = False, softcap: float | None = None, sinks: bool = False,
+    dead_rows: bool | Callable[[], bool] = False,
 ) -> Plan:
     """The plan of one attention call (see the module docstring for the rules). Inputs are trusted: the
     caller validated them (``MultiHeadAttention.forward`` and ``functional.attention`` do).
@@ -186,7 +187,9 @@ def plan_attention(
         chunk_queries: the layer's chunking setting (see :func:`chunk_length`).
         records_grad: autograd records this call (no chunks then: a backward keeps every chunk).
         softcap, sinks: a score softcap, attention sinks (both run eager).
-        dead_rows: the floating mask has a row entirely at the dtype's minimum (rule 2).
+        dead_rows: the floating mask has a row entirely at the dtype's minimum (rule 2); a callable is asked
+            only when its answer can change the backend (reading the mask is a data-dependent step, which
+            torch.export and torch.compile cannot trace).
 
     Shapes:
         scores: (b, h, s_q, s_kv)
@@ -198,7 +201,9 @@ def plan_attention(
         ('sdpa', 'none needed', True)
     """
     causal = causal or cached
-    eager = return_weights or backend == "eager" or softcap is not None or sinks or (dead_rows and records_grad)
+    eager = return_weights or backend == "eager" or softcap is not None or sinks
+    if not eager and records_grad:
+        eager = dead_rows() if callable(dead_rows) else dead_rows
     backend = "eager" if eager else "sdpa"
     if b == 0 or s_q == 0 or s_kv == 0:
         backend = "empty"
