@@ -101,15 +101,16 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                      dropout_p: float = 0.0, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      dropout_p: float = 0.0, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                      causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The formula, for every head: ``softmax(cap(Q K^T * scale) + mask) V``; query head i reads K/V head i // g.
 
     ``softcap`` bounds each score to ``(-softcap, softcap)`` with ``softcap * tanh(score / softcap)``
     before the mask (Gemma 2). ``sinks`` adds one logit per head that every query row may "attend" to and
     that carries no value (gpt-oss): it takes part in the softmax and is dropped after it. A row that may
     read nothing gets zero weights and a zero context (softmax of a finite row, then zeroed), so neither
-    the forward nor the backward sees 0/0. Half precision runs in float32. Inputs are trusted.
+    the forward nor the backward sees 0/0. ``causal`` adds bottom-right causal masking (query i sits at
+    position ``s_kv - s_q + i``). Half precision runs in float32. Inputs are trusted.
 
     Shapes:
         q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h); v: (b, h_kv, s_kv, d_v); mask: 4-D, broadcastable
@@ -120,22 +121,35 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     dtype = q.dtype
     if dtype in _LOW_PRECISION:  # half-precision scores of large inputs overflow
         q, k, v = q.float(), k.float(), v.float()
-    q = q.reshape(b, h_kv, h // h_kv * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries share K
-    scores = (q @ k.transpose(-2, -1) * scale).view(b, h, s_q, s_kv)  # (b, h, s_q, s_kv)
+    q = (q * scale).reshape(b, h_kv, h // h_kv * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries share K
+    scores = (q @ k.transpose(-2, -1)).view(b, h, s_q, s_kv)  # (b, h, s_q, s_kv)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    # Rows that may read nothing (possible only under a given mask, or causal with s_kv < s_q) are found on the
+    # mask's own broadcast shape, usually without a head axis, never on the scores: they read everything
+    # here, so the softmax stays finite, and their weights are zeroed after it. A bool mask becomes additive
+    # on that small shape: one pass over the scores, as an additive mask costs.
+    may_block = mask is not None or (causal and s_kv < s_q)
+    if causal:
+        mask = combine_masks(mask, causal_mask(s_q, s_kv, device=scores.device))  # (.., s_q, s_kv)
     blocked = None
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        blocked = (scores == float("-inf")).all(-1, keepdim=True)  # (b, h, s_q, 1)
-        scores = scores.masked_fill(blocked, 0.0)
+        if mask.dtype == torch.bool:
+            if may_block:
+                blocked = ~mask.any(-1, keepdim=True)  # (b or 1, h or 1, s_q, 1)
+                mask = mask | blocked
+            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~mask, float("-inf"))
+        elif may_block:
+            blocked = (mask == float("-inf")).all(-1, keepdim=True)  # (b or 1, h or 1, s_q, 1)
+            mask = mask.masked_fill(blocked, 0.0)
+        scores = scores + mask
     if sinks is None:
         weights = torch.softmax(scores, dim=-1)
     else:
         sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s_q, 1)  # (b, h, s_q, 1)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s_kv]  # (b, h, s_q, s_kv)
     if blocked is not None:
-        weights = weights.masked_fill(blocked, 0.0)
+        weights = weights * (~blocked).to(weights.dtype)  # (b, h, s_q, s_kv): rows that read nothing
     probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p else weights
     z = probs.reshape(b, h_kv, h // h_kv * s_q, s_kv) @ v  # (b, h_kv, g * s_q, d_v)
     return z.view(b, h, s_q, v.shape[-1]).to(dtype), weights.to(dtype)  # (b, h, s_q, d_v)
@@ -159,10 +173,11 @@ def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if plan.backend == "empty":
         weights = q.new_zeros(b, h, s_q, s_kv) if plan.return_weights else None
         return q.new_zeros(b, h, s_q, v.shape[-1]), weights
+    if plan.backend == "eager":
+        return softmax_attention(q, k, v, mask, plan.scale, plan.dropout_p, plan.softcap, sinks,
+                                 causal=plan.causal_via == "explicit mask")
     if plan.causal_via == "explicit mask":
         mask = combine_masks(mask, causal_mask(s_q, s_kv, device=q.device))  # bottom-right
-    if plan.backend == "eager":
-        return softmax_attention(q, k, v, mask, plan.scale, plan.dropout_p, plan.softcap, sinks)
     if plan.fold_decode:
         h_kv = k.shape[1]
         z = F.scaled_dot_product_attention(q.reshape(b, h_kv, h // h_kv, q.shape[-1]), k, v,
