@@ -336,7 +336,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             has_mask=mask is not None, cached=cache is not None, return_weights=return_weights,
             dropout_p=cfg.dropout if self.training else 0.0,
             chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
-            dead_rows=partial(has_dead_rows, mask))
+            dead_rows=False if mask is None else partial(has_dead_rows, mask))
 
     def explain_dispatch(
         self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,

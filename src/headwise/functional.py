@@ -244,7 +244,7 @@ def attention(
                           b=b, s_q=s_q, s_kv=s_kv, dtype=q.dtype, device=q.device, backend=backend, causal=causal,
                           has_mask=mask is not None, return_weights=return_weights, dropout_p=float(dropout_p),
                           chunk_queries=False, records_grad=grad, softcap=softcap, sinks=sinks is not None,
-                          dead_rows=partial(has_dead_rows, mask))
+                          dead_rows=False if mask is None else partial(has_dead_rows, mask))
     return attend(plan, q, k, v, mask, sinks)
 
 
