@@ -28,7 +28,7 @@ from .head import LayerHeads
 from .kv_cache import KVCache
 from .plan import Plan, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
-from .validation import check_bool, check_dtype, check_forward, has_dead_rows
+from .validation import check_bool, check_device, check_dtype, check_forward, check_layer_size, has_dead_rows
 
 __all__ = ["MultiHeadAttention", "has_forward_hooks"]
 
@@ -106,6 +106,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             if rotary.d_head != config.d_head:
                 raise ValueError(f"rotary was built for d_head={rotary.d_head}, the layer has d_head={config.d_head}")
         check_dtype("dtype", dtype)
+        check_device("device", device)
+        check_layer_size(config, dtype, device)  # before nn.Linear allocates
         self.config = config
         self.backend = backend
         self.q_proj = nn.Linear(config.d_model, config.inner_dim, bias=config.bias, device=device, dtype=dtype)

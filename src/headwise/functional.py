@@ -167,6 +167,9 @@ def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h); v: (b, h_kv, s_kv, d_v); mask: 4-D, broadcastable
         to (b, h, s_q, s_kv); sinks: (h,) -> context (b, h, s_q, d_v), weights (eager path) or None
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a headwise.plan.Plan (from plan_attention), got {type(plan).__name__}; "
+                        f"use headwise.functional.attention for tensors alone")
     if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         raise TypeError(f"mask must be bool (True = may attend) or floating (added to the scores), got {mask.dtype}")
     b, h, s_q, s_kv = plan.shape

@@ -10,6 +10,7 @@ Shapes:
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -199,3 +200,52 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
     else:
         positions = check_positions(positions, b, s_q)
     return ForwardInputs(x, key, value, mask, positions, batched)
+
+
+def check_device(name: str, device: object) -> None:
+    """``device`` is None or names a device this machine has (checked before any parameter is allocated, so
+    a bad one is a ValueError naming it, not an error from inside ``nn.Linear``)."""
+    if device is None:
+        return
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"{name} must be a torch.device, a str such as 'cpu' or 'cuda:0', or None, "
+                        f"got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+        if dev.type != "meta":
+            torch.empty(0, device=dev)  # zero bytes: asks the backend whether the device exists
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise ValueError(f"{name} must name an available device (e.g. 'cpu'), got {device!r}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def _device_bytes(device: torch.device) -> int | None:
+    """The memory of ``device`` (physical RAM for the CPU), or None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_layer_size(config: Any, dtype: torch.dtype | None, device: object) -> None:
+    """The four projections of ``config`` fit a tensor (2**63 - 1 bytes) and the device's memory; refused
+    before anything is allocated."""
+    itemsize = (dtype or torch.get_default_dtype()).itemsize
+    shapes = {"q_proj": (config.inner_dim, config.d_model), "k_proj": (config.kv_dim, config.kdim),
+              "v_proj": (config.kv_dim, config.vdim), "out_proj": (config.d_model, config.inner_dim)}
+    total = 0
+    for proj, (rows, cols) in shapes.items():
+        nbytes = rows * cols * itemsize
+        if nbytes > 2**63 - 1:
+            raise ValueError(f"{proj}.weight of shape ({rows}, {cols}) would take {nbytes:.3e} bytes, more than "
+                             f"a torch tensor can address (2**63 - 1); choose smaller sizes")
+        total += nbytes
+    dev = torch.get_default_device() if device is None else torch.device(device)
+    limit = _device_bytes(dev)
+    if limit is not None and total > limit:
+        raise ValueError(f"the layer's projections would take {total:.3e} bytes, more than the {limit:.3e} "
+                         f"bytes of memory {dev} has; choose smaller sizes")

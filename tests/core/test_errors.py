@@ -118,3 +118,25 @@ def test_numpy_arrays_where_tensors_belong_get_a_type_error(index):
     name, call = _numpy_calls()[index]
     with pytest.raises(TypeError, match="ndarray"):
         call()
+
+
+@pytest.mark.parametrize("kw, exc, message", [
+    (dict(device="nonsense"), ValueError, "device must name an available device .*got 'nonsense'"),
+    (dict(device=3.5), TypeError, "device must be a torch.device, a str .*got float"),
+    (dict(d_model=2**40, n_heads=1), ValueError, r"q_proj.weight of shape \(1099511627776, 1099511627776\).*2\*\*63"),
+    (dict(d_model=2**28, n_heads=1), ValueError, r"bytes of memory cpu has"),
+] + ([] if torch.cuda.is_available() else [
+    (dict(device="cuda:0"), ValueError, "device must name an available device .*got 'cuda:0'")]))
+def test_constructor_refuses_devices_and_sizes_before_allocating(kw, exc, message, monkeypatch):
+    def allocate(*args, **kwargs):  # reaching nn.Linear means the check came too late
+        raise AssertionError("nn.Linear was built before the refusal")
+    args = dict(d_model=16, n_heads=4)
+    args.update(kw)
+    monkeypatch.setattr(torch.nn.Linear, "__init__", allocate)
+    with pytest.raises(exc, match=message):
+        MultiHeadAttention(**args)
+
+
+def test_constructor_accepts_real_devices():
+    assert MultiHeadAttention(16, 4, device="meta").q_proj.weight.device.type == "meta"
+    assert MultiHeadAttention(16, 4, device=torch.device("cpu")).q_proj.weight.device.type == "cpu"

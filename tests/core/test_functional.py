@@ -128,6 +128,14 @@ def test_attend_refuses_an_integer_mask_instead_of_adding_it():
         hwf.attend(plan, q, k, v, torch.ones(1, 1, 3, 3, dtype=torch.int64))
 
 
+
+@pytest.mark.parametrize("plan", ["x", None, (1, 2, 3, 3)])
+def test_attend_refuses_what_is_not_a_plan(plan):
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=f"plan must be a headwise.plan.Plan .*got {type(plan).__name__}"):
+        hwf.attend(plan, q, q, q)
+
+
 def _qkv(b=2, h=4, h_kv=2, s_q=5, s_kv=6, d_h=8, d_v=8, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(b, h, s_q, d_h, generator=g, dtype=dtype), torch.randn(b, h_kv, s_kv, d_h, generator=g, dtype=dtype),

@@ -209,6 +209,20 @@ for family in ("gpt2", "llama"):
           None)
 
 
+def _sliding(tmp):
+    """A Mistral layer whose causal mask is a sliding window of 3 (8 tokens: the window and its cache slide)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=3)
+    m = MistralForCausalLM(cfg).eval()
+    return Setup(lambda: C(m.model.layers[0].self_attn, seq_len=8), [m], lambda rep: _ok(rep))
+
+
+works("check.ok mistral sliding window", _sliding)
+
+
 def _ok(rep):
     assert rep.ok, f"{rep.verdict}: {rep.failed}"
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .adapters import Adapter, capture_input, causal_keep, check_rotary_scaling, copy_adapter, split
+from .adapters import Adapter, capture_input, check_rotary_scaling, copy_adapter, split
 
 __all__ = ["HFAdapter", "BertAdapter", "GPT2Adapter", "LlamaAdapter", "hf_adapter", "hf_class"]
 
@@ -39,6 +39,7 @@ class HFAdapter(Adapter):
         self.name = name or type(module).__name__
         self.claims_causal = causal
         self.config = module.config if hasattr(module, "config") else self._find_config(module)
+        self.window = sliding_window_of(module, self.config)
 
     @staticmethod
     def _find_config(module: nn.Module) -> Any:
@@ -56,12 +57,18 @@ class HFAdapter(Adapter):
         return next(self.module.parameters()).device
 
     # -- calling ------------------------------------------------------------------------------------
-    def _mask(self, b: int, s_q: int, s_kv: int, keep, causal: bool, dtype, device) -> torch.Tensor:
-        allowed = torch.ones(b, 1, s_q, s_kv, dtype=torch.bool, device=device)
+    def _mask(self, b: int, q_pos: torch.Tensor, k_pos: torch.Tensor, keep, causal: bool, dtype,
+              device) -> torch.Tensor:
+        """The model's additive mask for queries at ``q_pos`` over keys at ``k_pos`` (absolute positions):
+        causal (and the layer's sliding window, which HF builds into the mask, not the module), padding."""
+        allowed = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=device)
         if causal:
-            allowed = allowed & causal_keep(s_kv, device)[s_kv - s_q:]  # bottom-right: query i is s_kv - s_q + i
+            allowed = k_pos[None, :] <= q_pos[:, None]
+            if self.window is not None:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - self.window)
+        allowed = allowed.expand(b, 1, -1, -1)
         if keep is not None:
-            allowed = allowed & keep[:, None, None, :]
+            allowed = allowed & keep[:, k_pos][:, None, None, :]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
     def _extra(self, x: torch.Tensor, positions: torch.Tensor | None) -> dict[str, Any]:
@@ -91,12 +98,14 @@ class HFAdapter(Adapter):
 
     def run(self, x, *, keep=None, causal=None, positions=None):
         causal = self.causal_flag(causal)
-        mask = self._mask(x.shape[0], x.shape[1], x.shape[1], keep, causal, x.dtype, x.device)
+        pos = torch.arange(x.shape[1], device=x.device)
+        mask = self._mask(x.shape[0], pos, pos, keep, causal, x.dtype, x.device)
         return self._forward(x, mask, positions)[0]
 
     def run_weights(self, x, *, keep=None, causal=None):
         causal = self.causal_flag(causal)
-        mask = self._mask(x.shape[0], x.shape[1], x.shape[1], keep, causal, x.dtype, x.device)
+        pos = torch.arange(x.shape[1], device=x.device)
+        mask = self._mask(x.shape[0], pos, pos, keep, causal, x.dtype, x.device)
         with self._implementation("eager"):
             y, w = self._forward(x, mask)[:2]
         return y, w
@@ -105,11 +114,15 @@ class HFAdapter(Adapter):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
+        layer_idx = getattr(self.module, "layer_idx", None) or 0
         b, s, _ = x.shape
         steps = []
         for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, s)]:
-            mask = self._mask(b, stop - start, stop, None, True, x.dtype, x.device)
             positions = torch.arange(start, stop, device=x.device)
+            # the keys the cache will return (a sliding-window cache keeps only the last window - 1)
+            kv_length, kv_offset = cache.get_mask_sizes(stop - start, layer_idx)
+            k_pos = torch.arange(kv_offset, kv_offset + kv_length, device=x.device)
+            mask = self._mask(b, positions, k_pos, None, True, x.dtype, x.device)
             # contiguous: GPT-2 .view()s its projections, which a strided slice of x would break
             steps.append(self._forward(x[:, start:stop].contiguous(), mask, positions, cache=cache)[0])
         return torch.cat(steps, dim=1)
@@ -247,6 +260,21 @@ class LlamaAdapter(HFAdapter):
         new = super().converted(dtype)
         new.rope = type(self.rope)(config=new.config).to(new.device)
         return new
+
+
+def sliding_window_of(module: nn.Module, config: Any) -> int | None:
+    """The sliding window the model's mask gives this layer, or None (full causal attention): the module's
+    own ``sliding_window`` where it has one (Qwen2-style, None on full layers), else the config's, unless
+    ``config.layer_types`` says this layer is not a sliding one (Mistral: every layer slides)."""
+    if "sliding_window" in vars(module) or hasattr(type(module), "sliding_window"):
+        window = getattr(module, "sliding_window")
+    else:
+        window = getattr(config, "sliding_window", None)
+        types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+        if isinstance(types, (list, tuple)) and isinstance(index, int) and index < len(types) \
+                and types[index] != "sliding_attention":
+            window = None
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 
 def hf_class(module: nn.Module) -> type | None:

@@ -151,7 +151,8 @@ def batch_independence(p: Probe) -> PropertyResult:
 
 # -- 3 ------------------------------------------------------------------------------------------------------
 def causality(p: Probe) -> PropertyResult:
-    """For a layer that claims causality: changing token t never changes outputs before t; and, when the
+    """For a layer that claims causality: changing token t never changes outputs before t (nor, under a
+    sliding window w, outputs at t + w or later: a query reads nothing more than w - 1 back); and, when the
     layer has a KV-cache path, prefill-then-decode equals the full causal pass."""
     name = "causality"
     a = p.adapter
@@ -166,15 +167,25 @@ def causality(p: Probe) -> PropertyResult:
     for t in range(1, s):
         x2 = p.x.clone()
         x2[:, t] = p.randn(b, d)
-        dev = _dev(a.run(x2)[:, :t], y[:, :t]).amax(-1)  # (b, t)
+        y2 = a.run(x2)
+        dev = _dev(y2[:, :t], y[:, :t]).amax(-1)  # (b, t)
         worst = max(worst, float(dev.max()))
+        if a.window is not None and t + a.window < s:  # nor outputs w or more tokens after t
+            far = _dev(y2[:, t + a.window:], y[:, t + a.window:]).amax(-1)  # (b, s - t - w)
+            worst = max(worst, float(far.max()))
+            if float(far.max()) > tol:
+                bi, pos = _first(far > tol)
+                return PropertyResult(name, FAIL, f"an output reads past its sliding window of {a.window}", {
+                    "changed_token": t, "batch": bi, "output_token": pos + t + a.window, "window": a.window,
+                    "deviation": float(far[bi, pos]), "summary": f"changing token {t} changed the output at "
+                    f"token {pos + t + a.window} (sample {bi}), outside the window"}, float(far.max()), tol)
         if float(dev.max()) > tol:
             bi, pos = _first(dev > tol)
             return PropertyResult(name, FAIL, "an output reads a later token", {
                 "changed_token": t, "batch": bi, "output_token": pos, "deviation": float(dev[bi, pos]),
                 "summary": f"changing token {t} changed the output at token {pos} (sample {bi}, "
                            f"max |diff| {float(dev[bi, pos]):.3g})"}, float(dev.max()), tol)
-    note = f"changed each token 1..{s - 1}"
+    note = f"changed each token 1..{s - 1}" + ("" if a.window is None else f" (sliding window {a.window})")
     if a.has_cache:
         prefill = s // 2
         y_dec = a.decode(p.x, prefill)
@@ -259,6 +270,8 @@ def softmax_sanity(p: Probe) -> PropertyResult:
     allowed = torch.ones(b, 1, s, s, dtype=torch.bool, device=w.device)
     if a.claims_causal:
         allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=w.device).tril()
+        if a.window is not None:  # query p reads keys p - window + 1 .. p
+            allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=w.device).triu(1 - a.window)
     if keep is not None:
         allowed = allowed & keep[:, None, None, :]
     allowed = allowed.expand_as(w)

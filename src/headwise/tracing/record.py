@@ -12,12 +12,20 @@ import torch
 from ..attention import MultiHeadAttention
 from .edits import masked_mean
 
-__all__ = ["LayerRecord", "CAPTURABLE"]
+__all__ = ["LayerRecord", "CAPTURABLE", "TraceLookupError"]
 
 CAPTURABLE = ("q", "k", "v", "pattern", "z", "result")
 _BY_POSITION = {"q": 2, "z": 1, "result": 1}  # the query-position axis: several calls concatenate along it
 _TL_NAMES = {"q": "hook_q", "k": "hook_k", "v": "hook_v", "pattern": "hook_pattern", "z": "hook_z",
              "result": "hook_result"}
+
+
+class TraceLookupError(KeyError, ValueError):
+    """A layer or capture a trace does not have: a ``ValueError`` (bad input, named with what there is) and a
+    ``KeyError`` (a failed lookup, as ``t[name]`` reads)."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
 
 
 class LayerRecord:
@@ -41,9 +49,9 @@ class LayerRecord:
     def get(self, what: str) -> torch.Tensor:
         """The captured ``what`` (one of :data:`CAPTURABLE`)."""
         if what not in CAPTURABLE:
-            raise KeyError(f"{what!r} is not capturable; choose from {CAPTURABLE}")
+            raise TraceLookupError(f"{what!r} is not capturable; choose from {CAPTURABLE}")
         if what not in self.capture:
-            raise KeyError(f"layer {self.index} ({self.name!r}) did not capture {what!r}: it captured "
+            raise TraceLookupError(f"layer {self.index} ({self.name!r}) did not capture {what!r}: it captured "
                            f"{sorted(self.capture) or 'nothing'}; pass capture=(..., {what!r})")
         if not self.calls:
             raise ValueError(f"layer {self.index} ({self.name!r}) was not called inside the trace")

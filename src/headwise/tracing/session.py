@@ -16,7 +16,7 @@ from torch import nn
 from ..attention import MultiHeadAttention
 from .edits import SITES, SitePlan, parse_value
 from .layers import find_layers
-from .record import CAPTURABLE, LayerRecord
+from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
 
 __all__ = ["Trace", "trace"]
@@ -91,10 +91,10 @@ class Trace:
             for i, (_, m) in enumerate(self.layers):
                 if m is ref:
                     return i
-            raise KeyError("that MultiHeadAttention is not one of the traced layers")
+            raise TraceLookupError("that MultiHeadAttention is not one of the traced layers")
         if isinstance(ref, str):
             if ref not in self._names:
-                raise KeyError(f"no traced layer is named {ref!r}; the layers are {list(self._names)}")
+                raise TraceLookupError(f"no traced layer is named {ref!r}; the layers are {list(self._names)}")
             return self._names[ref]
         if isinstance(ref, bool) or not isinstance(ref, int):
             raise TypeError(f"a layer is given by position (int), module name (str) or the layer itself, "

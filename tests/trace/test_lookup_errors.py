@@ -1,0 +1,43 @@
+"""A trace asked for a layer or a capture it does not have refuses with a ValueError naming what there is
+(it is also a KeyError, the lookup convention of ``t[name]``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import MultiHeadAttention
+
+
+def _traced(capture=("z",)):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, 2)
+    with headwise.trace(attn, capture=capture) as t:
+        attn(torch.randn(2, 3, 16))
+    return attn, t
+
+
+@pytest.mark.parametrize("lookup, message", [
+    (lambda t: t["nope"], r"no traced layer is named 'nope'; the layers are \[''\]"),
+    (lambda t: t[MultiHeadAttention(16, 4)], "that MultiHeadAttention is not one of the traced layers"),
+    (lambda t: t[0].pattern, r"layer 0 \(''\) did not capture 'pattern': it captured \['z'\]"),
+    (lambda t: t[0].get("zz"), "'zz' is not capturable; choose from"),
+])
+def test_unknown_layers_and_captures_are_value_errors(lookup, message):
+    attn, t = _traced()
+    before = t[0].z.clone()
+    with pytest.raises(ValueError, match=message) as info:
+        lookup(t)
+    assert isinstance(info.value, KeyError)
+    assert str(info.value) == info.value.args[0]  # the message itself, not KeyError's quoted repr
+    torch.testing.assert_close(t[0].z, before, rtol=0, atol=0)
+    assert attn.tracer is None
+
+
+def test_an_edit_naming_an_unknown_layer_is_refused_before_the_trace_starts():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, 2)
+    with pytest.raises(ValueError, match="no traced layer is named 'nope'"):
+        headwise.trace(attn, edit={("nope", 0): "zero"})
+    assert attn.tracer is None
