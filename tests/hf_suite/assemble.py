@@ -74,6 +74,9 @@ def assemble(build: Path = BUILD) -> Path:
     shutil.copytree(UPSTREAM, tree, ignore=shutil.ignore_patterns("README.md", "LICENSE", "__pycache__"))
     common_tests(archive, tree / "tests")
     (tree / "pytest.ini").write_text(PYTEST_INI)
+    # test_pipeline_mixin reads the sources of a transformers checkout at <root>/src/transformers
+    (tree / "src").mkdir()
+    (tree / "src" / "transformers").symlink_to(Path(transformers.__file__).parent, target_is_directory=True)
     return tree
 
 

@@ -12,9 +12,9 @@ Loaded by :mod:`tests.hf_suite.run` (``-p hf_plugin``) into a pytest session roo
   eager for), except in ``test_eager_matches_sdpa*``: there the eager side is the reference, so a model switched
   to (or loaded as) ``"eager"`` is unpatched and runs transformers' own eager attention, and the side that stays
   on sdpa is headwise.
-* **proves the patch took over**: every test that passes must have built at least one patched layer and run
-  ``headwise.functional`` attention at least once; otherwise it is turned into a failure (a test that silently ran
-  unpatched would pass for the wrong reason).
+* **proves the patch took over**: every test that passes must have built at least one patched layer and, if any
+  attention module ran, have run ``headwise.functional`` attention at least once; otherwise it is turned into a
+  failure (a test that silently ran unpatched would pass for the wrong reason).
 
 ``HEADWISE_HF=off`` turns all of this off: the same tests, unpatched, to tell failures of headwise from failures
 that transformers' tests have on their own.
@@ -51,6 +51,7 @@ class Counts:
     def __init__(self) -> None:
         self.layers = 0
         self.calls = 0
+        self.attention_forwards = 0  # forwards of any *Attention module, patched or not
         self.reference = False  # inside a test whose eager side is the reference
 
 
@@ -58,6 +59,9 @@ COUNTS = Counts()
 
 
 def _not_here(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
     def refuse(*_args, **_kwargs):
         raise RuntimeError(f"{name}: multi-process tests are not part of this run")
 
@@ -96,6 +100,13 @@ def _install() -> None:
 
     import headwise.interop as interop
 
+    import torch
+
+    def seen(module, _args):
+        if type(module).__name__.endswith("Attention"):
+            COUNTS.attention_forwards += 1
+
+    torch.nn.modules.module.register_module_forward_pre_hook(seen)
     hwf.attention = _count(hwf.attention)
     hwf.attend = _count(hwf.attend)
     post_init = PreTrainedModel.post_init
@@ -138,13 +149,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    COUNTS.layers = COUNTS.calls = 0
+    COUNTS.layers = COUNTS.calls = COUNTS.attention_forwards = 0
     COUNTS.reference = REFERENCE_TESTS in item.name
     try:
         result = yield
     finally:
         COUNTS.reference = False
-    if ON and (COUNTS.layers == 0 or COUNTS.calls == 0):
+    # Tests that build models but never run attention (save/load round trips of state dicts) need only the first.
+    if ON and (COUNTS.layers == 0 or (COUNTS.attention_forwards and COUNTS.calls == 0)):
         raise AssertionError(f"headwise did not take over: {COUNTS.layers} patched layers built, "
-                             f"{COUNTS.calls} headwise attention calls; the test passed unpatched")
+                             f"{COUNTS.attention_forwards} attention forwards, {COUNTS.calls} of them through "
+                             "headwise; the test passed unpatched")
     return result
