@@ -36,6 +36,11 @@ KINDS = {  # column -> pytest -k expression
 }
 # Integration tests load checkpoints from the hub: deselected (HF_HUB_OFFLINE=1 would fail them, not test us).
 DESELECT = "not IntegrationTest and not integration and not slow"
+# Failures explained and listed in docs/interop_hf.md; they count as failed in the table, but not in the exit status.
+KNOWN = {
+    "test_attention_outputs": "transformers' config refuses output_attentions=True for every attn_implementation "
+                              "but 'eager' (PretrainedConfig.output_attentions); passes unpatched",
+}
 DOC = REPO / "docs" / "interop_hf.md"
 START = "<!-- hf tests table: written by tests/hf_suite/run.py --write-docs -->"
 END = "<!-- end of hf tests table -->"
@@ -53,6 +58,7 @@ def run_family(tree: Path, family: str, kinds: list[str], patched: bool, timeout
     path = tree / "tests" / "models" / family / f"test_modeling_{family}.py"
     xml = BUILD / "results" / f"{family}-{'on' if patched else 'off'}.xml"
     xml.parent.mkdir(parents=True, exist_ok=True)
+    xml.unlink(missing_ok=True)
     expr = f"({' or '.join(KINDS[k] for k in kinds)}) and {DESELECT}"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HEADWISE_HF="on" if patched else "off",
                PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(Path(__file__).parent)]))
@@ -113,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         head, _, rest = doc.partition(START)
         _, _, tail = rest.partition(END)
         DOC.write_text(f"{head}{START}\n{text}\n{END}{tail}")
-    return 1 if any(c[1] for r in results.values() for c in r.values()) else 0
+    unknown = [(f, n) for f in args.families for n in failures(f, not args.unpatched) if n not in KNOWN]
+    for family, name in unknown:
+        print(f"unexplained failure: {family} {name}")
+    side = "off" if args.unpatched else "on"
+    missing = [f for f in args.families if not (BUILD / "results" / f"{f}-{side}.xml").exists()]
+    for family in missing:
+        print(f"did not run: {family}")
+    return 1 if unknown or missing else 0
 
 
 if __name__ == "__main__":
