@@ -40,7 +40,7 @@ def sdist(version: str, cache: Path) -> Path:
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "pip", "download", f"transformers=={version}", "--no-binary",
-                        ":all:", "--no-deps", "--no-build-isolation", "--quiet", "-d", str(cache)], check=True)
+                        ":all:", "--no-deps", "--quiet", "-d", str(cache)], check=True)
     if not target.exists():
         raise FileNotFoundError(f"pip download did not produce {target}")
     return target

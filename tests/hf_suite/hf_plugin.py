@@ -14,7 +14,8 @@ Loaded by :mod:`tests.hf_suite.run` (``-p hf_plugin``) into a pytest session roo
   on sdpa is headwise.
 * **proves the patch took over**: every test that passes must have built at least one patched layer and, if any
   attention module ran, have run ``headwise.functional`` attention at least once; otherwise it is turned into a
-  failure (a test that silently ran unpatched would pass for the wrong reason).
+  failure (a test that silently ran unpatched would pass for the wrong reason). A test that built no model at all
+  (HF's test skipped every model class) is reported as skipped, not passed.
 
 ``HEADWISE_HF=off`` turns all of this off: the same tests, unpatched, to tell failures of headwise from failures
 that transformers' tests have on their own.
@@ -49,6 +50,7 @@ class Counts:
     """What the running test did: patched layers built, headwise attention calls made."""
 
     def __init__(self) -> None:
+        self.models = 0  # models built (every one passes through post_init)
         self.layers = 0
         self.calls = 0
         self.attention_forwards = 0  # forwards of any *Attention module, patched or not
@@ -114,6 +116,7 @@ def _install() -> None:
 
     def patched_post_init(self, *args, **kwargs):
         out = post_init(self, *args, **kwargs)
+        COUNTS.models += 1
         impl = getattr(self.config, "_attn_implementation", None)
         if COUNTS.reference and impl == "eager":
             return out  # the reference side of eager-vs-sdpa stays transformers' own
@@ -149,12 +152,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    COUNTS.layers = COUNTS.calls = COUNTS.attention_forwards = 0
+    COUNTS.models = COUNTS.layers = COUNTS.calls = COUNTS.attention_forwards = 0
     COUNTS.reference = REFERENCE_TESTS in item.name
     try:
         result = yield
     finally:
         COUNTS.reference = False
+    if ON and COUNTS.models == 0:
+        pytest.skip("the test built no model (every model class was excluded), so it tested nothing of headwise")
     # Tests that build models but never run attention (save/load round trips of state dicts) need only the first.
     if ON and (COUNTS.layers == 0 or (COUNTS.attention_forwards and COUNTS.calls == 0)):
         raise AssertionError(f"headwise did not take over: {COUNTS.layers} patched layers built, "
