@@ -15,6 +15,7 @@ calls :func:`assemble` itself).
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,15 @@ def common_tests(archive: Path, into: Path) -> list[str]:
     return sorted(names)
 
 
+def _stamp(archive: Path) -> str:
+    """What the tree is built from: the sdist and a digest of every vendored file and of this script."""
+    digest = hashlib.sha256(Path(__file__).read_bytes() + PYTEST_INI.encode())
+    for path in sorted(UPSTREAM.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(UPSTREAM)).encode() + path.read_bytes())
+    return f"{archive.name} {digest.hexdigest()}"
+
+
 def assemble(build: Path = BUILD) -> Path:
     """Build the suite in ``build`` (the vendored files, then the sdist's common files); return ``build``."""
     import transformers
@@ -69,6 +79,9 @@ def assemble(build: Path = BUILD) -> Path:
     cache = build / "sdist"
     archive = sdist(transformers.__version__, cache)
     tree = build / "tree"
+    stamp = _stamp(archive)
+    if (tree / ".stamp").exists() and (tree / ".stamp").read_text() == stamp:
+        return tree  # already built from the same sources (and maybe in use by another run)
     if tree.exists():
         shutil.rmtree(tree)
     shutil.copytree(UPSTREAM, tree, ignore=shutil.ignore_patterns("README.md", "LICENSE", "__pycache__"))
@@ -77,6 +90,7 @@ def assemble(build: Path = BUILD) -> Path:
     # test_pipeline_mixin reads the sources of a transformers checkout at <root>/src/transformers
     (tree / "src").mkdir()
     (tree / "src" / "transformers").symlink_to(Path(transformers.__file__).parent, target_is_directory=True)
+    (tree / ".stamp").write_text(stamp)  # last: a tree cut off half-built is rebuilt
     return tree
 
 
