@@ -65,6 +65,11 @@ def run_family(tree: Path, family: str, kinds: list[str], patched: bool, timeout
     cmd = [sys.executable, "-m", "pytest", "-q", str(path), "-k", expr, f"--junitxml={xml}",
            f"--timeout={timeout}", "-p", "no:randomly"]
     subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return counts_of(xml, kinds)
+
+
+def counts_of(xml: Path, kinds: list[str]) -> dict[str, list[int]]:
+    """{kind: [passed, failed, skipped]} from one family's junit xml (missing: one failure)."""
     counts = {k: [0, 0, 0] for k in kinds}
     if not xml.exists():
         counts[kinds[0]][1] += 1
@@ -84,6 +89,8 @@ def table(results: dict[str, dict[str, list[int]]], kinds: list[str]) -> str:
     for family, counts in results.items():
         cells = [f"{p} / {f} / {s}" for p, f, s in (counts[k] for k in kinds)]
         lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    totals = [[sum(r[k][i] for r in results.values()) for i in range(3)] for k in kinds]
+    lines.append(f"| **all {len(results)}** | " + " | ".join(f"{p} / {f} / {s}" for p, f, s in totals) + " |")
     return "\n".join(lines)
 
 
@@ -102,12 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unpatched", action="store_true")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--from-results", action="store_true",
+                        help="tabulate the last run's results (build/hf_suite/results) instead of running")
     args = parser.parse_args(argv)
-    tree = assemble()
+    tree = None if args.from_results else assemble()
     results, start = {}, time.perf_counter()
     for family in args.families:
         t = time.perf_counter()
-        results[family] = run_family(tree, family, args.kinds, not args.unpatched, args.timeout)
+        if tree is None:
+            xml = BUILD / "results" / f"{family}-{'off' if args.unpatched else 'on'}.xml"
+            results[family] = counts_of(xml, args.kinds)
+        else:
+            results[family] = run_family(tree, family, args.kinds, not args.unpatched, args.timeout)
         print(f"{family}: {results[family]} ({time.perf_counter() - t:.0f} s)", flush=True)
         for name in failures(family, not args.unpatched):
             print(f"  FAILED {name}", flush=True)
