@@ -5,7 +5,7 @@ STAMP   := $(VENV)/.headwise-installed
 TORCH   ?= torch==2.13.0
 JOBS    ?= 2
 
-.PHONY: demo test bench bench-quick clean
+.PHONY: demo test hf-tests hf-tests-slice bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -18,6 +18,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -n $(JOBS) --dist loadgroup -q
+	$(MAKE) hf-tests-slice
+
+# Hugging Face's own model tests with every model patched by headwise (docs/interop_hf.md, "Hugging Face's own tests")
+hf-tests: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) tests/hf_suite/run.py
+
+# the CI slice of hf-tests: three families (learned positions, fused QKV, encoder-decoder with position bias), every test kind
+hf-tests-slice: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) tests/hf_suite/run.py --families opt phi3 t5
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --processes 3

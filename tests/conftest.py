@@ -12,6 +12,9 @@ from hypothesis import HealthCheck, settings
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+# transformers' own test files (tests/hf_suite/upstream) run in their own session (make hf-tests), not in this one.
+collect_ignore = ["hf_suite"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
