@@ -29,7 +29,7 @@ import headwise
 from .cases import Sizes
 from .timing import Entry, Group
 
-__all__ = ["gpt2_models", "trace_groups"]
+__all__ = ["gpt2_models", "trace_groups", "transformer_lens_twin"]
 
 
 def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
@@ -51,7 +51,7 @@ def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
     eager.set_attn_implementation("eager")
     models = {"plain": plain, "patched": patch(copy.deepcopy(plain)), "eager": eager}
     if _installed("transformer_lens"):
-        models["tl"] = _transformer_lens(lm)
+        models["tl"] = transformer_lens_twin(lm)
     if _installed("nnsight"):
         from nnsight import NNsight
 
@@ -69,7 +69,7 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _transformer_lens(lm):  # type: ignore[no-untyped-def]
+def transformer_lens_twin(lm):  # type: ignore[no-untyped-def]
     import transformer_lens as tl
     from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
 
