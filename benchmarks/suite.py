@@ -20,7 +20,7 @@ from typing import Callable
 
 __all__ = ["CASES", "main", "run_cases", "merge_processes", "resolve_only"]
 
-CASES = ("forward", "backward", "gqa", "decode", "trace", "patched", "families")
+CASES = ("forward", "backward", "gqa", "decode", "trace", "sweep", "patched", "families")
 #: The folder holding the ``benchmarks`` package: child processes run there.
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,9 +46,10 @@ def run_cases(sizes, cases: list[str], *, show: Callable[[dict], None] | None = 
     from .cases import layer_groups
     from .hf import hf_groups
     from .timing import run_group
+    from .sweep import sweep_groups
     from .trace import trace_groups
 
-    factories = {**layer_groups(sizes), **trace_groups(sizes), **hf_groups(sizes)}
+    factories = {**layer_groups(sizes), **trace_groups(sizes), **sweep_groups(sizes), **hf_groups(sizes)}
     results = []
     for case in cases:
         for factory in factories[case]:

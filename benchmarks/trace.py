@@ -29,7 +29,7 @@ import headwise
 from .cases import Sizes
 from .timing import Entry, Group
 
-__all__ = ["gpt2_models", "trace_groups"]
+__all__ = ["gpt2_models", "trace_groups", "user_lines"]
 
 
 def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
@@ -63,6 +63,17 @@ def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
                                          "intervention_type": pv.CollectIntervention} for i in range(layers)])
         models["pyvene"] = pv.IntervenableModel(config, model=copy.deepcopy(plain))
     return models
+
+
+def user_lines(fn: Callable) -> int:
+    """Lines of user code in an entry's snippet: its body without the def line, docstring, comments and blanks."""
+    import inspect
+
+    body = inspect.getsource(fn).split("\n")[1:]
+    doc = inspect.getdoc(fn)
+    skip = len(doc.split("\n")) if doc else 0
+    lines = [ln.strip() for ln in body if ln.strip() and not ln.strip().startswith("#")]
+    return len(lines) - skip
 
 
 def _installed(name: str) -> bool:
