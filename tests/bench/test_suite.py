@@ -40,7 +40,7 @@ def groups() -> list[dict]:
 def test_every_case_times_its_groups(groups):
     families = [f"patched {name} {mode}" for name, *_ in FAMILIES.values() for mode in ("forward", "generate")]
     assert [g["key"] for g in groups] == [
-        "forward", "forward causal", "fwd+bwd", "gqa", "decode", "trace result", "trace pattern+z",
+        "forward", "forward causal", "fwd+bwd", "gqa", "decode", "trace result", "trace pattern+z", "sweep",
         "patched BERT forward", "patched Llama forward", "patched Llama generate", *families]
     for g in groups:
         assert any(e["name"] == g["base"] for e in g["entries"]), g["key"]
