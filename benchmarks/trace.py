@@ -29,7 +29,7 @@ import headwise
 from .cases import Sizes
 from .timing import Entry, Group
 
-__all__ = ["gpt2_models", "trace_groups", "transformer_lens_twin"]
+__all__ = ["gpt2_models", "trace_groups", "user_lines"]
 
 
 def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
@@ -51,7 +51,7 @@ def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
     eager.set_attn_implementation("eager")
     models = {"plain": plain, "patched": patch(copy.deepcopy(plain)), "eager": eager}
     if _installed("transformer_lens"):
-        models["tl"] = transformer_lens_twin(lm)
+        models["tl"] = _transformer_lens(lm)
     if _installed("nnsight"):
         from nnsight import NNsight
 
@@ -65,11 +65,22 @@ def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
     return models
 
 
+def user_lines(fn: Callable) -> int:
+    """Lines of user code in an entry's snippet: its body without the def line, docstring, comments and blanks."""
+    import inspect
+
+    body = inspect.getsource(fn).split("\n")[1:]
+    doc = inspect.getdoc(fn)
+    skip = len(doc.split("\n")) if doc else 0
+    lines = [ln.strip() for ln in body if ln.strip() and not ln.strip().startswith("#")]
+    return len(lines) - skip
+
+
 def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def transformer_lens_twin(lm):  # type: ignore[no-untyped-def]
+def _transformer_lens(lm):  # type: ignore[no-untyped-def]
     import transformer_lens as tl
     from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
 
@@ -158,6 +169,17 @@ def _tl_cache(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.
     return [cache[n] for n in names]
 
 
+def _tl_hooks(model, ids: torch.Tensor, capture: tuple[str, ...]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """TransformerLens's other kind: ``run_with_hooks`` with a forward hook saving each named activation."""
+    names = [f"blocks.{i}.attn.{_TL_NAMES[c]}" for i in range(model.cfg.n_layers) for c in capture]
+    model.set_use_attn_result("result" in capture)
+    saved: dict = {}
+    with torch.no_grad():
+        model.run_with_hooks(ids, fwd_hooks=[(n, lambda x, hook: saved.__setitem__(hook.name, x)) for n in names],
+                             stop_at_layer=model.cfg.n_layers)
+    return [saved[n] for n in names]
+
+
 def _tl_forward(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     model.set_use_attn_result(False)
     with torch.no_grad():
@@ -169,19 +191,25 @@ def _group(sz: Sizes, capture: tuple[str, ...], models: dict) -> Group:
     ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
     w_o = [blk.attn.c_proj.weight.detach().view(h, d // h, d) for blk in models["plain"].h]  # Conv1D (in, out)
     pattern = "pattern" in capture
-    es = [Entry("headwise trace", partial(_headwise, models["patched"], ids, capture)),
+    es = [Entry("headwise trace", partial(_headwise, models["patched"], ids, capture),
+                note=f"{user_lines(_headwise)} lines"),
           Entry("hooks + einsum" if "result" in capture else "hooks",
                 partial(_hooks, models["eager" if pattern else "plain"], ids, capture, w_o),
-                note="plain PyTorch hooks on the unpatched model" + (" (eager)" if pattern else ""))]
+                note="plain PyTorch hooks on the unpatched model" + (" (eager)" if pattern else "")
+                + f"; {user_lines(_hooks) + user_lines(_assemble)} lines")]
     if "tl" in models:
         es.append(Entry("TransformerLens run_with_cache", partial(_tl_cache, models["tl"], ids, capture),
-                        note="HookedTransformer, the same weights"))
+                        note=f"HookedTransformer, the same weights; {user_lines(_tl_cache)} lines"))
+        es.append(Entry("TransformerLens run_with_hooks", partial(_tl_hooks, models["tl"], ids, capture),
+                        note=f"saving hooks; {user_lines(_tl_hooks)} lines"))
     if "nnsight" in models:
         es.append(Entry("nnsight", partial(_nnsight, models["nnsight eager" if pattern else "nnsight"], ids,
-                                           capture, w_o), note="NNsight(model).trace" + (" (eager)" if pattern else "")))
+                                           capture, w_o), note="NNsight(model).trace" + (" (eager)" if pattern else "")
+                                           + f"; {user_lines(_nnsight) + user_lines(_assemble)} lines"))
     if "pyvene" in models and not pattern:
         es.append(Entry("pyvene", partial(_pyvene, models["pyvene"], ids, capture, w_o),
-                        note="IntervenableModel with a CollectIntervention per block"))
+                        note="IntervenableModel with a CollectIntervention per block; "
+                        f"{user_lines(_pyvene) + user_lines(_assemble)} lines (+ its config in gpt2_models)"))
     notes = [f"{m} not installed: skipped" for m, key in (("TransformerLens", "tl"), ("nnsight", "nnsight"),
                                                           ("pyvene", "pyvene")) if key not in models]
     if pattern and "pyvene" in models:

@@ -40,16 +40,15 @@ def groups() -> list[dict]:
 def test_every_case_times_its_groups(groups):
     families = [f"patched {name} {mode}" for name, *_ in FAMILIES.values() for mode in ("forward", "generate")]
     assert [g["key"] for g in groups] == [
-        "forward", "forward causal", "fwd+bwd", "gqa", "decode", "trace result", "trace pattern+z",
-        "sweep", "patched BERT forward", "patched Llama forward", "patched Llama generate", *families]
+        "forward", "forward causal", "fwd+bwd", "gqa", "decode", "trace result", "trace pattern+z", "sweep",
+        "patched BERT forward", "patched Llama forward", "patched Llama generate", *families]
     for g in groups:
         assert any(e["name"] == g["base"] for e in g["entries"]), g["key"]
         refused = any("patch refused it" in n for n in g["notes"])
         for e in g["entries"]:
             (rounds,) = e["round_s"]  # one process
             assert len(rounds) == (1 if refused else TINY.decode_rounds if g["key"] == "decode" else
-                                   3 * TINY.rounds if g["key"].endswith("generate") else
-                                   max(2, TINY.rounds // 3) if g["key"] == "sweep" else TINY.rounds)
+                                   3 * TINY.rounds if g["key"].endswith("generate") else TINY.rounds)
             assert all(t > 0 for t in rounds) and e["calls"] >= 1
 
 
@@ -73,12 +72,12 @@ def test_every_peer_computes_what_headwise_computes(groups):
                 ("trace result", "headwise patched, no trace"), ("trace pattern+z", "hooks"),
                 ("patched BERT forward", "HF BERT (unpatched)"), ("patched Llama forward", "HF Llama (unpatched)"),
                 ("patched Llama generate", "HF Llama (unpatched)"), ("patched GPT-2 forward", "HF GPT-2 (unpatched)"),
-                ("patched GPT-2 generate", "HF GPT-2 (unpatched)"), ("sweep", "hooks, a layer's heads per forward")}
+                ("patched GPT-2 generate", "HF GPT-2 (unpatched)")}
     if HAS["transformer_lens"]:
         expected |= {("trace result", "TransformerLens run_with_cache"), ("trace result", "TransformerLens forward"),
-                     ("trace pattern+z", "TransformerLens run_with_cache"), ("sweep", "TransformerLens run_with_hooks")}
+                     ("trace pattern+z", "TransformerLens run_with_cache")}
     if HAS["nnsight"]:
-        expected |= {("trace result", "nnsight"), ("trace pattern+z", "nnsight"), ("sweep", "nnsight")}
+        expected |= {("trace result", "nnsight"), ("trace pattern+z", "nnsight")}
     if HAS["pyvene"]:
         expected |= {("trace result", "pyvene")}
     assert expected <= set(checked)
