@@ -6,6 +6,8 @@ Shapes:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -35,12 +37,16 @@ def find_layers(module: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"trace: module must be a MultiHeadAttention or a torch.nn.Module containing them, "
                         f"got {type(module).__name__}")
-    try:
-        from ..interop import layers as patched_layers
+    found = []
+    # Only a transformers model (or a module holding one, which means interop is already imported) can be
+    # patched; importing interop, and so transformers, for anything else would cost seconds.
+    if type(module).__module__.startswith("transformers.") or "headwise.interop" in sys.modules:
+        try:
+            from ..interop import layers as patched_layers
 
-        found = list(patched_layers(module))
-    except ImportError:  # pragma: no cover - an interop without its optional peer
-        found = []
+            found = list(patched_layers(module))
+        except ImportError:  # pragma: no cover - an interop without its optional peer
+            found = []
     if not found:
         found = [(n, m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
     if not found:
