@@ -36,11 +36,8 @@ KINDS = {  # column -> pytest -k expression
 }
 # Integration tests load checkpoints from the hub: deselected (HF_HUB_OFFLINE=1 would fail them, not test us).
 DESELECT = "not IntegrationTest and not integration and not slow"
-# Failures explained and listed in docs/interop_hf.md; they count as failed in the table, but not in the exit status.
-KNOWN = {
-    "test_attention_outputs": "transformers' config refuses output_attentions=True for every attn_implementation "
-                              "but 'eager' (PretrainedConfig.output_attentions); passes unpatched",
-}
+# Failures explained in docs/interop_hf.md: they count as failed in the table, but not in the exit status.
+KNOWN: dict[str, str] = {}
 DOC = REPO / "docs" / "interop_hf.md"
 START = "<!-- hf tests table: written by tests/hf_suite/run.py --write-docs -->"
 END = "<!-- end of hf tests table -->"

@@ -146,6 +146,25 @@ def test_set_attn_implementation_headwise_and_back():
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt_neox"])
+def test_config_output_attentions_on_headwise_gives_eagers_weights(model_type):
+    eager, ours = tiny(model_type, "eager"), tiny(model_type, "headwise")
+    eager.config.output_attentions = True
+    ours.config.output_attentions = True  # transformers refuses this for every implementation but eager's
+    with torch.no_grad():
+        want, got = eager(IDS).attentions, ours(IDS).attentions
+    assert len(got) == len(want) == eager.config.num_hidden_layers
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_config_output_attentions_keeps_transformers_rule_for_other_implementations():
+    model = tiny("llama", "sdpa")
+    with pytest.raises(ValueError, match="output_attentions"):
+        model.config.output_attentions = True
+    assert model.config.output_attentions is False
+
+
 def test_a_causal_mask_is_skipped_only_in_families_transformers_runs_under_sdpa():
     sdpa_family = transformers.AutoConfig.for_model("llama")
     eager_only = transformers.AutoConfig.for_model("pegasus_x")

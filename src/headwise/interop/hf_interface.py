@@ -50,6 +50,37 @@ def register() -> None:
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask)
+    _let_configs_ask_for_weights()
+
+
+def _let_configs_ask_for_weights() -> None:
+    """Let ``config.output_attentions = True`` stand on a config whose implementation is ``"headwise"``.
+
+    transformers' config refuses it for every implementation but ``"eager"``, the only built-in one that returns
+    weights; headwise returns them whenever they are asked for (:func:`attention_forward`), so the refusal would
+    only break code written for eager. transformers has no seam for this rule, so its setter (and its
+    ``validate_output_attentions``) are wrapped once: every other implementation keeps transformers' rule."""
+    from transformers import PreTrainedConfig
+
+    prop = PreTrainedConfig.__dict__.get("output_attentions")
+    if not isinstance(prop, property) or prop.fset is None or getattr(prop.fset, "headwise", False):
+        return
+    setter, validate = prop.fset, getattr(PreTrainedConfig, "validate_output_attentions", None)
+
+    def fset(self: Any, value: bool) -> None:
+        if value and self._attn_implementation == NAME:
+            self._output_attentions = value
+        else:
+            setter(self, value)
+
+    def validate_output_attentions(self: Any) -> None:
+        if self._attn_implementation != NAME and validate is not None:
+            validate(self)
+
+    fset.headwise = True  # type: ignore[attr-defined]
+    PreTrainedConfig.output_attentions = property(prop.fget, fset, prop.fdel, prop.__doc__)
+    if validate is not None:
+        PreTrainedConfig.validate_output_attentions = validate_output_attentions
 
 
 @functools.lru_cache(maxsize=None)
