@@ -51,7 +51,7 @@ GOALS = (
          1.00),
     Goal("pattern+z vs a plain forward", "trace pattern+z", "headwise trace", ("plain forward",), 1.10),
     Goal("144-head sweep vs every peer's batched sweep", "sweep", "headwise head_effects",
-         ("hooks, a batch per layer", "TransformerLens run_with_hooks", "nnsight"), 1.00),
+         ("hooks, a batch per layer", "TransformerLens run_with_hooks", "nnsight", "pyvene"), 1.00),
     Goal("patched BERT forward vs unpatched", "patched BERT forward", _PATCHED, ("HF BERT (unpatched)",), 1.02),
     Goal("patched Llama forward vs unpatched", "patched Llama forward", _PATCHED, ("HF Llama (unpatched)",), 1.02),
     Goal("patched Llama generate vs unpatched", "patched Llama generate", _PATCHED, ("HF Llama (unpatched)",), 1.02),

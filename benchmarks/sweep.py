@@ -2,6 +2,9 @@
 head at a time, the effect a logit difference at the last position (L, h), on a random GPT-2-shaped
 ``GPT2LMHeadModel``. Each tool in its fastest honest batched form: one forward per layer whose batch holds one
 patched copy per head (headwise's ``head_effects`` additionally runs the unpatched blocks before the layer once).
+Peers: plain hooks, TransformerLens ``run_with_hooks``, nnsight (a trace per layer) and pyvene (an ``h.pos``
+interchange per layer fed the clean z collected once). One call takes seconds: the group times
+``Sizes.sweep_rounds`` interleaved rounds and measures peak memory on the warm-up call.
 
 A zero-ablation sweep costs the same forwards; patching is what the tools' tutorials show.
 
@@ -99,6 +102,36 @@ def _nnsight(model, clean, bad) -> torch.Tensor:  # type: ignore[no-untyped-def]
     return torch.stack(rows)
 
 
+def _pyvene_models(model, s: int):  # type: ignore[no-untyped-def]
+    """pyvene's setup: one model collecting every block's z at s positions, one patching each layer's heads."""
+    import pyvene as pv
+
+    n = model.config.n_layer
+    collect = pv.IntervenableModel(pv.IntervenableConfig([{"layer": i, "component": "attention_value_output",
+                                   "max_number_of_units": s, "intervention_type": pv.CollectIntervention}
+                                   for i in range(n)]), model=model)
+    patchers = [pv.IntervenableModel(pv.IntervenableConfig([{"layer": i, "component": "head_attention_value_output",
+                "unit": "h.pos", "intervention_type": pv.VanillaIntervention}]), model=model) for i in range(n)]
+    return collect, patchers
+
+
+def _pyvene(collect, patchers, clean, bad) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """pyvene: the clean z collected once, then per layer one batch of h copies, copy j's rows given head j's
+    clean z at every position (``h.pos`` units, ``source_representations``)."""
+    (b, s), h = clean.shape, collect.model.config.n_head
+    every = [list(range(s))] * b
+    with torch.no_grad():
+        (_, zs), _ = collect(base={"input_ids": clean}, unit_locations={"base": [every] * len(patchers)})
+        base = _metric(collect.model(bad).logits, b)
+        where = {"base": [[[[r // b] for r in range(h * b)], [list(range(s))] * (h * b)]]}
+        rows = []
+        for z, model in zip(zs, patchers):
+            source = z.view(b, s, h, -1).permute(2, 0, 1, 3).reshape(h * b, 1, s, -1)  # (copies x b, 1 head, s, d_h)
+            _, out = model(base={"input_ids": bad.repeat(h, 1)}, unit_locations=where, source_representations=[source])
+            rows.append(_metric(out.logits, b) - base)
+    return torch.stack(rows)
+
+
 def _plain(model, ids) -> torch.Tensor:  # type: ignore[no-untyped-def]
     with torch.no_grad():
         return model(ids).logits
@@ -129,12 +162,15 @@ def _group(sz: Sizes) -> Group:
 
         es.append(Entry("nnsight", partial(_nnsight, NNsight(copy.deepcopy(lm)), clean, bad),
                         note=f"one batched trace per layer; {user_lines(_nnsight)} lines"))
-    notes += [f"{m} not installed: skipped" for m in ("transformer_lens", "nnsight") if not _installed(m)]
-    notes.append("pyvene: not in this group (no batched per-copy head patching in its 0.1.8 API within this budget)")
+    if _installed("pyvene"):
+        es.append(Entry("pyvene", partial(_pyvene, *_pyvene_models(copy.deepcopy(lm), s), clean, bad),
+                        note=f"h.pos interchange per layer batch; {user_lines(_pyvene) + user_lines(_pyvene_models)} "
+                        "lines"))
+    notes += [f"{m} not installed: skipped" for m in ("transformer_lens", "nnsight", "pyvene") if not _installed(m)]
     es.append(Entry("plain forward", partial(_plain, lm, bad), compare=False, note="one forward, no patching"))
     return Group("sweep", f"sweep {layers * h} heads GPT-2-shaped d{d} h{h} {layers} layers b{b} s{s}", es,
-                 base="plain forward", rounds=sz.rounds, block_s=sz.block_s, tol=(1e-4, 1e-5), memory=True,
-                 notes=notes)
+                 base="plain forward", rounds=sz.sweep_rounds, block_s=sz.block_s, tol=(1e-4, 1e-5), memory=True,
+                 memory_on_warmup=True, notes=notes)
 
 
 def sweep_groups(sz: Sizes) -> dict[str, list[Callable[[], Group]]]:

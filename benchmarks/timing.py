@@ -4,7 +4,9 @@ A :class:`Group` is a set of entries that compute the same thing on the same inp
 each entry once (warm-up), checks every entry's output against its reference entry's, then times
 ``rounds`` rounds; each round times one block of calls per entry, the entries in rotating order, so slow
 drift of a shared machine lands on every entry alike. With ``memory=True`` it also measures each entry's peak
-resident memory above what was resident before the call.
+resident memory above what was resident before the call: on one extra call after the rounds, or with
+``memory_on_warmup`` on the warm-up call itself (for entries whose one call takes seconds; that figure then
+includes the first call's one-off allocations, as a user's single run would).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Entry:
 @dataclass
 class Group:
     """Entries measured together; ``key`` names the group for the goals, ``base`` is the entry every table
-    ratio divides by, ``tol`` the (rtol, atol) of the output check."""
+    ratio divides by, ``tol`` the (rtol, atol) of the output check; ``memory_on_warmup`` measures the peak
+    memory on the warm-up call instead of an extra call."""
 
     key: str
     title: str
@@ -53,6 +56,7 @@ class Group:
     block_s: float = 0.2
     tol: tuple[float, float] = (2e-4, 2e-5)
     memory: bool = False
+    memory_on_warmup: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -101,19 +105,31 @@ def _status_kib(field_name: str) -> int | None:
 def peak_rss_above(fn: Callable[[], Any]) -> int | None:
     """Bytes the resident set rose above its level before ``fn()`` at its highest during the call, its
     output included (Linux: freed heap is returned first, then the high-water mark is reset through
-    ``/proc/self/clear_refs``); None where that is unavailable."""
+    ``/proc/self/clear_refs``); None where that is unavailable.
+
+    Example:
+        >>> peak = peak_rss_above(lambda: torch.ones(1 << 22))  # 16 MiB
+        >>> peak is None or peak >= 15 << 20
+        True
+    """
+    return _measured_call(fn)[2]
+
+
+def _measured_call(fn: Callable[[], Any]) -> tuple[Any, float, int | None]:
+    """``fn()``'s output, its seconds and :func:`peak_rss_above`'s bytes; the clock runs only over the call."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        before = _status_kib("VmRSS")
     except (OSError, AttributeError):
-        return None
-    before = _status_kib("VmRSS")
+        before = None
+    t0 = time.perf_counter()
     out = fn()
-    peak = _status_kib("VmHWM")
-    del out
-    return None if before is None or peak is None else max(0, peak - before) * 1024
+    seconds = time.perf_counter() - t0
+    peak = _status_kib("VmHWM") if before is not None else None
+    return out, seconds, None if before is None or peak is None else max(0, peak - before) * 1024
 
 
 def run_group(group: Group) -> dict:
@@ -123,12 +139,17 @@ def run_group(group: Group) -> dict:
     """
     outputs: dict[str, Any] = {}
     numbers: dict[str, int] = {}
+    peaks: dict[str, int | None] = {}
     for e in group.entries:
         if e.reset is not None:
             e.reset()
-        t0 = time.perf_counter()
-        outputs[e.name] = e.fn()
-        numbers[e.name] = e.number or max(1, math.ceil(group.block_s / max(time.perf_counter() - t0, 1e-7)))
+        if group.memory and group.memory_on_warmup:
+            outputs[e.name], seconds, peaks[e.name] = _measured_call(e.fn)
+        else:
+            t0 = time.perf_counter()
+            outputs[e.name] = e.fn()
+            seconds = time.perf_counter() - t0
+        numbers[e.name] = e.number or max(1, math.ceil(group.block_s / max(seconds, 1e-7)))
     first = group.entries[0].name
     checks = {}
     for e in group.entries:
@@ -153,8 +174,8 @@ def run_group(group: Group) -> dict:
     rows = []
     for e in group.entries:
         ref, diff, ok = checks.get(e.name, (None, None, None))
-        peak = None
-        if group.memory:
+        peak = peaks.get(e.name)
+        if group.memory and not group.memory_on_warmup:
             if e.reset is not None:
                 e.reset()
             peak = peak_rss_above(e.fn)

@@ -4,6 +4,7 @@ tiny size; a peer that is not installed is skipped naming the extra that install
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -54,13 +55,16 @@ def test_peer_captures_equal_headwise(models, peer, capture):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("peer", ["hooks", "tl", "nnsight"])
-def test_sweep_peer_equals_head_effects(peer):
+# b2 puts each patched copy's rows at j * b .. (j + 1) * b, which b1 cannot tell from j
+@pytest.mark.parametrize("sizes", [QUICK, replace(QUICK, sweep=(64, 4, 3, 256, 2, 8))], ids=["b1", "b2"])
+@pytest.mark.parametrize("peer", ["hooks", "tl", "nnsight", "pyvene"])
+def test_sweep_peer_equals_head_effects(peer, sizes):
     if peer != "hooks":
         _need({"tl": "transformer_lens"}.get(peer, peer))
-    group = sweep._group(QUICK)
+    group = sweep._group(sizes)
     fns = {e.name: e.fn for e in group.entries}
-    name = {"hooks": "hooks, a batch per layer", "tl": "TransformerLens run_with_hooks", "nnsight": "nnsight"}[peer]
+    name = {"hooks": "hooks, a batch per layer", "tl": "TransformerLens run_with_hooks", "nnsight": "nnsight",
+            "pyvene": "pyvene"}[peer]
     want = fns["headwise head_effects"]()
-    assert want.shape == (QUICK.sweep[2], QUICK.sweep[1]) and bool(want.abs().sum() > 0)
+    assert want.shape == (sizes.sweep[2], sizes.sweep[1]) and bool(want.abs().sum() > 0)
     torch.testing.assert_close(fns[name](), want, rtol=1e-4, atol=1e-5)

@@ -23,7 +23,7 @@ from benchmarks.timing import Entry, Group, run_group
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.xdist_group("bench")  # the command-line test spawns processes
 
-TINY = replace(QUICK, rounds=2, decode_rounds=2, block_s=0.0)
+TINY = replace(QUICK, rounds=2, decode_rounds=2, sweep_rounds=2, block_s=0.0)
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("transformer_lens", "nnsight", "pyvene")}
 
 
@@ -48,6 +48,7 @@ def test_every_case_times_its_groups(groups):
         for e in g["entries"]:
             (rounds,) = e["round_s"]  # one process
             assert len(rounds) == (1 if refused else TINY.decode_rounds if g["key"] == "decode" else
+                                   TINY.sweep_rounds if g["key"] == "sweep" else
                                    3 * TINY.rounds if g["key"].endswith("generate") else TINY.rounds)
             assert all(t > 0 for t in rounds) and e["calls"] >= 1
 
@@ -72,17 +73,18 @@ def test_every_peer_computes_what_headwise_computes(groups):
                 ("trace result", "headwise patched, no trace"), ("trace pattern+z", "hooks"),
                 ("patched BERT forward", "HF BERT (unpatched)"), ("patched Llama forward", "HF Llama (unpatched)"),
                 ("patched Llama generate", "HF Llama (unpatched)"), ("patched GPT-2 forward", "HF GPT-2 (unpatched)"),
-                ("patched GPT-2 generate", "HF GPT-2 (unpatched)")}
+                ("patched GPT-2 generate", "HF GPT-2 (unpatched)"), ("sweep", "hooks, a batch per layer")}
     if HAS["transformer_lens"]:
         expected |= {("trace result", "TransformerLens run_with_cache"), ("trace result", "TransformerLens forward"),
-                     ("trace pattern+z", "TransformerLens run_with_cache")}
+                     ("trace pattern+z", "TransformerLens run_with_cache"), ("sweep", "TransformerLens run_with_hooks")}
     if HAS["nnsight"]:
-        expected |= {("trace result", "nnsight"), ("trace pattern+z", "nnsight")}
+        expected |= {("trace result", "nnsight"), ("trace pattern+z", "nnsight"), ("sweep", "nnsight")}
     if HAS["pyvene"]:
-        expected |= {("trace result", "pyvene")}
+        expected |= {("trace result", "pyvene"), ("sweep", "pyvene")}
     assert expected <= set(checked)
-    # the trace groups measured every entry's peak memory
-    assert all(e["peak_bytes"] is not None for g in groups if g["key"].startswith("trace") for e in g["entries"])
+    # the trace and sweep groups measured every entry's peak memory (the sweep's on its warm-up call)
+    assert all(e["peak_bytes"] is not None for g in groups if g["key"].startswith(("trace", "sweep"))
+               for e in g["entries"])
 
 
 def test_a_peer_that_computes_something_else_is_caught():
@@ -93,6 +95,22 @@ def test_a_peer_that_computes_something_else_is_caught():
     assert res["entries"][1]["matches"] is False and res["entries"][1]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
     goal = replace(GOALS[0], key="g", entry="headwise", others=("peer",))
     assert evaluate([res], (goal,))[0]["status"] == "output mismatch"
+
+
+@pytest.mark.parametrize("on_warmup", [True, False])
+def test_memory_is_measured_on_the_warm_up_call_or_one_extra_call(on_warmup):
+    calls = []
+
+    def fn() -> torch.Tensor:
+        calls.append(1)
+        return torch.ones(1 << 22)  # 16 MiB, resident while the call's output lives
+
+    group = Group("g", "g", [Entry("a", fn, number=1)], base="a", rounds=2, block_s=0.0, memory=True,
+                  memory_on_warmup=on_warmup)
+    peak = run_group(group)["entries"][0]["peak_bytes"]
+    assert len(calls) == 1 + 2 + (0 if on_warmup else 1)
+    if sys.platform.startswith("linux"):
+        assert peak >= 15 << 20
 
 
 def test_every_goal_finds_its_entries(groups, tmp_path):
