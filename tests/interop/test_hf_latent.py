@@ -52,7 +52,8 @@ def unpatched_run(model: torch.nn.Module, batch: dict, layer: int = 0) -> dict:
     return seen
 
 
-def rotate(model: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, pos) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+def rotate(model: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
+           pos: tuple | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' own rotary of the family, as its attention module applies it."""
     cfg = model.config
     if cfg.model_type == "deepseek_v2":
@@ -185,6 +186,8 @@ def test_head_slices_are_live_views_of_the_modules_weights():
     before = host.kv_b_proj.weight.clone()
     with pytest.raises(ValueError, match=r"w_v must be a tensor of shape \(6, 5\), got \(5, 6\)"):
         head.w_v = new.T
+    with pytest.raises(TypeError, match=r"w_v must be a torch.Tensor of shape \(6, 5\), got float"):
+        head.w_v = 1.0
     assert torch.equal(host.kv_b_proj.weight, before)
     host.kv_b_proj = torch.nn.Linear(R_KV, H * (NOPE + D_V), bias=False)  # a replaced module is followed
     assert head.w_v.data_ptr() == host.kv_b_proj.weight[kv_row + NOPE].data_ptr()

@@ -77,11 +77,12 @@ def _slice_property(part: str, bias: bool, doc: str) -> property:
     def set_(self: "LatentHead", value: torch.Tensor) -> None:
         target = self._get(part, bias)
         if target is None:
-            raise ValueError(f"{'b_' + part}: this head has no such bias (the projection has none)")
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{'b_' if bias else 'w_'}{part} must be a tensor of shape {tuple(target.shape)}, "
-                             f"got {got}")
+            raise ValueError(f"b_{part}: this head has no such bias (its projection has none)")
+        name = f"{'b_' if bias else 'w_'}{part}"
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape {tuple(target.shape)}, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{name} must be a tensor of shape {tuple(target.shape)}, got {tuple(value.shape)}")
         with torch.no_grad():
             target.copy_(value)
 
@@ -154,7 +155,7 @@ class LatentHead:
             return None if proj.bias is None else proj.bias[a:b]
         return proj.weight[a:b].T  # (in, width): a view of the module's weight
 
-    w_q_nope = _slice_property("q_nope", False, "Query rows without rotary, (r_q, d_nope); reads ``inputs['w_q_nope']``.")
+    w_q_nope = _slice_property("q_nope", False, "Query rows without rotary, (r_q, d_nope); reads the query latent.")
     w_q_rope = _slice_property("q_rope", False, "Query rows that rotary turns, (r_q, d_rope), before rotary.")
     w_k_nope = _slice_property("k_nope", False, "Key rows without rotary, (r_kv, d_nope); reads the kv latent.")
     w_v = _slice_property("v", False, "Value rows, (r_kv, d_v); reads the kv latent.")
