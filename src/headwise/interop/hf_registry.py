@@ -114,6 +114,8 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     # Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
     "deepseek_v2": Entry(unlocated=_MLA, kv_heads=(), latent=Latent()),
     "deepseek_v3": Entry(unlocated=_MLA, kv_heads=(), latent=Latent()),
+    "glm4_moe_lite": Entry(unlocated=_MLA, kv_heads=(), latent=Latent()),
+    "mistral4": Entry(unlocated=_MLA, kv_heads=(), latent=Latent()),
 }
 
 
