@@ -3,7 +3,8 @@
 Every cell is a check that ran: ``patch`` (which path), ``equal`` (patched logits vs the unpatched model, float32
 default tolerances), ``trace`` (z and pattern captured with the shapes of the heads transformers handed over),
 ``result`` (the heads' writes sum to the output of the module that reads z), ``heads`` (``attn.head(i)`` weight
-views; the captured V of layer 0 equals the module input times each head's W_V plus b_V) and ``surgery``
+views; the captured V of layer 0 equals each head's ``project`` of the module input: its W_V plus b_V, or for
+multi-head latent attention its W_V applied to the module's kv latent) and ``surgery``
 (``prune_heads`` of head 0 of layer 0 equals zeroing that head in a trace). A cell says ``no: <why>`` otherwise.
 Run ``python -m tests.interop.hf_sweep`` to print every row (what test_hf_table writes under its switch).
 """
@@ -226,9 +227,8 @@ def _heads(model, batch, headwise, layers, prune_heads) -> None:  # type: ignore
     finally:
         handle.remove()
     v, x = t[0].calls[0]["v"], seen["x"]
-    want = torch.stack([x @ attn.head(j * attn.config.group_size).w_v
-                        + (0 if heads[0].b_v is None else attn.head(j * attn.config.group_size).b_v)
-                        for j in range(attn.n_kv_heads)], dim=1)
+    with torch.no_grad():  # project(x)'s V: x @ w_v + b_v, or the latent's under multi-head latent attention
+        want = torch.stack([heads[j * attn.config.group_size].project(x)[2] for j in range(attn.n_kv_heads)], dim=1)
     torch.testing.assert_close(v, want)
 
 

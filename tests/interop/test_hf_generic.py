@@ -98,12 +98,12 @@ def test_captured_values_are_the_located_value_weights_applied_to_the_module_inp
     torch.testing.assert_close(t[0].v, want)
 
 
-def test_latent_attention_traces_but_has_no_head_weights():
+def test_latent_attention_traces_and_its_q_k_v_are_not_projections_of_x():
     model = patch(tiny("deepseek_v3"))
     attn = layers(model)[0][1]
     assert attn.located["out_proj"] == "" and "latent" in attn.located["q_proj"]
     with pytest.raises(ValueError, match="q_proj .* is unavailable: Q/K/V are not located: multi-head latent"):
-        attn.head(0)
+        attn.q_proj  # its heads are LatentHead objects (tests/interop/test_hf_latent.py)
     with headwise.trace(model, capture=("z", "result")) as t, torch.no_grad():
         out = logits(model)
     assert t[0].z.shape == (2, 5, 4, 6)  # d_v = 6, while q/k heads are 8 wide

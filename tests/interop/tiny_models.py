@@ -25,13 +25,21 @@ FAMILIES = {
                                                       head_dim=8, intermediate_size=32, max_position_embeddings=64)),
 }
 DECODERS = ["gpt2", "llama", "mistral", "qwen2", "qwen3"]
+_MLA = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=7, kv_lora_rank=6,
+            qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=5, intermediate_size=32, moe_intermediate_size=8,
+            n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+            topk_group=1, max_position_embeddings=64)
+# Multi-head latent attention (interface path; every width distinct so a wrong slice cannot line up). Not in
+# FAMILIES, whose tests need adapter families.
+LATENT = {"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _MLA),
+          "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _MLA)}
 # PEFT's usual LoRA targets per family.
 LORA_TARGETS = {"bert": ["query", "value"], "gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"],
                 "mistral": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"], "qwen3": ["q_proj", "v_proj"]}
 
 
 def config(family: str, impl: str = "sdpa", **kw) -> transformers.PreTrainedConfig:
-    cfg_cls, _, base = FAMILIES[family]
+    cfg_cls, _, base = {**FAMILIES, **LATENT}[family]
     extra = {} if family in ("bert", "gpt2") else dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     layers = {"gpt2": "n_layer"}.get(family, "num_hidden_layers")
     return getattr(transformers, cfg_cls)(**{"vocab_size": VOCAB, "attn_implementation": impl, layers: 2, **base,
@@ -41,7 +49,7 @@ def config(family: str, impl: str = "sdpa", **kw) -> transformers.PreTrainedConf
 def build(family: str, impl: str = "sdpa", seed: int = 0, **kw) -> nn.Module:
     """The family's model in eval mode, with random (non-trivial) norms so QK-norm and LayerNorm matter."""
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family][1])(config(family, impl, **kw)).eval()
+    model = getattr(transformers, {**FAMILIES, **LATENT}[family][1])(config(family, impl, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name.lower() or name.endswith(".bias"):

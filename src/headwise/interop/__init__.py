@@ -7,6 +7,8 @@
   attention interface (:mod:`headwise.interop.hf_generic`, located by :mod:`headwise.interop.hf_registry`);
   needs the optional ``transformers`` package.
 * :mod:`headwise.interop.qk_norm`: per-head Q/K normalisation (Qwen3's QK-norm) for layers and heads.
+* :mod:`headwise.interop.hf_latent`: heads of multi-head latent attention (DeepSeek-V2/V3), whose Q/K/V read shared
+  latents (:class:`~headwise.interop.hf_latent.LatentHead`).
 * :mod:`headwise.interop.hf_interface`: headwise as a transformers attention implementation,
   ``attn_implementation="headwise"``.
 

@@ -9,7 +9,10 @@ output projection); the model's attention implementation becomes ``"headwise"``,
 
 * Tracing (q, k, v, pattern, z and edits) needs nothing located: it works on every such module.
 * ``attn.head(i)`` weight views and ``result`` captures need Q/K/V and W_O located; where they are not, reading
-  them raises ``ValueError`` saying why (e.g. multi-head latent attention).
+  them raises ``ValueError`` saying why (e.g. CodeGen's sharded ``qkv_proj``).
+* Multi-head latent attention (a registry entry with ``latent``): ``attn.head(i)`` is a
+  :class:`~headwise.interop.hf_latent.LatentHead` (rows of the up-projections reading shared latents); its
+  ``q_proj`` / ``k_proj`` / ``v_proj`` stay unlocated (they are not projections of x), so surgery is refused.
 * The layer's own ``forward`` is refused: the module's forward (with its norms and rotary) is the computation.
 
 Shapes:
@@ -30,6 +33,7 @@ from ..config import AttentionConfig
 from ..head import AttentionHead
 from ._hf_common import HeadwiseHFModule
 from ._view import PROJECTIONS, LayerView, ProjectionView
+from .hf_latent import LatentHead
 from .hf_registry import Entry, entry_for
 
 __all__ = ["is_target", "from_module", "InterfaceView", "InterleavedHead", "PatchedInterface"]
@@ -222,7 +226,8 @@ def from_module(module: nn.Module, parent: nn.Module | None = None, *, name: str
     sources = [(hw, m if isinstance(m, nn.Module) else getattr(module, entry.qkv)) for hw, m in resolved.items()]
     backend = "eager" if getattr(cfg, "_attn_implementation", None) == "eager" else "sdpa"
     return InterfaceView.build(config, module, backend=backend, name=name, _hw_where=where, _hw_sources=sources,
-                               _hw_layout=entry.layout if qkv else "split", _hw_fused=entry.qkv)
+                               _hw_layout=entry.layout if qkv else "split", _hw_fused=entry.qkv,
+                               _hw_latent=entry.latent)
 
 
 class InterfaceView(LayerView):
@@ -235,12 +240,14 @@ class InterfaceView(LayerView):
 
     _hw_where: dict[str, Any]
     _hw_sources: list[tuple[str, nn.Module]]
+    _hw_latent = None  # the registry's Latent for multi-head latent attention
 
     def resolve(self, name: str) -> Any:
         where = self._hw_where[name]
         if isinstance(where, str):
-            needs = "'result' captures, head W_O views" if name == "out_proj" else "head weight views"
-            raise ValueError(f"{self._hw_name or type(self.host).__name__}: {name} (and what needs it: {needs}, "
+            needs = ("'result' captures, head W_O views, " if name == "out_proj" else
+                     "" if self._hw_latent is not None else "head weight views, ")
+            raise ValueError(f"{self._hw_name or type(self.host).__name__}: {name} (and what needs it: {needs}"
                              f"surgery) is unavailable: {where}")
         return where if isinstance(where, ProjectionView) else where()
 
@@ -260,9 +267,12 @@ class InterfaceView(LayerView):
         """``{projection: "" if located else why not}`` for q_proj, k_proj, v_proj, out_proj."""
         return {hw: (w if isinstance(w, str) else "") for hw, w in self._hw_where.items()}
 
-    def head(self, index: int) -> AttentionHead:
+    def head(self, index: int) -> AttentionHead | LatentHead:
         """Head ``index`` as weight views (see :meth:`MultiHeadAttention.head`); Q/K/V must be located. Its own
-        forward is plain attention: the family's norms and rotary are applied only by the module's forward."""
+        forward is plain attention: the family's norms and rotary are applied only by the module's forward.
+        Under multi-head latent attention it is a :class:`~headwise.interop.hf_latent.LatentHead`."""
+        if self._hw_latent is not None:
+            return LatentHead(self, index, self._hw_latent)
         self.resolve("q_proj")  # refuse with the reason before building a head
         head = super().head(index)
         if self._hw_layout == "per_head":
