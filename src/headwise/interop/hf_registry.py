@@ -42,6 +42,18 @@ class Entry:
         heads, kv_heads: names of the module's (or its config's) query / key-value head counts.
         d_v: names of the value head width (the width of each head's context).
         unlocated: why Q/K/V cannot be located as per-head weight slices ("" when they can).
+
+    Surgery (:mod:`headwise.surgery` resizing the module in place) also reads:
+
+    Attributes:
+        set_heads, set_kv_heads, set_groups, set_inner: the module attributes its forward reads that surgery sets
+            to h, h_kv, h / h_kv and h * d_h (each only where the module has it as an int).
+        config_heads, config_kv_heads, config_d_head: the config fields that hold h, h_kv and d_h, set when every
+            layer agrees and the model class then rebuilds every weight shape from the config.
+        config_read: the module's forward reads h / h_kv from the model's shared config (Phi-3 splits
+            ``qkv_proj`` at ``config.num_attention_heads``): every layer must keep the same head counts.
+        per_head: the module's parameters with one entry per query head (gpt-oss ``sinks``), taken along.
+        refuse: why surgery cannot resize this family although its projections are located ("" when it can).
     """
 
     q: tuple[str, ...] = ("q_proj", "query", "q", "q_lin")
@@ -56,9 +68,25 @@ class Entry:
     d_v: tuple[str, ...] = ("v_head_dim", "head_dim", "head_size", "attention_head_size", "key_value_proj_dim",
                             "d_kv")
     unlocated: str = ""
+    set_heads: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+    set_kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
+    set_groups: tuple[str, ...] = ("num_key_value_groups",)
+    set_inner: tuple[str, ...] = ("all_head_size", "inner_dim")
+    config_heads: tuple[str, ...] = ("num_attention_heads", "num_heads", "n_head", "n_heads",
+                                     "encoder_attention_heads", "decoder_attention_heads")
+    config_kv_heads: tuple[str, ...] = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+    config_d_head: tuple[str, ...] = ("head_dim",)
+    config_read: bool = False
+    per_head: tuple[str, ...] = ("sinks",)
+    refuse: str = ""
 
 
 DEFAULT = Entry()
+
+# T5's first layer holds a relative position bias per head (an Embedding of num_heads columns) that every later
+# layer of the stack adds to its own scores: one layer's heads cannot change alone.
+_T5 = Entry(refuse="the first layer's relative position bias has one column per head and every layer of the stack "
+                   "adds it to its scores, so the head counts of a layer cannot change alone")
 
 _MLA = ("multi-head latent attention: each head's Q, K and V come out of shared low-rank latents "
         "(q_a_proj/q_b_proj, kv_a_proj_with_mqa/kv_b_proj), so they are not slices of one projection")
@@ -66,7 +94,7 @@ _MLA = ("multi-head latent attention: each head's Q, K and V come out of shared 
 #: model_type -> where its attention keeps Q/K/V and W_O (families not listed use DEFAULT); a callable gets the
 #: module's config, for families whose layout depends on it.
 ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
-    "phi3": Entry(qkv="qkv_proj", layout="blocks"),
+    "phi3": Entry(qkv="qkv_proj", layout="blocks", config_read=True),
     "gpt_neox": Entry(qkv="query_key_value", layout="per_head"),
     "persimmon": Entry(qkv="query_key_value", layout="per_head"),
     "ctrl": Entry(q=("Wq",), k=("Wk",), v=("Wv",)),
@@ -76,6 +104,7 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     # Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
     "deepseek_v2": Entry(unlocated=_MLA, kv_heads=()),
     "deepseek_v3": Entry(unlocated=_MLA, kv_heads=()),
+    **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
 }
 
 
