@@ -102,8 +102,8 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     "gpt_bigcode": lambda cfg: Entry(qkv="c_attn", layout="blocks" if cfg.multi_query else "per_head"),
     "codegen": Entry(unlocated="CodeGen's qkv_proj interleaves its heads over 4 model-parallel shards"),
     # Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
-    "deepseek_v2": Entry(unlocated=_MLA, kv_heads=()),
-    "deepseek_v3": Entry(unlocated=_MLA, kv_heads=()),
+    "deepseek_v2": Entry(unlocated=_MLA, kv_heads=(), refuse=_MLA),
+    "deepseek_v3": Entry(unlocated=_MLA, kv_heads=(), refuse=_MLA),
     **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
 }
 

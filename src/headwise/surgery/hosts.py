@@ -88,6 +88,8 @@ def rebuilds(model: nn.Module, fields: Mapping[str, int] | None = None) -> bool:
     for name, value in (fields or {}).items():
         setattr(cand, name, value)
     try:
+        if callable(getattr(cand, "validate", None)):
+            cand.validate()  # what save_pretrained checks (Gemma 2: hidden_size % num_attention_heads == 0)
         with quiet(), torch.device("meta"):
             fresh = type(model)(cand)
     except Exception:  # noqa: BLE001 - a config these counts make invalid does not rebuild the model
