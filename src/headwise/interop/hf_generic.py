@@ -81,7 +81,7 @@ def _sizes(module: nn.Module, entry: Entry) -> tuple[int, int, int, int]:
     if h is None:
         raise ValueError(f"{type(module).__name__}: cannot find its number of heads (looked for {entry.heads} on "
                          "the module and its config); add an entry to headwise.interop.hf_registry")
-    d = _count(owners, ("hidden_size", "embed_dim", "d_model", "dim", "n_embd"))
+    d = _count(owners, entry.width)
     d_v = _count(owners, entry.d_v) or (d // h if d else None)
     if d_v is None:
         raise ValueError(f"{type(module).__name__}: cannot find its head width (looked for {entry.d_v})")

@@ -40,14 +40,16 @@ class Entry:
         o_parent: candidate paths of W_O on the module's parent (BERT-style ``SelfOutput.dense``).
         qkv: the fused Q/K/V projection's name (then q, k, v are ignored), with its ``layout``.
         heads, kv_heads: names of the module's (or its config's) query / key-value head counts.
+        width: names of the model width d (on the module, then its config).
         d_v: names of the value head width (the width of each head's context).
         unlocated: why Q/K/V cannot be located as per-head weight slices ("" when they can).
 
     Surgery (:mod:`headwise.surgery` resizing the module in place) also reads:
 
     Attributes:
-        set_heads, set_kv_heads, set_groups, set_inner: the module attributes its forward reads that surgery sets
-            to h, h_kv, h / h_kv and h * d_h (each only where the module has it as an int).
+        set_heads, set_kv_heads, set_groups, set_inner, set_kv_inner: the module attributes its forward reads
+            that surgery sets to h, h_kv, h / h_kv, h * d_h and h_kv * d_h (each only where the module has it as
+            an int).
         config_heads, config_kv_heads, config_d_head: the config fields that hold h, h_kv and d_h, set when every
             layer agrees and the model class then rebuilds every weight shape from the config.
         config_read: the module's forward reads h / h_kv from the model's shared config (Phi-3 splits
@@ -65,6 +67,7 @@ class Entry:
     layout: str = "split"
     heads: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads")
     kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
+    width: tuple[str, ...] = ("hidden_size", "embed_dim", "d_model", "dim", "n_embd")
     d_v: tuple[str, ...] = ("v_head_dim", "head_dim", "head_size", "attention_head_size", "key_value_proj_dim",
                             "d_kv")
     unlocated: str = ""
@@ -72,6 +75,7 @@ class Entry:
     set_kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
     set_groups: tuple[str, ...] = ("num_key_value_groups",)
     set_inner: tuple[str, ...] = ("all_head_size", "inner_dim")
+    set_kv_inner: tuple[str, ...] = ()
     config_heads: tuple[str, ...] = ("num_attention_heads", "num_heads", "n_head", "n_heads",
                                      "encoder_attention_heads", "decoder_attention_heads")
     config_kv_heads: tuple[str, ...] = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
@@ -99,7 +103,10 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     "persimmon": Entry(qkv="query_key_value", layout="per_head"),
     "ctrl": Entry(q=("Wq",), k=("Wk",), v=("Wv",)),
     "modernbert": Entry(qkv="Wqkv", layout="blocks"),
-    "gpt_bigcode": lambda cfg: Entry(qkv="c_attn", layout="blocks" if cfg.multi_query else "per_head"),
+    # Its forward splits c_attn at (embed_dim, kv_dim, kv_dim): the query and K/V widths, not the model's.
+    "gpt_bigcode": lambda cfg: Entry(qkv="c_attn", layout="blocks" if cfg.multi_query else "per_head",
+                                     set_inner=("split_size", "embed_dim"), set_kv_inner=("kv_dim",),
+                                     width=("hidden_size",)),
     "codegen": Entry(unlocated="CodeGen's qkv_proj interleaves its heads over 4 model-parallel shards"),
     # Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
     "deepseek_v2": Entry(unlocated=_MLA, kv_heads=(), refuse=_MLA),

@@ -128,7 +128,8 @@ def linear_like(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module
 def set_counts(host: nn.Module, entry: Entry, n_heads: int, n_kv_heads: int, d_head: int) -> None:
     """Set the head-count attributes ``host`` has (as ints) among the registry's names."""
     for names, value in ((entry.set_heads, n_heads), (entry.set_kv_heads, n_kv_heads),
-                         (entry.set_groups, n_heads // n_kv_heads), (entry.set_inner, n_heads * d_head)):
+                         (entry.set_groups, n_heads // n_kv_heads), (entry.set_inner, n_heads * d_head),
+                         (entry.set_kv_inner, n_kv_heads * d_head)):
         for name in names:
             if isinstance(getattr(host, name, None), int) and not isinstance(getattr(host, name), bool):
                 setattr(host, name, value)
