@@ -219,6 +219,7 @@ TINY_OTHERS = {
                                                   qk_nope_head_dim=4, v_head_dim=6, first_k_dense_replace=0,
                                                   n_group=1, topk_group=1, n_routed_experts=2, num_experts_per_tok=1,
                                                   moe_intermediate_size=8, n_shared_experts=1)),
+    "olmo2": ("Olmo2ForCausalLM", dict(COMMON, hidden_size=D, num_attention_heads=H, num_key_value_heads=KV)),
     "t5": ("T5Model", dict(vocab_size=40, d_model=D, num_heads=H, d_kv=D_H, d_ff=32, num_layers=2,
                            decoder_start_token_id=0)),
 }
@@ -234,6 +235,7 @@ REFUSALS = [
     ("codegen", lambda m: prune_heads(m, {0: [1]}), "interleaves its heads over 4 model-parallel shards"),
     ("deepseek_v3", lambda m: prune_heads(m, {0: [1]}), "multi-head latent attention"),
     ("t5", lambda m: prune_heads(m, {0: [1]}), "relative position bias has one column per head"),
+    ("olmo2", lambda m: prune_heads(m, {0: [1]}), r"parameters over the width of all its heads \(q_norm.weight"),
     ("opt", lambda m: to_gqa(m, 2), "OPTAttention has one K/V head per query head"),
     ("gpt_neox", lambda m: to_gqa(m, 2), "GPTNeoXAttention has one K/V head per query head"),
     ("phi3", lambda m: prune_heads(m, {0: [1]}), "read their head counts from the model's shared config"),

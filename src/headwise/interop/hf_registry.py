@@ -111,6 +111,9 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     # Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
     "deepseek_v2": Entry(unlocated=_MLA, kv_heads=(), refuse=_MLA),
     "deepseek_v3": Entry(unlocated=_MLA, kv_heads=(), refuse=_MLA),
+    "laguna": Entry(refuse="its g_proj gates each query head (one output row per head), which surgery does not resize"),
+    "diffllama": Entry(refuse="differential attention subtracts pairs of heads' patterns (value heads concatenated "
+                              "in pairs, lambda over the pair), so heads cannot be removed one by one"),
     **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
 }
 

@@ -97,12 +97,26 @@ class SurgerySeam:
             return (f"{where}: {cls} has one K/V head per query head (no num_key_value_groups); this change needs "
                     f"n_heads={n_heads} with n_kv_heads={n_kv_heads} (regroup a standalone copy instead: "
                     "headwise.interop.from_hf, then to_gqa)")
+        spanning = self.spanning_params()
+        if spanning:
+            return (f"{where}: {cls} has parameters over the width of all its heads ({', '.join(spanning)}: a norm or "
+                    "gate across heads), so its heads cannot be removed or regrouped one by one")
         h = self.config.n_heads  # type: ignore[attr-defined]
         for name in entry.per_head:
             p = getattr(host, name, None)
             if isinstance(p, torch.Tensor) and p.shape[:1] != (h,):
                 return f"{where}: {cls}.{name} has shape {tuple(p.shape)}, not one entry per each of its {h} heads"
         return ""
+
+    def spanning_params(self) -> list[str]:
+        """The host's parameters outside its projections with a dimension of h * d_h (or h_kv * d_h, h_kv > 1):
+        they mix every head's width (OLMo-2's q_norm over the whole projection, gated attention's gate)."""
+        host, c = self.host, self.config  # type: ignore[attr-defined]
+        own = {id(p) for _, m in self.sources() for p in m.parameters()}  # type: ignore[attr-defined]
+        widths = {c.n_heads * c.d_head} | ({c.n_kv_heads * c.d_head} if c.n_kv_heads > 1 else set())
+        per_head = set(self.surgery_entry().per_head)
+        return [n for n, p in host.named_parameters() if id(p) not in own and n not in per_head
+                and widths & set(p.shape)]
 
     def refuse_edit(self, n_heads: int, n_kv_heads: int) -> None:
         why = self.edit_refusal(n_heads, n_kv_heads)
