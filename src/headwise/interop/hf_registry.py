@@ -55,6 +55,8 @@ class Entry:
         config_read: the module's forward reads h / h_kv from the model's shared config (Phi-3 splits
             ``qkv_proj`` at ``config.num_attention_heads``): every layer must keep the same head counts.
         per_head: the module's parameters with one entry per query head (gpt-oss ``sinks``), taken along.
+        after_o: the module's submodules that act on the model width after W_O (ALBERT's ``LayerNorm``), not on
+            the heads' width (which would stop surgery).
         refuse: why surgery cannot resize this family although its projections are located ("" when it can).
     """
 
@@ -82,6 +84,7 @@ class Entry:
     config_d_head: tuple[str, ...] = ("head_dim",)
     config_read: bool = False
     per_head: tuple[str, ...] = ("sinks",)
+    after_o: tuple[str, ...] = ("LayerNorm", "layer_norm")
     refuse: str = ""
 
 

@@ -114,9 +114,9 @@ class SurgerySeam:
         host, c = self.host, self.config  # type: ignore[attr-defined]
         own = {id(p) for _, m in self.sources() for p in m.parameters()}  # type: ignore[attr-defined]
         widths = {c.n_heads * c.d_head} | ({c.n_kv_heads * c.d_head} if c.n_kv_heads > 1 else set())
-        per_head = set(self.surgery_entry().per_head)
-        return [n for n, p in host.named_parameters() if id(p) not in own and n not in per_head
-                and widths & set(p.shape)]
+        entry = self.surgery_entry()
+        return [n for n, p in host.named_parameters() if id(p) not in own and n not in entry.per_head
+                and n.split(".")[0] not in entry.after_o and widths & set(p.shape)]
 
     def refuse_edit(self, n_heads: int, n_kv_heads: int) -> None:
         why = self.edit_refusal(n_heads, n_kv_heads)
