@@ -293,7 +293,8 @@ class InterfaceView(SurgerySeam, LayerView):
             new.update({"q_proj": (qw, qb), "k_proj": (kw, kb), "v_proj": (vw, vb)})
         else:
             if self._hw_layout == "per_head":  # head-major [q_i, k_i, v_i] rows (edit_refusal: h == h_kv)
-                fused_w = torch.cat([t.view(n_heads, 1, d_h, -1) for t in (qw, kw, vw)], 1).reshape(3 * n_heads * d_h, -1)
+                rows = [t.view(n_heads, 1, d_h, -1) for t in (qw, kw, vw)]
+                fused_w = torch.cat(rows, 1).reshape(3 * n_heads * d_h, -1)
                 fused_b = None if qb is None else torch.cat([t.view(n_heads, 1, d_h) for t in (qb, kb, vb)], 1
                                                             ).reshape(-1)
             else:
