@@ -6,6 +6,7 @@ save / reload, and refusals that change nothing."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -153,7 +154,13 @@ def test_per_layer_counts_reload_through_the_headwise_loader(model_type, tmp_pat
     names = attn_names(model)
     prune_heads(patch(model), {names[0]: [1], names[-1]: [0, 2]})
     want, shapes = output(model, batch), counts(model)
+    unpatch(model)  # saved unpatched: the head counts are read through a patch that is undone
     assert save_pretrained(model, tmp_path) is False
+    assert not layers(model) and model.config._attn_implementation != "headwise"
+    recorded = json.loads((tmp_path / "headwise_surgery.json").read_text())["modules"]
+    assert list(recorded) == names
+    assert [(r["n_heads"], r["n_kv_heads"], r["d_head"]) for r in recorded.values()] == shapes
+    assert {r["class"] for r in recorded.values()} <= {type(m).__name__ for m in model.modules()}
     loaded = load_pretrained(tmp_path, type(model))
     torch.testing.assert_close(output(loaded, batch), want)
     assert counts(patch(loaded)) == shapes
