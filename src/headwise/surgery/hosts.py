@@ -24,12 +24,17 @@ from torch import nn
 
 from .weights import HeadWeights, as_projections
 
-__all__ = ["is_view", "apply", "refusal", "rebuilds", "config_update", "quiet"]
+__all__ = ["is_view", "has_seam", "apply", "refusal", "rebuilds", "config_update", "quiet"]
 
 
 def is_view(layer: Any) -> bool:
-    """Whether ``layer`` is the view of a patched Hugging Face module (it has the surgery seam)."""
-    return callable(getattr(layer, "write_heads", None)) and "_hw_host" in getattr(layer, "__dict__", {})
+    """Whether ``layer`` is a view of another module's weights (a patched Hugging Face module's ``.attn``)."""
+    return "_hw_host" in getattr(layer, "__dict__", {})
+
+
+def has_seam(layer: Any) -> bool:
+    """Whether the view ``layer`` can be resized through the surgery seam (:mod:`headwise.interop.hf_seam`)."""
+    return is_view(layer) and callable(getattr(layer, "write_heads", None))
 
 
 def _counts(hw: HeadWeights) -> tuple[int, int, int]:
@@ -135,6 +140,10 @@ def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int,
     if plain:
         raise TypeError(f"{what}: {plain} are not views of patched Hugging Face modules; change a model patched "
                         "by headwise.interop.patch, or a module of headwise layers, not a mix")
+    seamless = [f"{layers[i][0]} ({type(layers[i][1]).__name__})" for i in new if not has_seam(layers[i][1])]
+    if seamless:
+        raise TypeError(f"{what}: {seamless} are views of modules surgery does not know how to resize (no "
+                        "write_heads)")
     why = refusal(layers, new, what)
     if why:
         raise ValueError(why)

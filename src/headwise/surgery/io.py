@@ -43,7 +43,7 @@ def _class(view: Any) -> str:
 def _views(model: nn.Module) -> dict[str, Any]:
     from ..interop import layers
 
-    return {name: view for name, view in layers(model) if hosts.is_view(view)}
+    return {name: view for name, view in layers(model) if hosts.has_seam(view)}
 
 
 @contextlib.contextmanager
