@@ -139,6 +139,22 @@ def test_hf_attention_patched_by_headwise_passes(family):
     assert _ran(report) == (ALL - {"causality"} if family == "bert" else ALL), str(report)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_hf_attention_with_heads_removed_passes(family):
+    """A module resized by headwise.surgery (GPT-2's c_attn is then narrower than n_embd) is still attention."""
+    from headwise.interop import layers, patch
+    from headwise.surgery import prune_heads
+    from tests.interop.tiny_models import build
+
+    model = prune_heads(patch(build(family)), {0: [1]})
+    name, attn = layers(model)[0]
+    assert attn.n_heads == layers(patch(build(family)))[0][1].n_heads - 1
+    # BERT's self-attention returns the heads' context (now narrower than d): check it with its W_O
+    report = check(model.get_submodule(name.removesuffix(".self")))
+    assert report.ok, str(report)
+    assert _ran(report) == (ALL - {"causality"} if family == "bert" else ALL), str(report)
+
+
 def test_a_patched_layer_with_a_broken_scale_is_caught():
     layer = _patched("llama")  # the check runs the patched module, so headwise's own scale is what it sees
     layer.attn.config = layer.attn.config.replace(scale=1.0 / layer.attn.config.d_head)

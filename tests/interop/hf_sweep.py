@@ -4,8 +4,9 @@ Every cell is a check that ran: ``patch`` (which path), ``equal`` (patched logit
 default tolerances), ``trace`` (z and pattern captured with the shapes of the heads transformers handed over),
 ``result`` (the heads' writes sum to the output of the module that reads z), ``heads`` (``attn.head(i)`` weight
 views; the captured V of layer 0 equals each head's ``project`` of the module input: its W_V plus b_V, or for
-multi-head latent attention its W_V applied to the module's kv latent) and ``surgery``
-(``prune_heads`` of head 0 of layer 0 equals zeroing that head in a trace). A cell says ``no: <why>`` otherwise.
+multi-head latent attention its W_V applied to the module's kv latent) and ``surgery`` (``prune_heads`` of head 0
+of every layer equals the unpatched model with forward pre-hooks zeroing head 0's slice of each layer's W_O
+input). A cell says ``no: <why>`` otherwise.
 Run ``python -m tests.interop.hf_sweep`` to print every row (what test_hf_table writes under its switch).
 """
 
@@ -233,10 +234,33 @@ def _heads(model, batch, headwise, layers, prune_heads) -> None:  # type: ignore
 
 
 def _surgery(model, batch, headwise, layers, prune_heads) -> None:  # type: ignore[no-untyped-def]
-    with headwise.trace(model, edit={(0, 0): "zero"}):
-        want = _output(model, batch)
-    small = prune_heads(copy.deepcopy(model), {0: [0]})
+    """Head 0 of every layer pruned equals the unpatched model with a forward pre-hook on each layer's W_O that
+    zeroes head 0's slice of its input (W_O's bias stays)."""
+    from headwise.interop import unpatch
+
+    names = {id(m): n for n, m in model.named_modules()}
+    targets = []
+    for _, attn in layers(model):
+        o = attn.out_proj  # refuses, saying why, where W_O is not located
+        module = o if isinstance(o, torch.nn.Module) else attn.host.c_proj  # GPT-2: a view of the Conv1D
+        targets.append((names[id(module)], attn.d_head))
+    ref = unpatch(copy.deepcopy(model))
+    called = []
+    for name, d_h in targets:
+        def zero(m, args, d_h=d_h):  # type: ignore[no-untyped-def]
+            called.append(name)
+            z = args[0].clone()
+            z[..., :d_h] = 0
+            return (z,)
+        ref.get_submodule(name).register_forward_pre_hook(zero)
+    want = _output(ref, batch)
+    if not called:
+        raise ValueError("no located W_O was called")
+    small = prune_heads(copy.deepcopy(model), {i: [0] for i in range(len(targets))})
     torch.testing.assert_close(_output(small, batch), want)
+    lost = {name: why for name, attn in layers(small) for why in getattr(attn, "located", {}).values() if why}
+    if lost:  # the resized modules must still be located by the next patch
+        raise ValueError(f"after pruning: {lost}")
 
 
 def all_rows() -> list[dict[str, str]]:

@@ -124,7 +124,7 @@ def test_to_gqa_then_to_mha_on_llama_family(family):
 def test_bert_refuses_gqa_and_is_unchanged():
     model = patch(build("bert"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="BERT attention has one K/V head per query head"):
+    with pytest.raises(ValueError, match="BertSelfAttention has one K/V head per query head"):
         to_gqa(model, 2)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and len(layers(model)) == 2
 
@@ -184,12 +184,13 @@ def _sidecar(tmp_path, edit):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda d: d.update(format=99), "format 1 .*got format 99"),
+    (lambda d: d.update(format=99), "format 2 .*got format 99"),
     (lambda d: d["modules"].update({"model.layers.7.self_attn": d["modules"]["model.layers.0.self_attn"]}),
      "'model.layers.7.self_attn', which LlamaForCausalLM built from this config does not have"),
     (lambda d: d["modules"]["model.layers.0.self_attn"].update(d_head=8), "d_head=4 from the config.*d_head=8"),
     (lambda d: d["modules"]["model.layers.0.self_attn"].update(n_kv_heads=4), "n_heads=5, n_kv_heads=4"),
-    (lambda d: d["modules"]["model.layers.0.self_attn"].update(family="bert"), "recorded a bert"),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update({"class": "BertSelfAttention"}),
+     "is a LlamaAttention; the sidecar recorded a BertSelfAttention"),
     (lambda d: d["modules"]["model.layers.0.self_attn"].update(n_heads=4, n_kv_heads=4),
      r"n_heads=4, n_kv_heads=4, d_head=4 do not fit the saved .*q_proj.weight. of shape \(20, 24\)"),
 ])

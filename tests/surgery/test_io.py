@@ -74,9 +74,9 @@ SIDECARS = {
     "a huge count": (_set("n_heads", 10**12), r"n_heads=1000000000000.*do not fit the saved .*q_proj.weight"),
     "a huge grouped count": (lambda d: d["modules"][ATTN].update(n_heads=2 * 10**12, n_kv_heads=10**12),
                              r"do not fit the saved"),
-    "an unknown family": (_set("family", "t5"), r"\.family must be one of \['bert', 'gpt2', 'llama'\], got 't5'"),
+    "a class that is not a name": (_set("class", 3), r"\.class must be the attention module's class name, got 3"),
     "modules is a list": (lambda d: d.update(modules=[]), "'modules' must be an object"),
-    "format is true": (lambda d: d.update(format=True), "format 1 .*got format True"),
+    "format is true": (lambda d: d.update(format=True), "format 2 .*got format True"),
     "plain_hf is a string": (lambda d: d.update(plain_hf="no"), "'plain_hf' must be true or false"),
 }
 

@@ -178,8 +178,9 @@ class BertAdapter(HFAdapter):
 
 
 class GPT2Adapter(HFAdapter):
-    """``GPT2Attention``: ``c_attn`` is a Conv1D (weight ``(d, 3d)``, stored transposed), so head ``i``'s
-    W_Q is columns ``i * d_h ..``, W_K columns ``d + i * d_h ..``, W_V columns ``2d + i * d_h ..``."""
+    """``GPT2Attention``: ``c_attn`` is a Conv1D (weight ``(d, 3 w)``, stored transposed; ``w = split_size``, the
+    heads' width: d unless heads were removed), so head ``i``'s W_Q is columns ``i * d_h ..``, W_K columns
+    ``w + i * d_h ..``, W_V columns ``2 w + i * d_h ..``."""
 
     has_cache = True
 
@@ -190,17 +191,18 @@ class GPT2Adapter(HFAdapter):
         self.d_model = module.embed_dim
         self.n_heads = self.n_kv_heads = module.num_heads
         self.d_head = module.head_dim
+        self.width = module.split_size  # h * d_h: what GPT-2's forward splits c_attn at
 
     def _out_module(self):
         return self.module.c_proj
 
     def qk(self, x):
-        q, k, _ = self.module.c_attn(x).split(self.d_model, dim=2)
+        q, k, _ = self.module.c_attn(x).split(self.width, dim=2)
         return split(q, self.n_heads), split(k, self.n_heads)
 
     def head_slices(self, which, index):
         c = self.module.c_attn
-        lo = {"q": 0, "k": self.d_model, "v": 2 * self.d_model}[which] + index * self.d_head
+        lo = {"q": 0, "k": self.width, "v": 2 * self.width}[which] + index * self.d_head
         return [(c.weight, 1, lo, lo + self.d_head), (c.bias, 0, lo, lo + self.d_head)]
 
 

@@ -40,6 +40,7 @@ from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ._hf_common import HeadwiseHFModule, check_linear, check_same, copy_into, hf_attend, new_copy, pop_cache, qkv_bias
 from ._view import LayerView
+from .hf_seam import SurgerySeam, linear_like, set_counts
 
 __all__ = ["classes", "from_module", "load_into", "BertView", "PatchedBertSelf"]
 
@@ -134,7 +135,7 @@ def is_target(module: nn.Module) -> bool:
             and not isinstance(module.self, HeadwiseHFModule))
 
 
-class BertView(LayerView):
+class BertView(SurgerySeam, LayerView):
     """The headwise layer of a patched ``BertSelfAttention``: ``query``/``key``/``value`` of the host and the
     sibling ``BertSelfOutput.dense`` (W_O) of the enclosing ``BertAttention``, resolved live.
 
@@ -157,6 +158,20 @@ class BertView(LayerView):
     def source_names(self) -> dict[str, str]:
         return {hw: path.replace("self.", "") if path.startswith("self.") else f"(BertAttention).{path}"
                 for hw, path in _NAMES.items()}
+
+    def write_heads(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], n_heads: int,
+                    n_kv_heads: int, heads_from: Any = None) -> None:
+        """New ``query``/``key``/``value`` and sibling ``output.dense`` holding ``weights`` (the surgery seam,
+        :mod:`~headwise.interop.hf_seam`), and the ``num_attention_heads`` / ``all_head_size`` the forward reads.
+
+        Shapes:
+            q/k/v_proj (h * d_h, d), out_proj (d, h * d_h)
+        """
+        self.refuse_edit(n_heads, n_kv_heads)
+        for hw, path in _NAMES.items():
+            w, b = weights[hw]
+            self.assign(hw, linear_like(w, b, self._hw_owner.get_submodule(path)))
+        set_counts(self._hw_host, self.surgery_entry(), n_heads, n_kv_heads, self.d_head)
 
 
 class PatchedBertSelf:

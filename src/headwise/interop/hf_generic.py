@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from ._hf_common import HeadwiseHFModule
 from ._view import PROJECTIONS, LayerView, ProjectionView
 from .hf_latent import LatentHead
 from .hf_registry import Entry, entry_for
+from .hf_seam import SurgerySeam, linear_like, set_counts, take_per_head
 
 __all__ = ["is_target", "from_module", "InterfaceView", "InterleavedHead", "PatchedInterface"]
 
@@ -84,7 +85,7 @@ def _sizes(module: nn.Module, entry: Entry) -> tuple[int, int, int, int]:
     if h is None:
         raise ValueError(f"{type(module).__name__}: cannot find its number of heads (looked for {entry.heads} on "
                          "the module and its config); add an entry to headwise.interop.hf_registry")
-    d = _count(owners, ("hidden_size", "embed_dim", "d_model", "dim", "n_embd"))
+    d = _count(owners, entry.width)
     d_v = _count(owners, entry.d_v) or (d // h if d else None)
     if d_v is None:
         raise ValueError(f"{type(module).__name__}: cannot find its head width (looked for {entry.d_v})")
@@ -230,7 +231,7 @@ def from_module(module: nn.Module, parent: nn.Module | None = None, *, name: str
                                _hw_latent=entry.latent)
 
 
-class InterfaceView(LayerView):
+class InterfaceView(SurgerySeam, LayerView):
     """The headwise layer of a module patched on the generic path: its config (head counts, widths, scale) and its
     located projections; the module's own forward computes, through the attention interface.
 
@@ -281,32 +282,27 @@ class InterfaceView(LayerView):
         return head
 
     def write_heads(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], n_heads: int,
-                    n_kv_heads: int) -> None:
+                    n_kv_heads: int, heads_from: Sequence[int] | None = None) -> None:
         """Give the host module new projections holding ``weights`` (``{q_proj, k_proj, v_proj, out_proj:
-        (weight (out, in), bias)}``) for ``n_heads`` / ``n_kv_heads`` heads of this layer's width (the seam for
-        head surgery): new modules under the same names (a fused Q/K/V in its own layout), and the host's head
-        counts set where the module and this view read them. Patch the model again afterwards. A family whose
-        forward reads head counts from the model's shared config (Phi-3 splits ``qkv_proj`` at
-        ``config.num_attention_heads``) needs that config changed too, for every layer alike.
+        (weight (out, in), bias)}``) for ``n_heads`` / ``n_kv_heads`` heads of this layer's width (the surgery
+        seam, :mod:`~headwise.interop.hf_seam`): new modules under the same names (a fused Q/K/V in its own
+        layout), the per-head parameters of heads ``heads_from``, and the head counts set where the module and
+        the next patch read them. Refuses (``ValueError``, nothing changed) what :meth:`edit_refusal` refuses.
 
         Shapes:
             q_proj (h * d_h, d), k_proj / v_proj (h_kv * d_h, d), out_proj (d, h * d_h)
         """
-        for hw in PROJECTIONS:
-            self.resolve(hw)  # refuse, with the reason, what is not located
-        d_h, host = self.d_head, self.host
+        self.refuse_edit(n_heads, n_kv_heads)
+        d_h, host, entry = self.d_head, self.host, self.surgery_entry()
         (qw, qb), (kw, kb), (vw, vb) = (weights[p] for p in ("q_proj", "k_proj", "v_proj"))
         if (qw.shape[0], kw.shape[0], vw.shape[0]) != (n_heads * d_h, n_kv_heads * d_h, n_kv_heads * d_h):
             raise ValueError(f"write_heads: Q/K/V rows {qw.shape[0]}, {kw.shape[0]}, {vw.shape[0]} do not hold "
                              f"h={n_heads}, h_kv={n_kv_heads} heads of d_h={d_h}")
-        new = {}
+        new = {"out_proj": weights["out_proj"]}
         if self._hw_layout == "split":
-            new.update({p: (w, b) for p, (w, b) in zip(("q_proj", "k_proj", "v_proj"), ((qw, qb), (kw, kb), (vw, vb)))})
+            new.update({"q_proj": (qw, qb), "k_proj": (kw, kb), "v_proj": (vw, vb)})
         else:
-            if self._hw_layout == "per_head":
-                if n_heads != n_kv_heads:
-                    raise ValueError(f"write_heads: a head-interleaved Q/K/V needs h == h_kv, got {n_heads}, "
-                                     f"{n_kv_heads}")
+            if self._hw_layout == "per_head":  # head-major [q_i, k_i, v_i] rows (edit_refusal: h == h_kv)
                 rows = [t.view(n_heads, 1, d_h, -1) for t in (qw, kw, vw)]
                 fused_w = torch.cat(rows, 1).reshape(3 * n_heads * d_h, -1)
                 fused_b = None if qb is None else torch.cat([t.view(n_heads, 1, d_h) for t in (qb, kb, vb)], 1
@@ -314,21 +310,22 @@ class InterfaceView(LayerView):
             else:
                 fused_w = torch.cat([qw, kw, vw])
                 fused_b = None if qb is None else torch.cat([qb, kb, vb])
-            fused = getattr(host, self._hw_fused)
-            setattr(host, self._hw_fused, _new_linear(fused_w, fused_b, fused))
-        ow, ob = weights["out_proj"]
-        new["out_proj"] = (ow, ob)
+            setattr(host, self._hw_fused, linear_like(fused_w, fused_b, getattr(host, self._hw_fused)))
         for p, (w, b) in new.items():
             where = self._hw_where[p]
-            where.replace(_new_linear(w, b, where()))
-        for names, value in ((("num_heads", "num_attention_heads", "n_heads", "n_head"), n_heads),
-                             (("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads"), n_kv_heads),
-                             (("num_key_value_groups",), n_heads // n_kv_heads),
-                             (("all_head_size", "inner_dim"), n_heads * d_h)):
-            for name in names:
-                if isinstance(getattr(host, name, None), int):
-                    setattr(host, name, value)
+            where.replace(linear_like(w, b, where()))
+        take_per_head(host, entry, heads_from, n_heads)
+        set_counts(host, entry, n_heads, n_kv_heads, d_h)
+        if _count((host, host.config), entry.d_v) is None:
+            host.head_dim = d_h  # the next patch would otherwise derive it from d / h
         host.num_heads, host.num_key_value_heads = n_heads, n_kv_heads  # what the next patch reads first
+
+    def edit_refusal(self, n_heads: Any, n_kv_heads: Any) -> str:
+        why = super().edit_refusal(n_heads, n_kv_heads)
+        if not why and self._hw_layout == "per_head" and n_heads != n_kv_heads:
+            why = (f"{self._hw_name or type(self.host).__name__}: a head-interleaved Q/K/V "
+                   f"({self._hw_fused}) needs n_heads == n_kv_heads, got {n_heads}, {n_kv_heads}")
+        return why
 
     def adopt_kv_heads(self, n_kv_heads: int) -> bool:
         """Take the K/V head count transformers hands over when it could not be read from located weights (a
@@ -381,12 +378,3 @@ class PatchedInterface:
     """Mixin of a module patched on the generic path: no forward of its own (the module's computes, and its
     attention interface call reaches headwise)."""
 
-
-def _new_linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> nn.Linear:
-    """A new ``nn.Linear`` holding copies of ``weight`` / ``bias`` on ``like``'s device, dtype and mode."""
-    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        new.weight.copy_(weight)
-        if bias is not None:
-            new.bias.copy_(bias)
-    return new.train(like.training)

@@ -41,6 +41,7 @@ from ..attention import MultiHeadAttention, has_forward_hooks
 from ..config import AttentionConfig
 from ._hf_common import check_same, copy_into, hf_attend, new_copy, pop_cache
 from ._view import LayerView, ProjectionView
+from .hf_seam import SurgerySeam, set_counts
 
 __all__ = ["classes", "from_module", "load_into", "split_c_attn", "GPT2View", "PatchedGPT2"]
 
@@ -145,7 +146,7 @@ def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
     copy_into(module.c_proj.bias, attn.out_proj.bias, f"{owner}.c_proj.bias")
 
 
-class GPT2View(LayerView):
+class GPT2View(SurgerySeam, LayerView):
     """The headwise layer of a patched ``GPT2Attention``: ``c_attn`` / ``c_proj`` run as they are (so PEFT
     wrappers on them run too); ``q_proj`` .. ``out_proj`` are ``(out, in)`` views of their weights.
 
@@ -170,6 +171,30 @@ class GPT2View(LayerView):
         d = self.config.inner_dim
         names = {n: f"c_attn[{i * d}:{(i + 1) * d}]" for i, n in enumerate(("q_proj", "k_proj", "v_proj"))}
         return {**names, "out_proj": "c_proj"}
+
+    def write_heads(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], n_heads: int,
+                    n_kv_heads: int, heads_from: Any = None) -> None:
+        """New ``Conv1D`` ``c_attn`` (Q, K, V columns side by side) and ``c_proj`` holding ``weights`` (the surgery
+        seam, :mod:`~headwise.interop.hf_seam`), and the ``num_heads`` / ``split_size`` the forward reads.
+
+        Shapes:
+            q/k/v_proj (h * d_h, d) -> c_attn.weight (d, 3 h d_h); out_proj (d, h * d_h) -> c_proj.weight (h d_h, d)
+        """
+        from transformers.pytorch_utils import Conv1D
+
+        self.refuse_edit(n_heads, n_kv_heads)
+        host, inner = self._hw_host, n_heads * self.d_head
+        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (weights[p] for p in ("q_proj", "k_proj", "v_proj", "out_proj"))
+        for name, w, b in (("c_attn", torch.cat([qw.T, kw.T, vw.T], dim=1), torch.cat([qb, kb, vb])),  # (d, 3 h d_h)
+                           ("c_proj", ow.T, ob)):  # (h d_h, d)
+            old = getattr(host, name)
+            with torch.device("meta"):  # no allocation: the parameters are replaced at once
+                new = Conv1D(w.shape[1], w.shape[0])
+            new.weight = nn.Parameter(w.detach().contiguous().clone(), requires_grad=old.weight.requires_grad)
+            new.bias = nn.Parameter(b.detach().clone(), requires_grad=old.weight.requires_grad)
+            setattr(host, name, new.train(old.training))
+        host.split_size = inner
+        set_counts(host, self.surgery_entry(), n_heads, n_kv_heads, self.d_head)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One ``c_attn`` call, split into heads. Shapes: x (b, s, d) -> (b, h, s, d_h) x3."""

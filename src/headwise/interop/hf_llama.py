@@ -36,6 +36,7 @@ from ..config import AttentionConfig
 from ..rotary import RotaryEmbedding, apply_rotary
 from ._hf_common import check_linear, check_same, copy_into, hf_attend, new_copy, pop_cache, qkv_bias
 from ._view import LayerView
+from .hf_seam import SurgerySeam, linear_like, set_counts
 from .qk_norm import QKNormAttention, QKNormMixin
 
 __all__ = ["classes", "from_module", "load_into", "rotary_from_hf", "LlamaView", "QKNormLlamaView",
@@ -211,7 +212,7 @@ def load_into(module: nn.Module, attn: MultiHeadAttention) -> None:
                 copy_into(want[key], got[key], f"{owner}.{name}.{key}")
 
 
-class LlamaView(LayerView):
+class LlamaView(SurgerySeam, LayerView):
     """The headwise layer of a patched Llama/Mistral/Qwen2 module: a view of its ``q_proj`` .. ``o_proj``.
 
     Shapes:
@@ -229,6 +230,23 @@ class LlamaView(LayerView):
 
     def source_names(self) -> dict[str, str]:
         return dict(_NAMES)
+
+    def write_heads(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], n_heads: int,
+                    n_kv_heads: int, heads_from: Any = None) -> None:
+        """New ``q_proj`` .. ``o_proj`` holding ``weights`` (the surgery seam, :mod:`~headwise.interop.hf_seam`),
+        and the module's ``num_heads`` / ``num_key_value_heads`` / ``num_key_value_groups``.
+
+        Shapes:
+            q_proj (h * d_h, d), k_proj / v_proj (h_kv * d_h, d), out_proj (d, h * d_h)
+        """
+        self.refuse_edit(n_heads, n_kv_heads)
+        host = self._hw_host
+        for hw, hf in _NAMES.items():
+            w, b = weights[hw]
+            setattr(host, hf, linear_like(w, b, getattr(host, hf)))
+        # _sizes reads num_heads / num_key_value_heads first: a resized module records its own counts.
+        host.num_heads, host.num_key_value_heads = n_heads, n_kv_heads
+        set_counts(host, self.surgery_entry(), n_heads, n_kv_heads, self.d_head)
 
     @property
     def rotary(self) -> RotaryEmbedding:

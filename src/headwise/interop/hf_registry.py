@@ -74,10 +74,26 @@ class Entry:
         o_parent: candidate paths of W_O on the module's parent (BERT-style ``SelfOutput.dense``).
         qkv: the fused Q/K/V projection's name (then q, k, v are ignored), with its ``layout``.
         heads, kv_heads: names of the module's (or its config's) query / key-value head counts.
+        width: names of the model width d (on the module, then its config).
         d_v: names of the value head width (the width of each head's context).
         unlocated: why Q/K/V cannot be located as per-head slices of projections of x ("" when they can).
         latent: where multi-head latent attention keeps its pieces (None for every other family): heads are then
             :class:`~headwise.interop.hf_latent.LatentHead` objects.
+
+    Surgery (:mod:`headwise.surgery` resizing the module in place) also reads:
+
+    Attributes:
+        set_heads, set_kv_heads, set_groups, set_inner, set_kv_inner: the module attributes its forward reads
+            that surgery sets to h, h_kv, h / h_kv, h * d_h and h_kv * d_h (each only where the module has it as
+            an int).
+        config_heads, config_kv_heads, config_d_head: the config fields that hold h, h_kv and d_h, set when every
+            layer agrees and the model class then rebuilds every weight shape from the config.
+        config_read: the module's forward reads h / h_kv from the model's shared config (Phi-3 splits
+            ``qkv_proj`` at ``config.num_attention_heads``): every layer must keep the same head counts.
+        per_head: the module's parameters with one entry per query head (gpt-oss ``sinks``), taken along.
+        after_o: the module's submodules that act on the model width after W_O (ALBERT's ``LayerNorm``), not on
+            the heads' width (which would stop surgery).
+        refuse: why surgery cannot resize this family although its projections are located ("" when it can).
     """
 
     q: tuple[str, ...] = ("q_proj", "query", "q", "q_lin")
@@ -89,33 +105,58 @@ class Entry:
     layout: str = "split"
     heads: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads")
     kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
+    width: tuple[str, ...] = ("hidden_size", "embed_dim", "d_model", "dim", "n_embd")
     d_v: tuple[str, ...] = ("v_head_dim", "head_dim", "head_size", "attention_head_size", "key_value_proj_dim",
                             "d_kv")
     unlocated: str = ""
     latent: Latent | None = None
+    set_heads: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+    set_kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
+    set_groups: tuple[str, ...] = ("num_key_value_groups",)
+    set_inner: tuple[str, ...] = ("all_head_size", "inner_dim")
+    set_kv_inner: tuple[str, ...] = ()
+    config_heads: tuple[str, ...] = ("num_attention_heads", "num_heads", "n_head", "n_heads",
+                                     "encoder_attention_heads", "decoder_attention_heads")
+    config_kv_heads: tuple[str, ...] = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+    config_d_head: tuple[str, ...] = ("head_dim",)
+    config_read: bool = False
+    per_head: tuple[str, ...] = ("sinks",)
+    after_o: tuple[str, ...] = ("LayerNorm", "layer_norm")
+    refuse: str = ""
 
 
 DEFAULT = Entry()
+
+# T5's first layer holds a relative position bias per head (an Embedding of num_heads columns) that every later
+# layer of the stack adds to its own scores: one layer's heads cannot change alone.
+_T5 = Entry(refuse="the first layer's relative position bias has one column per head and every layer of the stack "
+                   "adds it to its scores, so the head counts of a layer cannot change alone")
 
 _MLA = ("multi-head latent attention: each head's Q, K and V are rows of up-projections (q_b_proj, kv_b_proj) "
         "reading shared latents of x (q_a_proj, kv_a_proj_with_mqa and their norms), not slices of projections of "
         "x; attn.head(i) gives those rows (a LatentHead)")
 
+# Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
+_LATENT = Entry(unlocated=_MLA, kv_heads=(), latent=Latent(), refuse=_MLA)
+
 #: model_type -> where its attention keeps Q/K/V and W_O (families not listed use DEFAULT); a callable gets the
 #: module's config, for families whose layout depends on it.
 ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
-    "phi3": Entry(qkv="qkv_proj", layout="blocks"),
+    "phi3": Entry(qkv="qkv_proj", layout="blocks", config_read=True),
     "gpt_neox": Entry(qkv="query_key_value", layout="per_head"),
     "persimmon": Entry(qkv="query_key_value", layout="per_head"),
     "ctrl": Entry(q=("Wq",), k=("Wk",), v=("Wv",)),
     "modernbert": Entry(qkv="Wqkv", layout="blocks"),
-    "gpt_bigcode": lambda cfg: Entry(qkv="c_attn", layout="blocks" if cfg.multi_query else "per_head"),
+    # Its forward splits c_attn at (embed_dim, kv_dim, kv_dim): the query and K/V widths, not the model's.
+    "gpt_bigcode": lambda cfg: Entry(qkv="c_attn", layout="blocks" if cfg.multi_query else "per_head",
+                                     set_inner=("split_size", "embed_dim"), set_kv_inner=("kv_dim",),
+                                     width=("hidden_size",)),
     "codegen": Entry(unlocated="CodeGen's qkv_proj interleaves its heads over 4 model-parallel shards"),
-    # Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
-    "deepseek_v2": Entry(unlocated=_MLA, kv_heads=(), latent=Latent()),
-    "deepseek_v3": Entry(unlocated=_MLA, kv_heads=(), latent=Latent()),
-    "glm4_moe_lite": Entry(unlocated=_MLA, kv_heads=(), latent=Latent()),
-    "mistral4": Entry(unlocated=_MLA, kv_heads=(), latent=Latent()),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4"), _LATENT),
+    "laguna": Entry(refuse="its g_proj gates each query head (one output row per head), which surgery does not resize"),
+    "diffllama": Entry(refuse="differential attention subtracts pairs of heads' patterns (value heads concatenated "
+                              "in pairs, lambda over the pair), so heads cannot be removed one by one"),
+    **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
 }
 
 

@@ -1,12 +1,13 @@
 """A Hugging Face model changed by surgery, to a folder and back.
 
 :func:`save_pretrained` runs the model's own ``save_pretrained`` (a patched model saves under its own
-names) and writes ``headwise_surgery.json`` beside it: the head counts of every attention module. Where the
-config says it all (a Llama-family model whose layers all have the same counts: ``num_attention_heads`` /
-``num_key_value_heads``), plain ``from_pretrained`` loads the folder; otherwise (different counts per
-layer, and any pruned BERT or GPT-2: their configs derive the head width from the head count, and this
-transformers has no ``pruned_heads``) :func:`load_pretrained` builds the model from its config, resizes each
-recorded module, and loads the weights, refusing (``ValueError`` naming what) what it cannot rebuild.
+names) and writes ``headwise_surgery.json`` beside it: the head counts of every patched attention module. Where
+the config says it all (every layer has the same counts and surgery could put them in the config: the model
+class built from it has exactly the saved weight shapes, checked on the meta device), plain ``from_pretrained``
+loads the folder; otherwise (different counts per layer, a config that derives the head width from the head
+count, as BERT's and GPT-2's do) :func:`load_pretrained` resizes every recorded module through its view before
+transformers' own ``from_pretrained`` loads the weights, refusing (``ValueError`` naming what) what it cannot
+rebuild.
 
 Shapes:
     per module: n_heads h, n_kv_heads h_kv, d_head d_h
@@ -14,6 +15,7 @@ Shapes:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import stat
 from pathlib import Path
@@ -22,67 +24,54 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import sync_llama_config, write_host
-from .weights import HeadWeights
+from . import hosts
+from .layers import read
+from .weights import as_projections, zeros_like
 
 __all__ = ["save_pretrained", "load_pretrained", "SIDECAR", "head_shapes"]
 
 SIDECAR = "headwise_surgery.json"
-FORMAT = 1
-FAMILIES = ("bert", "gpt2", "llama")
+FORMAT = 2
 # The largest sidecar or weights index read (either is a few KiB for any real model).
 JSON_LIMIT_BYTES = 16 * 2**20
 
 
-def _families() -> dict[str, tuple[type, ...]]:
-    from ..interop import hf_bert, hf_gpt2, hf_llama
-
-    return {"bert": hf_bert.classes(), "gpt2": hf_gpt2.classes(), "llama": hf_llama.classes()}
+def _class(view: Any) -> str:
+    return type(view.host).__name__.removeprefix("Headwise")
 
 
-def _family(module: nn.Module) -> str | None:
-    for name, classes in _families().items():
-        if isinstance(module, classes):
-            return name
-    return None
+def _views(model: nn.Module) -> dict[str, Any]:
+    from ..interop import layers
+
+    return {name: view for name, view in layers(model) if hosts.has_seam(view)}
 
 
-def _shape(module: nn.Module, family: str) -> dict[str, int]:
-    if family == "bert":
-        sa = module.self
-        return {"n_heads": sa.num_attention_heads, "n_kv_heads": sa.num_attention_heads, "d_head": sa.attention_head_size}
-    if family == "gpt2":
-        return {"n_heads": module.num_heads, "n_kv_heads": module.num_heads, "d_head": module.head_dim}
-    d_h = module.head_dim
-    return {"n_heads": module.q_proj.weight.shape[0] // d_h, "n_kv_heads": module.k_proj.weight.shape[0] // d_h,
-            "d_head": d_h}
+@contextlib.contextmanager
+def _patched(model: nn.Module):
+    """``model``'s views: patched for the duration when it is not already (then unpatched again)."""
+    from ..interop import patch, unpatch
+
+    if _views(model):
+        yield _views(model)
+        return
+    try:
+        patch(model)
+    except TypeError:  # nothing in it headwise patches: no head counts to record
+        yield {}
+        return
+    try:
+        yield _views(model)
+    finally:
+        unpatch(model)
 
 
 def head_shapes(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """``{module name: {"family", "n_heads", "n_kv_heads", "d_head"}}`` for every BERT / GPT-2 / Llama-family
-    attention module of ``model`` (patched or not; cross-attention included as found)."""
-    out = {}
-    for name, module in model.named_modules():
-        family = _family(module)
-        if family is not None:
-            out[name] = {"family": family, **_shape(module, family)}
-    return out
-
-
-def _plain_loadable(model: nn.Module, shapes: dict[str, dict[str, Any]]) -> bool:
-    """Whether the config alone rebuilds every recorded module's head counts."""
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return False
-    for s in shapes.values():
-        if s["family"] == "llama":
-            want = (cfg.num_attention_heads, cfg.num_key_value_heads)
-        else:
-            h = cfg.num_attention_heads if s["family"] == "bert" else cfg.n_head
-            want = (h, h)
-        if (s["n_heads"], s["n_kv_heads"]) != want:
-            return False
-    return True
+    """``{layer name: {"class", "n_heads", "n_kv_heads", "d_head"}}`` for every attention module of ``model``
+    that :func:`headwise.interop.patch` takes over, named as :func:`headwise.interop.layers` names them (the model
+    is patched for the reading, and unpatched again, when it is not already)."""
+    with _patched(model) as views:
+        return {name: {"class": _class(v), **dict(zip(("n_heads", "n_kv_heads", "d_head"), v.head_params()))}
+                for name, v in views.items()}
 
 
 def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> bool:
@@ -92,12 +81,12 @@ def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> b
     :func:`load_pretrained`, which works in both cases).
 
     Shapes:
-        the sidecar: {"format": 1, "plain_hf": bool, "modules": {name: {family, n_heads, n_kv_heads, d_head}}}
+        the sidecar: {"format": 2, "plain_hf": bool, "modules": {name: {class, n_heads, n_kv_heads, d_head}}}
     """
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"save_pretrained: expected a Hugging Face PreTrainedModel, got {type(model).__name__}")
     shapes = head_shapes(model)
-    plain = _plain_loadable(model, shapes)
+    plain = hosts.rebuilds(model)
     model.save_pretrained(directory, **kwargs)
     sidecar = {"format": FORMAT, "plain_hf": plain, "modules": shapes}
     (Path(directory) / SIDECAR).write_text(json.dumps(sidecar, indent=1))
@@ -183,15 +172,6 @@ def _saved_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(_safetensors(f, load_file))
-    return state
-
-
 def _check_sidecar(sidecar: Any, path: Path) -> dict[str, dict[str, Any]]:
     """The sidecar's ``modules``, every field checked: ``ValueError`` naming the first one that is wrong."""
     if not isinstance(sidecar, dict) or type(sidecar.get("format")) is not int or sidecar["format"] != FORMAT:
@@ -207,10 +187,10 @@ def _check_sidecar(sidecar: Any, path: Path) -> dict[str, dict[str, Any]]:
     for name, shape in modules.items():
         where = f"load_pretrained: {path}: modules[{name!r}]"
         if not isinstance(shape, dict):
-            raise ValueError(f"{where} must be an object with family, n_heads, n_kv_heads, d_head, got "
+            raise ValueError(f"{where} must be an object with class, n_heads, n_kv_heads, d_head, got "
                              f"{type(shape).__name__}")
-        if shape.get("family") not in FAMILIES:
-            raise ValueError(f"{where}.family must be one of {list(FAMILIES)}, got {shape.get('family')!r}")
+        if not isinstance(shape.get("class"), str):
+            raise ValueError(f"{where}.class must be the attention module's class name, got {shape.get('class')!r}")
         for key in ("n_heads", "n_kv_heads", "d_head"):
             value = shape.get(key)
             if type(value) is not int or value < 1:
@@ -220,24 +200,6 @@ def _check_sidecar(sidecar: Any, path: Path) -> dict[str, dict[str, Any]]:
             raise ValueError(f"load_pretrained: module {name!r}: n_heads={h!r}, n_kv_heads={h_kv!r} is not a valid "
                              "head grouping")
     return modules
-
-
-def _check_saved(name: str, family: str, shape: dict[str, int], saved: dict[str, tuple[int, ...]]) -> None:
-    """The recorded head counts must be those of the saved weights (checked before a module is resized)."""
-    h, h_kv, d_h = shape["n_heads"], shape["n_kv_heads"], shape["d_head"]
-    if family == "gpt2":
-        want = {f"{name}.c_attn.weight": (1, 3 * h * d_h)}  # Conv1D: (d, 3 h d_h)
-    elif family == "bert":
-        want = {f"{name}.self.query.weight": (0, h * d_h), f"{name}.self.key.weight": (0, h * d_h)}
-    else:
-        want = {f"{name}.q_proj.weight": (0, h * d_h), f"{name}.k_proj.weight": (0, h_kv * d_h)}
-    for key, (dim, size) in want.items():
-        got = saved.get(key)
-        if got is None:
-            raise ValueError(f"load_pretrained: the weights have no {key!r} for the recorded module {name!r}")
-        if len(got) != 2 or got[dim] != size:
-            raise ValueError(f"load_pretrained: module {name!r}: the sidecar's n_heads={h}, n_kv_heads={h_kv}, "
-                             f"d_head={d_h} do not fit the saved {key!r} of shape {got}")
 
 
 def load_pretrained(directory: str | Path, model_class: type, *, attn_implementation: str | None = None) -> nn.Module:
@@ -267,76 +229,81 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
     modules = _check_sidecar(sidecar, path)
     if sidecar.get("plain_hf"):
         return _plain(model_class, directory, extra)
-    files = _weight_files(directory)
-    saved = _saved_shapes(files)
+    saved = _saved_shapes(_weight_files(directory))
     _read_json(directory / "config.json", "config")  # a regular, readable file (from_pretrained reads it again)
     config = model_class.config_class.from_pretrained(str(directory))
     n_layers = getattr(config, "num_hidden_layers", None)
     if isinstance(n_layers, int) and n_layers > len(modules):  # before the model is built: it would allocate them
         raise ValueError(f"load_pretrained: {directory / 'config.json'} has num_hidden_layers={n_layers}, but the "
                          f"sidecar records {len(modules)} attention modules")
-    model = model_class(config)
-    if attn_implementation is not None:
-        model.set_attn_implementation(attn_implementation)
-    for name, shape in modules.items():
-        try:
-            module = model.get_submodule(name)
-        except (AttributeError, TypeError):
-            raise ValueError(f"load_pretrained: the sidecar names module {name!r}, which {model_class.__name__} "
-                             "built from this config does not have") from None
-        family = _family(module)
-        if family != shape.get("family"):
-            raise ValueError(f"load_pretrained: module {name!r} is a {type(module).__name__} ({family}); the sidecar "
-                             f"recorded a {shape.get('family')} attention module")
-        now = _shape(module, family)
-        if now["d_head"] != shape["d_head"]:
-            raise ValueError(f"load_pretrained: module {name!r} has d_head={now['d_head']} from the config; the "
-                             f"sidecar recorded d_head={shape['d_head']}: head widths cannot be rebuilt")
-        h, h_kv = shape["n_heads"], shape["n_kv_heads"]
-        _check_saved(name, family, shape, saved)
-        if (h, h_kv) != (now["n_heads"], now["n_kv_heads"]):
-            write_host(module, family, _zeros(module, family, h, h_kv, shape["d_head"]))
-    sync_llama_config(model)
-    _load_weights(model, _state_dict(files), directory)
+    with hosts.quiet(), torch.device("meta"):  # every check on a model that allocates nothing
+        probe = model_class(config)
+    _resize(probe, modules, model_class.__name__)
+    _check_saved(probe, modules, saved)
+
+    def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
+        model_class.__init__(self, config, *args, **kwargs)
+        _resize(self, modules, model_class.__name__)  # before transformers loads the weights into it
+
+    resized = type(model_class.__name__, (model_class,), {"__init__": __init__, "__module__": model_class.__module__})
+    model, info = _safetensors(directory, lambda d: resized.from_pretrained(d, output_loading_info=True, **extra),
+                               plain=True)
+    model.__class__ = model_class
+    wrong = {k: list(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(wrong.values()):
+        raise ValueError(f"load_pretrained: {directory} does not match the rebuilt model: "
+                         + ", ".join(f"{k.replace('_', ' ')} {v[:5]}" for k, v in wrong.items() if v))
     return model.eval()
+
+
+def _resize(model: nn.Module, modules: dict[str, dict[str, Any]], cls: str) -> None:
+    """Resize every recorded module of the freshly built ``model`` to its recorded counts, through its view."""
+    from ..interop import patch, unpatch
+
+    patch(model)
+    try:
+        views = _views(model)
+        todo = []
+        for name, shape in modules.items():
+            view = views.get(name)
+            if view is None:
+                raise ValueError(f"load_pretrained: the sidecar names module {name!r}, which {cls} built from this "
+                                 f"config does not have as a patched attention module (it has {list(views)[:4]}...)")
+            if _class(view) != shape["class"]:
+                raise ValueError(f"load_pretrained: module {name!r} is a {_class(view)}; the sidecar recorded a "
+                                 f"{shape['class']}")
+            h, h_kv, d_h = view.head_params()
+            if d_h != shape["d_head"]:
+                raise ValueError(f"load_pretrained: module {name!r} has d_head={d_h} from the config; the sidecar "
+                                 f"recorded d_head={shape['d_head']}: head widths cannot be rebuilt")
+            want = (shape["n_heads"], shape["n_kv_heads"])
+            if want != (h, h_kv):
+                why = view.edit_refusal(*want)
+                if why:
+                    raise ValueError(f"load_pretrained: module {name!r}: {why}")
+                todo.append((view, want))
+    finally:
+        unpatch(model)
+    for view, (h, h_kv) in todo:
+        view.write_heads(as_projections(zeros_like(read(view), h, h_kv)), h, h_kv)
+
+
+def _check_saved(probe: nn.Module, modules: dict[str, dict[str, Any]], saved: dict[str, tuple[int, ...]]) -> None:
+    """The recorded head counts must give the saved weights' shapes (checked on the meta-device model)."""
+    shapes = {k: tuple(v.shape) for k, v in probe.state_dict().items()}
+    for name, shape in modules.items():
+        scope = [k for k in shapes if k.startswith(name + ".")] or \
+            [k for k in shapes if k.startswith(name.rpartition(".")[0] + ".")]
+        found = [k for k in scope if k in saved]
+        if not found:
+            raise ValueError(f"load_pretrained: the weights have none of {scope[:3]} for the recorded module {name!r}")
+        for key in found:
+            if saved[key] != shapes[key]:
+                raise ValueError(f"load_pretrained: module {name!r}: the sidecar's n_heads={shape['n_heads']}, "
+                                 f"n_kv_heads={shape['n_kv_heads']}, d_head={shape['d_head']} do not fit the saved "
+                                 f"{key!r} of shape {saved[key]} (they give {shapes[key]})")
 
 
 def _plain(model_class: type, directory: Path, extra: dict[str, Any]) -> nn.Module:
     """``model_class.from_pretrained``, a damaged safetensors file as a ValueError naming the folder."""
     return _safetensors(directory, lambda d: model_class.from_pretrained(d, **extra), plain=True).eval()
-
-
-def _zeros(module: nn.Module, family: str, h: int, h_kv: int, d_h: int) -> HeadWeights:
-    if family == "bert":
-        q, o = module.self.query, module.output.dense
-        d, k_in, v_in, bias, out_bias = q.weight.shape[1], q.weight.shape[1], q.weight.shape[1], q.bias is not None, \
-            o.bias is not None
-    elif family == "gpt2":
-        d = module.embed_dim
-        k_in = v_in = d
-        bias = out_bias = True
-    else:
-        d, k_in, v_in = module.q_proj.weight.shape[1], module.k_proj.weight.shape[1], module.v_proj.weight.shape[1]
-        bias, out_bias = module.q_proj.bias is not None, module.o_proj.bias is not None
-
-    def z(*shape: int) -> torch.Tensor:
-        return torch.zeros(*shape)
-
-    return HeadWeights(z(h * d_h, d), z(h * d_h) if bias else None, z(h_kv * d_h, k_in), z(h_kv * d_h) if bias else None,
-                       z(h_kv * d_h, v_in), z(h_kv * d_h) if bias else None, z(d, h * d_h), z(d) if out_bias else None,
-                       h, h_kv, d_h)
-
-
-def _load_weights(model: nn.Module, state: dict[str, torch.Tensor], directory: Path) -> None:
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:
-        raise ValueError(f"load_pretrained: the weights in {directory} do not fit the rebuilt model: {e}") from None
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = {params[k].data_ptr() for k in state if k in params}
-    untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
-    if untied or unexpected:
-        raise ValueError(f"load_pretrained: {directory} does not match the rebuilt model: missing {untied[:5]}"
-                         f"{'...' if len(untied) > 5 else ''}, unexpected {list(unexpected)[:5]}")

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from ..attention import MultiHeadAttention
-from .layers import Target, check_host, read
+from .layers import Target, read
 from .weights import HeadWeights, expand_kv, pool_groups
 
 __all__ = ["to_gqa", "to_mha", "similarity_groups"]
@@ -83,8 +83,9 @@ def to_gqa(target: Any, n_kv_heads: int, *, groups: str | Sequence[Sequence[int]
     """Mean-pool the K/V heads of every layer (or of ``layers``) into ``n_kv_heads`` groups.
 
     ``target`` is handled as in :func:`~headwise.surgery.prune_heads` (a bare layer gives a new copy; a module
-    or a patched Llama-family model changes in place). BERT and GPT-2 modules have no K/V groups: regroup a
-    standalone copy (``headwise.interop.from_hf``) instead.
+    or a patched model changes in place). Hugging Face modules without K/V groups (no ``num_key_value_groups``:
+    BERT, GPT-2, OPT, ...) refuse it with a ``ValueError``: regroup a standalone copy (``headwise.interop.from_hf``)
+    instead.
 
     Args:
         target: a layer or a model.
@@ -127,7 +128,6 @@ def to_gqa(target: Any, n_kv_heads: int, *, groups: str | Sequence[Sequence[int]
             size = hw.n_heads // n
             parts = [list(range(j * size, (j + 1) * size)) for j in range(n)]
         new[i] = pool_groups(hw, parts)
-        check_host(tgt.families[i], new[i], where)
     return tgt.apply(new)
 
 

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["HeadWeights", "take_heads", "pool_groups", "expand_kv", "empty_like"]
+__all__ = ["HeadWeights", "take_heads", "pool_groups", "expand_kv", "empty_like", "zeros_like", "as_projections"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class HeadWeights:
     n_heads: int
     n_kv_heads: int
     d_head: int
+    heads_from: tuple[int, ...] | None = None  # the original index of each query head (None: 0 .. h - 1)
 
     @property
     def group_size(self) -> int:
@@ -79,8 +80,10 @@ def take_heads(hw: HeadWeights, keep: Sequence[int], kv_of: Sequence[Sequence[in
     """
     d_h = hw.d_head
     k_w, k_b, v_w, v_b = _kv(hw, kv_of)
+    src = hw.heads_from or tuple(range(hw.n_heads))
     return replace(hw, q_w=_rows(hw.q_w, keep, d_h), q_b=_rows(hw.q_b, keep, d_h), k_w=k_w, k_b=k_b, v_w=v_w,
-                   v_b=v_b, o_w=_cols(hw.o_w, keep, d_h), n_heads=len(keep), n_kv_heads=n_kv)
+                   v_b=v_b, o_w=_cols(hw.o_w, keep, d_h), n_heads=len(keep), n_kv_heads=n_kv,
+                   heads_from=tuple(src[i] for i in keep))
 
 
 def pool_groups(hw: HeadWeights, groups: Sequence[Sequence[int]]) -> HeadWeights:
@@ -118,3 +121,27 @@ def empty_like(hw: HeadWeights) -> HeadWeights:
             for name, t in (("q_w", one.q_w), ("q_b", one.q_b), ("k_w", one.k_w), ("k_b", one.k_b),
                             ("v_w", one.v_w), ("v_b", one.v_b), ("o_w", one.o_w))}
     return replace(one, **zero)
+
+
+def zeros_like(hw: HeadWeights, n_heads: int, n_kv_heads: int) -> HeadWeights:
+    """Zero weights of ``n_heads`` / ``n_kv_heads`` heads with ``hw``'s widths, biases, device and dtype (a module
+    resized before its weights are loaded).
+
+    Shapes:
+        -> q_w (n_heads * d_h, d), k_w / v_w (n_kv_heads * d_h, kdim / vdim), o_w (d, n_heads * d_h)
+    """
+    d_h = hw.d_head
+
+    def z(t: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
+        return None if t is None else torch.zeros(*shape, device=t.device, dtype=t.dtype)
+
+    return HeadWeights(z(hw.q_w, n_heads * d_h, hw.q_w.shape[1]), z(hw.q_b, n_heads * d_h),
+                       z(hw.k_w, n_kv_heads * d_h, hw.k_w.shape[1]), z(hw.k_b, n_kv_heads * d_h),
+                       z(hw.v_w, n_kv_heads * d_h, hw.v_w.shape[1]), z(hw.v_b, n_kv_heads * d_h),
+                       z(hw.o_w, hw.o_w.shape[0], n_heads * d_h), z(hw.o_b, hw.o_w.shape[0]), n_heads, n_kv_heads, d_h)
+
+
+def as_projections(hw: HeadWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """``{q_proj, k_proj, v_proj, out_proj: (weight (out, in), bias)}``: what a view's ``write_heads`` takes."""
+    return {"q_proj": (hw.q_w, hw.q_b), "k_proj": (hw.k_w, hw.k_b), "v_proj": (hw.v_w, hw.v_b),
+            "out_proj": (hw.o_w, hw.o_b)}

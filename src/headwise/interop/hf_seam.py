@@ -1,0 +1,164 @@
+"""The surgery seam of every Hugging Face view: which head counts its module can take, and resizing it in place.
+
+:mod:`headwise.surgery` reads a patched layer's weights through its view (``q_proj`` .. ``out_proj``), computes
+new ones, and hands them back through three methods every HF view has (:class:`~headwise.interop.hf_bert.BertView`,
+:class:`~headwise.interop.hf_gpt2.GPT2View`, :class:`~headwise.interop.hf_llama.LlamaView`,
+:class:`~headwise.interop.hf_generic.InterfaceView`), so surgery never asks which family it is:
+
+* :meth:`SurgerySeam.head_params`: the current ``(n_heads, n_kv_heads, d_head)``.
+* :meth:`SurgerySeam.edit_refusal`: why the module cannot take given head counts (``""`` when it can); checked
+  for every layer before anything is written.
+* ``write_heads(weights, n_heads, n_kv_heads, heads_from)``: new projections under the module's own names (a
+  fused Q/K/V in its own layout) and the head-count attributes its forward reads. Patch again afterwards.
+
+What a family's config and attributes call the head counts is in :mod:`~headwise.interop.hf_registry`.
+
+Shapes:
+    h: query heads, h_kv: key/value heads, d_h: head width; weights ``{q_proj, k_proj, v_proj, out_proj:
+    (weight (out, in), bias or None)}``.
+
+Example:
+    >>> import transformers
+    >>> from headwise.interop import layers, patch
+    >>> cfg = transformers.BertConfig(hidden_size=12, num_attention_heads=3, num_hidden_layers=1,
+    ...                               intermediate_size=8, vocab_size=10)
+    >>> attn = layers(patch(transformers.BertModel(cfg)))[0][1]
+    >>> attn.head_params(), attn.edit_refusal(2, 2)
+    ((3, 3, 4), '')
+    >>> attn.edit_refusal(3, 1).split(";")[0]
+    'encoder.layer.0.attention.self: BertSelfAttention has one K/V head per query head (no num_key_value_groups)'
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .hf_registry import Entry, entry_for
+
+__all__ = ["SurgerySeam", "linear_like", "set_counts", "take_per_head"]
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+class SurgerySeam:
+    """Mixin of the HF views: the registry entry of the host's family, its head counts, and the checks every
+    resize shares. A view overrides :meth:`edit_refusal` (calling this one) for what its layout adds."""
+
+    def hf_config(self) -> Any:
+        """The config the host module reads."""
+        return self.host.config  # type: ignore[attr-defined]
+
+    def surgery_entry(self) -> Entry:
+        cfg = self.hf_config()
+        return entry_for(getattr(cfg, "model_type", None), cfg)
+
+    def head_params(self) -> tuple[int, int, int]:
+        """``(n_heads, n_kv_heads, d_head)`` of the module now."""
+        c = self.config  # type: ignore[attr-defined]
+        return c.n_heads, c.n_kv_heads, c.d_head
+
+    def kv_groups(self) -> bool:
+        """Whether the module can hold fewer K/V heads than query heads: it repeats them by its
+        ``num_key_value_groups`` (what transformers' own attention functions read)."""
+        return isinstance(getattr(self.host, "num_key_value_groups", None), int)  # type: ignore[attr-defined]
+
+    def reads_config_heads(self) -> bool:
+        """Whether the module's forward reads its head counts from the model's shared config."""
+        return self.surgery_entry().config_read
+
+    def config_fields(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """The config field names of (h, h_kv, d_h) for this family."""
+        e = self.surgery_entry()
+        return e.config_heads, e.config_kv_heads, e.config_d_head
+
+    def edit_refusal(self, n_heads: Any, n_kv_heads: Any) -> str:
+        """Why this module cannot be resized to ``n_heads`` / ``n_kv_heads`` (``""`` if it can); nothing is
+        changed either way."""
+        host = self.host  # type: ignore[attr-defined]
+        where = f"{self.__dict__.get('_hw_name') or type(host).__name__}"
+        cls = type(host).__name__.removeprefix("Headwise")
+        entry = self.surgery_entry()
+        if entry.refuse:
+            return f"{where}: surgery cannot resize {cls}: {entry.refuse}"
+        for name in PROJECTIONS:
+            try:
+                self.resolve(name)  # type: ignore[attr-defined]
+            except ValueError as e:
+                return str(e)
+        for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                return f"{where}: {name} must be a positive int, got {value!r}"
+        if n_heads % n_kv_heads:
+            return f"{where}: n_kv_heads={n_kv_heads} does not divide n_heads={n_heads}"
+        if n_kv_heads != n_heads and not self.kv_groups():
+            return (f"{where}: {cls} has one K/V head per query head (no num_key_value_groups); this change needs "
+                    f"n_heads={n_heads} with n_kv_heads={n_kv_heads} (regroup a standalone copy instead: "
+                    "headwise.interop.from_hf, then to_gqa)")
+        spanning = self.spanning_params()
+        if spanning:
+            return (f"{where}: {cls} has parameters over the width of all its heads ({', '.join(spanning)}: a norm or "
+                    "gate across heads), so its heads cannot be removed or regrouped one by one")
+        h = self.config.n_heads  # type: ignore[attr-defined]
+        for name in entry.per_head:
+            p = getattr(host, name, None)
+            if isinstance(p, torch.Tensor) and p.shape[:1] != (h,):
+                return f"{where}: {cls}.{name} has shape {tuple(p.shape)}, not one entry per each of its {h} heads"
+        return ""
+
+    def spanning_params(self) -> list[str]:
+        """The host's parameters outside its projections with a dimension of h * d_h (or h_kv * d_h, h_kv > 1):
+        they mix every head's width (OLMo-2's q_norm over the whole projection, gated attention's gate)."""
+        host, c = self.host, self.config  # type: ignore[attr-defined]
+        own = {id(p) for _, m in self.sources() for p in m.parameters()}  # type: ignore[attr-defined]
+        widths = {c.n_heads * c.d_head} | ({c.n_kv_heads * c.d_head} if c.n_kv_heads > 1 else set())
+        entry = self.surgery_entry()
+        return [n for n, p in host.named_parameters() if id(p) not in own and n not in entry.per_head
+                and n.split(".")[0] not in entry.after_o and widths & set(p.shape)]
+
+    def refuse_edit(self, n_heads: int, n_kv_heads: int) -> None:
+        why = self.edit_refusal(n_heads, n_kv_heads)
+        if why:
+            raise ValueError(f"write_heads: {why}")
+
+
+def linear_like(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> nn.Linear:
+    """A new ``nn.Linear`` holding copies of ``weight`` / ``bias`` (their device and dtype), with ``like``'s mode
+    and ``requires_grad``.
+
+    Shapes:
+        weight (out, in), bias (out,) or None
+    """
+    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    grad = bool(getattr(getattr(like, "weight", None), "requires_grad", True))
+    new.weight = nn.Parameter(weight.detach().clone(), requires_grad=grad)
+    if bias is not None:
+        new.bias = nn.Parameter(bias.detach().clone(), requires_grad=grad)
+    return new.train(like.training)
+
+
+def set_counts(host: nn.Module, entry: Entry, n_heads: int, n_kv_heads: int, d_head: int) -> None:
+    """Set the head-count attributes ``host`` has (as ints) among the registry's names."""
+    for names, value in ((entry.set_heads, n_heads), (entry.set_kv_heads, n_kv_heads),
+                         (entry.set_groups, n_heads // n_kv_heads), (entry.set_inner, n_heads * d_head),
+                         (entry.set_kv_inner, n_kv_heads * d_head)):
+        for name in names:
+            if isinstance(getattr(host, name, None), int) and not isinstance(getattr(host, name), bool):
+                setattr(host, name, value)
+
+
+def take_per_head(host: nn.Module, entry: Entry, heads_from: Sequence[int] | None, n_heads: int) -> None:
+    """Give ``host``'s per-query-head parameters (the registry's ``per_head``) the rows of the heads kept
+    (``heads_from[i]``: the old index of new head i), or zeros of the new size without ``heads_from``."""
+    for name in entry.per_head:
+        p = getattr(host, name, None)
+        if not isinstance(p, nn.Parameter):
+            continue
+        if heads_from is None:  # no heads to take them from (a model rebuilt before its weights load): zeros
+            value = p.detach().new_zeros((n_heads, *p.shape[1:]))
+        else:
+            index = torch.tensor(list(heads_from), dtype=torch.long, device=p.device)
+            value = p.detach().index_select(0, index).clone()
+        setattr(host, name, nn.Parameter(value, requires_grad=p.requires_grad))

@@ -1,0 +1,164 @@
+"""Surgery on a model patched by :func:`headwise.interop.patch`: its own modules resized through each layer's
+surgery seam (:mod:`headwise.interop.hf_seam`), with no knowledge of families here.
+
+1. Every changed layer's ``edit_refusal`` is asked first (and, where a family's forward reads head counts from
+   the shared config, every layer must keep the same counts), so a refusal changes nothing.
+2. The model is unpatched, each view's ``write_heads`` resizes its module in place, and the config's head
+   counts are updated when every layer agrees and the model class then rebuilds exactly these weight shapes
+   from the config (checked by building it on the meta device: :func:`rebuilds`); plain ``from_pretrained``
+   then loads a saved copy.
+3. The model is patched again, so its views describe the new shapes.
+
+Shapes:
+    per layer: (n_heads, n_kv_heads, d_head)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .weights import HeadWeights, as_projections
+
+__all__ = ["is_view", "has_seam", "apply", "refusal", "rebuilds", "config_update", "quiet"]
+
+
+def is_view(layer: Any) -> bool:
+    """Whether ``layer`` is a view of another module's weights (a patched Hugging Face module's ``.attn``)."""
+    return "_hw_host" in getattr(layer, "__dict__", {})
+
+
+def has_seam(layer: Any) -> bool:
+    """Whether the view ``layer`` can be resized through the surgery seam (:mod:`headwise.interop.hf_seam`)."""
+    return is_view(layer) and callable(getattr(layer, "write_heads", None))
+
+
+def _counts(hw: HeadWeights) -> tuple[int, int, int]:
+    return hw.n_heads, hw.n_kv_heads, hw.d_head
+
+
+def refusal(layers: Sequence[tuple[str, Any]], new: Mapping[int, HeadWeights], what: str) -> str:
+    """Why these changes cannot be written (``""`` if they can): each changed layer's own refusal, then the
+    layers whose forward reads the shared config's head counts, which must all keep the same counts."""
+    for i, hw in new.items():
+        name, view = layers[i]
+        why = view.edit_refusal(hw.n_heads, hw.n_kv_heads)
+        if why:
+            return f"{what} at {name!r}: {why}"
+    shared: dict[int, dict[tuple[int, int, int], str]] = {}
+    for i, (name, view) in enumerate(layers):
+        if view.reads_config_heads():
+            counts = _counts(new[i]) if i in new else view.head_params()
+            shared.setdefault(id(view.hf_config()), {}).setdefault(counts, name)
+    for seen in shared.values():
+        if len(seen) > 1:
+            listed = ", ".join(f"{n!r} (h, h_kv, d_h) = {c}" for c, n in seen.items())
+            return (f"{what}: these modules read their head counts from the model's shared config, so every layer "
+                    f"must keep the same counts; this change leaves {listed}")
+    return ""
+
+
+@contextlib.contextmanager
+def quiet():
+    """transformers' logging at errors only (a rebuilt model's init warnings are not the user's)."""
+    try:
+        from transformers.utils import logging
+    except ImportError:  # pragma: no cover - a view exists only with transformers
+        yield
+        return
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def _shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def rebuilds(model: nn.Module, fields: Mapping[str, int] | None = None) -> bool:
+    """Whether ``type(model)`` built from ``model.config`` (with ``fields`` set on a copy) has exactly the
+    weight shapes of ``model``: what plain ``from_pretrained`` of a saved copy needs. Built on the meta
+    device, so nothing is allocated."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    cand = copy.deepcopy(cfg)
+    for name, value in (fields or {}).items():
+        setattr(cand, name, value)
+    try:
+        if callable(getattr(cand, "validate", None)):
+            cand.validate()  # what save_pretrained checks (Gemma 2: hidden_size % num_attention_heads == 0)
+        with quiet(), torch.device("meta"):
+            fresh = type(model)(cand)
+    except Exception:  # noqa: BLE001 - a config these counts make invalid does not rebuild the model
+        return False
+    return _shapes(fresh) == _shapes(model)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def config_update(model: nn.Module, views: Sequence[Any], counts: Sequence[tuple[int, int, int]]) -> dict[str, int]:
+    """The config fields (the registry's names for h, h_kv, d_h) whose new values make ``type(model)`` rebuild
+    ``model``'s shapes, or ``{}`` when the layers disagree or no such fields do."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not counts or len(set(counts)) != 1:
+        return {}
+    (h, h_kv, d_h), = set(counts)
+    base: dict[str, int] = {}
+    d_names: list[str] = []
+    for view in views:
+        heads, kv, d = view.config_fields()
+        base.update({n: h for n in heads if _is_count(getattr(cfg, n, None))})
+        base.update({n: h_kv for n in kv if _is_count(getattr(cfg, n, None))})
+        base.update({n: d_h for n in d if _is_count(getattr(cfg, n, None))})
+        d_names += [n for n in d if n not in d_names]
+    tries = [base] + [{**base, n: d_h} for n in d_names if n not in base]  # a config that derives d_h: say it
+    return next((fields for fields in tries if rebuilds(model, fields)), {})
+
+
+def _set(configs: Sequence[Any], fields: Mapping[str, int]) -> None:
+    for cfg in configs:
+        for name, value in fields.items():
+            setattr(cfg, name, value)
+
+
+def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int, HeadWeights], what: str) -> nn.Module:
+    """Write ``new[i]`` into the module of layer ``i`` of the patched ``model`` (everything checked first);
+    returns ``model``, patched again."""
+    from ..interop import patch, unpatch
+
+    plain = [layers[i][0] for i in new if not is_view(layers[i][1])]
+    if plain:
+        raise TypeError(f"{what}: {plain} are not views of patched Hugging Face modules; change a model patched "
+                        "by headwise.interop.patch, or a module of headwise layers, not a mix")
+    seamless = [f"{layers[i][0]} ({type(layers[i][1]).__name__})" for i in new if not has_seam(layers[i][1])]
+    if seamless:
+        raise TypeError(f"{what}: {seamless} are views of modules surgery does not know how to resize (no "
+                        "write_heads)")
+    why = refusal(layers, new, what)
+    if why:
+        raise ValueError(why)
+    views = [view for _, view in layers]
+    counts = [_counts(new[i]) if i in new else view.head_params() for i, view in enumerate(views)]
+    configs = list({id(c): c for c in [getattr(model, "config", None)] + [v.hf_config() for v in views]
+                    if c is not None}.values())
+    unpatch(model)
+    for i, hw in new.items():
+        views[i].write_heads(as_projections(hw), hw.n_heads, hw.n_kv_heads, heads_from=hw.heads_from)
+    fields = config_update(model, views, counts)
+    if not fields and any(v.reads_config_heads() for v in views):  # their forward needs the counts regardless
+        h, h_kv, _ = counts[0]
+        heads, kv, _ = views[0].config_fields()
+        fields = {n: h for n in heads if _is_count(getattr(views[0].hf_config(), n, None))}
+        fields.update({n: h_kv for n in kv if _is_count(getattr(views[0].hf_config(), n, None))})
+    _set(configs, fields)
+    return patch(model)
