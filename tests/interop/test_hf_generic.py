@@ -21,7 +21,8 @@ EXTRA = {"phi3": dict(num_key_value_heads=2), "gpt_neox": {},
          "mixtral": dict(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1), "opt": dict(ffn_dim=32, word_embed_proj_dim=16),
          "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
                              q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6,
-                             first_k_dense_replace=0, n_group=1, topk_group=1)}
+                             first_k_dense_replace=0, n_group=1, topk_group=1),
+         "jetmoe": dict(num_key_value_heads=1, kv_channels=8, num_local_experts=2, num_experts_per_tok=2)}
 IDS = torch.tensor([[1, 5, 7, 3, 9], [2, 4, 6, 8, 10]])
 
 
@@ -270,3 +271,18 @@ def test_latent_attention_ignores_the_configs_key_value_head_count():
     patch(model)
     assert [v.n_kv_heads for _, v in layers(model)] == [cfg.num_attention_heads] * cfg.num_hidden_layers
     torch.testing.assert_close(logits(model), want)
+
+
+def test_heads_computed_other_than_configured_are_taken_as_transformers_hands_them_over():
+    # JetMoE's attention experts: each of the top-k experts computes its own query heads over shared K/V, so
+    # transformers hands over top_k * num_key_value_heads heads, not num_attention_heads. With no projection
+    # located to fix the counts, the layer takes them; tracing names heads as they are computed.
+    plain, model = tiny("jetmoe", "eager"), patch(tiny("jetmoe"))
+    want = plain(IDS, output_attentions=True)
+    with headwise.trace(model, capture=("pattern", "z")) as t:
+        got = model(IDS)
+    torch.testing.assert_close(got.logits, want.logits)
+    cfg = plain.config
+    assert [v.n_heads for _, v in layers(model)] == [cfg.num_experts_per_tok * cfg.num_key_value_heads] * 2
+    for i, w in enumerate(want.attentions):
+        torch.testing.assert_close(t[i].pattern, w)

@@ -335,6 +335,17 @@ class InterfaceView(SurgerySeam, LayerView):
         object.__setattr__(self, "config", dataclasses.replace(self.config, n_kv_heads=n_kv_heads))
         return True
 
+    def adopt_heads(self, n_heads: int, n_kv_heads: int) -> bool:
+        """Take the head counts transformers hands over where no located weight fixes them (Q/K/V not located, so
+        the counts were read from attributes a family may use otherwise: JetMoE hands over its top-k experts'
+        heads); False where the weights fix them. Tracing then names heads as transformers computes them."""
+        if any(not self.located[p] for p in ("q_proj", "k_proj", "v_proj")) or n_heads % n_kv_heads:
+            return False  # (located: "" where found)
+        if not self.located["out_proj"] and self.resolve("out_proj").weight.shape[1] != n_heads * self.d_head:
+            return False
+        object.__setattr__(self, "config", dataclasses.replace(self.config, n_heads=n_heads, n_kv_heads=n_kv_heads))
+        return True
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"{type(self).__name__} of {self._hw_name or type(self.host).__name__} does not run on its "
                         "own: call the model (its module applies the family's norms and rotary, then headwise "

@@ -208,8 +208,11 @@ def check_heads(layer: nn.Module, module: nn.Module, query: torch.Tensor, value:
     cfg = layer.config
     got = (query.shape[1], value.shape[1], value.shape[-1])
     want = (cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
-    adopt = getattr(layer, "adopt_kv_heads", None)
-    if got != want and not (got[::2] == want[::2] and adopt is not None and adopt(got[1])):
+    if got == want:
+        return
+    adopt_kv, adopt = getattr(layer, "adopt_kv_heads", None), getattr(layer, "adopt_heads", None)
+    if not ((got[::2] == want[::2] and adopt_kv is not None and adopt_kv(got[1]))
+            or (got[2] == want[2] and adopt is not None and adopt(got[0], got[1]))):
         raise ValueError(f"{type(module).__name__} handed headwise (h, h_kv, d_v) = {got}, but its patched layer "
                          f"was built for {want} from the module's config and weights; unpatch and patch again after "
                          "changing the module's head counts")
