@@ -145,7 +145,8 @@ IO_XFAIL = None
 for name, edit, bad in [
     ("sidecar not json", lambda d: (d / "headwise_surgery.json").write_text("{"), False),
     ("sidecar a list", lambda d: (d / "headwise_surgery.json").write_text("[]"), False),
-    ("sidecar format 2", sidecar(lambda s: s.update(format=2)), False),
+    ("sidecar format 3", sidecar(lambda s: s.update(format=3)), False),
+    ("sidecar format 1", sidecar(lambda s: s.update(format=1)), False),
     ("sidecar module 5", sidecar(lambda s: s["modules"].update({next(iter(s["modules"])): 5})), True),
     ("sidecar without d_head", sidecar(lambda s: first(s).pop("d_head")), True),
     ("sidecar n_heads '3'", sidecar(lambda s: first(s).update(n_heads="3")), False),
