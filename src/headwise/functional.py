@@ -121,8 +121,11 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     dtype = q.dtype
     if dtype in _LOW_PRECISION:  # half-precision scores of large inputs overflow
         q, k, v = q.float(), k.float(), v.float()
-    q = (q * scale).reshape(b, h_kv, h // h_kv * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries share K
-    scores = (q @ k.transpose(-2, -1)).view(b, h, s_q, s_kv)  # (b, h, s_q, s_kv)
+    g = h // h_kv
+    # unflatten/flatten and einsum rather than views across the folded (g * s_q) axis: under torch.export's
+    # dynamic shapes those views add guards that pin the sequence length
+    q = (q * scale).reshape(b, h_kv, g * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries share K
+    scores = (q @ k.transpose(-2, -1)).unflatten(2, (g, s_q)).flatten(1, 2)  # (b, h, s_q, s_kv)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     # Rows that may read nothing (possible only under a given mask, or causal with s_kv < s_q) are found on the
@@ -151,8 +154,8 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if blocked is not None:
         weights = weights * (~blocked).to(weights.dtype)  # (b, h, s_q, s_kv): rows that read nothing
     probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p else weights
-    z = probs.reshape(b, h_kv, h // h_kv * s_q, s_kv) @ v  # (b, h_kv, g * s_q, d_v)
-    return z.view(b, h, s_q, v.shape[-1]).to(dtype), weights.to(dtype)  # (b, h, s_q, d_v)
+    z = torch.einsum("bngqk,bnkd->bngqd", probs.unflatten(1, (h_kv, g)), v)  # (b, h_kv, g, s_q, d_v)
+    return z.flatten(1, 2).to(dtype), weights.to(dtype)  # (b, h, s_q, d_v)
 
 
 def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

@@ -46,7 +46,7 @@ def _type_name(value: object) -> str:
 
 def _check_len(name: str, value: int, low: int = 0) -> None:
     kind = "non-negative" if low == 0 else "positive"
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):  # SymInt: a traced (exported) size
         raise TypeError(f"{name} must be a {kind} int, got {value!r} ({_type_name(value)})")
     if value < low:
         raise ValueError(f"{name} must be a {kind} int, got {value!r}")

@@ -17,12 +17,13 @@ from headwise import masks as hwm
 PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
 @pytest.mark.parametrize("n_kv_heads", [8, 2, 1])
-def test_export_with_dynamic_batch_and_sequence(n_kv_heads):
+def test_export_with_dynamic_batch_and_sequence(n_kv_heads, backend):
     from torch.export import Dim, export
 
     torch.manual_seed(0)
-    attn = MultiHeadAttention(32, 8, n_kv_heads, rotary=RotaryEmbedding(4)).eval()
+    attn = MultiHeadAttention(32, 8, n_kv_heads, rotary=RotaryEmbedding(4), backend=backend).eval()
 
     class Causal(torch.nn.Module):
         def __init__(self) -> None:

@@ -21,13 +21,8 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
 
-EAGER_CORE = pytest.mark.xfail(strict=True, reason=(
-    "the eager path folds a group's queries into rows (K is never repeated); under dynamic shapes the grouped "
-    "product adds stride guards (Min(s, g*s*s) == s) that pin seq"))
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("impl", ["sdpa", pytest.param("eager", marks=EAGER_CORE)])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_export_with_dynamic_batch_and_sequence(family, impl):
     plain = build(family, impl)  # GQA: 6 query heads over 2 K/V heads (qwen3: 4 over 2)
     model = Logits(patch(build(family, impl))).eval()
