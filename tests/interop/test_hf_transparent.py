@@ -216,7 +216,7 @@ def test_a_family_outside_the_attention_interface_is_refused_naming_its_classes(
     before = fingerprint(model)
     with pytest.raises(TypeError, match=r"FalconModel contains no attention module headwise can patch; supported: "
                                         r"BERT.*GPT-2.*Llama-family.*attention interface.*; it has "
-                                        r"\['FalconAttention'\], none of them a supported class"):
+                                        r"\['FalconAttention'\], none of them a family adapter's class and none calling transformers' attention interface"):
         patch(model)
     assert_unchanged(model, before)
 

@@ -238,7 +238,8 @@ def patch(model: nn.Module) -> nn.Module:
         generic.append((name, module, modules[name.rpartition(".")[0]]))
     if not targets and not generic and not layers(model):
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
-        seen = f"; it has {found}, none of them a supported class" if found else ""
+        seen = (f"; it has {found}, none of them a family adapter's class and none calling transformers' attention "
+                "interface in its forward (its own attention code)" if found else "")
         raise TypeError(f"patch: {type(model).__name__} contains no attention module headwise can patch; "
                         f"supported: {_supported()}{seen}")
     if generic and not hasattr(model, "set_attn_implementation"):
