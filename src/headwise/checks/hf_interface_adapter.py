@@ -84,12 +84,12 @@ class InterfaceAdapter(HFAdapter):
             raise TypeError(f"InterfaceAdapter checks a Hugging Face attention module that calls transformers' "
                             f"attention interface, got {type(module).__name__}")
         where = name or (view.__dict__.get("_hw_name") if view is not None else None) or ""
-        if "cross" in where or "encoder_attn" in where:
-            raise ValueError(f"{type(module).__name__} at {where!r} is cross-attention: headwise.check checks "
-                             "self-attention (its keys and values come from another sequence)")
+        self.params = _keywords(module)
+        if _is_cross(module, self.params, where):
+            raise ValueError(f"{type(module).__name__}{f' at {where!r}' if where else ''} is cross-attention (its "
+                             "keys and values come from another sequence): headwise.check checks self-attention")
         super().__init__(module, causal=False, name=name or hf_class(module).__name__)
         self.claims_causal = self._own_claim() if causal is None else bool(causal)
-        self.params = _keywords(module)
         self.accepts_mask = self.accepts_causal = "attention_mask" in self.params
         cache_kw = [k for k in _CACHE_KW if k in self.params]
         self.cache_kw = cache_kw[0] if cache_kw else None
@@ -261,14 +261,19 @@ class InterfaceAdapter(HFAdapter):
         return new
 
 
+def _is_cross(module: nn.Module, params: set[str], where: str) -> bool:
+    """Cross-attention: said so by the module, by its name in the model, or (BART-style modules that serve both)
+    a decoder's module on another sequence's keys that is not causal."""
+    if getattr(module, "is_cross_attention", False) is True or "cross" in where or "encoder_attn" in where:
+        return True
+    return bool(params & set(_CROSS_KW)) and getattr(module, "is_decoder", None) is True \
+        and getattr(module, "is_causal", None) is False
+
+
 def _keywords(module: nn.Module) -> set[str]:
     """The keywords the module's forward takes; ``TypeError`` for a required one the check cannot build."""
     params = list(inspect.signature(module.forward).parameters.values())
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    cross = sorted(named & set(_CROSS_KW))
-    if getattr(module, "is_cross_attention", False):
-        raise ValueError(f"{type(module).__name__} is cross-attention (it takes {cross}): headwise.check checks "
-                         "self-attention")
     required = [p.name for p in params[1:] if p.default is p.empty
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in _SUPPLIED]
     if required:
