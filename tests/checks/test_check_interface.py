@@ -83,6 +83,16 @@ def test_every_form_passes_every_applicable_property(model_type):
         assert "sliding window 3" in report["causality"].detail
 
 
+@pytest.mark.parametrize("impl", ["eager", "headwise"])
+@pytest.mark.parametrize("model_type", ["opt", "phi3", "electra"])
+def test_every_implementation_gets_its_own_masks(model_type, impl):
+    # eager takes additive float masks, "headwise" (unpatched, by name) bool ones, as their mask functions build
+    module = _module(_build(model_type, impl))
+    report = check(module)
+    assert report.ok, str(report)
+    assert module.config._attn_implementation == impl
+
+
 @pytest.mark.parametrize("model_type", ["gemma2", "mixtral"])
 def test_the_interface_adapter_also_checks_llama_style_modules(model_type):
     # adapt() gives these the Llama family adapter; the interface one must agree that they are attention

@@ -83,7 +83,7 @@ class InterfaceAdapter(HFAdapter):
         if not is_interface_module(module):
             raise TypeError(f"InterfaceAdapter checks a Hugging Face attention module that calls transformers' "
                             f"attention interface, got {type(module).__name__}")
-        where = name or (view.__dict__.get("_hw_name") if view is not None else None) or ""
+        where = name or (view.host_name if view is not None else None) or ""
         self.params = _keywords(module)
         if _is_cross(module, self.params, where):
             raise ValueError(f"{type(module).__name__}{f' at {where!r}' if where else ''} is cross-attention (its "
@@ -253,8 +253,8 @@ class InterfaceAdapter(HFAdapter):
     def converted(self, dtype):
         new = copy_adapter(self, dtype)
         new.config = new.module.config
-        if new.config._attn_implementation is None:  # a module built outside a model: what HF falls back to
-            new.config._attn_implementation = "eager"
+        if new.config._attn_implementation not in ("sdpa", HEADWISE):  # unset (a module built outside a model),
+            new.config._attn_implementation = "eager"  # or a kernel for other hardware: HF's reference function
         if self.rope is not None:
             new.rope = type(self.rope)(config=new.config).to(new.device)
         new._bind(hf_generic.from_module(new.module))
