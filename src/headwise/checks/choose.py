@@ -1,7 +1,9 @@
 """Which adapter :func:`headwise.check` uses for a layer (:func:`adapt`).
 
-The adapters themselves live in :mod:`.adapters` (generic, headwise, ``nn.MultiheadAttention``) and
-:mod:`.hf_adapters` (Hugging Face, built on the generic ones); this module depends on both, neither on it.
+The adapters themselves live in :mod:`.adapters` (generic, headwise, ``nn.MultiheadAttention``),
+:mod:`.hf_adapters` (Hugging Face families, built on the generic ones) and :mod:`.hf_interface_adapter` (any
+other Hugging Face module on transformers' attention interface, imported only when one is checked); this
+module depends on them, none on it.
 
 Shapes:
     layer: (b, s, d) -> (b, s, d).
@@ -24,7 +26,9 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
     """Pick the adapter for ``layer``: an :class:`Adapter` is used as is; headwise, torch and Hugging Face
     attention modules get theirs; any other module or callable gets the generic convention.
 
-    ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not).
+    ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not). A Hugging
+    Face module with a family adapter (BERT, GPT-2, Llama-style) gets it; any other on the attention interface
+    (patched or not, or its view from :func:`headwise.interop.layers`) gets the interface adapter.
 
     Shapes:
         layer: (b, s, d) -> (b, s, d).
