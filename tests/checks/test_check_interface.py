@@ -247,3 +247,23 @@ def test_a_forward_needing_an_input_the_check_cannot_build_is_refused():
     module.__class__ = Gated
     with pytest.raises(TypeError, match=r"Gated.forward needs \['gate'\], which headwise.check cannot build"):
         check(module)
+
+
+def test_a_module_raising_inside_the_weights_call_leaves_the_interface_as_it_was():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    module = _module(_build("phi3"))
+    original = type(module).forward
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, **kwargs):
+        if self.config._attn_implementation not in ("eager", "sdpa"):  # only while the check reads weights
+            raise RuntimeError("boom")
+        return original(self, hidden_states, **kwargs)
+
+    module.forward = types.MethodType(forward, module)
+    report = check(module)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert "RuntimeError: boom" in report["softmax_sanity"].counterexample["summary"]
+    assert "headwise_check" not in ALL_ATTENTION_FUNCTIONS
+    assert module.config._attn_implementation == "sdpa"

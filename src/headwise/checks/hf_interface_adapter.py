@@ -85,9 +85,10 @@ class InterfaceAdapter(HFAdapter):
                             f"attention interface, got {type(module).__name__}")
         where = name or (view.host_name if view is not None else None) or ""
         self.params = _keywords(module)
-        if _is_cross(module, self.params, where):
-            raise ValueError(f"{type(module).__name__}{f' at {where!r}' if where else ''} is cross-attention (its "
-                             "keys and values come from another sequence): headwise.check checks self-attention")
+        why = _cross(module, self.params, where, causal)
+        if why:
+            raise ValueError(f"{type(module).__name__}{f' at {where!r}' if where else ''} is cross-attention ({why}): "
+                             "headwise.check checks self-attention, whose keys and values come from its own input")
         super().__init__(module, causal=False, name=name or hf_class(module).__name__)
         self.claims_causal = self._own_claim() if causal is None else bool(causal)
         self.accepts_mask = self.accepts_causal = "attention_mask" in self.params
@@ -100,8 +101,10 @@ class InterfaceAdapter(HFAdapter):
         self._bind(hf_generic.from_module(module))
 
     def _own_claim(self) -> bool:
-        own = getattr(self.module, "is_causal", None)
-        return own if isinstance(own, bool) else getattr(self.config, "is_decoder", False) is True
+        """Causal when the module says so, or is a decoder's (self-attention) module: some (BigBird-Pegasus) leave
+        ``is_causal`` False and rely on the model's causal mask."""
+        return getattr(self.module, "is_causal", None) is True or getattr(self.module, "is_decoder", None) is True \
+            or (getattr(self.module, "is_causal", None) is None and getattr(self.config, "is_decoder", False) is True)
 
     def _rotary(self) -> nn.Module:
         """The family's rotary embedding (the class the model builds: ``<Family>RotaryEmbedding``)."""
@@ -179,13 +182,14 @@ class InterfaceAdapter(HFAdapter):
     @contextlib.contextmanager
     def _seam(self, *, weights: bool) -> Iterator[list[tuple[torch.Tensor, ...]]]:
         """For one call, route the module's attention through a wrapper that records (q, k, weights)."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as shared
 
+        family = sys.modules[hf_class(self.module).__module__]
+        functions = getattr(family, "ALL_ATTENTION_FUNCTIONS", shared)  # the mapping its forward reads (Doge: own)
         impl = self._impl()
         if impl == "sdpa" and weights:
             impl = "eager"  # sdpa computes no weights; transformers' own answer is the eager function
-        base = (getattr(sys.modules[hf_class(self.module).__module__], "eager_attention_forward", None)
-                if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl])
+        base = getattr(family, "eager_attention_forward", None) if impl == "eager" else functions[impl]
         if base is None:
             raise TypeError(f"{self.name}: its family module has no eager_attention_forward to compute weights with")
         got: list[tuple[torch.Tensor, ...]] = []
@@ -198,14 +202,14 @@ class InterfaceAdapter(HFAdapter):
             return z, w
 
         old = self.config._attn_implementation
-        ALL_ATTENTION_FUNCTIONS[_KEY] = wrapper
+        functions[_KEY] = wrapper
         self.config._attn_implementation = _KEY
         self.seam_impl = impl  # the masks follow the wrapped implementation
         try:
             yield got
         finally:
             self.config._attn_implementation = old
-            del ALL_ATTENTION_FUNCTIONS[_KEY]
+            del functions[_KEY]
             self.seam_impl = None
 
     seam_impl: str | None = None
@@ -225,17 +229,22 @@ class InterfaceAdapter(HFAdapter):
         return super().run(x, keep=keep, causal=causal, positions=positions)
 
     def qk(self, x):
-        """q and k as the scores see them. Without positions, from the located projections (a module may fold
-        the scale into q before the call, OPT does); with them (rotary) or unlocated, as the interface gets
-        them."""
-        if not self.positional and not (self.view.located["q_proj"] or self.view.located["k_proj"]):
-            q = split(self.view.resolve("q_proj")(x), self.n_heads)  # (b, h, s, d_h)
-            k = split(self.view.resolve("k_proj")(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
-            return q, k
+        """q and k as the interface gets them (after the module's norms and rotary), with a scale the module folded
+        into q before the call (OPT, Whisper, ESM multiply q by 1/sqrt(d_qk) and pass scaling=1) taken back out,
+        so that the fitted scale is the whole scale of the scores."""
         pos = torch.arange(x.shape[1], device=x.device)
-        with self._seam(weights=False) as got:
-            self._forward(x, self._mask(x.shape[0], pos, pos, None, False, x.dtype, x.device))
-        return got[-1][0], got[-1][1]  # (b, h, s, d_qk), (b, h_kv, s, d_qk)
+        outs: list[torch.Tensor] = []
+        hooks = [m.register_forward_hook(lambda mod, args, out: outs.append(out)) for m in self.module.modules()
+                 if isinstance(m, nn.Linear)]
+        try:
+            with self._seam(weights=False) as got:
+                self._forward(x, self._mask(x.shape[0], pos, pos, None, False, x.dtype, x.device))
+        finally:
+            for handle in hooks:
+                handle.remove()
+        q, k = got[-1][0], got[-1][1]  # (b, h, s, d_qk), (b, h_kv, s, d_qk)
+        return q / _folded_scale(q, outs), k
+
 
     def contexts(self, x, *, causal=None):
         if self.out is None:  # W_O is applied by the parent: the module's output is the merged contexts
@@ -261,13 +270,37 @@ class InterfaceAdapter(HFAdapter):
         return new
 
 
-def _is_cross(module: nn.Module, params: set[str], where: str) -> bool:
-    """Cross-attention: said so by the module, by its name in the model, or (BART-style modules that serve both)
-    a decoder's module on another sequence's keys that is not causal."""
-    if getattr(module, "is_cross_attention", False) is True or "cross" in where or "encoder_attn" in where:
-        return True
-    return bool(params & set(_CROSS_KW)) and getattr(module, "is_decoder", None) is True \
-        and getattr(module, "is_causal", None) is False
+def _cross(module: nn.Module, params: set[str], where: str, causal: bool | None) -> str:
+    """Why ``module`` is cross-attention ("" when it is not): it says so, or its name in the model does; a module
+    without a name that takes another sequence's keys, belongs to a decoder and is not causal is BART's
+    ``encoder_attn`` unless the caller claims causality (BigBird-Pegasus's decoder self-attention says
+    ``is_causal=False``)."""
+    if getattr(module, "is_cross_attention", False) is True:
+        return "its is_cross_attention is True"
+    if where:
+        return "by its name in the model" if "cross" in where or "encoder_attn" in where else ""
+    if causal is None and params & set(_CROSS_KW) and getattr(module, "is_decoder", None) is True \
+            and getattr(module, "is_causal", None) is False:
+        return ("a decoder's module that takes key_value_states and is not causal, as BART's encoder_attn; pass "
+                "causal=True if it is a decoder's self-attention, or check the view from headwise.interop.layers")
+    return ""
+
+
+def _folded_scale(q: torch.Tensor, outs: list[torch.Tensor]) -> float:
+    """The factor between the q the interface got and the projection that made it, where the module multiplied
+    one by a constant: each (token, head) row of q has the norm of that head's rows of some projection's output
+    (its first h * d_qk columns) times the same factor (rotary rotates, so norms survive it; a per-head norm would
+    not keep one factor). 1.0 when no projection is related so."""
+    b, h, s, d = q.shape
+    q_norm = q.double().norm(dim=-1)  # (b, h, s)
+    for out in outs:
+        if out.dim() != 3 or tuple(out.shape[:2]) != (b, s) or out.shape[-1] < h * d:
+            continue
+        ratio = q_norm / out[..., :h * d].double().reshape(b, s, h, d).transpose(1, 2).norm(dim=-1).clamp_min(1e-300)
+        factor = float(ratio.mean())
+        if factor > 0 and float((ratio / factor - 1).abs().max()) < 1e-4:
+            return 1.0 if abs(factor - 1) < 1e-4 else factor
+    return 1.0
 
 
 def _keywords(module: nn.Module) -> set[str]:
