@@ -267,3 +267,32 @@ def test_a_module_raising_inside_the_weights_call_leaves_the_interface_as_it_was
     assert "RuntimeError: boom" in report["softmax_sanity"].counterexample["summary"]
     assert "headwise_check" not in ALL_ATTENTION_FUNCTIONS
     assert module.config._attn_implementation == "sdpa"
+
+
+def _folding(model_type: str):
+    """A module that multiplies q by 1/sqrt(d_qk) itself and passes scaling=1 to the interface."""
+    if model_type == "whisper":  # Q/K/V not located (k_proj has no bias, q_proj and v_proj do)
+        cfg = transformers.WhisperConfig(vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+                                         decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=16,
+                                         max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                         decoder_start_token_id=1)
+        torch.manual_seed(0)
+        return transformers.WhisperModel(cfg).eval().encoder.layers[0].self_attn
+    cfg = transformers.EsmConfig(vocab_size=33, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                 intermediate_size=32, position_embedding_type="rotary", pad_token_id=1)
+    torch.manual_seed(0)
+    return transformers.EsmModel(cfg).eval().encoder.layer[0].attention.self  # rotary after the folded scale
+
+
+@pytest.mark.parametrize("model_type", ["whisper", "esm"])
+def test_a_scale_folded_into_q_is_the_scale_of_the_scores(model_type):
+    module = _folding(model_type)
+    report = check(module)
+    assert report["softmax_sanity"].verdict == "pass", str(report)
+    assert "scale 1/sqrt(4)" in report["softmax_sanity"].detail
+    # Whisper folds self.scaling into q; ESM folds 1/sqrt(d_qk) and passes self.scaling (1) on: both become 1/d_head
+    module.scaling = 1.0 / 4 if model_type == "whisper" else 0.5
+    report = check(module)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert "1/d_head" in report["softmax_sanity"].counterexample["summary"]

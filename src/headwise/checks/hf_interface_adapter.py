@@ -7,8 +7,9 @@ forward's keywords: the 4-D mask in the form its implementation's mask function 
 for ``"headwise"`` and ``"sdpa"``; additive ``finfo.min`` for ``"eager"``), the rotary ``(cos, sin)`` from the
 family's own rotary class, ``position_ids`` / ``cache_position`` where it takes them, and the library's
 ``DynamicCache`` for the decode path. Attention weights, and the q / k the scores see, are read at the seam: for
-one call the module's implementation is a thin wrapper (registered in the interface's local mapping, removed
-afterwards) around the family's eager function, or around headwise's when the module runs headwise (patched).
+one call the module's implementation is a thin wrapper (registered in the local mapping of the interface its
+family's forward reads, removed afterwards) around the family's eager function, or around headwise's when the
+module runs headwise (patched). A scale the module folds into q before the call is found and counted in.
 
 Heads come from the module's :class:`~headwise.interop.hf_generic.InterfaceView` (where
 :mod:`~headwise.interop.hf_registry` locates Q/K/V and W_O): head ``i``'s W_Q rows are ``view.head(i).w_q``. Where
@@ -292,11 +293,11 @@ def _folded_scale(q: torch.Tensor, outs: list[torch.Tensor]) -> float:
     (its first h * d_qk columns) times the same factor (rotary rotates, so norms survive it; a per-head norm would
     not keep one factor). 1.0 when no projection is related so."""
     b, h, s, d = q.shape
-    q_norm = q.double().norm(dim=-1)  # (b, h, s)
+    q_norm = q.detach().double().norm(dim=-1)  # (b, h, s)
     for out in outs:
         if out.dim() != 3 or tuple(out.shape[:2]) != (b, s) or out.shape[-1] < h * d:
             continue
-        ratio = q_norm / out[..., :h * d].double().reshape(b, s, h, d).transpose(1, 2).norm(dim=-1).clamp_min(1e-300)
+        ratio = q_norm / out[..., :h * d].detach().double().reshape(b, s, h, d).transpose(1, 2).norm(dim=-1).clamp_min(1e-300)
         factor = float(ratio.mean())
         if factor > 0 and float((ratio / factor - 1).abs().max()) < 1e-4:
             return 1.0 if abs(factor - 1) < 1e-4 else factor
