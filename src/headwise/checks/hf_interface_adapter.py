@@ -246,7 +246,6 @@ class InterfaceAdapter(HFAdapter):
         q, k = got[-1][0], got[-1][1]  # (b, h, s, d_qk), (b, h_kv, s, d_qk)
         return q / _folded_scale(q, outs), k
 
-
     def contexts(self, x, *, causal=None):
         if self.out is None:  # W_O is applied by the parent: the module's output is the merged contexts
             return split(self.run(x, causal=causal), self.n_heads)
@@ -297,7 +296,8 @@ def _folded_scale(q: torch.Tensor, outs: list[torch.Tensor]) -> float:
     for out in outs:
         if out.dim() != 3 or tuple(out.shape[:2]) != (b, s) or out.shape[-1] < h * d:
             continue
-        ratio = q_norm / out[..., :h * d].detach().double().reshape(b, s, h, d).transpose(1, 2).norm(dim=-1).clamp_min(1e-300)
+        rows = out[..., :h * d].detach().double().reshape(b, s, h, d).transpose(1, 2)  # (b, h, s, d_qk)
+        ratio = q_norm / rows.norm(dim=-1).clamp_min(1e-300)
         factor = float(ratio.mean())
         if factor > 0 and float((ratio / factor - 1).abs().max()) < 1e-4:
             return 1.0 if abs(factor - 1) < 1e-4 else factor
