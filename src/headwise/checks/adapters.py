@@ -63,6 +63,7 @@ class Adapter:
     n_heads: int | None = None
     n_kv_heads: int | None = None
     d_head: int | None = None
+    no_heads_reason: str = ""     # why heads are not exposed, where the adapter knows (head_independence says it)
 
     def run(self, x: torch.Tensor, *, keep: torch.Tensor | None = None, causal: bool | None = None,
             positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Which adapter :func:`headwise.check` uses for a layer (:func:`adapt`).
 
-The adapters themselves live in :mod:`.adapters` (generic, headwise, ``nn.MultiheadAttention``) and
-:mod:`.hf_adapters` (Hugging Face, built on the generic ones); this module depends on both, neither on it.
+The adapters themselves live in :mod:`.adapters` (generic, headwise, ``nn.MultiheadAttention``),
+:mod:`.hf_adapters` (Hugging Face families, built on the generic ones) and :mod:`.hf_interface_adapter` (any
+other Hugging Face module on transformers' attention interface, imported only when one is checked); this
+module depends on them, none on it.
 
 Shapes:
     layer: (b, s, d) -> (b, s, d).
@@ -9,12 +11,13 @@ Shapes:
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
 
 from .adapters import Adapter, CallableAdapter, ModuleAdapter, TorchMHAAdapter
-from .hf_adapters import hf_adapter, hf_class
+from .hf_adapters import family_adapter, hf_adapter, hf_class
 
 __all__ = ["adapt"]
 
@@ -23,7 +26,9 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
     """Pick the adapter for ``layer``: an :class:`Adapter` is used as is; headwise, torch and Hugging Face
     attention modules get theirs; any other module or callable gets the generic convention.
 
-    ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not).
+    ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not). A Hugging
+    Face module with a family adapter (BERT, GPT-2, Llama-style) gets it; any other on the attention interface
+    (patched or not, or its view from :func:`headwise.interop.layers`) gets the interface adapter.
 
     Shapes:
         layer: (b, s, d) -> (b, s, d).
@@ -38,7 +43,11 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
         return layer
     if isinstance(layer, nn.MultiheadAttention):
         return TorchMHAAdapter(layer, causal=bool(causal))
+    if isinstance(layer, nn.Module) and is_interface_view(layer):
+        return interface_adapter(layer, causal=causal)
     if isinstance(layer, nn.Module) and hf_class(layer) is not None:
+        if family_adapter(layer) is None and is_interface_module(layer):
+            return interface_adapter(layer, causal=causal)
         return hf_adapter(layer, causal=causal)
     if isinstance(layer, nn.Module):
         return ModuleAdapter(layer, d_model=d_model, causal=bool(causal))
@@ -47,3 +56,24 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
             raise ValueError("a plain callable needs d_model= (the width of x in f(x) with x (b, s, d_model))")
         return CallableAdapter(layer, d_model=d_model, causal=bool(causal))
     raise TypeError(f"layer must be an attention module or a callable f(x) -> y, got {type(layer).__name__}")
+
+
+def is_interface_view(layer: nn.Module) -> bool:
+    """The layer :func:`headwise.interop.layers` gives for a module on transformers' attention interface."""
+    if "headwise.interop" not in sys.modules:  # nothing was patched: no such view exists
+        return False
+    from ..interop.hf_generic import InterfaceView
+
+    return isinstance(layer, InterfaceView)
+
+
+def is_interface_module(layer: nn.Module) -> bool:
+    from .hf_interface_adapter import is_interface_module as on_interface
+
+    return on_interface(layer)
+
+
+def interface_adapter(layer: nn.Module, *, causal: bool | None) -> Adapter:
+    from .hf_interface_adapter import InterfaceAdapter  # imports transformers' interface only when needed
+
+    return InterfaceAdapter(layer, causal=causal)

@@ -22,7 +22,7 @@ from torch import nn
 
 from .adapters import Adapter, capture_input, check_rotary_scaling, copy_adapter, split
 
-__all__ = ["HFAdapter", "BertAdapter", "GPT2Adapter", "LlamaAdapter", "hf_adapter", "hf_class"]
+__all__ = ["HFAdapter", "BertAdapter", "GPT2Adapter", "LlamaAdapter", "family_adapter", "hf_adapter", "hf_class"]
 
 
 class HFAdapter(Adapter):
@@ -289,21 +289,38 @@ _BERT = ("BertSelfAttention", "BertAttention", "RobertaSelfAttention", "RobertaA
 _GPT2 = ("GPT2Attention",)
 
 
-def hf_adapter(module: nn.Module, *, causal: bool | None = None) -> HFAdapter:
-    """The adapter for a Hugging Face attention module (BERT-, GPT-2- or Llama-style), by its class and
-    layout; anything else raises ``TypeError`` naming the supported classes.
+def family_adapter(module: nn.Module) -> type[HFAdapter] | None:
+    """The family adapter class for a Hugging Face attention module (BERT-, GPT-2- or Llama-style, by its class
+    and layout), or None.
 
     Shapes:
         module: hidden states (b, s, d) -> (b, s, d).
     """
-    name = hf_class(module).__name__  # a module patched by headwise.interop.patch keeps its HF class as a base
+    cls = hf_class(module)
+    name = cls.__name__ if cls is not None else ""  # a patched module keeps its HF class as a base
     if name in _BERT:
-        return BertAdapter(module, causal=bool(causal))
+        return BertAdapter
     if name in _GPT2:
-        return GPT2Adapter(module, causal=True if causal is None else causal)
+        return GPT2Adapter
     if all(isinstance(getattr(module, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
             and hasattr(module, "head_dim") and "position_embeddings" in inspect.signature(module.forward).parameters:
-        return LlamaAdapter(module, causal=True if causal is None else causal)
-    raise TypeError(f"no headwise.check adapter for Hugging Face module {name}; supported: BERT "
-                    f"({', '.join(_BERT)}), GPT-2 ({', '.join(_GPT2)}) and Llama-style attention with "
-                    "q_proj/k_proj/v_proj/o_proj and position_embeddings (Llama, Mistral, Qwen2, ...)")
+        return LlamaAdapter
+    return None
+
+
+def hf_adapter(module: nn.Module, *, causal: bool | None = None) -> HFAdapter:
+    """The family adapter for a Hugging Face attention module (:func:`family_adapter`); anything else raises
+    ``TypeError`` naming the supported classes.
+
+    Shapes:
+        module: hidden states (b, s, d) -> (b, s, d).
+    """
+    found = family_adapter(module)
+    if found is BertAdapter:
+        return BertAdapter(module, causal=bool(causal))
+    if found is not None:
+        return found(module, causal=True if causal is None else causal)
+    raise TypeError(f"no headwise.check adapter for Hugging Face module {hf_class(module).__name__}; supported: BERT "
+                    f"({', '.join(_BERT)}), GPT-2 ({', '.join(_GPT2)}), Llama-style attention with "
+                    "q_proj/k_proj/v_proj/o_proj and position_embeddings (Llama, Mistral, Qwen2, ...), and any "
+                    "self-attention module calling transformers' attention interface (ALL_ATTENTION_FUNCTIONS)")

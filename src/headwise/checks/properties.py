@@ -302,7 +302,8 @@ def softmax_sanity(p: Probe) -> PropertyResult:
     qk = a.qk(p.x) if not problems else None
     if qk is not None and a.d_head:
         q, k = (t.double() for t in qk)
-        expected = a.d_head ** -0.5
+        d_qk = q.shape[-1]  # the width the scores are over (DeepSeek's differs from the value heads')
+        expected = d_qk ** -0.5
         logw = w.clamp_min(1e-300).log()
         real_rows = allowed & rows[..., None]
         fits = []
@@ -322,10 +323,10 @@ def softmax_sanity(p: Probe) -> PropertyResult:
         elif bad_scale:
             h, c = bad_scale[0]
             problems.append(("wrong scale", {"head": h, "fitted_scale": c, "expected_scale": expected,
-                             "summary": f"head {h} scales scores by {_name_scale(c, a.d_head, a.d_model)}, "
-                                        f"expected {expected:.6g} = 1/sqrt(d_head={a.d_head})"}))
+                             "summary": f"head {h} scales scores by {_name_scale(c, d_qk, a.d_model)}, "
+                                        f"expected {expected:.6g} = 1/sqrt(d_head={d_qk})"}))
         else:
-            scale_note = f"scale 1/sqrt({a.d_head}) fitted on every head"
+            scale_note = f"scale 1/sqrt({d_qk}) fitted on every head"
     if problems:
         detail, cex = problems[0]
         return PropertyResult(name, FAIL, "; ".join(pr[0] for pr in problems), cex,
@@ -342,7 +343,7 @@ def head_independence(p: Probe) -> PropertyResult:
     name = "head_independence"
     a = p.adapter
     if not a.exposes_heads:
-        return _skip(name, "the layer exposes no heads (q/k/v projections and W_O)")
+        return _skip(name, a.no_heads_reason or "the layer exposes no heads (q/k/v projections and W_O)")
     h, h_kv = a.n_heads, a.n_kv_heads
     if not h or not h_kv or h % h_kv:
         return _skip(name, f"n_heads={h}, n_kv_heads={h_kv} do not form groups")

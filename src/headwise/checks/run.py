@@ -63,7 +63,8 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
 
     Args:
         layer: a headwise ``MultiHeadAttention``, ``nn.MultiheadAttention``, a Hugging Face BERT / GPT-2 /
-            Llama-family attention module, any module or ``f(x) -> y`` (see
+            Llama-family attention module or any other on transformers' attention interface (patched or not,
+            or its view from ``headwise.interop.layers``), any module or ``f(x) -> y`` (see
             :mod:`headwise.checks.adapters` for how mask/causal/weights/heads are found), or an
             :class:`Adapter`.
         d_model: width of ``x``; required for plain callables, checked against modules.

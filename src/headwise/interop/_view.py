@@ -122,6 +122,11 @@ class LayerView(MultiHeadAttention):
         """The module whose weights this layer computes with."""
         return self._hw_host
 
+    @property
+    def host_name(self) -> str:
+        """The host's qualified name in the model :func:`~headwise.interop.patch` patched ("" if none given)."""
+        return self._hw_name
+
     def resolve(self, name: str) -> Any:  # pragma: no cover - every subclass overrides it
         raise NotImplementedError
 

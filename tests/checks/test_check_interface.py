@@ -1,0 +1,298 @@
+"""headwise.check on Hugging Face attention modules that call transformers' attention interface (tiny random
+configs, nothing downloaded): unpatched, patched by headwise.interop.patch, and the view from layers(model).
+
+The adapter is held to transformers' own model (it must call the module the way the model does: the same output
+and the same eager weights as the module inside its model, seen by plain forward hooks); correct modules pass,
+deliberately broken ones (a future key let in, a wrong scale, heads mixed before W_O, the padding mask dropped)
+fail the property that names the bug."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from headwise.checks import adapt, check  # noqa: E402
+from headwise.checks.hf_interface_adapter import InterfaceAdapter, is_interface_module  # noqa: E402
+from headwise.interop import layers, patch  # noqa: E402
+
+ALL = {"permutation_equivariance", "batch_independence", "causality", "padding_invariance", "softmax_sanity",
+       "head_independence", "dtype_stability"}
+BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# model_type -> (config sizes, attention implementation the model is built with, model class)
+FAMILIES = {
+    "opt": (dict(ffn_dim=32, word_embed_proj_dim=16), "sdpa", "AutoModelForCausalLM"),
+    "phi3": (dict(num_key_value_heads=2), "sdpa", "AutoModelForCausalLM"),
+    "gpt_neox": ({}, "sdpa", "AutoModelForCausalLM"),
+    # softcap 50 and a sliding window on layer 0 (Gemma 2 runs eager only)
+    "gemma2": (dict(num_key_value_heads=2, head_dim=4, query_pre_attn_scalar=4, sliding_window=3), "eager",
+               "AutoModelForCausalLM"),
+    "mixtral": (dict(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1), "sdpa",
+                "AutoModelForCausalLM"),
+    "electra": (dict(embedding_size=16), "sdpa", "AutoModel"),
+    "deepseek_v3": (dict(num_key_value_heads=4, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                         q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6,
+                         first_k_dense_replace=0, n_group=1, topk_group=1), "sdpa", "AutoModelForCausalLM"),
+    "vit": (dict(image_size=8, patch_size=4, num_channels=3), "sdpa", "AutoModel"),
+}
+ENCODERS = {"electra", "vit"}
+LOCATED = sorted(set(FAMILIES) - {"deepseek_v3"})
+
+
+def _build(model_type: str, impl: str | None = None):
+    sizes, default_impl, cls = FAMILIES[model_type]
+    base = {k: v for k, v in BASE.items() if model_type != "vit" or k not in ("vocab_size", "pad_token_id")}
+    cfg = transformers.AutoConfig.for_model(model_type, **base, **sizes)
+    torch.manual_seed(0)
+    model = getattr(transformers, cls).from_config(cfg, attn_implementation=impl or default_impl).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # non-trivial biases and norms
+    return model
+
+
+def _module(model):
+    return next(m for m in model.modules() if is_interface_module(m))
+
+
+def _forms(model_type: str):
+    """The three things a user can pass: the module, the patched module, the view from layers(model)."""
+    plain = _module(_build(model_type))
+    patched_model = patch(_build(model_type))
+    return {"unpatched": plain, "patched": _module(patched_model), "view": layers(patched_model)[0][1]}
+
+
+def _ran(report) -> set[str]:
+    return {r.name for r in report.results if r.verdict != "skipped"}
+
+
+@pytest.mark.parametrize("model_type", LOCATED)
+def test_every_form_passes_every_applicable_property(model_type):
+    for form, layer in _forms(model_type).items():
+        report = check(layer)
+        assert report.ok, f"{form}: {report}"
+        assert _ran(report) == (ALL - {"causality"} if model_type in ENCODERS else ALL), f"{form}: {report}"
+        if model_type not in ENCODERS:
+            assert "decode" in report["causality"].detail  # prefill + decode with a DynamicCache == full pass
+    if model_type == "gemma2":
+        assert "sliding window 3" in report["causality"].detail
+
+
+@pytest.mark.parametrize("impl", ["eager", "headwise"])
+@pytest.mark.parametrize("model_type", ["opt", "phi3", "electra"])
+def test_every_implementation_gets_its_own_masks(model_type, impl):
+    # eager takes additive float masks, "headwise" (unpatched, by name) bool ones, as their mask functions build
+    module = _module(_build(model_type, impl))
+    report = check(module)
+    assert report.ok, str(report)
+    assert module.config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "mixtral"])
+def test_the_interface_adapter_also_checks_llama_style_modules(model_type):
+    # adapt() gives these the Llama family adapter; the interface one must agree that they are attention
+    module = _module(_build(model_type))
+    assert type(adapt(module)).__name__ == "LlamaAdapter"
+    report = check(InterfaceAdapter(module))
+    assert report.ok and _ran(report) == ALL, str(report)
+
+
+@pytest.mark.parametrize("model_type", ["opt", "phi3", "gpt_neox", "electra", "deepseek_v3"])
+def test_interface_modules_get_the_interface_adapter(model_type):
+    for form, layer in _forms(model_type).items():
+        assert isinstance(adapt(layer), InterfaceAdapter), form
+
+
+def _hooked(model, module, batch):
+    """The hidden states the model hands the module and what the module returns (plain PyTorch hooks)."""
+    got = {}
+    pre = module.register_forward_pre_hook(lambda m, args, kwargs: got.update(x=args[0] if args else
+                                           kwargs["hidden_states"]), with_kwargs=True)
+    post = module.register_forward_hook(lambda m, args, out: got.update(y=out[0], w=out[1]))
+    try:
+        with torch.no_grad():
+            model(**batch, output_attentions=True)
+    finally:
+        pre.remove()
+        post.remove()
+    return got
+
+
+@pytest.mark.parametrize("model_type", ["opt", "phi3", "gpt_neox", "gemma2", "electra", "deepseek_v3"])
+def test_the_adapter_calls_the_module_as_its_model_does(model_type):
+    model = _build(model_type, "eager")
+    module = _module(model)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[1, 4:] = False  # right padding
+    ids = torch.randint(3, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    got = _hooked(model, module, {"input_ids": ids, "attention_mask": keep.long()})
+    adapter = InterfaceAdapter(module)
+    with torch.no_grad():
+        y = adapter.run(got["x"], keep=keep)
+        y_w, w = adapter.run_weights(got["x"], keep=keep)
+    torch.testing.assert_close(y, got["y"])
+    torch.testing.assert_close(y_w, got["y"])
+    torch.testing.assert_close(w, got["w"])
+    assert module.config._attn_implementation == "eager"  # the wrapper for the weights call is gone again
+    assert "headwise_check" not in transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS
+
+
+def test_latent_attention_runs_everything_but_head_independence_and_says_why():
+    for form, layer in _forms("deepseek_v3").items():
+        report = check(layer)
+        assert report.failed == [] and not report.ok, f"{form}: {report}"
+        assert _ran(report) == ALL - {"head_independence"}, f"{form}: {report}"
+        why = report["head_independence"].detail
+        assert "multi-head latent attention" in why and "DeepseekV3Attention" in why
+        assert "scale 1/sqrt(8)" in report["softmax_sanity"].detail  # d_qk = nope 4 + rope 4, not d_v = 6
+
+
+# -- broken modules ----------------------------------------------------------------------------------------
+def _wrap_forward(module, change):
+    """Give ``module`` a forward that calls its own with ``change(kwargs)`` (a bound method, so copies follow)."""
+    original = type(module).forward
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, **kwargs):
+        return original(self, hidden_states, **change(kwargs))
+
+    module.forward = types.MethodType(forward, module)
+    return module
+
+
+def _one_key_ahead(kwargs):
+    mask = kwargs["attention_mask"]
+    if mask.dtype == torch.bool:
+        kwargs["attention_mask"] = mask | mask.roll(-1, dims=-1)  # query t also reads key t + 1
+    else:
+        kwargs["attention_mask"] = torch.maximum(mask, mask.roll(-1, dims=-1))
+    return kwargs
+
+
+@pytest.mark.parametrize("form", ["unpatched", "patched"])
+@pytest.mark.parametrize("model_type", ["opt", "phi3", "gpt_neox"])
+def test_a_module_reading_a_future_key_fails_causality(model_type, form):
+    module = _wrap_forward(_forms(model_type)[form], _one_key_ahead)
+    report = check(module)
+    assert "causality" in report.failed, str(report)
+    assert "reads a later token" in report["causality"].detail
+
+
+@pytest.mark.parametrize("form", ["unpatched", "patched", "view"])
+@pytest.mark.parametrize("model_type", ["opt", "phi3", "gpt_neox", "deepseek_v3"])
+def test_a_wrong_scale_fails_softmax_sanity(model_type, form):
+    layer = _forms(model_type)[form]
+    module = layer.host if form == "view" else layer
+    d_qk = 8 if model_type == "deepseek_v3" else 4
+    module.scaling = 1.0 / d_qk  # the classic 1/d_head (OPT folds it into q, the others pass it on)
+    report = check(layer)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert "1/d_head" in report["softmax_sanity"].counterexample["summary"]
+
+
+@pytest.mark.parametrize("model_type", ["opt", "phi3", "gpt_neox", "vit"])
+def test_heads_mixed_before_w_o_fail_head_independence(model_type):
+    for form, layer in _forms(model_type).items():
+        module = layer.host if form == "view" else layer
+        d_h = 4
+        out = next(m for n, m in module.named_children() if n in ("o_proj", "out_proj", "dense"))
+        # W_O's input with head 0's context leaked into head 1's (a bug between the heads and W_O)
+        out.register_forward_pre_hook(lambda m, args: (torch.cat([args[0][..., :d_h], args[0][..., d_h:2 * d_h]
+                                                                  + args[0][..., :d_h], args[0][..., 2 * d_h:]], -1),))
+        report = check(layer)
+        assert report.failed == ["head_independence"], f"{form}: {report}"
+        assert report["head_independence"].counterexample["changed_heads"] == [0, 1]
+
+
+@pytest.mark.parametrize("model_type", ["electra", "opt"])
+def test_a_dropped_padding_mask_fails_padding_invariance(model_type):
+    module = _wrap_forward(_module(_build(model_type)), lambda kw: {**kw, "attention_mask": None})
+    report = check(module, causal=False)  # without a mask a decoder's sdpa call would be causal on its own
+    assert "padding_invariance" in report.failed, str(report)
+
+
+# -- refusals ----------------------------------------------------------------------------------------------
+def _bart():
+    cfg = transformers.BartConfig(vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32)
+    return transformers.BartModel(cfg).eval()
+
+
+def test_cross_attention_is_refused_in_every_form():
+    model = _bart()
+    cross = model.decoder.layers[0].encoder_attn
+    with pytest.raises(ValueError, match="BartAttention is cross-attention"):
+        check(cross)
+    patch(model)
+    view = dict(layers(model))["decoder.layers.0.encoder_attn"]
+    with pytest.raises(ValueError, match="BartAttention at 'decoder.layers.0.encoder_attn' is cross-attention"):
+        check(view)
+    assert check(model.decoder.layers[0].self_attn).ok  # the decoder's self-attention is checked
+
+
+def test_a_forward_needing_an_input_the_check_cannot_build_is_refused():
+    from transformers.models.opt.modeling_opt import OPTAttention
+
+    class Gated(OPTAttention):
+        def forward(self, hidden_states, gate, **kwargs):
+            return super().forward(hidden_states * gate, **kwargs)
+
+    module = _module(_build("opt"))
+    module.__class__ = Gated
+    with pytest.raises(TypeError, match=r"Gated.forward needs \['gate'\], which headwise.check cannot build"):
+        check(module)
+
+
+def test_a_module_raising_inside_the_weights_call_leaves_the_interface_as_it_was():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    module = _module(_build("phi3"))
+    original = type(module).forward
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, **kwargs):
+        if self.config._attn_implementation not in ("eager", "sdpa"):  # only while the check reads weights
+            raise RuntimeError("boom")
+        return original(self, hidden_states, **kwargs)
+
+    module.forward = types.MethodType(forward, module)
+    report = check(module)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert "RuntimeError: boom" in report["softmax_sanity"].counterexample["summary"]
+    assert "headwise_check" not in ALL_ATTENTION_FUNCTIONS
+    assert module.config._attn_implementation == "sdpa"
+
+
+def _folding(model_type: str):
+    """A module that multiplies q by 1/sqrt(d_qk) itself and passes scaling=1 to the interface."""
+    if model_type == "whisper":  # Q/K/V not located (k_proj has no bias, q_proj and v_proj do)
+        cfg = transformers.WhisperConfig(vocab_size=32, d_model=16, encoder_layers=1, decoder_layers=1,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+                                         decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=16,
+                                         max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                         decoder_start_token_id=1)
+        torch.manual_seed(0)
+        return transformers.WhisperModel(cfg).eval().encoder.layers[0].self_attn
+    cfg = transformers.EsmConfig(vocab_size=33, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                 intermediate_size=32, position_embedding_type="rotary", pad_token_id=1)
+    torch.manual_seed(0)
+    return transformers.EsmModel(cfg).eval().encoder.layer[0].attention.self  # rotary after the folded scale
+
+
+@pytest.mark.parametrize("model_type", ["whisper", "esm"])
+def test_a_scale_folded_into_q_is_the_scale_of_the_scores(model_type):
+    module = _folding(model_type)
+    report = check(module)
+    assert report["softmax_sanity"].verdict == "pass", str(report)
+    assert "scale 1/sqrt(4)" in report["softmax_sanity"].detail
+    # Whisper folds self.scaling into q; ESM folds 1/sqrt(d_qk) and passes self.scaling (1) on: both become 1/d_head
+    module.scaling = 1.0 / 4 if model_type == "whisper" else 0.5
+    report = check(module)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert "1/d_head" in report["softmax_sanity"].counterexample["summary"]
