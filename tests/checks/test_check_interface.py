@@ -296,3 +296,32 @@ def test_a_scale_folded_into_q_is_the_scale_of_the_scores(model_type):
     report = check(module)
     assert report.failed == ["softmax_sanity"], str(report)
     assert "1/d_head" in report["softmax_sanity"].counterexample["summary"]
+
+
+def _gpt_oss():
+    # Attention sinks (a learned logit per head that takes part of every row) and YaRN rotary (cos and sin
+    # times an attention_scaling): rows sum to less than 1, and the scores carry that scaling squared.
+    cfg = transformers.AutoConfig.for_model("gpt_oss", **BASE, num_key_value_heads=2, head_dim=4,
+                                            num_local_experts=2, num_experts_per_tok=1, layer_types=["full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for m in model.modules():
+            if isinstance(getattr(m, "sinks", None), torch.Tensor):
+                m.sinks.add_(torch.randn_like(m.sinks))  # sinks that take a real share of each row
+    return model
+
+
+@pytest.mark.parametrize("form", ["unpatched", "view"])
+def test_attention_sinks_and_yarn_scaling_pass_and_a_wrong_scale_still_fails(form):
+    model = _gpt_oss() if form == "unpatched" else patch(_gpt_oss())
+    layer = _module(model) if form == "unpatched" else layers(model)[0][1]
+    module = layer if form == "unpatched" else layer.host
+    assert float(module.config.rope_parameters.get("factor", 1)) > 1  # YaRN in this config
+    report = check(layer)
+    assert report.ok, report
+    assert "at most 1" in report["softmax_sanity"].detail
+    module.scaling = 2 * module.scaling
+    assert check(layer).failed == ["softmax_sanity"]

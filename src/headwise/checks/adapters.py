@@ -59,6 +59,7 @@ class Adapter:
     exposes_heads: bool = False
     has_cache: bool = False
     window: int | None = None     # causal with a sliding window: query p reads keys p - window + 1 .. p only
+    sinks: bool = False           # attention sinks take part of each row: weights sum to at most 1
     precision: torch.dtype | None = None  # the layer computes in this dtype (e.g. softmax upcast), if lower
     n_heads: int | None = None
     n_kv_heads: int | None = None

@@ -38,6 +38,7 @@ class HFAdapter(Adapter):
         self.module = module
         self.name = name or type(module).__name__
         self.claims_causal = causal
+        self.sinks = isinstance(getattr(module, "sinks", None), torch.Tensor)  # gpt-oss: a sink logit per head
         self.config = module.config if hasattr(module, "config") else self._find_config(module)
         self.window = sliding_window_of(module, self.config)
 

@@ -244,7 +244,11 @@ class InterfaceAdapter(HFAdapter):
             for handle in hooks:
                 handle.remove()
         q, k = got[-1][0], got[-1][1]  # (b, h, s, d_qk), (b, h_kv, s, d_qk)
-        return q / _folded_scale(q, outs), k
+        # A rotary attention_scaling (YaRN: cos and sin times mscale) scales q and k alike and is part of the
+        # scores the kernel sees, not a factor the module folded into q.
+        rotary = 1.0 if self.rope is None else float(getattr(self.rope, "attention_scaling", None) or 1.0)
+        folded = _folded_scale(q, outs) / rotary
+        return (q if abs(folded - 1) < 1e-4 else q / folded), k
 
     def contexts(self, x, *, causal=None):
         if self.out is None:  # W_O is applied by the parent: the module's output is the merged contexts

@@ -281,7 +281,8 @@ def softmax_sanity(p: Probe) -> PropertyResult:
     w = w.masked_fill(~rows[..., None], 0.0)
     tol = 10 * p.rtol
     problems: list[tuple[str, dict]] = []
-    row_err = (w.sum(-1) - 1).abs().masked_fill(~rows, 0.0)  # (b, h, s)
+    sums = w.sum(-1)  # (b, h, s); with sinks a row may give part of its weight to no key: sum in (0, 1]
+    row_err = ((sums - 1).clamp_min(0) + (-sums).clamp_min(0) if a.sinks else (sums - 1).abs()).masked_fill(~rows, 0.0)
     if not torch.isfinite(w).all():
         idx = _first(~torch.isfinite(w))
         problems.append(("weights are not finite", {"index": list(idx), "summary":
@@ -290,7 +291,8 @@ def softmax_sanity(p: Probe) -> PropertyResult:
         bi, hi, qi = _first(row_err > tol)
         problems.append(("rows do not sum to 1", {"batch": bi, "head": hi, "query": qi,
                          "row_sum": float(w[bi, hi, qi].sum()), "summary": f"weights of head {hi}, query {qi} "
-                         f"(sample {bi}) sum to {float(w[bi, hi, qi].sum()):.6g}, not 1"}))
+                         f"(sample {bi}) sum to {float(w[bi, hi, qi].sum()):.6g}, not "
+                         f"{'at most 1' if a.sinks else '1'}"}))
     leaked = (w != 0) & ~allowed
     if leaked.any():
         bi, hi, qi, ki = _first(leaked)
@@ -331,7 +333,8 @@ def softmax_sanity(p: Probe) -> PropertyResult:
         detail, cex = problems[0]
         return PropertyResult(name, FAIL, "; ".join(pr[0] for pr in problems), cex,
                               float(row_err.max()) if torch.isfinite(row_err).all() else math.inf, tol)
-    return PropertyResult(name, PASS, f"rows sum to 1, masked entries exactly 0; {scale_note}", None,
+    rows_note = "rows sum to at most 1 (sinks take the rest)" if a.sinks else "rows sum to 1"
+    return PropertyResult(name, PASS, f"{rows_note}, masked entries exactly 0; {scale_note}", None,
                           float(row_err.max()), tol)
 
 
