@@ -89,7 +89,7 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
     if not args.all_layers and not 0 <= args.layer < info.n_layers:
         raise CliError(f"--layer: layer must be an int in [0, {info.n_layers}) for the {info.n_layers}-layer "
                        f"{what} model, got {args.layer}")
-    n_heads = min(info.heads_of(layer) for layer in _layers(args, info))
+    n_heads = info.heads_of(None if args.all_layers else args.layer)[0]
     if args.heads is not None and args.heads[-1] >= n_heads:
         kind = f"{n_heads}-head model" if info.layer_heads is None else (
             f"layer{'s' if args.all_layers else ''} (the fewest have {n_heads} heads)")
@@ -215,7 +215,7 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
             notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
                          f"(--max-tokens {args.max_tokens}{limit})")
         layers = _layers(args, info)
-        most = max(info.heads_of(layer) for layer in layers)
+        most = info.heads_of(None if args.all_layers else args.layer)[1]
         check_size(len(layers), most, len(args.heads or range(most)), len(tokens),
                    out is not None and out.suffix.lower() != ".png")
         if model is None:

@@ -73,9 +73,13 @@ class ModelInfo:
         (``num_special_tokens_to_add``)."""
         return 3 if self.bundled else 1
 
-    def heads_of(self, layer: int) -> int:
-        """Layer ``layer``'s number of heads."""
-        return self.n_heads if self.layer_heads is None else self.layer_heads[layer]
+    def heads_of(self, layer: int | None) -> tuple[int, int]:
+        """(fewest, most) heads of layer ``layer`` (None: over every layer), without listing the layers (a
+        config may claim a billion of them, refused only later)."""
+        if self.layer_heads is None:
+            return self.n_heads, self.n_heads
+        chosen = self.layer_heads if layer is None else (self.layer_heads[layer],)
+        return min(chosen), max(chosen)
 
 
 def _bundled_path() -> Path:
