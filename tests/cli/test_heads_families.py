@@ -101,6 +101,7 @@ def reference(path: Path, text: str = TEXT) -> tuple[list[str], torch.Tensor, di
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # what came before (a checkpoint's saving progress bar) is not the command's
     code = main(["heads", *argv])
     out, err = capsys.readouterr()
     return code, out, err
@@ -244,6 +245,15 @@ def test_models_that_are_not_one_text_stack_are_refused_in_one_line(capsys, tmp_
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     code, out, err = run(capsys, TEXT, "--model", str(tmp_path / "no_such_family"))
     assert "is not known to the installed transformers" in err
+
+
+def test_shared_layers_are_refused_in_one_line(capsys, tmp_path) -> None:
+    fields = dict(hidden_size=16, embedding_size=8, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  num_hidden_groups=1, max_position_embeddings=64)
+    path = save("albert", tmp_path / "albert", fields)  # ALBERT runs its one layer 3 times
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--layer", "1")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "config.json says 3 layers, but headwise.interop.patch found 1 attention modules" in err, err
 
 
 def test_a_pruned_checkpoint_draws_with_its_pruned_head_counts(capsys, tmp_path) -> None:

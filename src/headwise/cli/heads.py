@@ -294,7 +294,8 @@ def run(args: argparse.Namespace) -> int:
                 *_writes(s)) for m in maps for s in m.summary()],
               optional=["||v W_O|| min..max"])
     if any(m.writes is None for m in maps):
-        fmt.line("What each head writes is not shown: W_O is not located for this family (the note on stderr says why).")
+        fmt.line("What each head writes is not shown: W_O is not located for this family (the note on stderr "
+                 "says why).")
     else:
         fmt.line("A large weight on a token whose value is near zero writes little: compare the two middle columns.")
     return 0
