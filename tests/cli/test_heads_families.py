@@ -283,3 +283,34 @@ def test_a_pruned_checkpoint_draws_with_its_pruned_head_counts(capsys, tmp_path)
     assert code == 2 and "different head counts (3, 2" in err and len(err.strip().splitlines()) == 1
     code, out, err = run(capsys, TEXT, "--model", str(path), "--layer", "0", "--out", str(tmp_path / "p.html"))
     assert code == 0, err
+
+
+def test_a_pruned_checkpoint_the_config_describes_loads_as_any_other(capsys, tmp_path) -> None:
+    from headwise.interop import patch
+    from headwise.surgery import prune_heads, save_pretrained
+
+    path = tmp_path / "pruned"
+    save_tokenizer(path)
+    model = tiny("mixtral", FAMILIES["mixtral"])
+    prune_heads(patch(model), {0: [0, 1], 1: [2, 3]})  # 2 of 4 heads, one K/V head left, in both layers
+    assert save_pretrained(model, path)  # the config now says 2 heads: plain from_pretrained rebuilds it
+    tokens, ref, _ = reference(path)
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--all-layers", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert [m["n_heads"] for m in r["layers"]] == [2, 2] and tuple(ref.shape[:2]) == (2, 2)  # (layers, heads)
+    torch.testing.assert_close(torch.tensor([m["weights"] for m in r["layers"]]), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_saved_with_its_task_head_draws_its_base_model(capsys, tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path / "causal"
+    save_tokenizer(path)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("phi3", **IDS, **FAMILIES["phi3"])).save_pretrained(path)
+    _, ref, _ = reference(path)  # lm_head is not the base model's: neither loader takes it
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--all-layers", "--json")
+    assert code == 0, err
+    drawn = torch.tensor([m["weights"] for m in json.loads(out)["layers"]])
+    torch.testing.assert_close(drawn, ref, rtol=1e-5, atol=1e-6)
