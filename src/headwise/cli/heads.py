@@ -91,9 +91,10 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
                        f"{what} model, got {args.layer}")
     n_heads = info.heads_of(None if args.all_layers else args.layer)[0]
     if args.heads is not None and args.heads[-1] >= n_heads:
-        kind = f"{n_heads}-head model" if info.layer_heads is None else (
-            f"layer{'s' if args.all_layers else ''} (the fewest have {n_heads} heads)")
-        raise CliError(f"--heads: heads must be in [0, {n_heads}) for this {kind}, got {args.heads[-1]}")
+        kind = f"this {n_heads}-head model" if info.layer_heads is None else (
+            f"every layer (the fewest have {n_heads} heads)" if args.all_layers
+            else f"layer {args.layer}, which has {n_heads} heads")
+        raise CliError(f"--heads: heads must be in [0, {n_heads}) for {kind}, got {args.heads[-1]}")
     if args.max_tokens < info.min_tokens:
         raise CliError(f"--max-tokens must be at least {info.min_tokens}"
                        + (" ([CLS], one token, [SEP])" if info.min_tokens == 3 else "") + f", got {args.max_tokens}")
@@ -111,10 +112,18 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
         require(module, f"headwise heads ({'the bundled model' if info.bundled else 'a local model'})")
     if args.out is None:
         return info, None
+    fewest, most = info.heads_of(None if args.all_layers else args.layer)
+    if fewest != most:
+        raise CliError(_uneven(info.layer_heads))
     out = check_out(args.out, (".png", ".html", ".htm"))
     if out.suffix.lower() == ".png":
         require("matplotlib", "headwise heads --out FILE.png")
     return info, out
+
+
+def _uneven(counts: Any) -> str:
+    return (f"the layers have different head counts ({', '.join(map(str, counts))}, after head surgery); draw "
+            "them into a picture one layer at a time (--layer), or all of them as the table or --json")
 
 
 def _layers(args: argparse.Namespace, info: Any) -> list[int]:
@@ -227,10 +236,8 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
         missing = next((m.writes_missing for m in maps if m.writes is None), "")
         if missing:
             notes.append(f"what each head writes is not drawn (only where it reads): {missing}")
-        if out is not None and len({m.n_heads for m in maps}) > 1:
-            raise CliError(f"the layers have different head counts ({', '.join(str(m.n_heads) for m in maps)}, "
-                           "after head surgery); draw them into a picture one layer at a time (--layer), or all of "
-                           "them as the table or --json")
+        if out is not None and len({m.n_heads for m in maps}) > 1:  # counts the sidecar did not give
+            raise CliError(_uneven([m.n_heads for m in maps]))
         if out is not None:
             step(f"drawing {out}")
             title = f"headwise: {info.name}, {_what(args, info)}, {len(tokens)} tokens"
