@@ -36,6 +36,8 @@ FAMILIES = {
                         moe_intermediate_size=8, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=64,
                         num_hidden_layers=2),
+    # CodeGen's Q/K/V are not located (its fused qkv_proj is sharded), but W_O is: reads and writes are drawn.
+    "codegen": dict(n_embd=16, n_layer=2, n_head=4, n_positions=64, rotary_dim=2),
     # JetMoE's attention projects through its experts: W_O is not located, so writes are not drawn. Its forward
     # runs num_key_value_heads x num_experts_per_tok query heads, which a real config's num_attention_heads is.
     "jetmoe": dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, kv_channels=4,
@@ -44,7 +46,8 @@ FAMILIES = {
 WRITES_MISSING = {"jetmoe"}
 # Families whose attention is not on transformers' attention interface: patch refuses them.
 REFUSED = {"bloom": dict(hidden_size=16, n_layer=2, n_head=4),
-           "falcon": dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=4)}
+           "falcon": dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=4),
+           "mpt": dict(d_model=16, n_layers=2, n_heads=4, max_seq_len=64)}
 
 
 def save_tokenizer(path: Path, specials: bool = False, types: bool = False) -> None:
@@ -118,10 +121,12 @@ def test_drawn_weights_are_the_models_own_attention(saved, capsys, family) -> No
     code, out, err = run(capsys, TEXT, "--model", str(path), "--all-layers", "--json")
     assert code == 0, err
     r = json.loads(out)
-    cfg = json.loads((path / "config.json").read_text())
-    assert r["family"] == family == cfg["model_type"]
-    assert [m["layer"] for m in r["layers"]] == list(range(cfg["num_hidden_layers"]))
-    assert [m["n_heads"] for m in r["layers"]] == [cfg["num_attention_heads"]] * cfg["num_hidden_layers"]
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)  # transformers' own reading of the counts (n_layer, n_head, ...)
+    assert r["family"] == family == cfg.model_type
+    assert [m["layer"] for m in r["layers"]] == list(range(cfg.num_hidden_layers))
+    assert [m["n_heads"] for m in r["layers"]] == [cfg.num_attention_heads] * cfg.num_hidden_layers
     assert all(m["tokens"] == tokens for m in r["layers"])
     drawn = torch.tensor([m["weights"] for m in r["layers"]], dtype=torch.float32)
     torch.testing.assert_close(drawn, ref, rtol=1e-5, atol=1e-6)  # JSON keeps 6 significant digits
