@@ -149,12 +149,26 @@ def _patched(model: Any, info: Any) -> list:
     try:
         found = model_layers(model)
     except (TypeError, ValueError) as exc:  # what patch says: not on the attention interface, flash attention...
-        raise CliError(f"--model: model_type {info.family!r} cannot be drawn: {exc}") from None
+        raise CliError(_refusal(model, info, exc)) from None
     if len(found) != info.n_layers:
         raise CliError(f"--model: model_type {info.family!r}: config.json says {info.n_layers} layers, but "
                        f"headwise.interop.patch found {len(found)} attention modules (shared layers, or layers "
                        "without attention); headwise heads draws models with one attention module per layer")
     return found
+
+
+def _refusal(model: Any, info: Any, exc: Exception) -> str:
+    """Why ``patch`` refused ``model``, the reason first (patch's own message, which lists what it supports, last:
+    the one-line error is cut at 400 characters)."""
+    from ..interop.hf_generic import is_target
+
+    head = f"--model: model_type {info.family!r} cannot be drawn"
+    if isinstance(exc, TypeError) and not any(is_target(m) for m in model.modules()):
+        found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+        return (f"{head}: its attention ({', '.join(found) or 'no module named *Attention'}) does not go through "
+                f"transformers' attention interface and has no headwise adapter, so headwise.interop.patch refuses "
+                f"it ({exc})")
+    return f"{head}: {exc}"
 
 
 def _check_tokens(tokenizer: Any, args: argparse.Namespace) -> None:
