@@ -262,17 +262,18 @@ def test_shared_layers_are_refused_in_one_line(capsys, tmp_path) -> None:
     assert "config.json says 3 layers, but headwise.interop.patch found 1 attention modules" in err, err
 
 
-def test_a_pruned_checkpoint_draws_with_its_pruned_head_counts(capsys, tmp_path) -> None:
+@pytest.mark.parametrize("family", ["gpt2", "opt", "roberta"])
+def test_a_pruned_checkpoint_draws_with_its_pruned_head_counts(capsys, tmp_path, family) -> None:
     from headwise.interop import patch
     from headwise.surgery import load_pretrained, prune_heads, save_pretrained
-    from transformers import GPT2Model
 
     path = tmp_path / "pruned"
     save_tokenizer(path)
-    model = tiny("gpt2", dict(n_embd=12, n_head=4, n_layer=2, n_positions=64))
+    model = tiny(family, dict(n_embd=12, n_head=4, n_layer=2, n_positions=64) if family == "gpt2" else
+                 FAMILIES[family])
     prune_heads(patch(model), {0: [1], 1: [0, 2]})
-    assert not save_pretrained(model, path)  # GPT-2's config cannot say it: the sidecar is needed
-    ref_model = load_pretrained(path, GPT2Model, attn_implementation="eager")
+    assert not save_pretrained(model, path)  # layers of different counts: the sidecar is needed
+    ref_model = load_pretrained(path, type(model), attn_implementation="eager")
     enc = {"input_ids": torch.tensor([[WORDS.index(w) for w in TEXT.split()]])}
     with torch.no_grad():
         ref = ref_model(**enc, output_attentions=True).attentions
