@@ -130,7 +130,8 @@ def test_bad_arguments_are_refused_before_loading(capsys, tmp_path, no_loading) 
     (path / "tokenizer.json").write_text("{}")
     odd = tmp_path / "t5"
     odd.mkdir()
-    (odd / "config.json").write_text(json.dumps({"model_type": "t5", "num_layers": 2}))
+    (odd / "config.json").write_text(json.dumps({"model_type": "t5", "num_layers": 2, "num_heads": 4,
+                                                "is_encoder_decoder": True}))
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text((path / "config.json").read_text())
@@ -151,7 +152,8 @@ def test_bad_arguments_are_refused_before_loading(capsys, tmp_path, no_loading) 
     for model, message in [(tmp_path / "nope", "neither 'all-minilm-l6-v2' nor an existing directory"),
                            (path / "config.json", "is a file; pass the save_pretrained directory"),
                            (tmp_path, "has no config.json"),
-                           (odd, "model_type 't5'"),
+                           (odd, "model_type 't5' in"),
+                           (odd, "is an encoder-decoder model, which headwise heads does not draw"),
                            (bare, "has no tokenizer files")]:
         code, out, err = run(capsys, TEXT, "--model", str(model))
         assert code == 2 and message in err, (model, err)

@@ -1,6 +1,9 @@
-"""``headwise heads``: every head of a real model on your text (the bundled all-MiniLM-L6-v2, or any local
-BERT, GPT-2 or Llama-family ``save_pretrained`` directory): where each head reads from and what it writes,
-as a table, a PNG or an interactive HTML page, captured from the model's own forward (``headwise.trace``).
+"""``headwise heads``: every head of a real model on your text (the bundled all-MiniLM-L6-v2, or a local
+``save_pretrained`` directory of any text model whose attention :func:`headwise.interop.patch` takes over: BERT,
+GPT-2, the Llama family, and every family on transformers' attention interface, pruned checkpoints saved by
+:func:`headwise.surgery.save_pretrained` included): where each head reads from and what it writes, as a table, a
+PNG or an interactive HTML page, captured from the model's own forward (``headwise.trace``). Where a family's W_O
+is not located, only the reads are drawn, and a note says why.
 
 Every argument is checked against the model's ``config.json`` before torch or the model loads; text longer
 than ``--max-tokens`` is cut and the cut is announced on stderr; a ``--max-tokens`` beyond the model's
@@ -60,8 +63,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("text", help="the text to run through the model (one starting with '-' and without a space "
                                 "goes after '--': headwise heads -- -x)")
     p.add_argument("--model", default=BUNDLED, metavar="DIR",
-                   help=f"a local save_pretrained directory of a BERT, GPT-2 or Llama-family model with its "
-                        f"tokenizer (never downloaded), or {BUNDLED} (bundled; the default)")
+                   help=f"a local save_pretrained directory of a text model with its tokenizer (never downloaded): "
+                        f"any family whose attention headwise.interop.patch takes over (BERT, GPT-2, Llama, and "
+                        f"every family on transformers' attention interface), or {BUNDLED} (bundled; the default)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--layer", type=int, default=0, metavar="L", help="attention layer, from 0 (default 0)")
     which.add_argument("--all-layers", action="store_true", help="every layer: the model view")
@@ -85,9 +89,12 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
     if not args.all_layers and not 0 <= args.layer < info.n_layers:
         raise CliError(f"--layer: layer must be an int in [0, {info.n_layers}) for the {info.n_layers}-layer "
                        f"{what} model, got {args.layer}")
-    if args.heads is not None and args.heads[-1] >= info.n_heads:
-        raise CliError(f"--heads: heads must be in [0, {info.n_heads}) for this {info.n_heads}-head model, "
-                       f"got {args.heads[-1]}")
+    n_heads = info.heads_of(None if args.all_layers else args.layer)[0]
+    if args.heads is not None and args.heads[-1] >= n_heads:
+        kind = f"this {n_heads}-head model" if info.layer_heads is None else (
+            f"every layer (the fewest have {n_heads} heads)" if args.all_layers
+            else f"layer {args.layer}, which has {n_heads} heads")
+        raise CliError(f"--heads: heads must be in [0, {n_heads}) for {kind}, got {args.heads[-1]}")
     if args.max_tokens < info.min_tokens:
         raise CliError(f"--max-tokens must be at least {info.min_tokens}"
                        + (" ([CLS], one token, [SEP])" if info.min_tokens == 3 else "") + f", got {args.max_tokens}")
@@ -105,10 +112,22 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
         require(module, f"headwise heads ({'the bundled model' if info.bundled else 'a local model'})")
     if args.out is None:
         return info, None
+    fewest, most = info.heads_of(None if args.all_layers else args.layer)
+    if fewest != most:
+        raise CliError(_uneven(info.layer_heads))
     out = check_out(args.out, (".png", ".html", ".htm"))
     if out.suffix.lower() == ".png":
         require("matplotlib", "headwise heads --out FILE.png")
     return info, out
+
+
+def _uneven(counts: Any) -> str:
+    return (f"the layers have different head counts ({', '.join(map(str, counts))}, after head surgery); draw "
+            "them into a picture one layer at a time (--layer), or all of them as the table or --json")
+
+
+def _layers(args: argparse.Namespace, info: Any) -> list[int]:
+    return list(range(info.n_layers)) if args.all_layers else [args.layer]
 
 
 def _loading(info: Any, what: str) -> Any:
@@ -119,8 +138,60 @@ def _loading(info: Any, what: str) -> Any:
         return models.load_tokenizer(info) if what == "tokenizer" else models.load(info)
     except OSError as exc:  # a half-saved directory: say which, in one line
         raise CliError(f"--model: cannot load {str(info.path)!r}: {exc}") from None
-    except ValueError as exc:  # weights that are not the config's model (refuse_incomplete)
+    except ValueError as exc:  # weights that are not the config's model (refuse_incomplete), a bad sidecar
         raise CliError(str(exc)) from None
+
+
+def _patched(model: Any, info: Any) -> list:
+    """The model's headwise layers (patching it), one per layer of config.json, or one line saying why not."""
+    from ..viz.maps import model_layers
+
+    try:
+        found = model_layers(model)
+    except (TypeError, ValueError) as exc:  # what patch says: not on the attention interface, flash attention...
+        raise CliError(_refusal(model, info, exc)) from None
+    if len(found) != info.n_layers:
+        raise CliError(f"--model: model_type {info.family!r}: config.json says {info.n_layers} layers, but "
+                       f"headwise.interop.patch found {len(found)} attention modules (shared layers, or layers "
+                       "without attention); headwise heads draws models with one attention module per layer")
+    return found
+
+
+def _refusal(model: Any, info: Any, exc: Exception) -> str:
+    """Why ``patch`` refused ``model``, the reason first (patch's own message, which lists what it supports, last:
+    the one-line error is cut at 400 characters)."""
+    from ..interop.hf_generic import is_target
+
+    head = f"--model: model_type {info.family!r} cannot be drawn"
+    if isinstance(exc, TypeError) and not any(is_target(m) for m in model.modules()):
+        found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+        return (f"{head}: its attention ({', '.join(found) or 'no module named *Attention'}) does not go through "
+                f"transformers' attention interface and has no headwise adapter, so headwise.interop.patch refuses "
+                f"it ({exc})")
+    return f"{head}: {exc}"
+
+
+def _check_tokens(tokenizer: Any, args: argparse.Namespace) -> None:
+    """The cut must leave one token of the text beside the special tokens the tokenizer adds ([CLS] ... [SEP])."""
+    try:
+        special = int(tokenizer.num_special_tokens_to_add())
+    except (AttributeError, TypeError, ValueError):  # a tokenizer that cannot say: the cut is the model's
+        return
+    if args.max_tokens < special + 1:
+        raise CliError(f"--max-tokens must be at least {special + 1} (this tokenizer adds {special} special "
+                       f"token{'s' if special != 1 else ''} around the text), got {args.max_tokens}")
+
+
+def _model_inputs(enc: dict, model: Any) -> dict:
+    """The tokenizer's inputs that the model's forward takes (token_type_ids only where it has them)."""
+    import inspect
+
+    try:
+        takes = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - every transformers forward has a signature
+        takes = {}
+    keep = ("input_ids", "attention_mask", "token_type_ids")
+    return {k: v for k, v in enc.items() if k in keep and (k == "input_ids" or k in takes)}
 
 
 def check_size(n_layers: int, n_heads_captured: int, n_heads_drawn: int, s: int, html: bool) -> None:
@@ -151,23 +222,36 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
         if info.bundled:
             tokenizer, model = vmaps.load_minilm()
         else:
+            from ..viz.models import check_known
+
+            try:
+                check_known(info)
+            except ValueError as exc:
+                raise CliError(str(exc)) from None
             tokenizer, model = _loading(info, "tokenizer"), None
+            _check_tokens(tokenizer, args)
         n_tokens = len(tokenizer(args.text, verbose=False)["input_ids"])  # before the cut, to announce it
-        enc = tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_tokens)
-        keep = ("input_ids", "attention_mask") + (("token_type_ids",) if info.family == "bert" else ())
-        enc = {k: v for k, v in enc.items() if k in keep}
+        enc = dict(tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_tokens))
         tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
         if n_tokens > len(tokens):
             limit = f"; the model takes at most {info.max_positions}" if info.max_positions else ""
             notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
                          f"(--max-tokens {args.max_tokens}{limit})")
-        check_size(info.n_layers if args.all_layers else 1, info.n_heads, len(args.heads or range(info.n_heads)),
-                   len(tokens), out is not None and out.suffix.lower() != ".png")
-        layers = list(range(info.n_layers)) if args.all_layers else [args.layer]
+        layers = _layers(args, info)
+        most = info.heads_of(None if args.all_layers else args.layer)[1]
+        check_size(len(layers), most, len(args.heads or range(most)), len(tokens),
+                   out is not None and out.suffix.lower() != ".png")
         if model is None:
             model = _loading(info, "model")
+        _patched(model, info)
         step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")
-        maps = vmaps.model_layers_head_maps(model, enc, layers=layers, tokens=tokens, heads=args.heads)
+        maps = vmaps.model_layers_head_maps(model, _model_inputs(enc, model), layers=layers, tokens=tokens,
+                                            heads=args.heads)
+        missing = next((m.writes_missing for m in maps if m.writes is None), "")
+        if missing:
+            notes.append(f"what each head writes is not drawn (only where it reads): {missing}")
+        if out is not None and len({m.n_heads for m in maps}) > 1:  # counts the sidecar did not give
+            raise CliError(_uneven([m.n_heads for m in maps]))
         if out is not None:
             step(f"drawing {out}")
             title = f"headwise: {info.name}, {_what(args, info)}, {len(tokens)} tokens"
@@ -228,9 +312,19 @@ def run(args: argparse.Namespace) -> int:
               ["layer.head" if many else "head", "reads most from (mean weight)", "writes most from (share of writes)",
                "share of writes from the most-read token", "||v W_O|| min..max"],
               [(f"{m.layer}.{s['head']}" if many else s["head"], f"{s['reads_most']} ({s['reads_most_weight']:.2f})",
-                f"{s['writes_most']} ({s['writes_most_share']:.0%})",
-                f"{s['weight_on_reads_most_share_of_writes']:.0%}",
-                f"{s['value_norm_min']:.2f}..{s['value_norm_max']:.2f}") for m in maps for s in m.summary()],
+                *_writes(s)) for m in maps for s in m.summary()],
               optional=["||v W_O|| min..max"])
-    fmt.line("A large weight on a token whose value is near zero writes little: compare the two middle columns.")
+    if any(m.writes is None for m in maps):
+        fmt.line("What each head writes is not shown: W_O is not located for this family (the note on stderr "
+                 "says why).")
+    else:
+        fmt.line("A large weight on a token whose value is near zero writes little: compare the two middle columns.")
     return 0
+
+
+def _writes(s: dict[str, Any]) -> tuple[str, str, str]:
+    """The table's write columns of one head's summary ("n/a" each where W_O is not located)."""
+    if s["writes_most"] is None:
+        return ("n/a",) * 3
+    return (f"{s['writes_most']} ({s['writes_most_share']:.0%})", f"{s['weight_on_reads_most_share_of_writes']:.0%}",
+            f"{s['value_norm_min']:.2f}..{s['value_norm_max']:.2f}")

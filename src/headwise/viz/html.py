@@ -73,13 +73,17 @@ def encode(maps: HeadMaps | Sequence[HeadMaps]) -> tuple[dict[str, Any], str]:
     if not bool(torch.isfinite(w).all()) or float(w.min()) < 0 or float(w.max()) > 1 + 1e-5:
         raise ValueError("attention weights must be finite and in [0, 1] to be drawn")
     q = (w * QUANT_STEPS).round_().clamp_(0, QUANT_STEPS).to(torch.uint8)
-    norms = torch.stack([m.value_norms.detach().float() for m in many])  # (L, h, s)
+    # Where W_O is not located the norms are unknown: zeros keep the blob's layout, and "writes_missing" tells the
+    # page to draw the reads alone.
+    norms = torch.stack([torch.zeros(m.weights.shape[0], m.weights.shape[-1]) if m.value_norms is None
+                         else m.value_norms.detach().float() for m in many])  # (L, h, s)
     max_write = max(float((q[i].float() / QUANT_STEPS * norms[i][:, None, :]).max()) for i in range(len(many)))
     raw = _bytes(q) + _bytes(_little_endian(norms))
     blob = base64.b64encode(gzip.compress(raw, compresslevel=6, mtime=0)).decode("ascii")
     meta = {"tokens": list(many[0].tokens), "layers": [m.layer for m in many], "heads": many[0].head_ids,
             "s": len(many[0].tokens), "steps": QUANT_STEPS, "max_write": max_write or 1.0,
-            "encoding": "gzip+base64: uint8 weights (layer, head, query, key), then float32 norms (layer, head, key)"}
+            "encoding": "gzip+base64: uint8 weights (layer, head, query, key), then float32 norms (layer, head, key)",
+            "writes_missing": next((m.writes_missing for m in many if m.value_norms is None), "")}
     return meta, blob
 
 

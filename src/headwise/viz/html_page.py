@@ -61,7 +61,7 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
   <b id="which"></b></div>
   <div id="maps">
     <div class="map"><div class="label">reads: attention weights (rows = query tokens, columns = key tokens)</div><canvas id="map-weights"></canvas></div>
-    <div class="map"><div class="label">writes: weight x ||value W_O|| (rows = query tokens, columns = key tokens)</div><canvas id="map-writes"></canvas></div>
+    <div class="map" id="writes"><div class="label">writes: weight x ||value W_O|| (rows = query tokens, columns = key tokens)</div><canvas id="map-writes"></canvas></div>
   </div>
 </div>
 <div id="tip" role="tooltip"></div>
@@ -201,7 +201,7 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     var i = cell[0], j = cell[1], w = weight(l, h, i, j), n = norm(l, h, j);
     showTip(ev, "query " + i + " " + quote(D.tokens[i]) + " -> key " + j + " " + quote(D.tokens[j]) +
       "\\nweight " + w.toFixed(4) + " (stored to +-" + (0.5 / STEPS).toFixed(4) + ")" +
-      "\\n||v W_O|| " + n.toPrecision(4) + ", writes " + (w * n).toPrecision(4) +
+      (D.writes_missing ? "" : "\\n||v W_O|| " + n.toPrecision(4) + ", writes " + (w * n).toPrecision(4)) +
       "\\nlayer " + D.layers[l] + ", head " + D.heads[h],
       { layer: D.layers[l], head: D.heads[h], query: i, key: j, weight: w.toFixed(4) });
     var r = canvas.getBoundingClientRect(), k = r.width / canvas.width;
@@ -219,7 +219,12 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     document.getElementById("headview").hidden = false;
     document.getElementById("which").textContent = "layer " + D.layers[l] + ", head " + D.heads[h];
     drawMap(document.getElementById("map-weights"), l, h, "weights");
-    drawMap(document.getElementById("map-writes"), l, h, "writes");
+    if (D.writes_missing) {  // W_O not located: the reads alone, and why
+      document.getElementById("writes").firstChild.textContent = "writes not drawn: " + D.writes_missing;
+      document.getElementById("map-writes").hidden = true;
+    } else {
+      drawMap(document.getElementById("map-writes"), l, h, "writes");
+    }
     zoom();
     hideTip();
     var hash = "#L" + D.layers[l] + "H" + D.heads[h];

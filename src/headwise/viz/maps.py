@@ -34,6 +34,9 @@ __all__ = ["HeadMaps", "head_maps", "model_head_maps", "model_layers_head_maps",
 class HeadMaps:
     """Per-head reads and writes of one layer for one sequence.
 
+    Where the layer's W_O is not located (:attr:`writes_missing` says why), only the weights are known:
+    ``writes`` and ``value_norms`` are None.
+
     Shapes:
         weights: (h, s, s) rows sum to 1; writes: (h, s, s) = weights * value_norms[:, None, :];
         value_norms: (h, s) = ||v_j W_O^h||
@@ -42,9 +45,10 @@ class HeadMaps:
     tokens: list[str]
     layer: int
     weights: torch.Tensor
-    writes: torch.Tensor
-    value_norms: torch.Tensor
+    writes: torch.Tensor | None
+    value_norms: torch.Tensor | None
     heads: tuple[int, ...] | None = None  # the model's head index of each row (None: 0 .. h - 1)
+    writes_missing: str = ""  # why writes and value_norms are None ("" when they are known)
 
     @property
     def n_heads(self) -> int:
@@ -57,7 +61,7 @@ class HeadMaps:
 
     def summary(self) -> list[dict[str, Any]]:
         """Per head: the token it reads most from (mean weight over queries) and the token it writes most
-        from (share of the head's total writes), and the range of its value norms.
+        from (share of the head's total writes), and the range of its value norms (those None without writes).
 
         Shapes:
             reads: weights[h].mean(0), (s_kv,); writes: writes[h].sum(0) / total, (s_kv,)
@@ -65,24 +69,36 @@ class HeadMaps:
         out = []
         for h in range(self.n_heads):
             reads = self.weights[h].mean(0)  # (s,)
-            writes = self.writes[h].sum(0)  # (s,)
-            share = writes / writes.sum().clamp_min(1e-30)
-            r, w = int(reads.argmax()), int(share.argmax())
-            out.append({"head": self.head_ids[h], "reads_most": self.tokens[r], "reads_most_index": r,
-                        "reads_most_weight": float(reads[r]), "writes_most": self.tokens[w], "writes_most_index": w,
-                        "writes_most_share": float(share[w]),
-                        "weight_on_reads_most_share_of_writes": float(share[r]),
-                        "value_norm_min": float(self.value_norms[h].min()),
-                        "value_norm_max": float(self.value_norms[h].max())})
+            r = int(reads.argmax())
+            row = {"head": self.head_ids[h], "reads_most": self.tokens[r], "reads_most_index": r,
+                   "reads_most_weight": float(reads[r])}
+            if self.writes is None or self.value_norms is None:
+                row.update(dict.fromkeys(("writes_most", "writes_most_index", "writes_most_share",
+                                          "weight_on_reads_most_share_of_writes", "value_norm_min",
+                                          "value_norm_max")))
+            else:
+                writes = self.writes[h].sum(0)  # (s,)
+                share = writes / writes.sum().clamp_min(1e-30)
+                w = int(share.argmax())
+                row.update({"writes_most": self.tokens[w], "writes_most_index": w,
+                            "writes_most_share": float(share[w]),
+                            "weight_on_reads_most_share_of_writes": float(share[r]),
+                            "value_norm_min": float(self.value_norms[h].min()),
+                            "value_norm_max": float(self.value_norms[h].max())})
+            out.append(row)
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain lists, for JSON (float32 precision, rounded to 6 significant digits)."""
-        def r(t: torch.Tensor) -> list:
+        """Plain lists, for JSON (float32 precision, rounded to 6 significant digits); writes and value norms
+        are null, and ``writes_missing`` says why, where W_O is not located."""
+        def r(t: torch.Tensor | None) -> list | None:
+            if t is None:
+                return None
             return [[float(f"{v:.6g}") for v in row] for row in t.tolist()] if t.dim() == 2 else [r(x) for x in t]
 
         return {"tokens": list(self.tokens), "layer": self.layer, "n_heads": self.n_heads, "heads": self.head_ids,
-                "weights": r(self.weights), "writes": r(self.writes), "value_norms": r(self.value_norms)}
+                "weights": r(self.weights), "writes": r(self.writes), "value_norms": r(self.value_norms),
+                "writes_missing": self.writes_missing}
 
 
 def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int] | None = None) -> HeadMaps:
@@ -92,8 +108,12 @@ def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int]
     h, d_h = attn.n_heads, attn.d_head
     chosen = list(range(h)) if heads is None else list(heads)
     w = record.pattern[row].detach()[chosen]  # (h, s_q, s_kv): the weights the model's own forward used
+    try:
+        w_o = attn.out_proj.weight.detach()  # (d, h * d_h)
+    except ValueError as exc:  # W_O not located (headwise.interop.hf_generic says why): the reads still are
+        return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=None, value_norms=None,
+                        heads=None if heads is None else tuple(chosen), writes_missing=str(exc))
     v = record.v[row].detach()  # (h_kv, s_kv, d_h)
-    w_o = attn.out_proj.weight.detach()  # (d, h * d_h)
     g = h // attn.n_kv_heads
     norms = torch.stack([(v[i // g] @ w_o[:, i * d_h:(i + 1) * d_h].T.to(v.dtype)).norm(dim=-1)
                          for i in chosen])  # (h, s_kv): ||v_j W_O^h||
@@ -171,11 +191,12 @@ def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[
             raise ValueError(f"layer must be an int in [0, {n}) for this {n}-layer model, got {layer!r}")
     if not chosen:
         raise ValueError("layers must name at least one layer")
-    h = hw_layers[chosen[0]][1].n_heads
+    h = min(hw_layers[layer][1].n_heads for layer in chosen)  # layers may differ after head surgery
     if heads is not None:
         bad = [i for i in heads if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < h]
         if bad or not heads:
-            raise ValueError(f"heads must be ints in [0, {h}) for these {h}-head layers, got {list(heads)!r}")
+            raise ValueError(f"heads must be ints in [0, {h}) for these layers (the fewest have {h} heads), "
+                             f"got {list(heads)!r}")
     with torch.no_grad(), trace(model, capture={layer: ("pattern", "v") for layer in chosen}) as t:
         model(**inputs) if isinstance(inputs, dict) else model(inputs)
     s = t[chosen[0]].pattern.shape[-1]

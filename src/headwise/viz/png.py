@@ -205,7 +205,8 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
         right = 1 - COLORBAR_INCHES / width_in
         grid = fig.add_gridspec(plan.rows, plan.cols, left=left, right=right, bottom=bottom, top=top,
                                 wspace=0.45 if one else 0.15, hspace=0.45 if one else 0.25)
-        vmax_writes = max(float(m.writes.max()) for m in many) or 1.0
+        known = [m.writes for m in many if m.writes is not None]  # None: W_O not located, reads only
+        vmax_writes = max([float(w.max()) for w in known] or [0.0]) or 1.0
         norms = {"weights": PowerNorm(0.5, vmin=0.0, vmax=1.0), "writes": PowerNorm(0.5, vmin=0.0, vmax=vmax_writes)}
         cmaps = {"weights": "Blues", "writes": "Oranges"}
         pixels = plan.panel_inches * dpi * 0.8
@@ -213,8 +214,13 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
             m = many[li]
             r, c = (divmod(n // 2, plan.cols // 2) if one else divmod(n, plan.cols))
             c = 2 * c + (kind == "writes") if one else c
-            img, f = _pooled(m.weights[i] if kind == "weights" else m.writes[i], pixels)
             ax = fig.add_subplot(grid[r, c])
+            if kind == "writes" and m.writes is None:
+                ax.set_axis_off()
+                ax.text(0.5, 0.5, "writes not drawn:\nW_O not located", ha="center", va="center", fontsize=7,
+                        transform=ax.transAxes)
+                continue
+            img, f = _pooled(m.weights[i] if kind == "weights" else m.writes[i], pixels)
             n_px = img.shape[-1] * f
             ax.imshow(img.numpy(), cmap=cmaps[kind], norm=norms[kind], interpolation="nearest",
                       extent=(-0.5, n_px - 0.5, n_px - 0.5, -0.5))
@@ -231,7 +237,7 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
                                parse_math=False)
             ax.set_yticklabels([tokens[j] for j in ticks] if outer_y else [], fontsize=label_size, parse_math=False)
             ax.tick_params(length=0, pad=1)
-        _colour_scales(fig, plt, norms, cmaps, ["weights", "writes"] if one else ["weights"],
+        _colour_scales(fig, plt, norms, cmaps, ["weights", "writes"] if one and known else ["weights"],
                        x=(width_in - COLORBAR_INCHES + 0.25) / width_in, bottom=bottom, top=top, width=0.15 / width_in)
         fig.suptitle("\n".join(plan.title_lines), fontsize=TITLE_POINTS, parse_math=False)
         fig.savefig(path, dpi=dpi)
