@@ -23,7 +23,7 @@ from .plan import Plan, plan_attention
 from .config import check_dropout, check_scale
 from .validation import check_bool, check_causal, check_qkv, check_sinks, check_tensor, has_dead_rows
 
-__all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "attend", "softmax_attention",
+__all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "trusted_attention", "attend", "softmax_attention",
            "available_backends"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -154,8 +154,11 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if blocked is not None:
         weights = weights * (~blocked).to(weights.dtype)  # (b, h, s_q, s_kv): rows that read nothing
     probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p else weights
-    z = torch.einsum("bngqk,bnkd->bngqd", probs.unflatten(1, (h_kv, g)), v)  # (b, h_kv, g, s_q, d_v)
-    return z.flatten(1, 2).to(dtype), weights.to(dtype)  # (b, h, s_q, d_v)
+    if g == 1:
+        z = probs @ v  # (b, h, s_q, d_v)
+    else:
+        z = torch.einsum("bngqk,bnkd->bngqd", probs.unflatten(1, (h_kv, g)), v).flatten(1, 2)  # (b, h, s_q, d_v)
+    return z.to(dtype), weights.to(dtype)
 
 
 def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -244,13 +247,32 @@ def attention(
     check_sinks(sinks, h, q.dtype, q.device)
     if mask is not None:
         mask = validate_mask(mask, (b, h, s_q, s_kv), q.dtype, q.device)
+    return trusted_attention(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, causal=causal, backend=backend,
+                             return_weights=return_weights, softcap=softcap, sinks=sinks)
+
+
+def trusted_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, scale: float | None,
+    dropout_p: float, causal: bool, backend: str, return_weights: bool, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`attention` on inputs its caller already validated: plan the call once and run it.
+
+    For callers that made q, k, v themselves and checked them against a layer (a patched module's interface
+    call), where a decode step would otherwise pay for every check twice. ``mask`` must be a 4-D mask as
+    :func:`headwise.masks.validate_mask` returns it; nothing else is checked.
+
+    Shapes:
+        as :func:`attention`
+    """
+    b, h, s_q, d_h = q.shape
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
-    plan = plan_attention(h=h, h_kv=h_kv, d_h=d_h, scale=d_h ** -0.5 if scale is None else float(scale),
-                          b=b, s_q=s_q, s_kv=s_kv, dtype=q.dtype, device=q.device, backend=backend, causal=causal,
-                          has_mask=mask is not None, return_weights=return_weights, dropout_p=float(dropout_p),
-                          chunk_queries=False, records_grad=grad, softcap=softcap, sinks=sinks is not None,
-                          dead_rows=False if mask is None else partial(has_dead_rows, mask))
+    plan = plan_attention(h=h, h_kv=k.shape[1], d_h=d_h, scale=d_h ** -0.5 if scale is None else float(scale),
+                          b=b, s_q=s_q, s_kv=k.shape[2], dtype=q.dtype, device=q.device, backend=backend,
+                          causal=causal, has_mask=mask is not None, return_weights=return_weights,
+                          dropout_p=float(dropout_p), chunk_queries=False, records_grad=grad, softcap=softcap,
+                          sinks=sinks is not None, dead_rows=False if mask is None else partial(has_dead_rows, mask))
     return attend(plan, q, k, v, mask, sinks)
 
 

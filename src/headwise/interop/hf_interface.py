@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .. import functional as hwf
+from ..masks import validate_mask
 
 __all__ = ["NAME", "register", "attention_forward"]
 
@@ -99,10 +100,14 @@ def _trusts_is_causal(config_class: type) -> bool:
 
 def mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
     """transformers' ``sdpa_mask`` (bool, True = may attend), which may return None for a purely causal mask
-    (the kernel's ``is_causal`` is faster) only in families transformers runs under sdpa."""
+    (the kernel's ``is_causal`` is faster) in families transformers runs under sdpa, and for one query (a decode
+    step) in every family."""
     from transformers.masking_utils import sdpa_mask
 
-    if config is None or not _trusts_is_causal(type(config)):
+    # One query reads every key it may: "no mask" means that in eager too, so the skip (which transformers takes
+    # only when no padding or window hides a key) stays allowed there.
+    q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
+    if q_length != 1 and (config is None or not _trusts_is_causal(type(config))):
         kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, config=config, **kwargs)
 
@@ -185,21 +190,36 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         extra["softcap"] = softcap
     if s_aux is not None:
         extra["sinks"] = s_aux
-    z, weights = hwf.attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout, causal=causal,
-                               backend="eager" if wants else "sdpa", return_weights=wants, **extra)
+    if layer is None or tracer is not None:  # tensors nobody has checked yet (or a trace's edits): validate all
+        z, weights = hwf.attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout, causal=causal,
+                                   backend="eager" if wants else "sdpa", return_weights=wants, **extra)
+    else:  # the patched module's own heads, just checked against its layer: plan and run
+        if mask is not None:
+            mask = validate_mask(mask, (query.shape[0], query.shape[1], s_q, key.shape[2]), query.dtype,
+                                 query.device)
+        z, weights = hwf.trusted_attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout,
+                                           causal=causal, backend="eager" if wants else "sdpa",
+                                           return_weights=wants, **extra)
     if tracer is not None:
         z = tracer.context(layer, z, weights)  # (b, h, s_q, d_v), possibly edited
     return z.transpose(1, 2).contiguous(), weights  # (b, s_q, h, d_v)
 
 
-def _recording() -> bool:
-    """Whether the running model records attention weights (``output_attentions=True`` that its layers do not
-    pass down: transformers collects the modules' returned weights through its output-capturing hooks)."""
+@functools.lru_cache(maxsize=None)
+def _collector() -> Any:
+    """transformers' output-capturing context variable (looked up once: a per-call import costs a decode step)."""
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # pragma: no cover - another transformers layout: the keyword still works
-        return False
-    collected = _active_collector.get()
+        return None
+    return _active_collector
+
+
+def _recording() -> bool:
+    """Whether the running model records attention weights (``output_attentions=True`` that its layers do not
+    pass down: transformers collects the modules' returned weights through its output-capturing hooks)."""
+    collector = _collector()
+    collected = None if collector is None else collector.get()
     return isinstance(collected, dict) and any(k.endswith("attentions") for k in collected)
 
 
