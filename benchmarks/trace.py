@@ -7,7 +7,7 @@ of the unpatched model and against the peers researchers use, each capturing the
 Peers: plain PyTorch hooks on the unpatched model (a pre-hook on ``c_proj`` for z, then an einsum with
 W_O for the result; the eager model's ``output_attentions`` for the pattern), and where installed
 TransformerLens's ``HookedTransformer.run_with_cache`` with the same weights, nnsight (``NNsight.trace``)
-and pyvene (a ``CollectIntervention``; result only). Every capture is checked against headwise's; each row also has the peak resident memory of one
+and pyvene (``CollectIntervention``s). Every capture is checked against headwise's; each row also has the peak resident memory of one
 call above that of a plain forward.
 
 Shapes:
@@ -36,8 +36,8 @@ def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
     """The models of both groups, by name: ``plain`` (unpatched ``GPT2Model``, sdpa), ``patched`` (a patched
     copy), ``eager`` (an unpatched eager copy), and where installed ``tl`` (TransformerLens's
     ``HookedTransformer`` of the same weights), ``nnsight`` and ``nnsight eager`` (copies wrapped in
-    ``nnsight.NNsight``) and ``pyvene`` (an ``IntervenableModel`` collecting every block's z at every one of
-    ``s`` positions)."""
+    ``nnsight.NNsight``), ``pyvene`` (an ``IntervenableModel`` collecting every block's z at every one of
+    ``s`` positions) and ``pyvene eager`` (z and every head's weights, on an eager copy)."""
     import transformers
 
     from headwise.interop import patch
@@ -62,6 +62,15 @@ def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
         config = pv.IntervenableConfig([{"layer": i, "component": "attention_value_output", "max_number_of_units": s,
                                          "intervention_type": pv.CollectIntervention} for i in range(layers)])
         models["pyvene"] = pv.IntervenableModel(config, model=copy.deepcopy(plain))
+        # pyvene's GPT-2 attention_weight site is the input of attn.attn_dropout, which transformers' GPT-2 calls
+        # only on its reordered-and-upcast eager path (the same float32 softmax here)
+        upcast = copy.deepcopy(eager)
+        for blk in upcast.h:
+            blk.attn.reorder_and_upcast_attn = True
+        sites = [{"layer": i, "component": c, "unit": u, "max_number_of_units": s,
+                  "intervention_type": pv.CollectIntervention}
+                 for i in range(layers) for c, u in (("attention_value_output", "pos"), ("attention_weight", "h.pos"))]
+        models["pyvene eager"] = pv.IntervenableModel(pv.IntervenableConfig(sites), model=upcast)
     return models
 
 
@@ -158,6 +167,15 @@ def _pyvene(model, ids: torch.Tensor, capture: tuple[str, ...], w_o: list[torch.
     return _assemble(zs, [], w_o, capture)
 
 
+def _pyvene_pattern(model, ids: torch.Tensor, capture: tuple[str, ...], w_o: list[torch.Tensor]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """pyvene: z at every position and every head's weights (``h.pos`` units) collected per block."""
+    b, s = ids.shape
+    every, heads = [list(range(s))] * b, [list(range(w_o[0].shape[0]))] * b
+    with torch.no_grad():
+        (_, got), _ = model(base={"input_ids": ids}, unit_locations={"base": [every, [heads, every]] * len(w_o)})
+    return _assemble(got[0::2], got[1::2], w_o, capture)
+
+
 _TL_NAMES = {"result": "hook_result", "pattern": "hook_pattern", "z": "hook_z"}
 
 
@@ -212,8 +230,10 @@ def _group(sz: Sizes, capture: tuple[str, ...], models: dict) -> Group:
                         f"{user_lines(_pyvene) + user_lines(_assemble)} lines (+ its config in gpt2_models)"))
     notes = [f"{m} not installed: skipped" for m, key in (("TransformerLens", "tl"), ("nnsight", "nnsight"),
                                                           ("pyvene", "pyvene")) if key not in models]
-    if pattern and "pyvene" in models:
-        notes.append("pyvene: not in this group (its attention_weight site is not set up to collect whole patterns)")
+    if pattern and "pyvene eager" in models:
+        es.append(Entry("pyvene", partial(_pyvene_pattern, models["pyvene eager"], ids, capture, w_o),
+                        note="CollectIntervention of z and h.pos weights on GPT-2's upcast eager path; "
+                        f"{user_lines(_pyvene_pattern) + user_lines(_assemble)} lines (+ its config in gpt2_models)"))
     es.append(Entry("plain forward", partial(_plain, models["plain"], ids), compare=False,
                     note="unpatched, no capture"))
     es.append(Entry("headwise patched, no trace", partial(_plain, models["patched"], ids), ref="plain forward"))

@@ -40,15 +40,14 @@ def test_peer_captures_equal_headwise(models, peer, capture):
     module = {"tl_cache": "transformer_lens", "tl_hooks": "transformer_lens"}.get(peer, peer)
     if module != "hooks":
         _need(module)
-    if peer == "pyvene" and "pattern" in capture:
-        pytest.skip("the benchmark runs pyvene for the result only")
     ids, w_o = _inputs(models)
     pattern = "pattern" in capture
     run = {"hooks": partial(trace._hooks, models["eager" if pattern else "plain"], ids, capture, w_o),
            "tl_cache": lambda: trace._tl_cache(models.get("tl"), ids, capture),
            "tl_hooks": lambda: trace._tl_hooks(models.get("tl"), ids, capture),
            "nnsight": lambda: trace._nnsight(models["nnsight eager" if pattern else "nnsight"], ids, capture, w_o),
-           "pyvene": lambda: trace._pyvene(models["pyvene"], ids, capture, w_o)}[peer]
+           "pyvene": lambda: (trace._pyvene_pattern(models["pyvene eager"], ids, capture, w_o) if pattern
+                              else trace._pyvene(models["pyvene"], ids, capture, w_o))}[peer]
     got, want = run(), trace._headwise(models["patched"], ids, capture)
     assert len(got) == len(want)
     for g, w in zip(got, want):
