@@ -23,8 +23,8 @@ from .plan import Plan, plan_attention
 from .config import check_dropout, check_scale
 from .validation import check_bool, check_causal, check_qkv, check_sinks, check_tensor, has_dead_rows
 
-__all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "trusted_attention", "attend", "softmax_attention",
-           "available_backends"]
+__all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "trusted_attention", "attend",
+           "softmax_attention", "available_backends"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _BACKENDS = ("eager", "sdpa")

@@ -36,11 +36,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ._view import PROJECTIONS
 from .hf_registry import Entry, entry_for
 
 __all__ = ["SurgerySeam", "linear_like", "set_counts", "take_per_head"]
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 class SurgerySeam:
