@@ -158,6 +158,27 @@ def test_config_output_attentions_on_headwise_gives_eagers_weights(model_type):
         torch.testing.assert_close(g, w)
 
 
+def test_weights_are_computed_exactly_when_the_call_asks_for_them(monkeypatch):
+    """The call's ``output_attentions`` overrides the config's, as transformers' output capturing decides: the
+    eager path (the only one that materialises weights) runs for a call that records them and for no other."""
+    import headwise.functional as hwf
+
+    eager, ours = tiny("phi3", "eager"), tiny("phi3", "headwise")
+    softmax_calls = []
+    real = hwf.softmax_attention
+    monkeypatch.setattr(hwf, "softmax_attention", lambda *a, **k: softmax_calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        out = ours(IDS, output_attentions=True)  # the config says no, the call says yes
+        want = eager(IDS, output_attentions=True)
+        assert softmax_calls and len(out.attentions) == 1
+        torch.testing.assert_close(out.attentions[0], want.attentions[0])
+        ours.config.output_attentions = True
+        softmax_calls.clear()
+        out = ours(IDS, output_attentions=False)  # the config says yes, the call says no: the fused path
+        assert not softmax_calls and out.attentions is None
+        torch.testing.assert_close(out.logits, want.logits)
+
+
 def test_config_output_attentions_keeps_transformers_rule_for_other_implementations():
     model = tiny("llama", "sdpa")
     with pytest.raises(ValueError, match="output_attentions"):

@@ -179,7 +179,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if position_bias is not None:
         mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
         causal = False
-    wants = bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False))) or _recording()
+    wants = _weights_asked(kwargs, config)
     if tracer is not None:
         wants = tracer.wants_weights(layer) or wants
         edited = tracer.qkv(layer, query, key, value)
@@ -215,21 +215,27 @@ def _collector() -> Any:
     return _active_collector
 
 
-def _recording() -> bool:
-    """Whether the running model records attention weights (``output_attentions=True`` that its layers do not
-    pass down: transformers collects the modules' returned weights through its output-capturing hooks)."""
+def _weights_asked(kwargs: dict[str, Any], config: Any) -> bool:
+    """Whether the caller wants the attention weights: ``output_attentions`` passed down as a keyword, or the
+    running model recording them through transformers' output capturing (``output_attentions=True`` that its
+    layers never pass down). The capturing decorator already read the keyword or the model's config to decide
+    what it records, so the config is read here only when no capturing model is running (a config read costs
+    as much as the rest of a decode call's bookkeeping)."""
+    asked = bool(kwargs.get("output_attentions", False))
     collector = _collector()
     collected = None if collector is None else collector.get()
-    return isinstance(collected, dict) and any(k.endswith("attentions") for k in collected)
+    if isinstance(collected, dict):
+        return asked or any(k.endswith("attentions") for k in collected)
+    return bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
 
 
 def check_heads(layer: nn.Module, module: nn.Module, query: torch.Tensor, value: torch.Tensor) -> None:
     """The heads transformers hands over must be the heads the layer was built for (edits name heads by index)."""
     cfg = layer.config
+    if query.shape[1] == cfg.n_heads and value.shape[1] == cfg.n_kv_heads and value.shape[-1] == cfg.d_head:
+        return
     got = (query.shape[1], value.shape[1], value.shape[-1])
     want = (cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
-    if got == want:
-        return
     adopt_kv, adopt = getattr(layer, "adopt_kv_heads", None), getattr(layer, "adopt_heads", None)
     if not ((got[::2] == want[::2] and adopt_kv is not None and adopt_kv(got[1]))
             or (got[2] == want[2] and adopt is not None and adopt(got[0], got[1]))):
