@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks.cases import QUICK
-from benchmarks.hf import FAMILIES
+from benchmarks.hf import FAMILIES, GENERATE_ROUNDS, family_model, sharing_weights
 from benchmarks.report import GOALS, evaluate, write_results
 from benchmarks.suite import CASES, ROOT, resolve_only, run_cases
 from benchmarks.timing import Entry, Group, run_group
@@ -49,7 +49,7 @@ def test_every_case_times_its_groups(groups):
             (rounds,) = e["round_s"]  # one process
             assert len(rounds) == (1 if refused else TINY.decode_rounds if g["key"] == "decode" else
                                    TINY.sweep_rounds if g["key"] == "sweep" else
-                                   3 * TINY.rounds if g["key"].endswith("generate") else TINY.rounds)
+                                   GENERATE_ROUNDS * TINY.rounds if g["key"].endswith("generate") else TINY.rounds)
             assert all(t > 0 for t in rounds) and e["calls"] >= 1
 
 
@@ -122,6 +122,21 @@ def test_every_goal_finds_its_entries(groups, tmp_path):
     text = path.read_text()
     assert "## Goals" in text and "| THP_MEM_ALLOC_ENABLE | 1 |" in text
     assert all(f"## {g['title']}" in text for g in groups)
+
+
+def test_the_patched_entry_shares_the_unpatched_models_weights_and_only_them():
+    from headwise.interop import layers, patch
+
+    plain = family_model("opt", *QUICK.family)
+    twin = patch(sharing_weights(plain))
+    mine = dict(plain.named_parameters())
+    assert all(t is mine[n] for n, t in twin.named_parameters())  # the same memory: no placement in the ratio
+    assert all(t is b for (_, t), (_, b) in zip(twin.named_buffers(), plain.named_buffers()))
+    assert not layers(plain) and layers(twin)  # modules are the copy's own: patching it left the original alone
+    assert not any(m is p for m in twin.modules() for p in plain.modules())
+    ids = torch.randint(3, plain.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, plain(ids).logits)
 
 
 def test_only_takes_case_names():
