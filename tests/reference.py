@@ -58,7 +58,8 @@ def reference_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: 
                     sinks: torch.Tensor | None = None):
     """Attention on split heads, float64, one head at a time.
 
-    Shapes: q (b, h, s_q, d_h); k (b, h_kv, s_kv, d_h); v (b, h_kv, s_kv, d_v); sinks (h,)
+    Shapes: q (b, h, s_q, d_h); k (b, h_kv, s_kv, d_h); v (b, h_kv, s_kv, d_v); sinks (h,) or 4-D broadcastable
+        to (b, h, s_q, 1)
         -> context (b, h, s_q, d_v), weights (b, h, s_q, s_kv)
     """
     q, k, v = q.double(), k.double(), v.double()
@@ -66,6 +67,8 @@ def reference_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: 
     h_kv, s_kv = k.shape[1], k.shape[2]
     scale = 1 / math.sqrt(d_h) if scale is None else scale
     allowed, add = allowed_and_additive(b, h, s_q, s_kv, mask, causal)
+    if sinks is not None:  # one logit per query row: (b, h, s_q, 1)
+        sinks = (sinks.view(1, h, 1, 1) if sinks.dim() == 1 else sinks).double().expand(b, h, s_q, 1)
     contexts, weights = [], []
     for head in range(h):
         g = head // (h // h_kv)
@@ -76,7 +79,7 @@ def reference_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: 
         ok = allowed[:, head]
         scores = scores.masked_fill(~ok, -math.inf)
         if sinks is not None:  # one more logit that carries no value
-            scores = torch.cat([scores, sinks.double()[head].expand(b, s_q, 1)], dim=-1)
+            scores = torch.cat([scores, sinks[:, head]], dim=-1)
             ok = torch.cat([ok, torch.ones(b, s_q, 1, dtype=torch.bool)], dim=-1)
         any_ok = ok.any(-1, keepdim=True)
         top = (torch.where(any_ok, scores.amax(-1, keepdim=True), torch.zeros_like(scores[..., :1]))

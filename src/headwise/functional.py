@@ -106,15 +106,17 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """The formula, for every head: ``softmax(cap(Q K^T * scale) + mask) V``; query head i reads K/V head i // g.
 
     ``softcap`` bounds each score to ``(-softcap, softcap)`` with ``softcap * tanh(score / softcap)``
-    before the mask (Gemma 2). ``sinks`` adds one logit per head that every query row may "attend" to and
-    that carries no value (gpt-oss): it takes part in the softmax and is dropped after it. A row that may
+    before the mask (Gemma 2). ``sinks`` adds one logit per query row that the row may "attend" to and that
+    carries no value: one per head shared by every row (gpt-oss), or one per row (Inkling 2 computes them from
+    the input). It takes part in the softmax and is dropped after it. A row that may
     read nothing gets zero weights and a zero context (softmax of a finite row, then zeroed), so neither
     the forward nor the backward sees 0/0. ``causal`` adds bottom-right causal masking (query i sits at
     position ``s_kv - s_q + i``). Half precision runs in float32. Inputs are trusted.
 
     Shapes:
         q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h); v: (b, h_kv, s_kv, d_v); mask: 4-D, broadcastable
-        to (b, h, s_q, s_kv); sinks: (h,) -> context (b, h, s_q, d_v), weights (b, h, s_q, s_kv)
+        to (b, h, s_q, s_kv); sinks: (h,), or 4-D broadcastable to (b, h, s_q, 1)
+        -> context (b, h, s_q, d_v), weights (b, h, s_q, s_kv)
     """
     b, h, s_q, d_h = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
@@ -149,7 +151,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if sinks is None:
         weights = torch.softmax(scores, dim=-1)
     else:
-        sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s_q, 1)  # (b, h, s_q, 1)
+        sink = (sinks.view(1, h, 1, 1) if sinks.dim() == 1 else sinks).to(scores.dtype).expand(b, h, s_q, 1)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s_kv]  # (b, h, s_q, s_kv)
     if blocked is not None:
         weights = weights * (~blocked).to(weights.dtype)  # (b, h, s_q, s_kv): rows that read nothing
@@ -171,7 +173,8 @@ def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
     Shapes:
         q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h); v: (b, h_kv, s_kv, d_v); mask: 4-D, broadcastable
-        to (b, h, s_q, s_kv); sinks: (h,) -> context (b, h, s_q, d_v), weights (eager path) or None
+        to (b, h, s_q, s_kv); sinks: as :func:`softmax_attention` -> context (b, h, s_q, d_v), weights (eager
+        path) or None
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a headwise.plan.Plan (from plan_attention), got {type(plan).__name__}; "
@@ -219,11 +222,12 @@ def attention(
         backend: ``"sdpa"`` (fused) or ``"eager"`` (materialises and returns the weights).
         return_weights: default: True exactly for the eager backend.
         softcap: bound the scores with ``softcap * tanh(score / softcap)`` (eager path).
-        sinks: one extra logit per query head that takes probability and carries no value (eager path).
+        sinks: an extra logit per query row that takes probability and carries no value (eager path): one
+            per head ``(h,)``, or one per row, 4-D broadcastable to ``(b, h, s_q, 1)``.
 
     Shapes:
-        q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h); v: (b, h_kv, s_kv, d_v); sinks: (h,)
-        -> (b, h, s_q, d_v), weights (b, h, s_q, s_kv) or None
+        q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h); v: (b, h_kv, s_kv, d_v); sinks: (h,) or
+        (b or 1, h, s_q or 1, 1) -> (b, h, s_q, d_v), weights (b, h, s_q, s_kv) or None
 
     Example:
         >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
@@ -244,7 +248,7 @@ def attention(
     check_scale(scale)
     check_dropout(dropout_p)
     check_scale(softcap, "softcap")
-    check_sinks(sinks, h, q.dtype, q.device)
+    check_sinks(sinks, b, h, s_q, q.device)
     if mask is not None:
         mask = validate_mask(mask, (b, h, s_q, s_kv), q.dtype, q.device)
     return trusted_attention(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, causal=causal, backend=backend,

@@ -96,13 +96,17 @@ def check_qkv(q: object, k: object, v: object) -> None:
     raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
-def check_sinks(sinks: object, h: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Attention sinks: None or one floating logit per query head, on the queries' device."""
+def check_sinks(sinks: object, b: int, h: int, s_q: int, device: torch.device) -> None:
+    """Attention sinks: None, or floating logits on the queries' device, one per query head ``(h,)`` or one per
+    query row ``(b or 1, h, s_q or 1, 1)`` (never broadcast over heads: each head has its own)."""
     if sinks is None:
         return
     check_tensor("sinks", sinks)
-    if tuple(sinks.shape) != (h,) or not sinks.dtype.is_floating_point:
-        raise ValueError(f"sinks must be a floating tensor of shape (h={h},), got {tuple(sinks.shape)} {sinks.dtype}")
+    shape = tuple(sinks.shape)
+    per_row = len(shape) == 4 and shape[0] in (1, b) and shape[1] == h and shape[2] in (1, s_q) and shape[3] == 1
+    if not (shape == (h,) or per_row) or not sinks.dtype.is_floating_point:
+        raise ValueError(f"sinks must be a floating tensor of shape (h={h},) or (b or 1, h={h}, s_q or 1, 1) with "
+                         f"b={b}, s_q={s_q}, got {shape} {sinks.dtype}")
     if sinks.device != device:
         raise ValueError(f"sinks are on {sinks.device} but the queries are on {device}")
 

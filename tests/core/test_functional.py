@@ -195,14 +195,34 @@ def test_sinks_take_probability_and_carry_no_value(causal):
     assert (w.sum(-1) < 1 - 1e-6).all()  # every row gave some probability to its sink
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 5, 1), (1, 4, 5, 1), (2, 4, 1, 1)])
+def test_sinks_per_query_row_match_the_reference(shape):
+    q, k, v = _qkv()
+    sinks = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 2
+    mask = torch.rand(5, 6, generator=torch.Generator().manual_seed(1)) > 0.3
+    z, w = hwf.attention(q, k, v, sinks=sinks, mask=mask, return_weights=True)
+    ref_z, ref_w = reference_heads(q, k, v, sinks=sinks, mask=mask)
+    torch.testing.assert_close(z, ref_z)
+    torch.testing.assert_close(w, ref_w)
+    per_head, _ = hwf.attention(q, k, v, sinks=sinks[0, :, 0, 0], mask=mask)
+    assert (per_head - z).abs().max() > 1e-3  # the rows' own sinks change the answer: this test can fail
+
+
 def test_sinks_and_softcap_are_differentiable_and_refuse_bad_values():
     q, k, v = _qkv()
     sinks = torch.zeros(4, dtype=torch.float64, requires_grad=True)
     z, _ = hwf.attention(q, k, v, sinks=sinks, softcap=5.0)
     z.sum().backward()
     assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
-    with pytest.raises(ValueError, match=r"sinks must be a floating tensor of shape \(h=4,\), got \(3,\)"):
+    with pytest.raises(ValueError, match=r"sinks must be a floating tensor of shape \(h=4,\) or \(b or 1, h=4, "
+                                         r"s_q or 1, 1\) with b=2, s_q=5, got \(3,\)"):
         hwf.attention(q, k, v, sinks=torch.zeros(3, dtype=torch.float64))
+    for bad in ((2, 1, 5, 1), (3, 4, 5, 1), (2, 4, 4, 1), (2, 4, 5, 2), (4, 5, 1)):  # never across heads
+        with pytest.raises(ValueError, match="sinks must be a floating tensor of shape"):
+            hwf.attention(q, k, v, sinks=torch.zeros(bad, dtype=torch.float64))
+    rows = torch.zeros(2, 4, 5, 1, dtype=torch.float64, requires_grad=True)
+    hwf.attention(q, k, v, sinks=rows)[0].sum().backward()
+    assert rows.grad is not None and torch.isfinite(rows.grad).all()
     with pytest.raises(ValueError, match="softcap must be a positive finite float or None, got nan"):
         hwf.attention(q, k, v, softcap=float("nan"))
     with pytest.raises(TypeError, match="softcap must be a float or None, got '3'"):
