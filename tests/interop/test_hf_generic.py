@@ -286,3 +286,59 @@ def test_heads_computed_other_than_configured_are_taken_as_transformers_hands_th
     assert [v.n_heads for _, v in layers(model)] == [cfg.num_experts_per_tok * cfg.num_key_value_heads] * 2
     for i, w in enumerate(want.attentions):
         torch.testing.assert_close(t[i].pattern, w)
+
+
+def _built(model_type: str, **sizes) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **sizes})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # the learned sink and residual queries start at zero
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
+def test_attention_over_residual_blocks_is_no_layer_and_per_row_sinks_count(model_type):
+    # Inkling 2's block attention residuals call the interface with positions as "heads": patch gives them no
+    # layer; its self-attention hands over one sink logit per query row, which must take part in the softmax.
+    plain = _built(model_type, head_dim=4)
+    model = patch(_built(model_type, head_dim=4))
+    residuals = [m for m in model.modules() if "AttentionResidual" in type(m).__name__]
+    assert residuals and not any(type(m).__name__.startswith("Headwise") for m in residuals)  # not patched
+    assert layers(model) and all(name.endswith("self_attn") for name, _ in layers(model))
+    torch.testing.assert_close(logits(model), logits(plain))
+    with headwise.trace(model, capture=("pattern",)) as t:
+        logits(model)
+    sums = torch.stack([t[i].pattern.sum(-1) for i in range(len(layers(model)))])
+    assert (sums < 1 - 1e-4).any() and (sums <= 1 + 1e-5).all()  # the sinks took part of some rows
+
+
+def test_a_sparse_selection_made_for_eager_and_sdpa_only_is_refused_never_ignored():
+    # DeepSeek-V3.2 folds its indexer's top-k keys into the mask under 'eager' and 'sdpa' only, and hands them to
+    # any other implementation as indices=: headwise cannot apply them, so the patched model refuses to run.
+    model = patch(_built("deepseek_v32", num_key_value_heads=4, n_routed_experts=2, num_experts_per_tok=1,
+                         moe_intermediate_size=8,
+                         q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+                         index_n_heads=2, index_head_dim=8, index_topk=3, first_k_dense_replace=0, n_group=1,
+                         topk_group=1))
+    with pytest.raises(ValueError, match=r"DeepseekV32Attention handed headwise a sparse attention selection "
+                                         r"\(indices=\.\.\.\), which transformers folds into the mask only under"):
+        logits(model)
+    unpatch(model)  # under sdpa the selection is in the mask again
+    assert torch.isfinite(logits(model)).all()
+
+
+def test_a_prefill_whose_queries_the_model_slices_after_masking_keeps_its_mask():
+    # Gemma 4's KV-shared layers keep only the last logits_to_keep queries of a prefill; transformers allows that
+    # under sdpa only with a mask, by the implementation's name, so headwise materialises the causal mask there.
+    from headwise.interop.hf_interface import mask
+
+    plain = _built("gemma4_unified_text", num_hidden_layers=4, num_kv_shared_layers=2, head_dim=4,
+                   layer_types=["sliding_attention", "full_attention"] * 2)
+    model = patch(_built("gemma4_unified_text", num_hidden_layers=4, num_kv_shared_layers=2, head_dim=4,
+                         layer_types=["sliding_attention", "full_attention"] * 2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS, logits_to_keep=3).logits, plain(IDS, logits_to_keep=3).logits)
+    assert mask(batch_size=1, q_length=4, kv_length=4, config=model.config) is not None
+    assert mask(batch_size=1, q_length=4, kv_length=4, config=transformers.AutoConfig.for_model("llama")) is None

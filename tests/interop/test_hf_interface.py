@@ -76,6 +76,28 @@ def test_no_mask_in_an_eager_only_family_attends_everywhere_as_eager_does():
     torch.testing.assert_close(out, reference(q, k, v, causal=True).float())
 
 
+def test_sinks_per_query_row_take_part_in_the_softmax_and_s_aux_with_them_is_refused():
+    from tests.reference import reference_heads
+
+    q, k, v = qkv(s_q=3, s_kv=7)
+    sinks = torch.randn(2, 4, 3, 1, generator=torch.Generator().manual_seed(5))  # (b, h, s_q, 1), Inkling 2's
+    out, weights = attention_forward(Module(False), q, k, v, None, sinks=sinks, output_attentions=True)
+    ref_z, ref_w = reference_heads(q, k, v, sinks=sinks)
+    torch.testing.assert_close(out, ref_z.transpose(1, 2).float())
+    torch.testing.assert_close(weights, ref_w.float())
+    with pytest.raises(ValueError, match=r"both s_aux \(a sink per head\) and sinks \(a sink per query row\)"):
+        attention_forward(Module(False), q, k, v, None, sinks=sinks, s_aux=torch.zeros(4))
+
+
+@pytest.mark.parametrize("name", ["indices", "block_indices"])
+def test_a_sparse_selection_is_refused_never_ignored(name):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=rf"Module handed headwise a sparse attention selection \({name}=\.\.\.\)"):
+        attention_forward(Module(True), q, k, v, None, **{name: torch.zeros(2, 5, 3, dtype=torch.long)})
+    out, _ = attention_forward(Module(True), q, k, v, None, **{name: None})  # a family's None is no selection
+    torch.testing.assert_close(out, reference(q, k, v, causal=True).float())
+
+
 def test_a_bool_mask_and_output_attentions_give_the_weights():
     q, k, v = qkv(s_q=3, s_kv=7)
     mask = torch.rand(2, 1, 3, 7, generator=torch.Generator().manual_seed(1)) > 0.3

@@ -52,9 +52,12 @@ def calls_interface(cls: type) -> bool:
 
 
 def is_target(module: nn.Module) -> bool:
-    """An attention module on the interface, not yet patched."""
-    return (not isinstance(module, HeadwiseHFModule) and hasattr(module, "config")
-            and calls_interface(type(module)))
+    """An attention module on the interface, not yet patched, whose registry entry does not say it attends over
+    something other than heads (:attr:`~headwise.interop.hf_registry.Entry.not_heads`)."""
+    if isinstance(module, HeadwiseHFModule) or not hasattr(module, "config") or not calls_interface(type(module)):
+        return False
+    cfg = module.config
+    return type(module).__name__ not in entry_for(getattr(cfg, "model_type", None), cfg).not_heads
 
 
 def _count(owners: tuple[Any, ...], names: tuple[str, ...]) -> int | None:

@@ -31,6 +31,9 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
+import re
+import sys
 from typing import Any
 
 import torch
@@ -84,18 +87,33 @@ def _let_configs_ask_for_weights() -> None:
         PreTrainedConfig.validate_output_attentions = validate_output_attentions
 
 
+#: Modeling code that takes a decision of its own when the implementation is named "sdpa" (Gemma 4 keeps a prefill's
+#: queries whole under sdpa when its mask is missing, since the kernel's causal mask is then top-left aligned).
+_NAMES_SDPA = re.compile(r"""_attn_implementation\s*==\s*["']sdpa["']""")
+
+
 @functools.lru_cache(maxsize=None)
 def _trusts_is_causal(config_class: type) -> bool:
-    """Whether transformers runs this family under sdpa, where a missing mask means ``module.is_causal``.
+    """Whether a missing mask may stand for the causal mask in this family, as it does under sdpa.
 
-    Families that run only eager always get a materialised mask: their modules' ``is_causal`` flags were never
-    read (several say False on causal decoders), and eager treats "no mask" as "attend to everything"."""
+    It may where transformers runs the family under sdpa (``module.is_causal`` is then read) and the family's
+    modeling code decides nothing by the name "sdpa" (headwise's name is not, so such a guard would not protect
+    it). Elsewhere every causal mask is materialised: families that run only eager never read their modules'
+    ``is_causal`` flags (several say False on causal decoders), and eager treats "no mask" as "attend to
+    everything"."""
     from transformers import MODEL_MAPPING
 
     try:
-        return bool(getattr(MODEL_MAPPING[config_class], "_supports_sdpa", False))
+        model_class = MODEL_MAPPING[config_class]
     except (KeyError, ValueError):
         return False
+    if not getattr(model_class, "_supports_sdpa", False):
+        return False
+    try:
+        source = inspect.getsource(sys.modules[model_class.__module__])
+    except (OSError, TypeError, KeyError):  # no source to read: nothing says the name is looked at
+        return True
+    return _NAMES_SDPA.search(source) is None
 
 
 def mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
@@ -110,6 +128,11 @@ def mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
     if q_length != 1 and (config is None or not _trusts_is_causal(type(config))):
         kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, config=config, **kwargs)
+
+
+#: Keywords that carry a sparse attention selection for kernels that apply it themselves (transformers builds it
+#: into the mask only under eager and sdpa, whose names headwise cannot answer to).
+_SELECTIONS = ("indices", "block_indices")
 
 
 def _position_bias_mask(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, s_q: int,
@@ -131,18 +154,20 @@ def _position_bias_mask(bias: torch.Tensor, mask: torch.Tensor | None, causal: b
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, position_bias: torch.Tensor | None = None,
-                      softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs: Any,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                      sinks: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every head's attention with headwise, in transformers' attention-interface signature.
 
     Masks and causality follow transformers' sdpa function exactly (the mask function is :func:`mask`): a 4-D
-    bool (True = may attend) or float (added) mask is used as given; without one, ``is_causal`` (the keyword, else
-    ``module.is_causal``, default True, in families transformers runs under sdpa) applies when ``s_q > 1``, after
-    cropping K/V to ``s_q`` when there are more (an empty static cache's prefill). ``position_bias`` (T5's relative bias) is added to the scores.
-    ``softcap`` (Gemma 2) and ``s_aux`` (attention sinks, gpt-oss) go to :func:`headwise.functional.attention`;
-    ``sliding_window`` is already in the mask. The weights are computed (the eager path) when
-    ``output_attentions`` is asked for (as a keyword, or by the model recording them) or a trace captures
-    ``"pattern"``; otherwise the fused path runs.
+    bool (True = may attend) or float (added) mask is used as given; without one, ``is_causal`` (the keyword,
+    else ``module.is_causal``, default True, in families transformers runs under sdpa) applies when ``s_q > 1``,
+    after cropping K/V to ``s_q`` when there are more (an empty static cache's prefill). ``position_bias`` (T5's
+    relative bias) is added to the scores. ``softcap`` (Gemma 2), ``s_aux`` (a sink logit per head, gpt-oss) and
+    ``sinks`` (a sink logit per query row, Inkling 2) go to :func:`headwise.functional.attention`;
+    ``sliding_window`` is already in the mask. A sparse selection handed over as ``indices`` or ``block_indices``
+    (DeepSeek-V3.2, MiniMax M3: transformers folds it into the mask only under eager and sdpa) is refused with a
+    ``ValueError``. The weights are computed (the eager path) when ``output_attentions`` is asked for (as a
+    keyword, or by the model recording them) or a trace captures ``"pattern"``; otherwise the fused path runs.
 
     In a module patched by :func:`headwise.interop.patch`, the layer's tracer sees q, k, v (and may replace
     them) and the per-head context before the module's output projection (and may edit it).
@@ -157,11 +182,21 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         position_bias: an additive per-head bias (T5).
         softcap: logit soft-capping ``softcap * tanh(scores / softcap)``.
         s_aux: one sink logit per query head.
+        sinks: one sink logit per query row (at most one of ``s_aux`` and ``sinks``).
 
     Shapes:
         query (b, h, s_q, d_qk); key (b, h_kv, s_kv, d_qk); value (b, h_kv, s_kv, d_v);
-        attention_mask (b or 1, 1, s_q, s_kv) -> (b, s_q, h, d_v), weights (b, h, s_q, s_kv) or None
+        attention_mask (b or 1, 1, s_q, s_kv); s_aux (h,); sinks (b, h, s_q, 1)
+        -> (b, s_q, h, d_v), weights (b, h, s_q, s_kv) or None
     """
+    for name in _SELECTIONS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} handed headwise a sparse attention selection ({name}=...), "
+                             "which transformers folds into the mask only under attn_implementation 'eager' or "
+                             "'sdpa'; headwise cannot apply it: run this model with 'sdpa' or 'eager'")
+    if s_aux is not None and sinks is not None:
+        raise ValueError(f"{type(module).__name__} handed headwise both s_aux (a sink per head) and sinks (a sink "
+                         "per query row); at most one sink logit per row is defined")
     layer = module.__dict__.get("_hw_attn")  # set by headwise.interop.patch: the module's headwise layer
     tracer = None if layer is None else layer.tracer
     if layer is not None:
@@ -188,8 +223,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     extra: dict[str, Any] = {}
     if softcap is not None:
         extra["softcap"] = softcap
-    if s_aux is not None:
-        extra["sinks"] = s_aux
+    if s_aux is not None or sinks is not None:
+        extra["sinks"] = s_aux if sinks is None else sinks
     if layer is None or tracer is not None:  # tensors nobody has checked yet (or a trace's edits): validate all
         z, weights = hwf.attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout, causal=causal,
                                    backend="eager" if wants else "sdpa", return_weights=wants, **extra)

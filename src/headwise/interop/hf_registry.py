@@ -27,6 +27,8 @@ Example:
     True
     >>> entry_for("deepseek_v3").latent.kv_up
     'kv_b_proj'
+    >>> entry_for("inkling2_text").not_heads
+    ('Inkling2BlockAttentionResidual',)
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class Entry:
         unlocated: why Q/K/V cannot be located as per-head slices of projections of x ("" when they can).
         latent: where multi-head latent attention keeps its pieces (None for every other family): heads are then
             :class:`~headwise.interop.hf_latent.LatentHead` objects.
+        not_heads: class names of the family's modules that call the attention interface over something other
+            than token heads (the axis they hand over as heads is not one); :func:`~headwise.interop.patch` gives
+            them no layer, and they compute through headwise's implementation function as plain attention.
 
     Surgery (:mod:`headwise.surgery` resizing the module in place) also reads:
 
@@ -110,6 +115,7 @@ class Entry:
                             "d_kv")
     unlocated: str = ""
     latent: Latent | None = None
+    not_heads: tuple[str, ...] = ()
     set_heads: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads", "n_head")
     set_kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
     set_groups: tuple[str, ...] = ("num_key_value_groups",)
@@ -157,6 +163,11 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     "diffllama": Entry(refuse="differential attention subtracts pairs of heads' patterns (value heads concatenated "
                               "in pairs, lambda over the pair), so heads cannot be removed one by one"),
     **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
+    # Attention residuals: at every position learned queries attend over the residual stream's blocks, handing
+    # over the sequence as the heads axis (no projections, no heads).
+    "inkling2_text": Entry(not_heads=("Inkling2BlockAttentionResidual",)),
+    "inkling2_loop_text": Entry(not_heads=("Inkling2LoopBlockAttentionResidual",
+                                           "Inkling2LoopMessageAttentionResidual")),
 }
 
 
