@@ -2,7 +2,8 @@
 random weights: a BERT-shaped encoder's forward, a Llama-shaped decoder's forward and greedy generation, and
 the same two for small models of the families of :data:`FAMILIES`.
 
-Both sides run identical weights on identical inputs, so the ratio measures what patching adds.
+Both sides read the same weight tensors (:func:`sharing_weights`) on identical inputs, so the ratio measures what
+patching adds.
 
 Shapes:
     b: batch, s: sequence, d: hidden size, h: query heads, h_kv: key/value heads.
