@@ -118,8 +118,8 @@ def _trusts_is_causal(config_class: type) -> bool:
 
 def mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
     """transformers' ``sdpa_mask`` (bool, True = may attend), which may return None for a purely causal mask
-    (the kernel's ``is_causal`` is faster) in families transformers runs under sdpa, and for one query (a decode
-    step) in every family."""
+    (the kernel's ``is_causal`` is faster) where a missing mask may stand for it (:func:`_trusts_is_causal`), and
+    for one query (a decode step) in every family."""
     from transformers.masking_utils import sdpa_mask
 
     # One query reads every key it may: "no mask" means that in eager too, so the skip (which transformers takes
