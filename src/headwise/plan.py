@@ -212,7 +212,7 @@ def plan_attention(
     chunk, lse, nbytes = None, False, 0
     if backend == "eager":
         nbytes = b * h * s_q * s_kv * (4 if dtype in _LOW_PRECISION else dtype.itemsize)
-    elif backend == "sdpa" and not cached and not dropout_p and not records_grad and chunk_queries is not False:
+    elif backend == "sdpa" and not cached and not dropout_p and not records_grad:
         chunk = chunk_length(h, h_kv, d_h, b, s_q, s_kv, dtype, chunk_queries)
         if chunk is not None and causal:
             lse = not has_mask and s_kv >= s_q and lse_merge_available(device, dtype)

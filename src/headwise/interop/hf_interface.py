@@ -256,11 +256,10 @@ def _weights_asked(kwargs: dict[str, Any], config: Any) -> bool:
     layers never pass down). The capturing decorator already read the keyword or the model's config to decide
     what it records, so the config is read here only when no capturing model is running (a config read costs
     as much as the rest of a decode call's bookkeeping)."""
-    asked = bool(kwargs.get("output_attentions", False))
     collector = _collector()
     collected = None if collector is None else collector.get()
     if isinstance(collected, dict):
-        return asked or any(k.endswith("attentions") for k in collected)
+        return bool(kwargs.get("output_attentions", False)) or any(k.endswith("attentions") for k in collected)
     return bool(kwargs.get("output_attentions", getattr(config, "output_attentions", False)))
 
 
