@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from headwise import MultiHeadAttention
+from headwise import DecodeStep, MultiHeadAttention
 
 from . import peers
 from .timing import Entry, Group
@@ -145,8 +145,29 @@ def decode_group(sz: Sizes) -> Group:
                  rounds=sz.decode_rounds, block_s=sz.block_s)
 
 
+def decode_step_group(sz: Sizes) -> Group:
+    """A d64 layer's one-token step, where a call's fixed Python cost is most of it: ``DecodeStep`` (checked and
+    planned once) vs the preallocated ``x @ W`` loop."""
+    d, h, ctx = 64, 4, 256
+    attn = _layer(d, h)
+    max_len = ctx + 64
+    cache = attn.new_cache(batch_size=1, max_len=max_len)
+    step = DecodeStep(attn, cache)
+    xw = peers.XWDecoder(attn, 1, max_len)
+    torch.manual_seed(1)
+    prompt, x = torch.randn(1, ctx, d), torch.randn(1, 1, d)
+    with torch.no_grad():
+        attn(prompt, cache=cache)
+        k0, v0 = (p(prompt).view(1, ctx, h, d // h).transpose(1, 2) for p in (attn.k_proj, attn.v_proj))
+    es = [Entry("headwise DecodeStep", _no_grad(lambda: step(x)), reset=partial(cache.crop, ctx), number=32,
+                note="step = DecodeStep(attn, cache); step(x) under no_grad"),
+          Entry("x @ W preallocated loop", _no_grad(lambda: xw(x)), reset=partial(xw.fill, k0, v0), number=32)]
+    return Group("decode step", f"decode step d{d} h{h} context {ctx} (per-call overhead)", es,
+                 base="x @ W preallocated loop", rounds=sz.decode_rounds, block_s=sz.block_s)
+
+
 def layer_groups(sz: Sizes) -> dict[str, list[Callable[[], Group]]]:
     """Factories of the layer-level cases, by case name."""
     return {"forward": [partial(forward_group, sz, False), partial(forward_group, sz, True)],
             "backward": [partial(backward_group, sz)], "gqa": [partial(gqa_group, sz)],
-            "decode": [partial(decode_group, sz)]}
+            "decode": [partial(decode_group, sz), partial(decode_step_group, sz)]}

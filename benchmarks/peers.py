@@ -12,9 +12,12 @@ Shapes:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from headwise import MultiHeadAttention
 
@@ -43,9 +46,10 @@ class PackedSDPA(nn.Module):
         cfg = attn.config
         self.h, self.h_kv, self.d_h, self.repeat_kv = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, repeat_kv
         w, b = _qkv_weight(attn)
-        self.qkv = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        kw = dict(device=w.device, dtype=w.dtype)
+        self.qkv = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, **kw)
         self.out = nn.Linear(attn.out_proj.in_features, attn.out_proj.out_features,
-                             bias=attn.out_proj.bias is not None)
+                             bias=attn.out_proj.bias is not None, **kw)
         with torch.no_grad():
             self.qkv.weight.copy_(w)
             self.out.weight.copy_(attn.out_proj.weight)
@@ -90,12 +94,14 @@ class XWDecoder:
     ``F.scaled_dot_product_attention`` over the filled prefix, the merge (a view: one token) and ``@ W_O``.
 
     ``attn``'s weights are copied, never shared; ``attn`` must have no rotary embedding. One token per call.
+    ``kernels`` restricts SDPA to those backends (``torch.nn.attention.SDPBackend`` members; None: PyTorch's
+    choice), as a user who knows about cuDNN's per-shape plans on CUDA would.
 
     Shapes:
         x: (b, 1, d) -> (b, 1, d); buffers: (b, h_kv, max_len, d_h)
     """
 
-    def __init__(self, attn: MultiHeadAttention, batch_size: int, max_len: int) -> None:
+    def __init__(self, attn: MultiHeadAttention, batch_size: int, max_len: int, *, kernels: list | None = None) -> None:
         if getattr(attn, "rotary", None) is not None:
             raise ValueError("XWDecoder computes no rotary embedding; expected a layer with rotary=None, "
                              f"got {type(attn.rotary).__name__}")
@@ -104,7 +110,9 @@ class XWDecoder:
         projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj)
         self.w = [p.weight.detach().t().contiguous() for p in projs]  # (d_in, d_out) each
         self.b = [None if p.bias is None else p.bias.detach().clone() for p in projs]
-        self.keys = torch.zeros(batch_size, self.h_kv, max_len, self.d_h, dtype=self.w[0].dtype)
+        self.keys = torch.zeros(batch_size, self.h_kv, max_len, self.d_h, dtype=self.w[0].dtype,
+                                device=self.w[0].device)
+        self.kernels = kernels
         self.values = torch.zeros_like(self.keys)
         self.length = 0
 
@@ -126,9 +134,13 @@ class XWDecoder:
         self.keys[:, :, n].copy_(k.view(b, self.h_kv, self.d_h))  # slot n of (b, h_kv, max_len, d_h)
         self.values[:, :, n].copy_(v.view(b, self.h_kv, self.d_h))
         self.length = n + 1
-        o = F.scaled_dot_product_attention(q.view(b, self.h, 1, self.d_h), self.keys[:, :, :n + 1],
-                                           self.values[:, :, :n + 1], scale=self.scale,
-                                           enable_gqa=self.h != self.h_kv)  # (b, h, 1, d_h)
+        attend = partial(F.scaled_dot_product_attention, q.view(b, self.h, 1, self.d_h), self.keys[:, :, :n + 1],
+                         self.values[:, :, :n + 1], scale=self.scale, enable_gqa=self.h != self.h_kv)
+        if self.kernels is None:
+            o = attend()  # (b, h, 1, d_h)
+        else:
+            with sdpa_kernel(self.kernels):
+                o = attend()
         return self._proj(3, o.reshape(b, self.h * self.d_h)).view(b, 1, d)
 
 

@@ -45,6 +45,8 @@ GOALS = (
     Goal("GQA forward vs packed SDPA enable_gqa", "gqa", _HW, ("packed SDPA enable_gqa",), 1.03),
     Goal("GQA forward vs repeated K/V", "gqa", _HW, ("packed SDPA repeat K/V",), 1.00),
     Goal("decode vs the x @ W preallocated loop", "decode", _HW, ("x @ W preallocated loop",), 1.05),
+    Goal("d64 decode step vs the x @ W preallocated loop", "decode step", "headwise DecodeStep",
+         ("x @ W preallocated loop",), 1.25),
     Goal("every head's result vs a plain forward", "trace result", "headwise trace", ("plain forward",), 1.10),
     Goal("every head's result vs every peer's capture", "trace result", "headwise trace",
          ("hooks + einsum", "TransformerLens run_with_cache", "TransformerLens run_with_hooks", "nnsight", "pyvene"),
@@ -154,7 +156,7 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def write_results(path: str | Path, groups: list[dict], goals: list[dict], *, command: str, env: dict[str, str],
-                  processes: int, quick: bool = False) -> Path:
+                  processes: int, quick: bool = False, device: str = "cpu") -> Path:
     """Write ``RESULTS.md`` (the goals, then one table per group) to ``path``; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,6 +169,11 @@ def write_results(path: str | Path, groups: list[dict], goals: list[dict], *, co
         lines += ["A quick run: tiny shapes check the machinery; its ratios say nothing about the goals.", ""]
     settings = {**_machine(), **env, "processes": str(processes),
                 "rounds per group and process": ", ".join(map(str, rounds)), "dtype": "float32, CPU"}
+    if device == "cuda":
+        import torch
+
+        settings.update(gpu=torch.cuda.get_device_name(), cuda=str(torch.version.cuda),
+                        cudnn=str(torch.backends.cudnn.version()), dtype="bfloat16, CUDA")
     lines += _table(["setting", "value"], [[k, v] for k, v in settings.items()])
     lines += ["", "## Goals", ""]
     lines += _table(["goal", "target", "ratio", "per-process range", "worst against", "status"],
@@ -176,7 +183,8 @@ def write_results(path: str | Path, groups: list[dict], goals: list[dict], *, co
         lines += ["", f"## {g['title']}", "",
                   f"Ratios: time / `{g['base']}`'s time, paired per round; {g['threads']} torch threads."]
         if any(e.get("peak_bytes") is not None for e in g["entries"]):
-            lines[-1] += f" Peak: MiB of resident memory one call needs above `{g['base']}`'s."
+            what = "CUDA memory (max_memory_allocated)" if device == "cuda" else "resident memory"
+            lines[-1] += f" Peak: MiB of {what} one call needs above `{g['base']}`'s."
         lines += [""] + _table(["entry", "median ms", "ratio", "per-process range", "peak MiB", "output",
                                 "note"], group_rows(g))
         if g["notes"]:

@@ -121,6 +121,44 @@ def _children(argv: list[str], n: int) -> list[list[dict]]:
     return runs
 
 
+def _main_cuda(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--device cuda``: every CUDA group in this process, its goals, and RESULTS-cuda.md."""
+    import torch
+
+    from .cuda import CUDA_GOALS, cuda_groups
+    from .report import environment, evaluate, write_results
+    from .timing import run_group
+
+    if not torch.cuda.is_available():
+        print("--device cuda needs a CUDA device; none is available here", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    only = [p.strip() for p in args.only.split(",")] if args.only else None
+    groups = []
+    for factory in cuda_groups(only):
+        t0 = time.perf_counter()
+        res = run_group(factory())
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        groups.append(res)
+        _show(res)
+        torch.cuda.empty_cache()
+    goals = evaluate(groups, CUDA_GOALS)
+    env = environment()
+    command = "python -m benchmarks" + "".join(" " + shlex.quote(a) for a in argv)
+    path = write_results(args.out or ROOT / "benchmarks" / "RESULTS-cuda.md", groups, goals, command=command,
+                         env=env, processes=1, device="cuda")
+    _show_goals(goals)
+    print(f"\nwrote {path}")
+    return 1 if any(e["matches"] is False for g in groups for e in g["entries"]) else 0
+
+
+def _show_goals(goals: list[dict]) -> None:
+    print(f"\n{'goal':<66} {'target':<8} {'ratio':<7} status")
+    for g in goals:
+        ratio = "" if g["ratio"] is None else f"{g['ratio']:.3f}"
+        print(f"{g['goal']:<66} {g['target']:<8} {ratio:<7} {g['status']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m benchmarks``."""
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
@@ -131,9 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; 1 with --quick)")
     p.add_argument("--out", metavar="MD", help="where RESULTS.md goes (default benchmarks/RESULTS.md; with "
                    "--quick a temporary folder)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU groups "
+                   "(benchmarks/cuda.py: bfloat16, written to benchmarks/RESULTS-cuda.md); --only then takes "
+                   "forward, backward, decode, compiled, patched")
     p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child process's results
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
+    if args.device == "cuda":
+        return _main_cuda(args, argv)
     if args.processes < 1:
         p.error(f"--processes takes a count >= 1, got {args.processes}")
     try:
@@ -169,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         ROOT / "benchmarks" / "RESULTS.md"
     path = write_results(args.out or default, groups, goals, command=command.strip(), env=env,
                          processes=args.processes, quick=args.quick)
-    print(f"\n{'goal':<52} {'target':<8} {'ratio':<7} status")
-    for g in goals:
-        ratio = "" if g["ratio"] is None else f"{g['ratio']:.3f}"
-        print(f"{g['goal']:<52} {g['target']:<8} {ratio:<7} {g['status']}")
+    _show_goals(goals)
     print(f"\nwrote {path}" + (" (quick: tiny shapes, the ratios say nothing about the goals)" if args.quick else ""))
     different = [f"{g['title']}: {e['name']}" for g in groups for e in g["entries"] if e["matches"] is False]
     if different:  # a peer that computes something else makes the run no measurement

@@ -58,6 +58,10 @@ class Group:
     memory: bool = False
     memory_on_warmup: bool = False
     notes: list[str] = field(default_factory=list)
+    #: Called before a block's clock starts and before it stops (a CUDA group waits for the device there).
+    sync: Callable[[], None] | None = None
+    #: The peak-memory measure of one call (default: resident memory above the level before it).
+    peak: Callable[[Callable[[], Any]], int | None] | None = None
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -143,11 +147,13 @@ def run_group(group: Group) -> dict:
     for e in group.entries:
         if e.reset is not None:
             e.reset()
-        if group.memory and group.memory_on_warmup:
+        if group.memory and group.memory_on_warmup and group.peak is None:
             outputs[e.name], seconds, peaks[e.name] = _measured_call(e.fn)
         else:
             t0 = time.perf_counter()
             outputs[e.name] = e.fn()
+            if group.sync is not None:
+                group.sync()
             seconds = time.perf_counter() - t0
         numbers[e.name] = e.number or max(1, math.ceil(group.block_s / max(seconds, 1e-7)))
     first = group.entries[0].name
@@ -166,19 +172,23 @@ def run_group(group: Group) -> dict:
                 e.reset()
             calls = numbers[e.name]
             fn = e.fn
+            if group.sync is not None:
+                group.sync()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            if group.sync is not None:
+                group.sync()
             times[e.name].append((time.perf_counter() - t0) / calls)
 
     rows = []
     for e in group.entries:
         ref, diff, ok = checks.get(e.name, (None, None, None))
         peak = peaks.get(e.name)
-        if group.memory and not group.memory_on_warmup:
+        if group.memory and (not group.memory_on_warmup or group.peak is not None):
             if e.reset is not None:
                 e.reset()
-            peak = peak_rss_above(e.fn)
+            peak = (group.peak or peak_rss_above)(e.fn)
         rows.append({"name": e.name, "note": e.note, "round_s": [times[e.name]], "calls": numbers[e.name],
                      "median_s": statistics.median(times[e.name]), "checked_against": ref,
                      "max_abs_diff": diff, "matches": ok, "peak_bytes": peak})

@@ -26,7 +26,7 @@ from .config import AttentionConfig
 from .dispatch import DispatchInfo, describe
 from .head import LayerHeads
 from .kv_cache import KVCache
-from .plan import Plan, forward_warning, plan_attention
+from .plan import Plan, forward_warning, plan_attention, static_cache
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_device, check_dtype, check_forward, check_layer_size, has_dead_rows
 
@@ -114,12 +114,6 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         self.k_proj = nn.Linear(config.kdim, config.kv_dim, bias=config.bias, device=device, dtype=dtype)
         self.v_proj = nn.Linear(config.vdim, config.kv_dim, bias=config.bias, device=device, dtype=dtype)
         self.out_proj = nn.Linear(config.inner_dim, config.d_model, bias=config.out_bias, device=device, dtype=dtype)
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            # Same (out, in) shape and values, stored in ``x @ W`` order: CPU BLAS streams a one-token
-            # product (decoding) markedly faster from it, and F.linear uses it without a copy. Strides
-            # survive .to(), deepcopy, torch.save and load_state_dict; only raw safetensors.save_file wants
-            # contiguous tensors (save_model and save_pretrained make them).
-            proj.weight = nn.Parameter(proj.weight.detach().t().contiguous().t(), proj.weight.requires_grad)
         self.rotary = rotary
         self._chunk_queries: bool | int = True
 
@@ -252,7 +246,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             cache: a :class:`KVCache` (self-attention): new keys/values are appended and ``x`` attends
                 causally over everything cached, so prefill-then-decode equals one causal pass. If the call
                 fails, the cache's length and every position it reads are as before.
-            positions: rotary positions (rotary layers only); default ``cache.length + arange(s_q)``.
+            positions: rotary positions (rotary layers only); default ``cache.length + arange(s_q)`` (from 0
+                without a cache).
             return_weights: also return every head's probabilities (the eager path).
 
         Shapes:
@@ -271,6 +266,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         plan = self._plan(x, key, mask, causal, cache, wants_weights, chunk=tracer is None)
         if plan.warn:
             warnings.warn(forward_warning(plan), stacklevel=2)
+        if self.rotary is not None and positions is None:  # the next positions: after the cache's, or from 0
+            start = 0 if cache is None else (cache.position if plan.static_cache else cache.length)
+            positions = start + torch.arange(x.shape[1], device=x.device)  # (s_q,)
         if plan.chunk is not None:
             with torch.no_grad():
                 y = self._forward_in_chunks(plan, x, key, value, mask, positions)
@@ -282,6 +280,14 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         if tracer is not None:
             q, k, v = tracer.qkv(self, q, k, v)
         # Attend: every head on its own, over the cache's positions too when there is one.
+        if plan.static_cache:  # compiled: the whole buffer under the position mask, written on the device
+            k, v, mask, room = cache.write_static(k, v)  # (b, h_kv, max_len, d_h), (1, 1, s_q, max_len)
+            z, weights = hwf.attend(plan, q, k, v, mask)  # (b, h, s_q, d_h)
+            if tracer is not None:
+                z = tracer.context(self, z, weights)
+            y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
+            y = torch.where(room, y, 0.0)  # a step the cache had no room for: refused, zeros (see write_static)
+            return y if batched else y.squeeze(0)
         start = 0 if cache is None else cache.length
         if cache is not None:
             k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
@@ -323,7 +329,11 @@ class MultiHeadAttention(LayerHeads, nn.Module):
     def _plan(self, x, key, mask, causal, cache, return_weights, chunk=True) -> Plan:  # type: ignore[no-untyped-def]
         """The plan of one call on checked inputs: the one place its decisions are made."""
         cfg = self.config
-        s_kv = (cache.length + x.shape[1]) if cache is not None else (x.shape[1] if key is None else key.shape[1])
+        static = cache is not None and static_cache(True, mask is not None, return_weights or self._backend == "eager")
+        if cache is None:
+            s_kv = x.shape[1] if key is None else key.shape[1]
+        else:
+            s_kv = cache.max_len if static else cache.length + x.shape[1]
         # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
         grad = False
         if torch.is_grad_enabled():
@@ -335,10 +345,11 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         return plan_attention(
             h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
             s_kv=s_kv, dtype=x.dtype, device=x.device, backend=self._backend, causal=causal,
-            has_mask=mask is not None, cached=cache is not None, return_weights=return_weights,
+            has_mask=mask is not None or static, cached=cache is not None, return_weights=return_weights,
             dropout_p=cfg.dropout if self.training else 0.0,
             chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
-            dead_rows=False if mask is None else partial(has_dead_rows, mask))
+            dead_rows=False if mask is None else partial(has_dead_rows, mask),
+            mask_per_head=mask is not None and mask.shape[1] != 1, static_cache=static)
 
     def explain_dispatch(
         self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,

@@ -5,7 +5,7 @@ queries can be processed a chunk of positions at a time: project the chunk's que
 they may read, apply W_O, write the chunk's rows of the output. Keys and values are projected once and read
 by every chunk. An unchunked layer holds Q, K, V and the context together (4 x s x d floats); chunked, the
 forward holds K, V and the output plus one chunk's temporaries. When this runs is the plan's decision
-(:mod:`headwise.plan`, rule 5); this module only executes it, on tensors and callables.
+(:mod:`headwise.plan`, rule 7); this module only executes it, on tensors and callables.
 
 Causal chunks read keys only up to their last query (bottom-right aligned, as everywhere in headwise), so
 no chunk touches keys none of its queries may read. A chunk's keys are a prefix every query reads in full

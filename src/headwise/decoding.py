@@ -1,9 +1,18 @@
-"""One-token decode steps bound to a layer and its cache: ``step = DecodeStep(attn, cache)``.
+"""Decode steps bound to a layer and its cache: ``step = DecodeStep(attn, cache)``.
 
-A :class:`DecodeStep` is a convenience, not a second forward: ``step(x)`` is ``attn(x, cache=cache)``, so
-hooks, a replaced config, swapped projections, a changed backend and a trace are honoured exactly as by the
-forward. What it adds is checked once, at construction: the layer decodes self-attention and the cache
-fits it and belongs to it.
+A :class:`DecodeStep` is the layer's cached forward with the decisions taken once: ``step(x)`` equals
+``attn(x, cache=cache)``. At construction it checks that the layer decodes self-attention and that the cache fits
+it and belongs to it. Each call then takes one of two routes, both the forward's own math:
+
+* **eager, one token, plain layer** (no hooks, no trace, no wrapped projections, not training with dropout):
+  the projections, the cache write, one planned SDPA call and W_O, with only the checks that can change between
+  calls (the token's shape, dtype and device; the layer's state). The plan for one query over the cache is made
+  once and reused at every position: it depends on the position only through the key length, which a one-query
+  step never needs (no causal mask: one query reads every cached key).
+* **everything else** (several tokens, hooks, a trace, a LoRA-wrapped projection, ...): ``attn(x, cache=cache)``
+  itself, so hooks, a replaced config, swapped projections, a changed backend and a trace are honoured exactly
+  as by the forward. Under ``torch.compile`` this is the route too: the layer then writes at the cache's device
+  position and reads the whole buffer under a position mask, so one graph serves every position.
 
 Shapes:
     b: batch, d: model width (d_model), h: query heads, h_kv: key/value heads, d_h: head width.
@@ -13,15 +22,20 @@ Shapes:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, has_forward_hooks
+from . import functional as hwf
 from .kv_cache import KVCache
+from .plan import Plan, plan_attention
 
 __all__ = ["DecodeStep"]
 
 
 class DecodeStep:
-    """``step(x)`` is ``attn(x, cache=cache)``: the forward itself, with the layer and cache checked once.
+    """``step(x)`` is ``attn(x, cache=cache)``: the forward itself, with the layer and cache checked once and a
+    one-token step planned once.
 
     Args:
         attn: a self-attention :class:`~headwise.MultiHeadAttention` (key and value widths = d_model).
@@ -55,6 +69,10 @@ class DecodeStep:
                              f"n_kv_heads={cfg.n_kv_heads}, d_head={cfg.d_head}")
         cache.claim(attn)  # raises, binding nothing, if the cache is another layer's
         self.layer, self.cache = attn, cache
+        # Only the layer's own class has the forward the one-token route reproduces (a subclass may override it).
+        self._plain_class = type(attn) is MultiHeadAttention
+        self._plan_key: tuple | None = None
+        self._plan: Plan | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The next token(s) through the layer: ``attn(x, cache=cache)``.
@@ -62,7 +80,57 @@ class DecodeStep:
         Args:
             x: the new tokens' inputs, (b, s, d).
         """
-        return self.layer(x, cache=self.cache)
+        attn, cache = self.layer, self.cache
+        if torch.compiler.is_compiling():  # traced: the forward's static-cache route (one graph, every position)
+            return attn(x, cache=cache)
+        tensors = self._plain_projections(attn, x)
+        if tensors is None:
+            return attn(x, cache=cache)
+        return self._token(attn, cache, x, tensors)
+
+    def _plain_projections(self, attn: MultiHeadAttention, x: object) -> tuple[torch.Tensor | None, ...] | None:
+        """The weights and biases of the layer's four projections if ``x`` is one token that the one-token route
+        computes exactly as the forward would (everything that can change between calls is looked at: the
+        input, the layer's hooks, trace, backend, mode and projections); else None."""
+        if not (self._plain_class and type(x) is torch.Tensor and x.dim() == 3 and x.shape[1] == 1
+                and attn.tracer is None and attn._backend == "sdpa" and attn.rotary is None
+                and not (attn.training and attn.config.dropout) and not has_forward_hooks(attn)):
+            return None
+        modules = attn._modules  # read directly: a decode step's fixed cost is mostly attribute lookups
+        tensors: list[torch.Tensor | None] = []
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            p = modules[name]
+            if type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks:
+                return None
+            tensors += (p._parameters["weight"], p._parameters["bias"])
+        w, cache = tensors[0], self.cache
+        if x.shape[0] != cache.batch_size or x.shape[2] != attn.config.d_model or x.dtype != w.dtype \
+                or x.device != w.device or cache.keys.dtype != w.dtype or cache.keys.device != w.device:
+            return None  # the forward refuses it with the right message
+        return tuple(tensors)
+
+    def _token(self, attn: MultiHeadAttention, cache: KVCache, x: torch.Tensor,
+               tensors: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        cfg = attn.config
+        b, h, h_kv, d_h = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        key = (cfg, x.dtype, x.device)
+        if key != self._plan_key:  # planned once per config, dtype and device; the position never enters
+            self._plan = plan_attention(h=h, h_kv=h_kv, d_h=d_h, scale=cfg.scale, b=b, s_q=1,
+                                        s_kv=cache.max_len, dtype=x.dtype, device=x.device, cached=True)
+            self._plan_key = key
+        w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o = tensors
+        x2 = x.view(b, cfg.d_model)  # one token: (b, d), the projections' plain matrix product
+        q = F.linear(x2, w_q, b_q).view(b, h, 1, d_h)  # (b, h, 1, d_h): one token, so a view
+        k = F.linear(x2, w_k, b_k).view(b, h_kv, 1, d_h)  # (b, h_kv, 1, d_h)
+        v = F.linear(x2, w_v, b_v).view(b, h_kv, 1, d_h)  # (b, h_kv, 1, d_h)
+        start = cache.length
+        k, v = cache.update(k, v)  # (b, h_kv, length, d_h); an overflow raises before anything is written
+        try:
+            z, _ = hwf.attend(self._plan, q, k, v)  # (b, h, 1, d_h)
+        except BaseException:
+            cache.crop(start)  # as the forward does: a failed step leaves the cache's length as it was
+            raise
+        return F.linear(z.reshape(b, h * d_h), w_o, b_o).view(b, 1, cfg.d_model)  # (b, 1, d): merged, W_O
 
     def __repr__(self) -> str:
         return f"DecodeStep({self.layer.extra_repr()}, cache={self.cache!r})"

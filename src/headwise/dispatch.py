@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import MaterializationWarning, Plan
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .plan import Causal, Grouping, MaterializationWarning, Plan
 
 __all__ = ["DispatchInfo", "MaterializationWarning", "describe", "WARN_BYTES"]
 
@@ -29,6 +31,8 @@ __all__ = ["DispatchInfo", "MaterializationWarning", "describe", "WARN_BYTES"]
 WARN_BYTES = 256 * 2**20
 
 _KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+_BACKEND_NAMES = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                  "cudnn": "CUDNN_ATTENTION"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,8 @@ class DispatchInfo:
         kernel: ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"`` (SDPA kernels), ``"eager"`` or ``"none"``.
         materializes_probabilities: whether a ``(b, h, s_q, s_kv)`` probability tensor is built.
         probability_bytes: its size in bytes (0 when nothing is materialised).
-        causal_via: ``"kernel is_causal"``, ``"explicit mask"`` or ``"none needed"``.
+        causal_via: ``"kernel is_causal"``, ``"explicit mask"`` or ``"none needed"`` (the plan's
+            :class:`~headwise.plan.Causal`, in words).
         scores_shape: ``(b, h, s_q, s_kv)`` as the kernel sees it (s_kv includes cached positions).
         reasons: one sentence per decision taken.
         query_chunk: positions per query chunk when the forward runs in chunks (:mod:`headwise.chunking`),
@@ -65,9 +70,15 @@ class DispatchInfo:
 def _sdpa_kernel(plan: Plan, d_head: int, n_kv_heads: int, dtype: torch.dtype, device: torch.device,
                  mask_shape: tuple[int, ...] | None, mask_dtype: torch.dtype | None, grad: bool) -> tuple[str, str]:
     b, h, s_q, s_kv = plan.shape
-    if plan.causal_via == "explicit mask":
+    if plan.causal_via is Causal.MASK or plan.static_cache:
         mask_shape = torch.broadcast_shapes(mask_shape or (), (s_q, s_kv))
         mask_dtype = mask_dtype or torch.bool
+    # The kernel sees the tensors after the plan's grouping: folded rows, or K/V repeated to every query head.
+    q_shape, kv_heads = (b, h, s_q, d_head), n_kv_heads
+    if plan.grouping is Grouping.FOLD:
+        q_shape = (b, n_kv_heads, h // n_kv_heads, d_head)
+    elif plan.grouping is Grouping.REPEAT:
+        kv_heads = h
     choose = getattr(torch, "_fused_sdp_choice", None)
     if choose is not None:
         try:
@@ -76,11 +87,14 @@ def _sdpa_kernel(plan: Plan, d_head: int, n_kv_heads: int, dtype: torch.dtype, d
                                    requires_grad=requires_grad)
                 return base.expand(shape)  # the selector reads metadata only: nothing large is allocated
 
-            q = stand_in((b, h, s_q, d_head), dtype, grad)
-            k = stand_in((b, n_kv_heads, s_kv, d_head), dtype, grad)
+            q = stand_in(q_shape, dtype, grad)
+            k = stand_in((b, kv_heads, s_kv, d_head), dtype, grad)
             mask = None if mask_shape is None else stand_in(tuple(mask_shape), mask_dtype)
-            idx = int(choose(q, k, k, attn_mask=mask, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
-                             scale=plan.scale, enable_gqa=plan.enable_gqa))
+            allowed = (list(SDPBackend) if plan.kernels is None
+                       else [getattr(SDPBackend, _BACKEND_NAMES[n]) for n in plan.kernels])
+            with sdpa_kernel(allowed):
+                idx = int(choose(q, k, k, attn_mask=mask, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
+                                 scale=plan.scale, enable_gqa=plan.enable_gqa))
             if idx in _KERNELS:
                 return _KERNELS[idx], f"PyTorch's SDPA selector picks the {_KERNELS[idx]} kernel for these inputs"
         except Exception:  # a private API: any failure falls back to the stated rule
@@ -105,10 +119,14 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
                    else "backend='eager' was chosen when the layer was built")
         out.append(f"the eager path materialises b*h*s_q*s_kv = {b}*{h}*{s_q}*{s_kv} probabilities "
                    f"({plan.probability_bytes} bytes)")
-    if plan.causal and s_q == 1:
+    if plan.static_cache:
+        out.append(f"under torch.compile a cached call reads the cache's whole buffer ({s_kv} positions) under a "
+                   f"mask built on the device from the cache's position: the same shapes at every position, so "
+                   f"one graph serves them all")
+    elif plan.causal and s_q == 1:
         out.append("causal with a single query: bottom-right alignment lets it read every key, no mask")
     elif plan.chunk is not None:
-        out.append(f"no autograd and the unchunked Q, K, V and context exceed headwise.plan.CHUNK_ABOVE_BYTES"
+        out.append(f"no autograd on CPU and the unchunked Q, K, V and context exceed headwise.plan.CHUNK_ABOVE_BYTES"
                    if not plan.chunk_forced else "the layer's chunk_queries fixes the chunk length")
         out.append(f"queries run {plan.chunk} positions at a time, each chunk reading only the keys its queries "
                    f"may read")
@@ -116,16 +134,32 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
             out.append("causal chunks: a fully read key prefix and the kernel's is_causal on the square diagonal "
                        "block, merged by log-sum-exp" if plan.lse_chunks else
                        "causal chunks: an explicit bottom-right mask per chunk")
-    elif plan.causal_via == "kernel is_causal":
+    elif plan.causal_via is Causal.KERNEL:
         out.append("causal with s_q == s_kv and no mask: the kernel's own is_causal (both alignments agree)")
-    elif plan.causal_via == "explicit mask":
+    elif plan.causal_via is Causal.MASK:
         why = "a mask is given" if plan.has_mask else (f"s_q={s_q} != s_kv={s_kv}" if s_q != s_kv
                                                         else "the eager path")
         out.append(f"causal and {why}: an explicit bottom-right (s_q, s_kv) mask"
                    + (", because SDPA's is_causal is top-left aligned" if plan.backend == "sdpa" else ""))
-    if plan.fold_decode:
+    if plan.backend == "sdpa" and plan.device_type != "cpu" and plan.chunk is None and plan.cached is False \
+            and s_q > 1:
+        out.append(f"no query chunks on {plan.device_type}: its fused kernels already hold O(s) memory")
+    if plan.grouping is Grouping.FOLD:
         out.append("one query under GQA/MQA: each group's query heads become query rows of its K/V head, so "
                    "every K/V head is read once per group")
+    elif plan.grouping is Grouping.REPEAT:
+        out.append(f"GQA on {plan.device_type} where the best fused kernel for these inputs (memory-efficient: "
+                   f"float32 or a mask) cannot group heads: K and V are repeated to every query head "
+                   f"(b*h*s_kv*d_h more memory) instead of falling to the math kernel (b*h*s_q*s_kv)")
+    elif plan.grouping is Grouping.KERNEL and plan.backend == "sdpa":
+        out.append("GQA: SDPA's enable_gqa, K/V heads read in place")
+    if plan.kernels is not None:
+        out.append(f"keys from a cache or longer than the queries on {plan.device_type} (a decode step): SDPA "
+                   f"may use {', '.join(plan.kernels)}, not cuDNN, which builds an execution plan for every new "
+                   f"shape (tens of milliseconds each)")
+    if plan.zero_dead_rows:
+        out.append("a row that may read no key is zeroed by headwise after the kernel, on every kernel and "
+                   "dtype (tensor operations, no host synchronisation)")
     return out
 
 
@@ -151,7 +185,7 @@ def describe(plan: Plan, *, d_head: int, n_kv_heads: int, dtype: torch.dtype, de
         nbytes = b * h * s_q * s_kv * dtype.itemsize if kernel == "math" else 0
         reasons.append(f"the math kernel materialises b*h*s_q*s_kv = {b}*{h}*{s_q}*{s_kv} probabilities "
                        f"({nbytes} bytes)" if nbytes else "the fused kernel never materialises the probabilities")
-    info = DispatchInfo(plan.backend, kernel, nbytes > 0, nbytes, plan.causal_via, plan.shape, tuple(reasons),
+    info = DispatchInfo(plan.backend, kernel, nbytes > 0, nbytes, plan.causal_via.value, plan.shape, tuple(reasons),
                         plan.chunk, plan)
     threshold = WARN_BYTES if warn_bytes is None else warn_bytes
     if nbytes > threshold:

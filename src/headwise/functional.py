@@ -17,17 +17,20 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .masks import causal_mask, combine_masks, validate_mask
-from .plan import Plan, plan_attention
+from .masks import causal_mask, combine_masks, dead_rows, lift_dead_rows, validate_mask
+from .plan import Causal, Grouping, Plan, plan_attention
 from .config import check_dropout, check_scale
 from .validation import check_bool, check_causal, check_qkv, check_sinks, check_tensor, has_dead_rows
 
-__all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "trusted_attention", "attend",
-           "softmax_attention", "available_backends"]
+__all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "attend", "softmax_attention",
+           "available_backends"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _BACKENDS = ("eager", "sdpa")
+_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -139,14 +142,11 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         mask = combine_masks(mask, causal_mask(s_q, s_kv, device=scores.device))  # (.., s_q, s_kv)
     blocked = None
     if mask is not None:
-        if mask.dtype == torch.bool:
-            if may_block:
-                blocked = ~mask.any(-1, keepdim=True)  # (b or 1, h or 1, s_q, 1)
-                mask = mask | blocked
+        if may_block:
+            blocked = dead_rows(mask)  # (b or 1, h or 1, s_q, 1)
+            mask = lift_dead_rows(mask, blocked)
+        if mask.dtype == torch.bool:  # additive on the mask's small shape: one pass over the scores
             mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~mask, float("-inf"))
-        elif may_block:
-            blocked = (mask == float("-inf")).all(-1, keepdim=True)  # (b or 1, h or 1, s_q, 1)
-            mask = mask.masked_fill(blocked, 0.0)
         scores = scores + mask
     if sinks is None:
         weights = torch.softmax(scores, dim=-1)
@@ -187,17 +187,32 @@ def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         return q.new_zeros(b, h, s_q, v.shape[-1]), weights
     if plan.backend == "eager":
         return softmax_attention(q, k, v, mask, plan.scale, plan.dropout_p, plan.softcap, sinks,
-                                 causal=plan.causal_via == "explicit mask")
-    if plan.causal_via == "explicit mask":
+                                 causal=plan.causal_via is Causal.MASK)
+    if plan.causal_via is Causal.MASK:
         mask = combine_masks(mask, causal_mask(s_q, s_kv, device=q.device))  # bottom-right
-    if plan.fold_decode:
-        h_kv = k.shape[1]
-        z = F.scaled_dot_product_attention(q.reshape(b, h_kv, h // h_kv, q.shape[-1]), k, v,
-                                           dropout_p=plan.dropout_p, scale=plan.scale)  # (b, h_kv, g, d_v)
-        return z.reshape(b, h, 1, v.shape[-1]), None  # (b, h, 1, d_v): one query row per head
-    z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=plan.dropout_p,
-                                       is_causal=plan.causal_via == "kernel is_causal", scale=plan.scale,
-                                       enable_gqa=plan.enable_gqa)
+    dead = None
+    if plan.zero_dead_rows:  # zeros by headwise, whatever the kernel gives a row that reads nothing
+        dead = dead_rows(mask)  # (b or 1, h or 1, s_q, 1)
+        mask = lift_dead_rows(mask, dead)
+    grouping = plan.grouping
+    if grouping is Grouping.FOLD:  # one query: a group's query heads are rows of its K/V head
+        q = q.reshape(b, k.shape[1], h // k.shape[1], q.shape[-1])  # (b, h_kv, g, d_h)
+    elif grouping is Grouping.REPEAT:
+        k = k.repeat_interleave(h // k.shape[1], dim=1)  # (b, h, s_kv, d_h)
+        v = v.repeat_interleave(h // v.shape[1], dim=1)  # (b, h, s_kv, d_v)
+    if plan.kernels is None:
+        z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=plan.dropout_p,
+                                           is_causal=plan.causal_via is Causal.KERNEL, scale=plan.scale,
+                                           enable_gqa=grouping is Grouping.KERNEL)
+    else:
+        with sdpa_kernel([_KERNELS[name] for name in plan.kernels]):
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=plan.dropout_p,
+                                               is_causal=plan.causal_via is Causal.KERNEL, scale=plan.scale,
+                                               enable_gqa=grouping is Grouping.KERNEL)
+    if grouping is Grouping.FOLD:
+        z = z.reshape(b, h, 1, v.shape[-1])  # (b, h, 1, d_v): one query row per head
+    if dead is not None:
+        z = z.masked_fill(dead, 0.0)
     return z, None
 
 
@@ -208,7 +223,8 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention on split heads, validated: ``softmax(Q K^T * scale + mask) V`` for every head.
 
-    Under GQA query head ``i`` reads K/V head ``i // g`` (K and V are never repeated in memory).
+    Under GQA query head ``i`` reads K/V head ``i // g`` (K and V are repeated in memory only on CUDA, where the
+    best fused kernel for the inputs cannot group heads: see :mod:`headwise.plan`, rule 5).
     ``causal`` is bottom-right aligned (see :mod:`headwise.masks`). A row that may read nothing gets a zero
     context (and zero weights). Empty queries or keys give an empty or zero context. Values may be wider
     or narrower than queries and keys (``d_v != d_h``, as in DeepSeek's MLA).
@@ -251,32 +267,14 @@ def attention(
     check_sinks(sinks, b, h, s_q, q.device)
     if mask is not None:
         mask = validate_mask(mask, (b, h, s_q, s_kv), q.dtype, q.device)
-    return trusted_attention(q, k, v, mask=mask, scale=scale, dropout_p=dropout_p, causal=causal, backend=backend,
-                             return_weights=return_weights, softcap=softcap, sinks=sinks)
-
-
-def trusted_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, scale: float | None,
-    dropout_p: float, causal: bool, backend: str, return_weights: bool, softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`attention` on inputs its caller already validated: plan the call once and run it.
-
-    For callers that made q, k, v themselves and checked them against a layer (a patched module's interface
-    call), where a decode step would otherwise pay for every check twice. ``mask`` must be a 4-D mask as
-    :func:`headwise.masks.validate_mask` returns it; nothing else is checked.
-
-    Shapes:
-        as :func:`attention`
-    """
-    b, h, s_q, d_h = q.shape
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
-    plan = plan_attention(h=h, h_kv=k.shape[1], d_h=d_h, scale=d_h ** -0.5 if scale is None else float(scale),
-                          b=b, s_q=s_q, s_kv=k.shape[2], dtype=q.dtype, device=q.device, backend=backend,
+    plan = plan_attention(h=h, h_kv=h_kv, d_h=d_h, scale=d_h ** -0.5 if scale is None else float(scale),
+                          b=b, s_q=s_q, s_kv=s_kv, dtype=q.dtype, device=q.device, backend=backend,
                           causal=causal, has_mask=mask is not None, return_weights=return_weights,
                           dropout_p=float(dropout_p), chunk_queries=False, records_grad=grad, softcap=softcap,
-                          sinks=sinks is not None, dead_rows=False if mask is None else partial(has_dead_rows, mask))
+                          sinks=sinks is not None, dead_rows=False if mask is None else partial(has_dead_rows, mask),
+                          mask_per_head=mask is not None and mask.shape[1] != 1)
     return attend(plan, q, k, v, mask, sinks)
 
 

@@ -58,9 +58,13 @@ class KVCache:
 
     Memory: ``2 * b * max_len * n_kv_heads * d_head * itemsize`` bytes (:attr:`nbytes`).
 
+    The write position lives twice: as :attr:`length`, a Python int that eager code reads without waiting for
+    the device, and as :attr:`position`, a 0-d tensor on the cache's device that compiled code reads
+    (:meth:`write_static`), so a step traced by ``torch.compile`` has the same shapes and the same Python values
+    at every position: one graph, and one CUDA graph under ``mode="reduce-overhead"``, serves them all. Eager
+    writes keep both; after compiled steps the next host-side use reads the position back once.
     A plain object rather than an ``nn.Module`` on purpose: ``torch.compile`` treats integer attributes of
-    modules as constants, so a module's ``length`` would recompile the decode step at every position;
-    a plain attribute becomes a dynamic size after the first recompile, and one graph serves all positions.
+    modules as constants.
 
     One cache belongs to one layer: :meth:`claim` binds it to its first owner and refuses any other.
     Not thread-safe: two threads decoding into one cache lose updates without an error (each reads the
@@ -120,6 +124,11 @@ class KVCache:
                              f"could not be allocated; use a smaller max_len or batch_size") from exc
         self.batch_size, self.max_len, self.n_kv_heads, self.d_head = batch_size, max_len, n_kv_heads, d_head
         self._length = 0
+        #: The next write's slot, on the cache's device (what compiled steps read and advance).
+        self.position = torch.zeros((), dtype=torch.long, device=self.keys.device)
+        self._refused = torch.zeros((), dtype=torch.long, device=self.keys.device)  # compiled steps with no room
+        self._device_ahead = False  # compiled steps ran since the host last read the position
+        self._slots = torch.arange(max_len, device=self.keys.device)  # key index j, for the position mask
         self._owner: Any = None
         self._resets = 0
 
@@ -144,8 +153,24 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """Number of positions written so far (the next write starts here)."""
+        """Number of positions written so far (the next write starts here).
+
+        After compiled steps (:meth:`write_static`) this reads the device's position once (a synchronisation),
+        and raises the overflow ``ValueError`` if any of them found the cache full."""
+        if self._device_ahead:
+            self._read_position()
         return self._length
+
+    def _read_position(self) -> None:
+        """Bring the host's length up to the device's position after compiled steps; report refused steps."""
+        self._device_ahead = False
+        self._length = int(self.position)
+        refused = int(self._refused)
+        if refused:
+            self._refused.zero_()
+            raise ValueError(f"cache overflow: {refused} compiled step(s) found all max_len={self.max_len} positions "
+                             f"written and were refused (nothing was written; each returned zeros); allocate a "
+                             f"larger cache or reset() it")
 
     @property
     def nbytes(self) -> int:
@@ -160,6 +185,9 @@ class KVCache:
         """Forget every cached position (the buffers are kept; stale values are never read)."""
         self._length = 0
         self._resets += 1
+        self._device_ahead = False
+        self.position.zero_()
+        self._refused.zero_()
 
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on (no-op if fewer are cached). Like :meth:`reset`, the buffers
@@ -168,7 +196,8 @@ class KVCache:
         """
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
             raise ValueError(f"crop needs a non-negative int length, got {length!r}")
-        self._length = min(self._length, length)
+        self._length = min(self.length, length)
+        self.position.fill_(self._length)
 
     def checkpoint(self, n: int) -> KVCheckpoint:
         """Save what a write of ``n`` new positions would change: the length and those ``n`` slots.
@@ -181,7 +210,7 @@ class KVCache:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"checkpoint needs a non-negative int count of new positions, got {n!r}")
-        start = self._length
+        start = self.length
         end = min(start + n, self.max_len)
         with torch.no_grad():
             keys = self.keys[:, :, start:end].clone()  # (b, h_kv, n, d_h)
@@ -199,7 +228,7 @@ class KVCache:
         if checkpoint.cache is not self:
             raise ValueError("this checkpoint was taken on another KVCache")
         start, saved = checkpoint.length, checkpoint.keys.shape[-2]
-        if checkpoint.resets != self._resets or not start <= self._length <= start + saved:
+        if checkpoint.resets != self._resets or not start <= self.length <= start + saved:
             raise ValueError(
                 f"cannot restore: the checkpoint saved {saved} positions after length {start}, but the cache "
                 f"now holds {self._length}" + (" and was reset since" if checkpoint.resets != self._resets else "")
@@ -208,11 +237,12 @@ class KVCache:
             self.keys[:, :, start:start + saved].copy_(checkpoint.keys)
             self.values[:, :, start:start + saved].copy_(checkpoint.values)
         self._length = start
+        self.position.fill_(start)
 
     def check_update(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise, without writing, if ``k``/``v`` cannot be appended."""
         self._check_write(k, v)
-        if self._length + k.shape[-2] > self.max_len:
+        if self.length + k.shape[-2] > self.max_len:
             raise ValueError(_overflow_message(self._length, k.shape[-2], self.max_len))
 
     def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -245,6 +275,8 @@ class KVCache:
                 and k.shape[0] == keys.shape[0] and k.shape[1] == keys.shape[1] and k.shape[3] == keys.shape[3]
                 and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
             self._check_write(k, v)  # a decode step's writes fit: only a misfit pays for the call and a message
+        if self._device_ahead:
+            self._read_position()
         if self._length + k.shape[-2] > self.max_len:
             if torch.compiler.is_compiling():
                 return self._overflow_in_graph(k, v)
@@ -257,7 +289,38 @@ class KVCache:
         self.keys.narrow(2, start, n).copy_(k)
         self.values.narrow(2, start, n).copy_(v)
         self._length = end
+        self.position.fill_(end)  # compiled steps read it
         return self.keys.narrow(2, 0, end), self.values.narrow(2, 0, end)  # (b, h_kv, length, d_h)
+
+    def write_static(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+        """Write ``k``, ``v`` at :attr:`position` with device-side indexing: what a compiled step calls.
+
+        Every shape and every Python value is the same at every position (the position is a tensor), so a
+        step traced once serves them all. Returns the whole buffers, the mask of the keys each new query may
+        read (query i sits at ``position + i`` and reads keys ``j <= position + i``), and ``room``: whether the
+        write fitted. A write that does not fit changes nothing (the slots are rewritten with their own values,
+        the position stays); the caller zeros its output, and the cache's next host-side use raises the
+        overflow ``ValueError`` (no host code runs between compiled steps, so none can raise at the step).
+        Inputs are trusted (the layer checked them against the cache).
+
+        Shapes:
+            k, v: (b, h_kv, s, d_h) -> keys, values (b, h_kv, max_len, d_h), mask (1, 1, s, max_len) bool,
+            room () bool
+        """
+        s = k.shape[-2]
+        pos = self.position
+        room = pos + s <= self.max_len  # () bool
+        idx = (pos + self._slots[:s]).clamp(max=self.max_len - 1)  # (s,): the slots, valid even when refused
+        if k.requires_grad or v.requires_grad:
+            k, v = k.detach(), v.detach()
+        self.keys.index_copy_(2, idx, torch.where(room, k, self.keys.index_select(2, idx)))
+        self.values.index_copy_(2, idx, torch.where(room, v, self.values.index_select(2, idx)))
+        mask = self._slots <= (pos + self._slots[:s]).unsqueeze(-1)  # (s, max_len): bottom-right causal
+        self.position.add_(room.long() * s)
+        self._refused.add_((~room).long())
+        self._device_ahead = True
+        return self.keys, self.values, mask.view(1, 1, s, self.max_len), room
 
     def _overflow_in_graph(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The traced overflow branch: a graph that raises the eager ValueError when it runs, writing nothing."""

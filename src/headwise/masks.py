@@ -28,6 +28,8 @@ __all__ = [
     "sliding_window_mask",
     "combine_masks",
     "validate_mask",
+    "dead_rows",
+    "lift_dead_rows",
     "ALIGNMENTS",
 ]
 
@@ -240,3 +242,38 @@ def validate_mask(mask: torch.Tensor, target: tuple[int, int, int, int], dtype: 
     if mask.dim() < 4:
         mask = mask.view((1,) * (4 - mask.dim()) + shape)  # (1.., *shape): leading unit axes are always a view
     return mask
+
+
+def dead_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Query rows that may read no key at all: every entry False (bool) or ``-inf`` (floating).
+
+    Computed with tensor operations on the mask's own broadcast shape (usually without a head axis), so it needs
+    no host synchronisation and traces under ``torch.compile`` and CUDA graphs.
+
+    Shapes:
+        mask: (b or 1, h or 1, s_q or 1, s_kv or 1) -> (b or 1, h or 1, s_q or 1, 1) bool
+
+    Example:
+        >>> dead_rows(torch.tensor([[True, False], [False, False]])).flatten().tolist()
+        [False, True]
+    """
+    if mask.dtype == torch.bool:
+        return ~mask.any(-1, keepdim=True)
+    return (mask == float("-inf")).all(-1, keepdim=True)
+
+
+def lift_dead_rows(mask: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    """``mask`` with every dead row opened to all keys, so that no kernel divides 0 by 0 on it (forward or
+    backward); the caller zeros those rows' outputs.
+
+    Shapes:
+        mask: (.., s_q, s_kv); dead: (.., s_q, 1) from :func:`dead_rows` -> the mask's shape
+
+    Example:
+        >>> m = torch.tensor([[True, False], [False, False]])
+        >>> lift_dead_rows(m, dead_rows(m)).tolist()
+        [[True, False], [True, True]]
+    """
+    if mask.dtype == torch.bool:
+        return mask | dead
+    return mask.masked_fill(dead, 0.0)

@@ -1,8 +1,8 @@
 """One decision per call: which attention path runs, how causality is applied, whether queries are chunked.
 
-:func:`plan_attention` is a pure function of sizes, dtypes and flags (it never reads tensor data). The layer's
-``forward`` executes the :class:`Plan` it returns; ``explain_dispatch`` formats the same plan; nothing else
-decides. The rules:
+:func:`plan_attention` is a pure function of sizes, dtypes, the device type and flags (it never reads tensor
+data). The layer's ``forward`` executes the :class:`Plan` it returns; ``explain_dispatch`` formats the same plan;
+nothing else decides. The rules:
 
 1. **Empty** (b, s_q or s_kv is 0): no kernel runs; the context is zeros.
 2. **Backend**: ``return_weights=True``, ``backend="eager"``, a score softcap or attention sinks take the
@@ -14,15 +14,27 @@ decides. The rules:
 3. **Causal** (a cache forces it: new tokens read the cache and themselves), always bottom-right aligned:
    a single query reads every key, so needs no mask; with ``s_q == s_kv`` and no mask the fused kernel's own
    ``is_causal`` runs (the two alignments agree there); otherwise an explicit bottom-right mask.
-4. **GQA decode**: one query under GQA/MQA without a mask folds each group's query heads into query rows of
-   its K/V head, so the CPU kernel reads every K/V head once per group rather than once per query head.
-5. **Chunks**: without autograd, on the fused path without dropout, cache or returned weights, a forward
-   whose Q, K, V and context together exceed :data:`CHUNK_ABOVE_BYTES` runs its queries
-   :data:`CHUNK_BYTES` at a time (:mod:`headwise.chunking`). A layer's ``chunk_queries`` can turn this off
-   (False) or fix the chunk length (an int). Causal chunks without a mask, on CPU in float32/float64, run
-   as a fully read key prefix plus the square diagonal block with the kernel's ``is_causal``, merged by
-   log-sum-exp; elsewhere a chunk gets an explicit bottom-right mask.
-6. **Warning**: the eager path warns above :data:`FORWARD_WARN_BYTES` of probabilities, before any work.
+4. **Rows that may read nothing** (a mask is given, or causal with ``s_q > s_kv``): on the fused path headwise
+   zeros them itself after the kernel, whatever the kernel did with them (cuDNN turns a bool mask into a finite
+   bias and gives such a row unmasked attention), with tensor operations only.
+5. **GQA** (``h_kv < h``): one query whose mask (if any) is the same for every head folds each group's query
+   heads into query rows of its K/V head, so each K/V head is read once per group. On CUDA, where the best
+   fused kernel for the inputs cannot group heads (float32, or a mask: the memory-efficient kernel), K and V
+   are repeated to every query head (``b * h * s_kv * d_h`` more memory, never ``s_q * s_kv``) rather than
+   falling to the math kernel; elsewhere SDPA's ``enable_gqa``.
+6. **Kernels** (CUDA, half precision): calls whose keys come from a cache or outnumber the queries (decoding)
+   exclude cuDNN, which builds an execution plan for every new shape (tens of milliseconds, and a decode step
+   is a new shape every time); flash, memory-efficient and math stay allowed. Elsewhere PyTorch chooses.
+7. **Chunks** (CPU only: CUDA's fused kernels already hold O(s) memory): without autograd, on the fused path
+   without dropout, cache or returned weights, a forward whose Q, K, V and context together exceed
+   :data:`CHUNK_ABOVE_BYTES` runs its queries :data:`CHUNK_BYTES` at a time (:mod:`headwise.chunking`). A
+   layer's ``chunk_queries`` can turn this off (False) or fix the chunk length (an int). Causal chunks without
+   a mask, in float32/float64, run as a fully read key prefix plus the square diagonal block with the kernel's
+   ``is_causal``, merged by log-sum-exp; elsewhere a chunk gets an explicit bottom-right mask.
+8. **Static cache** (a cached call traced by ``torch.compile``): the call reads the cache's whole
+   ``max_len`` buffer under a mask built on the device from the cache's position, so every shape is the same
+   at every position and one graph (one CUDA graph) serves them all.
+9. **Warning**: the eager path warns above :data:`FORWARD_WARN_BYTES` of probabilities, before any work.
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length (cached positions included), h: query heads,
@@ -31,13 +43,14 @@ Shapes:
 
 from __future__ import annotations
 
+import enum
 from typing import Callable, NamedTuple
 
 import torch
 
 
-__all__ = ["Plan", "plan_attention", "MaterializationWarning", "forward_warning", "CHUNK_ABOVE_BYTES", "CHUNK_BYTES", "FORWARD_WARN_BYTES",
-           "lse_merge_available"]
+__all__ = ["Plan", "Causal", "Grouping", "plan_attention", "static_cache", "MaterializationWarning", "forward_warning",
+           "CHUNK_ABOVE_BYTES", "CHUNK_BYTES", "FORWARD_WARN_BYTES", "lse_merge_available"]
 
 #: Chunk a forward whose unchunked Q, K, V and context together would take more than this (512 MiB).
 CHUNK_ABOVE_BYTES = 512 * 2**20
@@ -49,23 +62,41 @@ CHUNK_ALIGN = 256
 FORWARD_WARN_BYTES = 2**30
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: The SDPA kernels a decode-shaped CUDA call may use (rule 6): every one but cuDNN.
+NO_CUDNN = ("flash", "efficient", "math")
 
 
 class MaterializationWarning(UserWarning):
     """A path would materialise ``b * h * s_q * s_kv`` attention probabilities above a size threshold."""
 
 
+class Causal(str, enum.Enum):
+    """How causality is applied (rule 3). A ``str`` enum: each member equals its description."""
+
+    NONE = "none needed"
+    KERNEL = "kernel is_causal"
+    MASK = "explicit mask"
+
+
+class Grouping(str, enum.Enum):
+    """How query heads reach their shared K/V head under GQA/MQA (rule 5)."""
+
+    NONE = "one K/V head per query head"
+    KERNEL = "SDPA's enable_gqa"
+    FOLD = "query heads folded into rows of their K/V head"
+    REPEAT = "K/V repeated to every query head"
+
+
 class Plan(NamedTuple):
     """What one attention call runs (a NamedTuple so ``torch.compile`` traces it as constants).
 
     Attributes:
-        shape: ``(b, h, s_q, s_kv)`` of the scores, cached positions included.
+        shape: ``(b, h, s_q, s_kv)`` of the scores, cached positions included (``max_len`` for a static cache).
         backend: ``"sdpa"``, ``"eager"`` or ``"empty"``.
-        causal_via: ``"none needed"``, ``"kernel is_causal"`` or ``"explicit mask"``.
+        causal_via: a :class:`Causal`: no mask needed, the kernel's ``is_causal``, or an explicit mask.
         causal: whether the call is causal at all (given, or forced by a cache).
         has_mask: whether a user mask is applied.
-        enable_gqa: SDPA's ``enable_gqa``, from the head counts (h != h_kv), never from tensor shapes.
-        fold_decode: one query under GQA/MQA: a group's query heads become query rows of its K/V head.
+        grouping: a :class:`Grouping`, from the head counts (h != h_kv), never from tensor shapes.
         chunk: query positions per chunk, or None for one pass.
         lse_chunks: causal chunks merge a key prefix and the diagonal block by log-sum-exp.
         probability_bytes: bytes of probabilities the eager path materialises (0 on the fused path; the
@@ -75,15 +106,19 @@ class Plan(NamedTuple):
         cached: a KV cache supplies earlier positions; return_weights: the call returns probabilities.
         chunk_forced: the layer fixed the chunk length (``chunk_queries`` is an int).
         softcap: the score softcap or None; sinks: the call adds one sink logit per head.
+        kernels: the SDPA kernels allowed (names of ``torch.nn.attention.SDPBackend``, lower case), or None
+            for PyTorch's own choice.
+        zero_dead_rows: rows that may read nothing are zeroed after the fused kernel (rule 4).
+        static_cache: the call reads the cache's whole buffer under a position mask (rule 8).
+        device_type: the device the plan was made for (``"cpu"``, ``"cuda"``, ...).
     """
 
     shape: tuple[int, int, int, int]
     backend: str
-    causal_via: str
+    causal_via: Causal
     causal: bool
     has_mask: bool
-    enable_gqa: bool
-    fold_decode: bool
+    grouping: Grouping
     chunk: int | None
     lse_chunks: bool
     probability_bytes: int
@@ -95,27 +130,66 @@ class Plan(NamedTuple):
     chunk_forced: bool
     softcap: float | None = None
     sinks: bool = False
+    kernels: tuple[str, ...] | None = None
+    zero_dead_rows: bool = False
+    static_cache: bool = False
+    device_type: str = "cpu"
 
     @property
     def is_causal(self) -> bool:
         """SDPA's ``is_causal`` flag."""
-        return self.causal_via == "kernel is_causal"
+        return self.causal_via is Causal.KERNEL
+
+    @property
+    def enable_gqa(self) -> bool:
+        """SDPA's ``enable_gqa`` flag."""
+        return self.grouping is Grouping.KERNEL
+
+    @property
+    def fold_decode(self) -> bool:
+        """One query under GQA/MQA: a group's query heads become query rows of its K/V head."""
+        return self.grouping is Grouping.FOLD
 
     def for_chunk(self, s_q: int, s_kv: int) -> "Plan":
         """The plan of one query chunk attending to its ``s_kv`` readable keys (one pass, same rules)."""
         b, h = self.shape[0], self.shape[1]
         via = causal_mode(self.backend, self.causal, self.has_mask, s_q, s_kv)
         return self._replace(shape=(b, h, s_q, s_kv), causal_via=via, chunk=None, lse_chunks=False,
-                             fold_decode=self.fold_decode and s_q == 1)
+                             zero_dead_rows=self.zero_dead_rows or (self.causal and s_q > s_kv))
 
 
-def causal_mode(backend: str, causal: bool, has_mask: bool, s_q: int, s_kv: int) -> str:
+def causal_mode(backend: str, causal: bool, has_mask: bool, s_q: int, s_kv: int) -> Causal:
     """How causality is applied (rule 3 of the module docstring)."""
     if not causal or s_q == 1:
-        return "none needed"
+        return Causal.NONE
     if backend == "sdpa" and not has_mask and s_q == s_kv:
-        return "kernel is_causal"
-    return "explicit mask"
+        return Causal.KERNEL
+    return Causal.MASK
+
+
+def sdpa_kernels(device_type: str, dtype: torch.dtype, s_q: int, s_kv: int, cached: bool) -> tuple[str, ...] | None:
+    """The SDPA kernels a call may use (rule 6), or None for PyTorch's own choice.
+
+    Example:
+        >>> sdpa_kernels("cuda", torch.bfloat16, 1, 1025, cached=True)
+        ('flash', 'efficient', 'math')
+        >>> sdpa_kernels("cuda", torch.bfloat16, 4096, 4096, cached=False) is None   # a prefill: PyTorch's pick
+        True
+    """
+    if device_type == "cuda" and dtype in _LOW_PRECISION and (cached or s_q < s_kv):
+        return NO_CUDNN
+    return None
+
+
+def static_cache(cached: bool, has_mask: bool, eager: bool) -> bool:
+    """Whether a cached call reads the cache's whole buffer under a position mask (rule 8): while
+    ``torch.compile`` traces it, on the fused path, without a user mask (whose key axis is the cache's length).
+
+    Example:
+        >>> static_cache(True, False, False)            # eager code: the filled prefix, no mask
+        False
+    """
+    return cached and not has_mask and not eager and torch.compiler.is_compiling()
 
 
 def lse_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -135,7 +209,7 @@ def lse_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def chunk_length(h: int, h_kv: int, d_h: int, b: int, s_q: int, s_kv: int, dtype: torch.dtype,
                  setting: bool | int = True) -> int | None:
-    """Query positions per chunk for a forward of these sizes (rule 5), or None for one pass.
+    """Query positions per chunk for a forward of these sizes (rule 7), or None for one pass.
 
     ``setting`` is the layer's ``chunk_queries``: True (the size rule), False (never) or an int (that many
     positions per chunk whenever chunking is allowed).
@@ -169,15 +243,15 @@ def plan_attention(
     device: torch.device, backend: str = "sdpa", causal: bool = False, has_mask: bool = False,
     cached: bool = False, return_weights: bool = False, dropout_p: float = 0.0, chunk_queries: bool | int = True,
     records_grad: bool = False, softcap: float | None = None, sinks: bool = False,
-    dead_rows: bool | Callable[[], bool] = False,
+    dead_rows: bool | Callable[[], bool] = False, mask_per_head: bool = False, static_cache: bool = False,
 ) -> Plan:
     """The plan of one attention call (see the module docstring for the rules). Inputs are trusted: the
     caller validated them (``MultiHeadAttention.forward`` and ``functional.attention`` do).
 
     Args:
         h, h_kv, d_h: query heads, key/value heads, head width; scale: the score scale.
-        b, s_q, s_kv: batch, query length, key length (cached positions included).
-        dtype, device: of the queries.
+        b, s_q, s_kv: batch, query length, key length (cached positions included; ``max_len`` for a static cache).
+        dtype, device: of the queries (only the device's type is read).
         backend: the layer's backend, ``"sdpa"`` or ``"eager"``.
         causal: causal attention was asked for (a cache forces it).
         has_mask: a mask is given.
@@ -190,6 +264,9 @@ def plan_attention(
         dead_rows: the floating mask has a row entirely at the dtype's minimum (rule 2); a callable is asked
             only when its answer can change the backend (reading the mask is a data-dependent step, which
             torch.export and torch.compile cannot trace).
+        mask_per_head: the mask has a head axis (it differs between query heads of one group).
+        static_cache: the keys are a cache's whole buffer, read under a position mask (rule 8): ``has_mask``
+            must be True (that mask) and causality is in it.
 
     Shapes:
         scores: (b, h, s_q, s_kv)
@@ -197,9 +274,21 @@ def plan_attention(
     Example:
         >>> p = plan_attention(h=4, h_kv=2, d_h=8, scale=8 ** -0.5, b=2, s_q=1, s_kv=9, dtype=torch.float32,
         ...                    device=torch.device("cpu"), cached=True)
-        >>> p.backend, p.causal_via, p.fold_decode
-        ('sdpa', 'none needed', True)
+        >>> p.backend, p.causal_via.value, p.grouping.name, p.kernels
+        ('sdpa', 'none needed', 'FOLD', None)
+        >>> p = plan_attention(h=4, h_kv=2, d_h=8, scale=8 ** -0.5, b=2, s_q=1, s_kv=9, dtype=torch.bfloat16,
+        ...                    device=torch.device("cuda"), cached=True)
+        >>> p.kernels                                   # a decode step on CUDA never waits for a cuDNN plan
+        ('flash', 'efficient', 'math')
+        >>> cuda = dict(h=32, h_kv=8, d_h=128, scale=0.088, b=8, s_q=4096, s_kv=4096, device=torch.device("cuda"))
+        >>> plan_attention(dtype=torch.float32, **cuda).grouping.name     # the efficient kernel: K/V repeated
+        'REPEAT'
+        >>> plan_attention(dtype=torch.bfloat16, **cuda).grouping.name    # flash groups heads itself
+        'KERNEL'
+        >>> plan_attention(dtype=torch.bfloat16, **cuda).chunk is None    # no query chunks on CUDA
+        True
     """
+    device_type = device.type
     causal = causal or cached
     eager = return_weights or backend == "eager" or softcap is not None or sinks
     if not eager and records_grad:
@@ -207,22 +296,38 @@ def plan_attention(
     backend = "eager" if eager else "sdpa"
     if b == 0 or s_q == 0 or s_kv == 0:
         backend = "empty"
-    via = causal_mode(backend, causal, has_mask, s_q, s_kv) if causal and s_q != 1 else "none needed"
-    gqa = h_kv != h
+    if static_cache:
+        via = Causal.NONE  # the position mask holds causality
+    else:
+        via = causal_mode(backend, causal, has_mask, s_q, s_kv) if causal and s_q != 1 else Causal.NONE
     chunk, lse, nbytes = None, False, 0
     if backend == "eager":
         nbytes = b * h * s_q * s_kv * (4 if dtype in _LOW_PRECISION else dtype.itemsize)
-    elif backend == "sdpa" and not cached and not dropout_p and not records_grad:
+    elif backend == "sdpa" and device_type == "cpu" and not cached and not dropout_p and not records_grad:
         chunk = chunk_length(h, h_kv, d_h, b, s_q, s_kv, dtype, chunk_queries)
         if chunk is not None and causal:
             lse = not has_mask and s_kv >= s_q and lse_merge_available(device, dtype)
-            via = "kernel is_causal" if lse else "explicit mask"
-    fold = backend == "sdpa" and gqa and s_q == 1 and not has_mask and chunk is None
+            via = Causal.KERNEL if lse else Causal.MASK
+    kernel_mask = has_mask or via is Causal.MASK
+    group = Grouping.NONE
+    if h_kv != h:
+        if backend != "sdpa":
+            group = Grouping.KERNEL  # the eager formula groups heads itself
+        elif s_q == 1 and not mask_per_head:
+            group = Grouping.FOLD
+        elif device_type == "cuda" and (dtype == torch.float32 or (dtype in _LOW_PRECISION and kernel_mask)):
+            group = Grouping.REPEAT  # the memory-efficient kernel, which cannot group heads, is the best fused one
+        else:
+            group = Grouping.KERNEL
+    dead = backend == "sdpa" and (has_mask or (causal and s_q > s_kv and not static_cache))
+    kernels = sdpa_kernels(device_type, dtype, s_q, s_kv, cached) if backend == "sdpa" and device_type != "cpu" \
+        else None
     return Plan(shape=(b, h, s_q, s_kv), backend=backend, causal_via=via, causal=causal, has_mask=has_mask,
-                enable_gqa=gqa, fold_decode=fold, chunk=chunk, lse_chunks=lse, probability_bytes=nbytes,
+                grouping=group, chunk=chunk, lse_chunks=lse, probability_bytes=nbytes,
                 warn=nbytes > FORWARD_WARN_BYTES, scale=scale, dropout_p=dropout_p, cached=cached,
                 return_weights=return_weights, chunk_forced=chunk_queries is not True, softcap=softcap,
-                sinks=sinks)
+                sinks=sinks, kernels=kernels, zero_dead_rows=dead, static_cache=static_cache,
+                device_type=device_type)
 
 
 def forward_warning(plan: Plan) -> MaterializationWarning:

@@ -141,7 +141,8 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
                   x: object, context: object, key: object, value: object, mask: object, causal: object,
                   cache: object, positions: object, return_weights: object) -> ForwardInputs:
     """Every check of a layer's forward, once, before any work or state change. ``config`` is the layer's
-    :class:`~headwise.AttentionConfig` (not imported here: the config is built on these checks).
+    :class:`~headwise.AttentionConfig` (not imported here: the config is built on these checks). Rotary
+    positions left as None are the layer's to fill (the cache's next positions, or ``0 .. s_q - 1``).
 
     Shapes:
         x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); key: (b, s_kv, kdim); value: (b, s_kv, vdim)
@@ -182,7 +183,6 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
             raise ValueError("cache= is for self-attention decoding; cross-attention keys need no cache")
         if rotary:
             raise ValueError("rotary embeddings apply to self-attention only; got context/key inputs")
-    offset = 0
     if cache is not None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
@@ -192,16 +192,15 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
             # before the layer claims the cache.
             probe = torch.empty((), dtype=dtype, device=device).expand(b, config.n_kv_heads, s_q, config.d_head)
             cache.check_update(probe, probe)
-        offset = cache.length
-    s_kv = offset + s_q if key is None else key.shape[1]
     if mask is not None:
+        # The cache's length is read only here: a compiled decode step without a mask never reads it (the
+        # position it writes at is a tensor: see KVCache.write_static).
+        s_kv = (cache.length + s_q) if cache is not None else (s_q if key is None else key.shape[1])
         mask = validate_mask(mask, (b, config.n_heads, s_q, s_kv), dtype, device)
     if not rotary:
         if positions is not None:
             raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
-    elif positions is None:
-        positions = torch.arange(offset, offset + s_q, device=x.device)
-    else:
+    elif positions is not None:
         positions = check_positions(positions, b, s_q)
     return ForwardInputs(x, key, value, mask, positions, batched)
 

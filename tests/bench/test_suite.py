@@ -40,14 +40,15 @@ def groups() -> list[dict]:
 def test_every_case_times_its_groups(groups):
     families = [f"patched {name} {mode}" for name, *_ in FAMILIES.values() for mode in ("forward", "generate")]
     assert [g["key"] for g in groups] == [
-        "forward", "forward causal", "fwd+bwd", "gqa", "decode", "trace result", "trace pattern+z", "sweep",
+        "forward", "forward causal", "fwd+bwd", "gqa", "decode", "decode step", "trace result", "trace pattern+z",
+        "sweep",
         "patched BERT forward", "patched Llama forward", "patched Llama generate", *families]
     for g in groups:
         assert any(e["name"] == g["base"] for e in g["entries"]), g["key"]
         refused = any("patch refused it" in n for n in g["notes"])
         for e in g["entries"]:
             (rounds,) = e["round_s"]  # one process
-            assert len(rounds) == (1 if refused else TINY.decode_rounds if g["key"] == "decode" else
+            assert len(rounds) == (1 if refused else TINY.decode_rounds if g["key"].startswith("decode") else
                                    TINY.sweep_rounds if g["key"] == "sweep" else
                                    GENERATE_ROUNDS * TINY.rounds if g["key"].endswith("generate") else TINY.rounds)
             assert all(t > 0 for t in rounds) and e["calls"] >= 1
@@ -69,7 +70,8 @@ def test_every_peer_computes_what_headwise_computes(groups):
     expected = {("forward", "packed SDPA"), ("forward", "nn.MultiheadAttention fast path"),
                 ("forward causal", "packed SDPA"), ("forward causal", "nn.MultiheadAttention fast path"),
                 ("fwd+bwd", "packed SDPA"), ("gqa", "packed SDPA enable_gqa"), ("gqa", "packed SDPA repeat K/V"),
-                ("decode", "x @ W preallocated loop"), ("trace result", "hooks + einsum"),
+                ("decode", "x @ W preallocated loop"), ("decode step", "x @ W preallocated loop"),
+                ("trace result", "hooks + einsum"),
                 ("trace result", "headwise patched, no trace"), ("trace pattern+z", "hooks"),
                 ("patched BERT forward", "HF BERT (unpatched)"), ("patched Llama forward", "HF Llama (unpatched)"),
                 ("patched Llama generate", "HF Llama (unpatched)"), ("patched GPT-2 forward", "HF GPT-2 (unpatched)"),

@@ -286,24 +286,14 @@ def test_a_copy_never_carries_a_tracer():
     assert copy.deepcopy(attn).tracer is None and attn.tracer is not None
 
 
-def test_weight_layout_survives_copies_moves_and_loading_and_saves_with_safetensors(tmp_path):
-    import copy
-
+def test_weights_are_nn_linears_own_and_save_raw_with_safetensors(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     attn = MultiHeadAttention(16, 4, 2)
     x = torch.randn(2, 3, 16)
-    twins = [copy.deepcopy(attn), attn.to(torch.float64).to(torch.float32)]
+    safetensors.save_file(attn.state_dict(), str(tmp_path / "raw.safetensors"))  # contiguous tensors only
     loaded = MultiHeadAttention(16, 4, 2)
-    loaded.load_state_dict(attn.state_dict())
-    torch.save(attn.state_dict(), tmp_path / "sd.pt")
-    from_file = MultiHeadAttention(16, 4, 2)
-    from_file.load_state_dict(torch.load(tmp_path / "sd.pt"))
-    safetensors.save_model(attn, str(tmp_path / "m.safetensors"))
-    from_st = MultiHeadAttention(16, 4, 2)
-    safetensors.load_model(from_st, str(tmp_path / "m.safetensors"))
-    for twin in (*twins, loaded, from_file, from_st):
-        assert all(getattr(twin, n).weight.t().is_contiguous() for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
-        torch.testing.assert_close(twin(x), attn(x))
+    loaded.load_state_dict(safetensors.load_file(str(tmp_path / "raw.safetensors")))
+    torch.testing.assert_close(loaded(x), attn(x), rtol=0, atol=0)
 
 
 def test_projections_are_plain_linears_with_standard_weights():
@@ -311,6 +301,6 @@ def test_projections_are_plain_linears_with_standard_weights():
     for name, shape in (("q_proj", (16, 16)), ("k_proj", (8, 16)), ("v_proj", (8, 16)), ("out_proj", (16, 16))):
         proj = getattr(attn, name)
         assert type(proj) is torch.nn.Linear and proj.weight.shape == shape
-        assert proj.weight.t().is_contiguous()  # stored in x @ W order (see MultiHeadAttention.__init__)
+        assert proj.weight.is_contiguous()  # nn.Linear's own (out, in) layout
     assert list(attn.state_dict()) == ["q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
                                        "v_proj.weight", "v_proj.bias", "out_proj.weight", "out_proj.bias"]

@@ -116,13 +116,13 @@ def test_functional_attention_refuses_int_masks_and_string_causal():
 
 
 def test_the_public_names_are_the_documented_ones():
-    assert set(hwf.__all__) == {"split_heads", "split_qkv", "merge_heads", "attention", "trusted_attention",
+    assert set(hwf.__all__) == {"split_heads", "split_qkv", "merge_heads", "attention",
                                 "attend", "softmax_attention", "available_backends"}
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 @pytest.mark.parametrize("case", ["causal", "mask", "decode"])
-def test_trusted_attention_is_attention_without_the_checks(backend, case):
+def test_attention_matches_the_float64_reference(backend, case):
     torch.manual_seed(0)
     s_q = 1 if case == "decode" else 5
     q, k, v = torch.randn(2, 6, s_q, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 3)
@@ -130,8 +130,8 @@ def test_trusted_attention_is_attention_without_the_checks(backend, case):
     if mask is not None:
         mask[..., 0] = True  # every row reads something
     causal = case == "causal"
-    got, weights = hwf.trusted_attention(q, k, v, mask=mask, scale=None, dropout_p=0.0, causal=causal,
-                                         backend=backend, return_weights=backend == "eager")
+    got, weights = hwf.attention(q, k, v, mask=mask, causal=causal, backend=backend,
+                                 return_weights=backend == "eager")
     ref_z, ref_w = reference_heads(q, k, v, mask=mask, causal=causal)
     torch.testing.assert_close(got.double(), ref_z, rtol=1e-4, atol=1e-5)
     if backend == "eager":

@@ -278,7 +278,7 @@ def test_overflow_under_fullgraph_compile_raises_the_eager_value_error(backend):
     torch.testing.assert_close(compiled(kv[:, :, :1], kv[:, :, :1]), 2 * kv[:, :, :1].sum())  # still usable
 
 
-def test_overflow_through_a_compiled_layer_raises_value_error():
+def test_a_compiled_step_past_max_len_writes_nothing_returns_zeros_and_is_reported():
     torch._dynamo.reset()
     attn = MultiHeadAttention(16, 4, 2).eval()
     step = torch.compile(attn, backend="eager", fullgraph=True)
@@ -288,9 +288,15 @@ def test_overflow_through_a_compiled_layer_raises_value_error():
         step(x[:, :2], cache=cache)
         step(x[:, 2:3], cache=cache)
         snap = snapshot(cache)
-        with pytest.raises(ValueError, match=r"cache overflow: 3 cached \+ 1 new > max_len=3"):
-            step(x[:, 3:4], cache=cache)
-    assert_same(cache, snap)
+        refused = step(x[:, 3:4], cache=cache)  # no host code runs between compiled steps: refused on the device
+    assert torch.equal(refused, torch.zeros_like(refused))
+    assert torch.equal(cache.keys, snap[0]) and torch.equal(cache.values, snap[1])  # nothing written
+    with pytest.raises(ValueError, match=r"cache overflow: 1 compiled step\(s\) found all max_len=3 positions"):
+        cache.length  # the next host-side use reports it
+    assert_same(cache, snap)  # reported once; the cache is as it was
+    cache.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(step(x[:, :2], cache=cache), attn(x[:, :2], causal=True))
 
 
 @pytest.mark.timeout(10)

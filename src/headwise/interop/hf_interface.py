@@ -232,7 +232,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         if mask is not None:
             mask = validate_mask(mask, (query.shape[0], query.shape[1], s_q, key.shape[2]), query.dtype,
                                  query.device)
-        z, weights = hwf.trusted_attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout,
+        z, weights = hwf.attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout,
                                            causal=causal, backend="eager" if wants else "sdpa",
                                            return_weights=wants, **extra)
     if tracer is not None:

@@ -1,0 +1,122 @@
+"""Rows that may read no key give zeros before W_O on every kernel and dtype: headwise zeros them, not the kernel.
+
+cuDNN (PyTorch's preferred SDPA backend for fp16/bf16 on Hopper) turns a bool mask into a finite -65504 bias,
+so a row with no allowed key gets unmasked attention instead of zeros. CI has no GPU, so these tests replace
+``F.scaled_dot_product_attention`` with a kernel that behaves that way and check every path against the float64
+reference, whose dead rows are zeros by definition.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads, d: model width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headwise import MultiHeadAttention
+from headwise import functional as hwf
+from headwise import masks as hwm
+from tests.reference import reference_heads, reference_mha
+
+REAL_SDPA = F.scaled_dot_product_attention
+#: (rtol, atol) against float64: see tests/TOLERANCES.md (the bfloat16 layer row, for both half precisions).
+TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (5e-2, 5e-2), torch.float16: (5e-2, 5e-2)}
+
+
+def cudnn_like_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA as cuDNN computes a bool mask: a finite bias of -65504 where a key is hidden, so a row that may read
+    nothing attends to every key uniformly (in the softmax, a constant bias cancels)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -65504.0)
+    return REAL_SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
+
+
+@pytest.fixture
+def cudnn_like(monkeypatch):
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cudnn_like_sdpa)
+
+
+def padded_mask(b: int, s: int) -> torch.Tensor:
+    """Left padding with causal masking: sequence 1 is all padding, sequence 0 has two padded rows."""
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[0, :2] = False
+    keep[1] = False
+    return hwm.combine_masks(hwm.padding_mask(keep=keep), hwm.causal_mask(s))  # (b, 1, s, s)
+
+
+def test_the_stand_in_kernel_gives_dead_rows_unmasked_attention_as_cudnn_does():
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    mask = padded_mask(2, 5)
+    raw = cudnn_like_sdpa(q, k, v, attn_mask=mask)
+    unmasked = REAL_SDPA(q[1:], k[1:], v[1:])  # sequence 1 reads nothing: the kernel attends to every key
+    torch.testing.assert_close(raw[1:], unmasked, rtol=1e-2, atol=1e-2)  # scores near -65504 keep 2**-8 steps
+    assert raw[1].abs().min() > 0  # so headwise's zeros below are headwise's doing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["bool padding", "float -inf rows", "causal s_q > s_kv"])
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_layer_outputs_match_float64_with_dead_rows_on_a_cudnn_like_kernel(cudnn_like, dtype, kind, n_kv_heads):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, n_kv_heads).to(dtype)
+    x = torch.randn(2, 5, 32, dtype=dtype)
+    kw: dict = {}
+    if kind == "bool padding":
+        kw["mask"] = padded_mask(2, 5)
+    elif kind == "float -inf rows":
+        bias = torch.randn(2, 1, 5, 5, dtype=dtype)
+        bias[0, :, 1] = float("-inf")
+        bias[1, :, 3:] = float("-inf")
+        kw["mask"] = bias
+    else:  # five queries read three keys bottom-right: the first two read nothing
+        kw.update(causal=True, context=torch.randn(2, 3, 32, dtype=dtype))
+    got = attn(x, **kw)
+    ref, _ = reference_mha(attn, x, kw.get("context"), mask=kw.get("mask"), causal=kw.get("causal", False))
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_functional_attention_zeros_dead_rows_before_w_o(cudnn_like, dtype):
+    q, k, v = (torch.randn(2, 4, 5, 8, dtype=dtype) for _ in range(3))
+    mask = padded_mask(2, 5)
+    z, _ = hwf.attention(q, k, v, mask=mask)
+    ref, _ = reference_heads(q, k, v, mask=mask)
+    assert torch.equal(z[1], torch.zeros_like(z[1])) and torch.equal(z[0, :, :2], torch.zeros_like(z[0, :, :2]))
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(z.double(), ref, rtol=rtol, atol=atol)
+
+
+def test_a_decode_step_whose_mask_hides_every_key_gives_zeros_under_gqa(cudnn_like):
+    attn = MultiHeadAttention(32, 4, 2).eval()
+    cache = attn.new_cache(2, 8)
+    x = torch.randn(2, 4, 32)
+    with torch.no_grad():
+        attn(x[:, :3], cache=cache)
+        keep = torch.tensor([True, False])[:, None, None, None].expand(2, 1, 1, 4)  # sequence 1 reads nothing
+        assert attn.explain_dispatch(x[:, 3:], mask=keep, cache=cache).plan.fold_decode  # the folded GQA route
+        got = attn(x[:, 3:], cache=cache, mask=keep)
+    torch.testing.assert_close(got[1], attn.out_proj.bias.expand(1, 32))  # zeros before W_O: only its bias
+    assert got[0].ne(attn.out_proj.bias).any()
+
+
+def test_dead_rows_are_zeroed_without_a_graph_break_under_compile(cudnn_like):
+    torch._dynamo.reset()
+    attn = MultiHeadAttention(32, 4, 2)
+    x = torch.randn(2, 5, 32)
+    mask = padded_mask(2, 5)
+    compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)  # a data-dependent branch would raise
+    ref, _ = reference_mha(attn, x, mask=mask)
+    torch.testing.assert_close(compiled(x, mask=mask).double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_through_dead_rows_are_finite_and_match_the_formula(cudnn_like):
+    attn = MultiHeadAttention(32, 4, 2).double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    mask = padded_mask(2, 5)
+    (gx,) = torch.autograd.grad(attn(x, mask=mask).square().sum(), x)
+    (rx,) = torch.autograd.grad(reference_mha(attn, x, mask=mask)[0].square().sum(), x)
+    torch.testing.assert_close(gx, rx)
