@@ -107,7 +107,7 @@ def _peak(fn: Callable[[], Any]) -> int:
 
 def _group(setup: Setup, key: str, entries: list[Entry], base: str, **kw: Any) -> Group:
     kw.setdefault("rounds", 10 if setup.device == "cuda" else 2)
-    kw.setdefault("block_s", 0.2 if setup.device == "cuda" else 0.01)
+    kw.setdefault("block_s", 0.1 if setup.device == "cuda" else 0.01)
     kw.setdefault("tol", (2e-2, 1e-2))  # bfloat16: tests/TOLERANCES.md, the GPU benchmark row
     if setup.device != "cuda":
         kw["rounds"] = min(kw["rounds"], 2)

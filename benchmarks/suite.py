@@ -134,7 +134,9 @@ def _main_cuda(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     only = [p.strip() for p in args.only.split(",")] if args.only else None
-    groups = []
+    groups: list[dict] = []
+    command = "python -m benchmarks" + "".join(" " + shlex.quote(a) for a in argv)
+    out = args.out or ROOT / "benchmarks" / "RESULTS-cuda.md"
     for factory in cuda_groups(only):
         t0 = time.perf_counter()
         res = run_group(factory())
@@ -142,11 +144,9 @@ def _main_cuda(args: argparse.Namespace, argv: list[str]) -> int:
         groups.append(res)
         _show(res)
         torch.cuda.empty_cache()
-    goals = evaluate(groups, CUDA_GOALS)
-    env = environment()
-    command = "python -m benchmarks" + "".join(" " + shlex.quote(a) for a in argv)
-    path = write_results(args.out or ROOT / "benchmarks" / "RESULTS-cuda.md", groups, goals, command=command,
-                         env=env, processes=1, device="cuda")
+        # written after every group: a run cut short by a time limit keeps what it measured
+        goals = evaluate(groups, CUDA_GOALS)
+        path = write_results(out, groups, goals, command=command, env=environment(), processes=1, device="cuda")
     _show_goals(goals)
     print(f"\nwrote {path}")
     return 1 if any(e["matches"] is False for g in groups for e in g["entries"]) else 0
