@@ -37,6 +37,7 @@ for dtype in (torch.bfloat16, torch.float32):
             print(f"{str(dtype):15} h32/{h_kv:<3} {name:26} kernel={info.kernel:10} grouping={info.plan.grouping.name:7} "
                   f"kernels={info.plan.kernels} chunk={info.query_chunk}")
 PY
+if [ -n "${DIAG:-}" ]; then timeout 120 python3 -m benchmarks.decode_kernels 2>&1 | tee "$OUT/decode-kernels.txt"; fi
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m cuda ${TESTS:-tests/gpu} -p no:randomly 2>&1 | tee "$OUT/gpu-tests.txt"
 timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks --device cuda --out "$OUT/RESULTS-cuda.md" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 \
   | tee "$OUT/gpu-bench.txt"

@@ -90,11 +90,15 @@ def _sdpa_kernel(plan: Plan, d_head: int, n_kv_heads: int, dtype: torch.dtype, d
             q = stand_in(q_shape, dtype, grad)
             k = stand_in((b, kv_heads, s_kv, d_head), dtype, grad)
             mask = None if mask_shape is None else stand_in(tuple(mask_shape), mask_dtype)
-            allowed = (list(SDPBackend) if plan.kernels is None
-                       else [getattr(SDPBackend, _BACKEND_NAMES[n]) for n in plan.kernels])
-            with sdpa_kernel(allowed):
-                idx = int(choose(q, k, k, attn_mask=mask, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
-                                 scale=plan.scale, enable_gqa=plan.enable_gqa))
+            def pick() -> int:
+                return int(choose(q, k, k, attn_mask=mask, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
+                                  scale=plan.scale, enable_gqa=plan.enable_gqa))
+
+            if plan.kernels is None:
+                idx = pick()
+            else:
+                with sdpa_kernel([getattr(SDPBackend, _BACKEND_NAMES[n]) for n in plan.kernels]):
+                    idx = pick()
             if idx in _KERNELS:
                 return _KERNELS[idx], f"PyTorch's SDPA selector picks the {_KERNELS[idx]} kernel for these inputs"
         except Exception:  # a private API: any failure falls back to the stated rule

@@ -129,6 +129,13 @@ class KVCache:
         self._refused = torch.zeros((), dtype=torch.long, device=self.keys.device)  # compiled steps with no room
         self._device_ahead = False  # compiled steps ran since the host last read the position
         self._slots = torch.arange(max_len, device=self.keys.device)  # key index j, for the position mask
+        if not torch.compiler.is_compiling():
+            # Compiled steps write these tensors in place; a CUDA graph may do so only to tensors whose address it
+            # can trust to stay the same (as transformers marks its StaticCache's), else it is not used at all.
+            from torch._dynamo import mark_static_address
+
+            for t in (self.keys, self.values, self.position, self._refused, self._slots):
+                mark_static_address(t)
         self._owner: Any = None
         self._resets = 0
 
