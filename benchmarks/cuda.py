@@ -312,8 +312,11 @@ def generate_group(setup: Setup, b: int, fresh: bool, pair: tuple[nn.Module, nn.
                                       min_new_tokens=new, do_sample=False, pad_token_id=0)[:, s:]
         return one
 
-    entries = [Entry("headwise (patched)", gen(patched), number=1, compare=not fresh),
-               Entry("HF Llama (unpatched)", gen(plain), number=1, compare=not fresh)]
+    # Tokens are compared in float32 only: in bfloat16 the two models' kernels (flash or cuDNN) round differently and
+    # greedy choices between near-equal logits may differ (tests/gpu compares float32 tokens and bf16 logits).
+    same = not fresh and setup.dtype == torch.float32
+    entries = [Entry("headwise (patched)", gen(patched), number=1, compare=same),
+               Entry("HF Llama (unpatched)", gen(plain), number=1, compare=same)]
     cfg = setup.llama
     return _group(setup, f"cuda generate b{b} {'fresh' if fresh else 'seen'}", entries, "HF Llama (unpatched)",
                   rounds=6 if fresh else 10, tol=(0.0, 0.0),

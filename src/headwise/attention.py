@@ -26,7 +26,7 @@ from .config import AttentionConfig
 from .dispatch import DispatchInfo, describe
 from .head import LayerHeads
 from .kv_cache import KVCache
-from .plan import Plan, forward_warning, plan_attention, static_cache
+from .plan import CacheRead, Plan, cache_read, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
 from .validation import check_bool, check_device, check_dtype, check_forward, check_layer_size, has_dead_rows
 
@@ -220,7 +220,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         """
         out = self.out_proj
         if results is not None and _bare_linear(out):
-            y = results.sum(2)  # (b, s_q, d)
+            # Accumulated in float32, as W_O's own product accumulates: a half-precision sum of h rounded writes
+            # would drift from the untraced output.
+            y = results.sum(2, dtype=torch.float32).to(results.dtype)  # (b, s_q, d)
             return y if out.bias is None else y + out.bias
         return out(hwf.merge_heads(z))  # (b, s_q, d)
 
@@ -267,7 +269,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         if plan.warn:
             warnings.warn(forward_warning(plan), stacklevel=2)
         if self.rotary is not None and positions is None:  # the next positions: after the cache's, or from 0
-            start = 0 if cache is None else (cache.position if plan.static_cache else cache.length)
+            start = 0 if cache is None else (cache.position if plan.cache_read is CacheRead.POSITION else cache.length)
             positions = start + torch.arange(x.shape[1], device=x.device)  # (s_q,)
         if plan.chunk is not None:
             with torch.no_grad():
@@ -280,7 +282,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         if tracer is not None:
             q, k, v = tracer.qkv(self, q, k, v)
         # Attend: every head on its own, over the cache's positions too when there is one.
-        if plan.static_cache:  # compiled: the whole buffer under the position mask, written on the device
+        if plan.cache_read is CacheRead.POSITION:  # compiled: written on the device, the whole buffer read
             k, v, mask, room = cache.write_static(k, v)  # (b, h_kv, max_len, d_h), (1, 1, s_q, max_len)
             z, weights = hwf.attend(plan, q, k, v, mask)  # (b, h, s_q, d_h)
             if tracer is not None:
@@ -291,6 +293,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         start = 0 if cache is None else cache.length
         if cache is not None:
             k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
+            if plan.cache_read is CacheRead.BUFFER:  # the whole buffer, the same shape at every position
+                k, v, mask = cache.keys, cache.values, cache.read_mask(x.shape[1])  # (.., max_len, ..)
         try:
             z, weights = hwf.attend(plan, q, k, v, mask)  # (b, h, s_q, d_h)
             if tracer is not None:
@@ -329,11 +333,14 @@ class MultiHeadAttention(LayerHeads, nn.Module):
     def _plan(self, x, key, mask, causal, cache, return_weights, chunk=True) -> Plan:  # type: ignore[no-untyped-def]
         """The plan of one call on checked inputs: the one place its decisions are made."""
         cfg = self.config
-        static = cache is not None and static_cache(True, mask is not None, return_weights or self._backend == "eager")
+        read = CacheRead.NONE
         if cache is None:
             s_kv = x.shape[1] if key is None else key.shape[1]
         else:
-            s_kv = cache.max_len if static else cache.length + x.shape[1]
+            read = cache_read(x.device.type, x.dtype, x.shape[1], mask is not None,
+                              return_weights or self._backend == "eager", lambda: cache.length)
+            whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
+            s_kv = cache.max_len if whole else cache.length + x.shape[1]
         # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
         grad = False
         if torch.is_grad_enabled():
@@ -345,11 +352,12 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         return plan_attention(
             h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
             s_kv=s_kv, dtype=x.dtype, device=x.device, backend=self._backend, causal=causal,
-            has_mask=mask is not None or static, cached=cache is not None, return_weights=return_weights,
+            has_mask=mask is not None or read is CacheRead.BUFFER or read is CacheRead.POSITION,
+            cached=cache is not None, return_weights=return_weights,
             dropout_p=cfg.dropout if self.training else 0.0,
             chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
             dead_rows=False if mask is None else partial(has_dead_rows, mask),
-            mask_per_head=mask is not None and mask.shape[1] != 1, static_cache=static)
+            mask_per_head=mask is not None and mask.shape[1] != 1, read=read)
 
     def explain_dispatch(
         self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,

@@ -28,7 +28,7 @@ from torch import nn
 from .attention import MultiHeadAttention, has_forward_hooks
 from . import functional as hwf
 from .kv_cache import KVCache
-from .plan import Plan, plan_attention
+from .plan import CacheRead, Plan, cache_read, plan_attention
 
 __all__ = ["DecodeStep"]
 
@@ -115,18 +115,23 @@ class DecodeStep:
         b, h, h_kv, d_h = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         key = (cfg, x.dtype, x.device)
         if key != self._plan_key:  # planned once per config, dtype and device; the position never enters
-            self._plan = plan_attention(h=h, h_kv=h_kv, d_h=d_h, scale=cfg.scale, b=b, s_q=1,
-                                        s_kv=cache.max_len, dtype=x.dtype, device=x.device, cached=True)
+            read = cache_read(x.device.type, x.dtype, 1, False, False, lambda: cache.length)
+            self._plan = plan_attention(h=h, h_kv=h_kv, d_h=d_h, scale=cfg.scale, b=b, s_q=1, s_kv=cache.max_len,
+                                        dtype=x.dtype, device=x.device, cached=True,
+                                        has_mask=read is CacheRead.BUFFER, read=read)
             self._plan_key = key
         w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o = tensors
         x2 = x.view(b, cfg.d_model)  # one token: (b, d), the projections' plain matrix product
         q = F.linear(x2, w_q, b_q).view(b, h, 1, d_h)  # (b, h, 1, d_h): one token, so a view
         k = F.linear(x2, w_k, b_k).view(b, h_kv, 1, d_h)  # (b, h_kv, 1, d_h)
         v = F.linear(x2, w_v, b_v).view(b, h_kv, 1, d_h)  # (b, h_kv, 1, d_h)
+        plan, mask = self._plan, None
         start = cache.length
         k, v = cache.update(k, v)  # (b, h_kv, length, d_h); an overflow raises before anything is written
+        if plan.cache_read is CacheRead.BUFFER:  # the whole buffer: one shape at every position (plan rule 8)
+            k, v, mask = cache.keys, cache.values, cache.read_mask(1)  # (b, h_kv, max_len, d_h), (1, 1, 1, max_len)
         try:
-            z, _ = hwf.attend(self._plan, q, k, v)  # (b, h, 1, d_h)
+            z, _ = hwf.attend(plan, q, k, v, mask)  # (b, h, 1, d_h)
         except BaseException:
             cache.crop(start)  # as the forward does: a failed step leaves the cache's length as it was
             raise

@@ -23,7 +23,7 @@ import torch
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .plan import Causal, Grouping, MaterializationWarning, Plan
+from .plan import CacheRead, Causal, Grouping, MaterializationWarning, Plan
 
 __all__ = ["DispatchInfo", "MaterializationWarning", "describe", "WARN_BYTES"]
 
@@ -31,8 +31,8 @@ __all__ = ["DispatchInfo", "MaterializationWarning", "describe", "WARN_BYTES"]
 WARN_BYTES = 256 * 2**20
 
 _KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
-_BACKEND_NAMES = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-                  "cudnn": "CUDNN_ATTENTION"}
+_ALL_KERNELS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                SDPBackend.MATH)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class DispatchInfo:
 def _sdpa_kernel(plan: Plan, d_head: int, n_kv_heads: int, dtype: torch.dtype, device: torch.device,
                  mask_shape: tuple[int, ...] | None, mask_dtype: torch.dtype | None, grad: bool) -> tuple[str, str]:
     b, h, s_q, s_kv = plan.shape
-    if plan.causal_via is Causal.MASK or plan.static_cache:
+    if plan.causal_via is Causal.MASK or plan.cache_read in (CacheRead.BUFFER, CacheRead.POSITION):
         mask_shape = torch.broadcast_shapes(mask_shape or (), (s_q, s_kv))
         mask_dtype = mask_dtype or torch.bool
     # The kernel sees the tensors after the plan's grouping: folded rows, or K/V repeated to every query head.
@@ -94,11 +94,11 @@ def _sdpa_kernel(plan: Plan, d_head: int, n_kv_heads: int, dtype: torch.dtype, d
                 return int(choose(q, k, k, attn_mask=mask, dropout_p=plan.dropout_p, is_causal=plan.is_causal,
                                   scale=plan.scale, enable_gqa=plan.enable_gqa))
 
-            if plan.kernels is None:
-                idx = pick()
-            else:
-                with sdpa_kernel([getattr(SDPBackend, _BACKEND_NAMES[n]) for n in plan.kernels]):
+            if plan.avoid_cudnn:
+                with sdpa_kernel([b for b in _ALL_KERNELS if b != SDPBackend.CUDNN_ATTENTION]):
                     idx = pick()
+            else:
+                idx = pick()
             if idx in _KERNELS:
                 return _KERNELS[idx], f"PyTorch's SDPA selector picks the {_KERNELS[idx]} kernel for these inputs"
         except Exception:  # a private API: any failure falls back to the stated rule
@@ -123,10 +123,14 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
                    else "backend='eager' was chosen when the layer was built")
         out.append(f"the eager path materialises b*h*s_q*s_kv = {b}*{h}*{s_q}*{s_kv} probabilities "
                    f"({plan.probability_bytes} bytes)")
-    if plan.static_cache:
+    if plan.cache_read is CacheRead.POSITION:
         out.append(f"under torch.compile a cached call reads the cache's whole buffer ({s_kv} positions) under a "
                    f"mask built on the device from the cache's position: the same shapes at every position, so "
                    f"one graph serves them all")
+    elif plan.cache_read is CacheRead.BUFFER:
+        out.append(f"a cached call on {plan.device_type} in half precision reads the cache's whole buffer ({s_kv} "
+                   f"positions) under a mask of the filled ones: the same shape at every position, so cuDNN "
+                   f"builds one execution plan per cache, not one per position")
     elif plan.causal and s_q == 1:
         out.append("causal with a single query: bottom-right alignment lets it read every key, no mask")
     elif plan.chunk is not None:
@@ -157,10 +161,9 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
                    f"(b*h*s_kv*d_h more memory) instead of falling to the math kernel (b*h*s_q*s_kv)")
     elif plan.grouping is Grouping.KERNEL and plan.backend == "sdpa":
         out.append("GQA: SDPA's enable_gqa, K/V heads read in place")
-    if plan.kernels is not None:
-        out.append(f"keys from a cache or longer than the queries on {plan.device_type} (a decode step): SDPA "
-                   f"may use {', '.join(plan.kernels)}, not cuDNN, which builds an execution plan for every new "
-                   f"shape (tens of milliseconds each)")
+    if plan.avoid_cudnn:
+        out.append(f"keys from a growing cache on {plan.device_type} (a decode step): SDPA may not use cuDNN for "
+                   f"this call, which builds an execution plan for every new shape (tens of milliseconds each)")
     if plan.zero_dead_rows:
         out.append("a row that may read no key is zeroed by headwise after the kernel, on every kernel and "
                    "dtype (tensor operations, no host synchronisation)")

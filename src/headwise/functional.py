@@ -17,7 +17,6 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .masks import causal_mask, combine_masks, dead_rows, lift_dead_rows, validate_mask
 from .plan import Causal, Grouping, Plan, plan_attention
@@ -29,8 +28,7 @@ __all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "attend", "so
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _BACKENDS = ("eager", "sdpa")
-_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -200,15 +198,20 @@ def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     elif grouping is Grouping.REPEAT:
         k = k.repeat_interleave(h // k.shape[1], dim=1)  # (b, h, s_kv, d_h)
         v = v.repeat_interleave(h // v.shape[1], dim=1)  # (b, h, s_kv, d_v)
-    if plan.kernels is None:
-        z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=plan.dropout_p,
-                                           is_causal=plan.causal_via is Causal.KERNEL, scale=plan.scale,
-                                           enable_gqa=grouping is Grouping.KERNEL)
-    else:
-        with sdpa_kernel([_KERNELS[name] for name in plan.kernels]):
+    if plan.avoid_cudnn and torch.backends.cuda.cudnn_sdp_enabled():
+        # For this call only (plan rule 6), through PyTorch's own switch: the other kernels stay as the user set
+        # them, and this costs two flag writes where a sdpa_kernel context costs a decode step's worth of Python.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=plan.dropout_p,
                                                is_causal=plan.causal_via is Causal.KERNEL, scale=plan.scale,
                                                enable_gqa=grouping is Grouping.KERNEL)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+    else:
+        z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=plan.dropout_p,
+                                           is_causal=plan.causal_via is Causal.KERNEL, scale=plan.scale,
+                                           enable_gqa=grouping is Grouping.KERNEL)
     if grouping is Grouping.FOLD:
         z = z.reshape(b, h, 1, v.shape[-1])  # (b, h, 1, d_v): one query row per head
     if dead is not None:

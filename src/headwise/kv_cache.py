@@ -323,11 +323,31 @@ class KVCache:
             k, v = k.detach(), v.detach()
         self.keys.index_copy_(2, idx, torch.where(room, k, self.keys.index_select(2, idx)))
         self.values.index_copy_(2, idx, torch.where(room, v, self.values.index_select(2, idx)))
-        mask = self._slots <= (pos + self._slots[:s]).unsqueeze(-1)  # (s, max_len): bottom-right causal
+        mask = self._reads(pos, s)
         self.position.add_(room.long() * s)
         self._refused.add_((~room).long())
         self._device_ahead = True
-        return self.keys, self.values, mask.view(1, 1, s, self.max_len), room
+        return self.keys, self.values, mask, room
+
+    def read_mask(self, s: int) -> torch.Tensor:
+        """The keys each of the last ``s`` written positions may read, over the whole buffer: query i (at
+        position ``length - s + i``) reads keys ``j <= length - s + i``. With the whole buffers, it stands for the
+        filled prefix at a shape that is the same at every position.
+
+        Shapes:
+            -> (1, 1, s, max_len) bool
+
+        Example:
+            >>> cache = KVCache(batch_size=1, max_len=4, n_kv_heads=1, d_head=2)
+            >>> _ = cache.update(torch.randn(1, 1, 2, 2), torch.randn(1, 1, 2, 2))
+            >>> cache.read_mask(1).int().flatten().tolist()
+            [1, 1, 0, 0]
+        """
+        return self._reads(self.length - s, s)
+
+    def _reads(self, start: int | torch.Tensor, s: int) -> torch.Tensor:
+        """(1, 1, s, max_len) bool: query i at position ``start + i`` reads keys ``j <= start + i``."""
+        return (self._slots <= (start + self._slots[:s]).unsqueeze(-1)).view(1, 1, s, self.max_len)
 
     def _overflow_in_graph(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The traced overflow branch: a graph that raises the eager ValueError when it runs, writing nothing."""

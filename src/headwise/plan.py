@@ -22,18 +22,23 @@ nothing else decides. The rules:
    fused kernel for the inputs cannot group heads (float32, or a mask: the memory-efficient kernel), K and V
    are repeated to every query head (``b * h * s_kv * d_h`` more memory, never ``s_q * s_kv``) rather than
    falling to the math kernel; elsewhere SDPA's ``enable_gqa``.
-6. **Kernels** (CUDA, half precision): calls whose keys come from a cache or outnumber the queries (decoding)
-   exclude cuDNN, which builds an execution plan for every new shape (tens of milliseconds, and a decode step
-   is a new shape every time); flash, memory-efficient and math stay allowed. Elsewhere PyTorch chooses.
+6. **Kernels** (CUDA, half precision): an eager call whose keys come from a growing cache (the filled prefix of
+   a :class:`~headwise.KVCache`, or more keys than queries: transformers' dynamic cache) does not use cuDNN,
+   which builds an execution plan for every new shape (tens of milliseconds; a decode step is a new shape
+   every time). Whole-buffer reads (rule 8) and compiled calls keep PyTorch's choice: their shapes repeat.
 7. **Chunks** (CPU only: CUDA's fused kernels already hold O(s) memory): without autograd, on the fused path
    without dropout, cache or returned weights, a forward whose Q, K, V and context together exceed
    :data:`CHUNK_ABOVE_BYTES` runs its queries :data:`CHUNK_BYTES` at a time (:mod:`headwise.chunking`). A
    layer's ``chunk_queries`` can turn this off (False) or fix the chunk length (an int). Causal chunks without
    a mask, in float32/float64, run as a fully read key prefix plus the square diagonal block with the kernel's
    ``is_causal``, merged by log-sum-exp; elsewhere a chunk gets an explicit bottom-right mask.
-8. **Static cache** (a cached call traced by ``torch.compile``): the call reads the cache's whole
-   ``max_len`` buffer under a mask built on the device from the cache's position, so every shape is the same
-   at every position and one graph (one CUDA graph) serves them all.
+8. **Cache reads** (a :class:`~headwise.KVCache` without a user mask, on the fused path): under
+   ``torch.compile`` the call writes at the cache's device position and reads its whole ``max_len`` buffer under
+   a position mask built on the device, so every shape and Python value is the same at every position and one
+   graph (one CUDA graph) serves them all (:attr:`CacheRead.POSITION`). Eagerly on CUDA in half precision, a
+   call that reads cached keys reads the whole buffer too, under a mask of the filled positions
+   (:attr:`CacheRead.BUFFER`): cuDNN, the fastest kernel there, then builds one plan per cache instead of one
+   per position. Elsewhere the call reads the filled prefix, no mask (:attr:`CacheRead.PREFIX`).
 9. **Warning**: the eager path warns above :data:`FORWARD_WARN_BYTES` of probabilities, before any work.
 
 Shapes:
@@ -49,7 +54,7 @@ from typing import Callable, NamedTuple
 import torch
 
 
-__all__ = ["Plan", "Causal", "Grouping", "plan_attention", "static_cache", "MaterializationWarning", "forward_warning",
+__all__ = ["Plan", "Causal", "Grouping", "CacheRead", "plan_attention", "cache_read", "MaterializationWarning", "forward_warning",
            "CHUNK_ABOVE_BYTES", "CHUNK_BYTES", "FORWARD_WARN_BYTES", "lse_merge_available"]
 
 #: Chunk a forward whose unchunked Q, K, V and context together would take more than this (512 MiB).
@@ -62,8 +67,6 @@ CHUNK_ALIGN = 256
 FORWARD_WARN_BYTES = 2**30
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-#: The SDPA kernels a decode-shaped CUDA call may use (rule 6): every one but cuDNN.
-NO_CUDNN = ("flash", "efficient", "math")
 
 
 class MaterializationWarning(UserWarning):
@@ -87,11 +90,21 @@ class Grouping(str, enum.Enum):
     REPEAT = "K/V repeated to every query head"
 
 
+class CacheRead(str, enum.Enum):
+    """Which keys a cached call reads (rule 8)."""
+
+    NONE = "no cache"
+    PREFIX = "the filled prefix"
+    BUFFER = "the whole buffer under a mask of the filled positions"
+    POSITION = "the whole buffer, written at the device position, under a position mask"
+
+
 class Plan(NamedTuple):
     """What one attention call runs (a NamedTuple so ``torch.compile`` traces it as constants).
 
     Attributes:
-        shape: ``(b, h, s_q, s_kv)`` of the scores, cached positions included (``max_len`` for a static cache).
+        shape: ``(b, h, s_q, s_kv)`` of the scores, cached positions included (``max_len`` when the call reads a
+            cache's whole buffer).
         backend: ``"sdpa"``, ``"eager"`` or ``"empty"``.
         causal_via: a :class:`Causal`: no mask needed, the kernel's ``is_causal``, or an explicit mask.
         causal: whether the call is causal at all (given, or forced by a cache).
@@ -106,10 +119,9 @@ class Plan(NamedTuple):
         cached: a KV cache supplies earlier positions; return_weights: the call returns probabilities.
         chunk_forced: the layer fixed the chunk length (``chunk_queries`` is an int).
         softcap: the score softcap or None; sinks: the call adds one sink logit per head.
-        kernels: the SDPA kernels allowed (names of ``torch.nn.attention.SDPBackend``, lower case), or None
-            for PyTorch's own choice.
+        avoid_cudnn: SDPA may not use cuDNN for this call (rule 6); otherwise PyTorch chooses.
         zero_dead_rows: rows that may read nothing are zeroed after the fused kernel (rule 4).
-        static_cache: the call reads the cache's whole buffer under a position mask (rule 8).
+        cache_read: how a cached call reads the cache (a :class:`CacheRead`, rule 8).
         device_type: the device the plan was made for (``"cpu"``, ``"cuda"``, ...).
     """
 
@@ -130,9 +142,9 @@ class Plan(NamedTuple):
     chunk_forced: bool
     softcap: float | None = None
     sinks: bool = False
-    kernels: tuple[str, ...] | None = None
+    avoid_cudnn: bool = False
     zero_dead_rows: bool = False
-    static_cache: bool = False
+    cache_read: CacheRead = CacheRead.NONE
     device_type: str = "cpu"
 
     @property
@@ -167,29 +179,27 @@ def causal_mode(backend: str, causal: bool, has_mask: bool, s_q: int, s_kv: int)
     return Causal.MASK
 
 
-def sdpa_kernels(device_type: str, dtype: torch.dtype, s_q: int, s_kv: int, cached: bool) -> tuple[str, ...] | None:
-    """The SDPA kernels a call may use (rule 6), or None for PyTorch's own choice.
+def cache_read(device_type: str, dtype: torch.dtype, s_q: int, has_mask: bool, eager: bool,
+               cached_length: Callable[[], int]) -> CacheRead:
+    """How a cached call of ``s_q`` new positions reads its cache (rule 8). ``cached_length`` is asked only in
+    eager code, and only for several new positions (compiled code must not read the host's length: it changes
+    at every position); a first prefill (nothing cached yet) keeps the kernel's own causal path.
 
     Example:
-        >>> sdpa_kernels("cuda", torch.bfloat16, 1, 1025, cached=True)
-        ('flash', 'efficient', 'math')
-        >>> sdpa_kernels("cuda", torch.bfloat16, 4096, 4096, cached=False) is None   # a prefill: PyTorch's pick
-        True
+        >>> cache_read("cuda", torch.bfloat16, 1, False, False, lambda: 1024).name    # an eager decode step
+        'BUFFER'
+        >>> cache_read("cuda", torch.bfloat16, 128, False, False, lambda: 0).name     # a first prefill
+        'PREFIX'
+        >>> cache_read("cpu", torch.float32, 1, False, False, lambda: 1024).name
+        'PREFIX'
     """
-    if device_type == "cuda" and dtype in _LOW_PRECISION and (cached or s_q < s_kv):
-        return NO_CUDNN
-    return None
-
-
-def static_cache(cached: bool, has_mask: bool, eager: bool) -> bool:
-    """Whether a cached call reads the cache's whole buffer under a position mask (rule 8): while
-    ``torch.compile`` traces it, on the fused path, without a user mask (whose key axis is the cache's length).
-
-    Example:
-        >>> static_cache(True, False, False)            # eager code: the filled prefix, no mask
-        False
-    """
-    return cached and not has_mask and not eager and torch.compiler.is_compiling()
+    if has_mask or eager:
+        return CacheRead.PREFIX
+    if torch.compiler.is_compiling():
+        return CacheRead.POSITION
+    if device_type == "cuda" and dtype in _LOW_PRECISION and (s_q == 1 or cached_length() > 0):
+        return CacheRead.BUFFER
+    return CacheRead.PREFIX
 
 
 def lse_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -243,14 +253,15 @@ def plan_attention(
     device: torch.device, backend: str = "sdpa", causal: bool = False, has_mask: bool = False,
     cached: bool = False, return_weights: bool = False, dropout_p: float = 0.0, chunk_queries: bool | int = True,
     records_grad: bool = False, softcap: float | None = None, sinks: bool = False,
-    dead_rows: bool | Callable[[], bool] = False, mask_per_head: bool = False, static_cache: bool = False,
+    dead_rows: bool | Callable[[], bool] = False, mask_per_head: bool = False, read: CacheRead = CacheRead.NONE,
 ) -> Plan:
     """The plan of one attention call (see the module docstring for the rules). Inputs are trusted: the
     caller validated them (``MultiHeadAttention.forward`` and ``functional.attention`` do).
 
     Args:
         h, h_kv, d_h: query heads, key/value heads, head width; scale: the score scale.
-        b, s_q, s_kv: batch, query length, key length (cached positions included; ``max_len`` for a static cache).
+        b, s_q, s_kv: batch, query length, key length (cached positions included; ``max_len`` for a whole-buffer
+            read).
         dtype, device: of the queries (only the device's type is read).
         backend: the layer's backend, ``"sdpa"`` or ``"eager"``.
         causal: causal attention was asked for (a cache forces it).
@@ -265,8 +276,8 @@ def plan_attention(
             only when its answer can change the backend (reading the mask is a data-dependent step, which
             torch.export and torch.compile cannot trace).
         mask_per_head: the mask has a head axis (it differs between query heads of one group).
-        static_cache: the keys are a cache's whole buffer, read under a position mask (rule 8): ``has_mask``
-            must be True (that mask) and causality is in it.
+        read: how a cached call reads the cache (:func:`cache_read`); for a whole-buffer read ``s_kv`` is
+            ``max_len``, ``has_mask`` is True (the position mask) and causality is in that mask.
 
     Shapes:
         scores: (b, h, s_q, s_kv)
@@ -274,12 +285,12 @@ def plan_attention(
     Example:
         >>> p = plan_attention(h=4, h_kv=2, d_h=8, scale=8 ** -0.5, b=2, s_q=1, s_kv=9, dtype=torch.float32,
         ...                    device=torch.device("cpu"), cached=True)
-        >>> p.backend, p.causal_via.value, p.grouping.name, p.kernels
-        ('sdpa', 'none needed', 'FOLD', None)
+        >>> p.backend, p.causal_via.value, p.grouping.name, p.avoid_cudnn
+        ('sdpa', 'none needed', 'FOLD', False)
         >>> p = plan_attention(h=4, h_kv=2, d_h=8, scale=8 ** -0.5, b=2, s_q=1, s_kv=9, dtype=torch.bfloat16,
         ...                    device=torch.device("cuda"), cached=True)
-        >>> p.kernels                                   # a decode step on CUDA never waits for a cuDNN plan
-        ('flash', 'efficient', 'math')
+        >>> p.avoid_cudnn                               # a prefix read never waits for a cuDNN plan per position
+        True
         >>> cuda = dict(h=32, h_kv=8, d_h=128, scale=0.088, b=8, s_q=4096, s_kv=4096, device=torch.device("cuda"))
         >>> plan_attention(dtype=torch.float32, **cuda).grouping.name     # the efficient kernel: K/V repeated
         'REPEAT'
@@ -296,7 +307,8 @@ def plan_attention(
     backend = "eager" if eager else "sdpa"
     if b == 0 or s_q == 0 or s_kv == 0:
         backend = "empty"
-    if static_cache:
+    whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
+    if whole:
         via = Causal.NONE  # the position mask holds causality
     else:
         via = causal_mode(backend, causal, has_mask, s_q, s_kv) if causal and s_q != 1 else Causal.NONE
@@ -319,14 +331,14 @@ def plan_attention(
             group = Grouping.REPEAT  # the memory-efficient kernel, which cannot group heads, is the best fused one
         else:
             group = Grouping.KERNEL
-    dead = backend == "sdpa" and (has_mask or (causal and s_q > s_kv and not static_cache))
-    kernels = sdpa_kernels(device_type, dtype, s_q, s_kv, cached) if backend == "sdpa" and device_type != "cpu" \
-        else None
+    dead = backend == "sdpa" and not whole and (has_mask or (causal and s_q > s_kv))
+    avoid = (backend == "sdpa" and device_type == "cuda" and dtype in _LOW_PRECISION and not whole
+             and (cached or s_q < s_kv) and not torch.compiler.is_compiling())
     return Plan(shape=(b, h, s_q, s_kv), backend=backend, causal_via=via, causal=causal, has_mask=has_mask,
                 grouping=group, chunk=chunk, lse_chunks=lse, probability_bytes=nbytes,
                 warn=nbytes > FORWARD_WARN_BYTES, scale=scale, dropout_p=dropout_p, cached=cached,
                 return_weights=return_weights, chunk_forced=chunk_queries is not True, softcap=softcap,
-                sinks=sinks, kernels=kernels, zero_dead_rows=dead, static_cache=static_cache,
+                sinks=sinks, avoid_cudnn=avoid, zero_dead_rows=dead, cache_read=read,
                 device_type=device_type)
 
 

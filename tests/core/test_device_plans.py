@@ -13,10 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headwise import MultiHeadAttention
+import headwise.attention
+import headwise.decoding
+from headwise import DecodeStep, MultiHeadAttention
 from headwise import functional as hwf
-from headwise.plan import NO_CUDNN, Causal, Grouping, plan_attention
-from tests.reference import reference_heads
+from headwise.plan import CacheRead, Causal, Grouping, cache_read, plan_attention
+from tests.reference import reference_heads, reference_mha
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -35,13 +37,26 @@ def test_long_inference_forwards_are_chunked_on_cpu_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_shaped_half_precision_calls_on_cuda_exclude_cudnn(dtype):
-    assert plan(dtype=dtype, s_q=1, s_kv=1025, cached=True).kernels == NO_CUDNN
-    assert plan(dtype=dtype, s_q=1, s_kv=1025).kernels == NO_CUDNN  # an interface decode step: no cache object
-    assert plan(dtype=dtype, s_q=16, s_kv=1040, cached=True).kernels == NO_CUDNN  # several new tokens
-    assert plan(dtype=dtype).kernels is None  # a forward at a fixed shape: PyTorch's choice (cuDNN on Hopper)
-    assert plan(CPU, dtype, s_q=1, s_kv=1025, cached=True).kernels is None
-    assert plan(dtype=torch.float32, s_q=1, s_kv=1025, cached=True).kernels is None  # cuDNN runs no float32
+def test_growing_keys_in_half_precision_on_cuda_avoid_cudnn_and_whole_buffers_do_not(dtype):
+    assert plan(dtype=dtype, s_q=1, s_kv=1025, cached=True, read=CacheRead.PREFIX).avoid_cudnn
+    assert plan(dtype=dtype, s_q=1, s_kv=1025).avoid_cudnn  # an interface decode step: transformers' cache
+    assert plan(dtype=dtype, s_q=16, s_kv=1040, cached=True, read=CacheRead.PREFIX).avoid_cudnn
+    whole = plan(dtype=dtype, s_q=1, s_kv=2048, cached=True, has_mask=True, read=CacheRead.BUFFER)
+    assert not whole.avoid_cudnn and whole.causal_via is Causal.NONE  # one shape for every position: one plan
+    assert not plan(dtype=dtype).avoid_cudnn  # a forward at a fixed shape: PyTorch's choice (cuDNN on Hopper)
+    assert not plan(CPU, dtype, s_q=1, s_kv=1025, cached=True).avoid_cudnn
+    assert not plan(dtype=torch.float32, s_q=1, s_kv=1025, cached=True).avoid_cudnn  # cuDNN runs no float32
+
+
+def test_cache_reads_per_device():
+    length = lambda: 1024  # noqa: E731
+    assert cache_read("cuda", torch.bfloat16, 1, False, False, length) is CacheRead.BUFFER
+    assert cache_read("cuda", torch.float16, 8, False, False, length) is CacheRead.BUFFER
+    assert cache_read("cuda", torch.bfloat16, 128, False, False, lambda: 0) is CacheRead.PREFIX  # a first prefill
+    assert cache_read("cuda", torch.float32, 1, False, False, length) is CacheRead.PREFIX  # no cuDNN in float32
+    assert cache_read("cpu", torch.bfloat16, 1, False, False, length) is CacheRead.PREFIX
+    assert cache_read("cuda", torch.bfloat16, 1, True, False, length) is CacheRead.PREFIX  # a user mask
+    assert cache_read("cuda", torch.bfloat16, 1, False, True, length) is CacheRead.PREFIX  # weights returned
 
 
 def test_gqa_is_grouped_the_way_the_best_cuda_kernel_can_run_it():
@@ -68,10 +83,13 @@ def test_dead_rows_are_zeroed_by_headwise_wherever_a_row_may_read_nothing():
 def test_explain_dispatch_says_why_for_each_device_choice():
     from headwise.dispatch import describe
 
-    step = plan(s_q=1, s_kv=1025, cached=True, b=1)
+    step = plan(s_q=1, s_kv=1025, cached=True, b=1, read=CacheRead.PREFIX)
     info = describe(step, d_head=128, n_kv_heads=8, dtype=torch.bfloat16, device=CPU)
     text = " ".join(info.reasons)
-    assert "not cuDNN" in text and "query rows of its K/V head" in text
+    assert "may not use cuDNN" in text and "query rows of its K/V head" in text
+    whole = plan(s_q=1, s_kv=2048, cached=True, b=1, has_mask=True, read=CacheRead.BUFFER)
+    text = " ".join(describe(whole, d_head=128, n_kv_heads=8, dtype=torch.bfloat16, device=CPU).reasons)
+    assert "one execution plan per cache" in text
     repeat = describe(plan(dtype=torch.float32, b=1, s_q=64, s_kv=64), d_head=128, n_kv_heads=8,
                       dtype=torch.float32, device=CPU)
     assert "repeated to every query head" in " ".join(repeat.reasons)
@@ -79,7 +97,7 @@ def test_explain_dispatch_says_why_for_each_device_choice():
 
 
 CASES = {
-    "decode, cached": dict(s_q=1, s_kv=9, cached=True),
+    "decode, cached": dict(s_q=1, s_kv=9, cached=True, read=CacheRead.PREFIX),
     "decode, mask": dict(s_q=1, s_kv=9, mask=True),
     "prefill, causal": dict(s_q=7, s_kv=7, causal=True),
     "chunk, causal": dict(s_q=3, s_kv=9, causal=True),
@@ -108,16 +126,51 @@ def test_cuda_plans_run_on_cpu_tensors_match_float64(dtype, case, h_kv):
     torch.testing.assert_close(z.double(), ref, **tol)
 
 
-def test_the_kernel_restriction_traces_under_compile():
-    torch._dynamo.reset()
-    p = plan(CUDA, torch.bfloat16, h=4, h_kv=2, d_h=8, b=2, s_q=1, s_kv=9, cached=True)
+def test_avoiding_cudnn_leaves_pytorchs_switches_as_they_were(monkeypatch):
+    p = plan(CUDA, torch.bfloat16, h=4, h_kv=2, d_h=8, b=2, s_q=1, s_kv=9, cached=True, read=CacheRead.PREFIX)
+    assert p.avoid_cudnn
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
-    p = p._replace(grouping=Grouping.KERNEL)  # keep the kernel call itself under the sdpa_kernel context
-    compiled = torch.compile(lambda q, k, v: hwf.attend(p, q, k, v)[0], backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, v).double(), reference_heads(q, k, v)[0], rtol=1e-4, atol=1e-5)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    before = [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+              torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()]
+    z, _ = hwf.attend(p, q, k, v)
+    assert seen == [False] and before[3]  # cuDNN off for the call...
+    assert before == [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                      torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()]  # ...only
+    torch.testing.assert_close(z.double(), reference_heads(q, k, v)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("h_kv, rotary", [(4, False), (2, True)])
+def test_the_whole_buffer_route_equals_the_prefix_route(monkeypatch, h_kv, rotary):
+    """CacheRead.BUFFER (CUDA, half precision) taken on the CPU: the forward, DecodeStep and the decode-after-
+    prefill path read the whole buffer under the filled-positions mask and give the prefix route's answer."""
+    from headwise import RotaryEmbedding
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, h_kv, rotary=RotaryEmbedding(8) if rotary else None).eval()
+    x = torch.randn(2, 14, 32)
+    cache = attn.new_cache(2, 20)
+    whole = lambda device_type, dtype, s_q, has_mask, eager, length: (  # noqa: E731
+        CacheRead.PREFIX if has_mask or eager or (s_q > 1 and length() == 0) else CacheRead.BUFFER)
+    monkeypatch.setattr(headwise.attention, "cache_read", whole)
+    monkeypatch.setattr(headwise.decoding, "cache_read", whole)
+    step = DecodeStep(attn, cache)
+    with torch.no_grad():
+        assert attn.explain_dispatch(x[:, :1], cache=cache).plan.cache_read is CacheRead.BUFFER
+        got = [attn(x[:, :6], cache=cache), attn(x[:, 6:9], cache=cache)]  # a prefill, then an append of three
+        got += [step(x[:, t:t + 1]) for t in range(9, 14)]
+    ref, _ = reference_mha(attn, x, causal=True)
+    torch.testing.assert_close(torch.cat(got, 1).double(), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_the_layer_plans_for_its_own_device():
     attn = MultiHeadAttention(64, 8, 2)
     info = attn.explain_dispatch(torch.randn(1, 4, 64))
-    assert info.plan.device_type == "cpu" and info.plan.kernels is None
+    assert info.plan.device_type == "cpu" and not info.plan.avoid_cudnn
