@@ -46,6 +46,11 @@ def line(text: str = "", *, indent: str = "    ") -> None:
     sys.stdout.write("\n".join(wrapped) + "\n")
 
 
+def plural(n: int, word: str) -> str:
+    """``"1 head"``, ``"12 heads"``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
           optional: Sequence[str] = ()) -> None:
     """Print a table to stdout, fitted to the width (see the module doc)."""

@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 from .importance import ablation_importance, gradient_importance
-from .io import load_pretrained, save_pretrained
+from .io import load_pretrained, save_pretrained, shape_mismatch
 from .origin import original_heads
 from .prune import prune_heads
 from .regroup import similarity_groups, to_gqa, to_mha
 
 __all__ = ["gradient_importance", "ablation_importance", "prune_heads", "to_gqa", "to_mha", "similarity_groups",
-           "save_pretrained", "load_pretrained", "original_heads"]
+           "save_pretrained", "load_pretrained", "original_heads", "shape_mismatch"]

@@ -12,9 +12,10 @@ from typing import Any, Sequence
 
 import torch
 
+from .numbers import span
 from .positions import POSITIONS, positional_scores
 
-__all__ = ["HeadMaps", "default_title", "span"]
+__all__ = ["HeadMaps", "default_title"]
 
 
 @dataclass(frozen=True)
@@ -128,26 +129,6 @@ class HeadMaps:
                 "original_heads": self.head_labels, "layers": self.layer_ids,
                 "weights": r(self.weights), "writes": r(self.writes), "value_norms": r(self.value_norms),
                 "writes_missing": self.writes_missing}
-
-
-def span(values: Sequence[int], limit: int = 12) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: numbers in order, runs joined; past ``limit`` parts, the first few and a
-    count.
-
-    Example:
-        >>> span([0, 1, 2, 5]), span([3]), span(range(40), limit=3), span([1, 3, 5, 7, 9], limit=3)
-        ('0-2, 5', '3', '0-39', '1, 3, 5 and 2 more')
-    """
-    parts: list[str] = []
-    values = list(values)
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if j == i else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ", ".join(parts) if len(parts) <= limit else ", ".join(parts[:limit]) + f" and {len(parts) - limit} more"
 
 
 def default_title(many: list[HeadMaps]) -> str:
