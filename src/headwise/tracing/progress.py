@@ -32,6 +32,13 @@ def check_progress(progress: Any, what: str) -> None:
                         f"got {type(progress).__name__}")
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or blocked with sys.modules[name] = None
+        return False
+
+
 def _in_notebook() -> bool:
     return "ipykernel" in sys.modules and not sys.stderr.isatty()
 
@@ -51,11 +58,11 @@ def progress_bar(total: int, description: str, progress: bool | None) -> Iterato
         yield lambda k=1: None
         return
     delay = DELAY_S if progress is None else 0.0
-    if importlib.util.find_spec("tqdm") is None:
+    if not _installed("tqdm"):
         with _fallback(total, description, delay) as advance:
             yield advance
         return
-    if _in_notebook() and importlib.util.find_spec("ipywidgets") is not None:
+    if _in_notebook() and _installed("ipywidgets"):
         from tqdm.notebook import tqdm
     else:
         from tqdm import tqdm
