@@ -125,12 +125,31 @@ def test_weights_of_another_shape_than_config_json_are_explained(tmp_path):
     unpatch(model).save_pretrained(tmp_path)  # transformers' own save: no sidecar
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # what plain from_pretrained says
         transformers.BertModel.from_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"the saved 'encoder.layer.0.attention.self.query.weight' has shape "
-                                         r"\(15, 20\), but .*config.json' gives BertModel a \(20, 20\): this "
-                                         r"checkpoint was changed by head surgery .* it has no headwise_surgery.json"):
+    with pytest.raises(ValueError, match=r"changed by head surgery \(heads removed or regrouped\) and saved without "
+                                         r"the headwise_surgery.json .* load it with headwise.surgery.load_pretrained; "
+                                         r"'encoder.layer.0.attention.self.query.weight' has shape \(15, 20\) where "
+                                         r"config.json gives BertModel \(20, 20\)$"):
         load_pretrained(tmp_path, transformers.BertModel)
     (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text().replace('"vocab_size": 40',
                                                                                          '"vocab_size": 41'))
-    with pytest.raises(ValueError, match=r"embeddings.word_embeddings.weight' has shape \(40, 20\), .* config.json "
-                                         r"does not describe these weights$"):
+    with pytest.raises(ValueError, match=r"config.json in .* does not describe these weights: "
+                                         r"'embeddings.word_embeddings.weight' has shape \(40, 20\) where"):
         load_pretrained(tmp_path, transformers.BertModel)
+
+
+def test_saving_and_loading_show_no_bar_and_change_no_setting(tmp_path, capfd):
+    from transformers.utils import logging
+
+    model = patch(build("bert"))
+    prune_heads(model, {0: [1]})
+    logging.enable_progress_bar()
+    logging.set_verbosity_info()
+    try:
+        capfd.readouterr()
+        save_pretrained(model, tmp_path)
+        load_pretrained(tmp_path, transformers.BertModel)
+        err = capfd.readouterr().err
+        assert "Writing model shards" not in err and "Loading weights" not in err and "it/s" not in err, err
+        assert logging.is_progress_bar_enabled() and logging.get_verbosity() == logging.INFO
+    finally:
+        logging.set_verbosity_warning()

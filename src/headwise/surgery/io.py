@@ -307,16 +307,17 @@ def shape_mismatch(directory: str | Path, model_class: type) -> str:
         attention = tuple(f"{name}." for name in views)
     for key, value in probe.state_dict().items():
         if key in saved and saved[key] != tuple(value.shape):
+            shapes = (f"{key!r} has shape {saved[key]} where config.json gives {model_class.__name__} "
+                      f"{tuple(value.shape)}")
             if not key.startswith(attention):
-                return (f"the saved {key!r} has shape {saved[key]}, but {str(directory / 'config.json')!r} gives "
-                        f"{model_class.__name__} a {tuple(value.shape)}: config.json does not describe these weights")
-            sidecar = (f"its {SIDECAR} records the heads each layer keeps" if (directory / SIDECAR).exists() else
-                       f"it has no {SIDECAR} saying how many heads each layer keeps (save the changed model with "
-                       "headwise.surgery.save_pretrained)")
-            return (f"the saved {key!r} has shape {saved[key]}, but {str(directory / 'config.json')!r} gives "
-                    f"{model_class.__name__} a {tuple(value.shape)}: this checkpoint was changed by head surgery "
-                    f"(heads removed or K/V heads regrouped), and config.json does not describe it; {sidecar}, "
-                    "and load it with headwise.surgery.load_pretrained(folder, model_class), not from_pretrained")
+                return f"config.json in {str(directory)!r} does not describe these weights: {shapes}"
+            if (directory / SIDECAR).exists():
+                return (f"this checkpoint was changed by head surgery, which config.json does not describe: load "
+                        f"it with headwise.surgery.load_pretrained(folder, model_class) (its {SIDECAR} records the "
+                        f"heads each layer keeps); {shapes}")
+            return (f"this checkpoint was changed by head surgery (heads removed or regrouped) and saved without "
+                    f"the {SIDECAR} that says how many heads each layer keeps: save the changed model with "
+                    f"headwise.surgery.save_pretrained and load it with headwise.surgery.load_pretrained; {shapes}")
     return ""
 
 

@@ -48,4 +48,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(__all__)  # the public names (they load on first use), not this module's own imports
