@@ -157,6 +157,9 @@ def differentiable(value: Any, what: str) -> torch.Tensor:
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model.eval()`` for the duration of the block (dropout off: a sweep or score is then the same number on
     every run), then every submodule's own ``training`` flag back, mixed modes included."""
+    if not isinstance(model, nn.Module):  # not a model: the caller's own checks refuse it
+        yield
+        return
     modes = [(m, m.training) for m in model.modules()]
     if not any(training for _, training in modes):
         yield

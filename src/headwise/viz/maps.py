@@ -16,9 +16,10 @@ Shapes:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -156,10 +157,40 @@ def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[
         >>> [m.weights.shape for m in model_layers_head_maps(attn, torch.randn(1, 3, 8), heads=[1])]
         [torch.Size([1, 3, 3])]
     """
+    with _patched_for_the_call(model) as hw_layers:
+        return _capture(model, hw_layers, inputs, layers, tokens, tokenizer, row, heads)
+
+
+@contextlib.contextmanager
+def _patched_for_the_call(model: torch.nn.Module) -> Iterator[list[tuple[str, MultiHeadAttention]]]:
+    """The model's headwise layers (:func:`model_layers`); a Hugging Face model this patched is unpatched again
+    when the call then fails, so a refused call leaves it as it was."""
+    from ..tracing import find_layers
+
+    if isinstance(model, MultiHeadAttention):
+        yield [("", model)]
+        return
+    try:
+        find_layers(model)
+        ours = False
+    except TypeError:
+        ours = True
+    found = model_layers(model)
+    try:
+        yield found
+    except BaseException:
+        if ours:
+            from ..interop import unpatch
+
+            unpatch(model)
+        raise
+
+
+def _capture(model: torch.nn.Module, hw_layers: list, inputs: Any, layers: Any, tokens: Any, tokenizer: Any,
+             row: Any, heads: Any) -> list[HeadMaps]:
     from ..tracing import trace
     from ..tracing.inputs import batch_size, call, eval_mode
 
-    hw_layers = model_layers(model) if not isinstance(model, MultiHeadAttention) else [("", model)]
     n = len(hw_layers)
     chosen = list(range(n)) if layers is None else [_layer_index(layer, n) for layer in layers]
     if not chosen:
@@ -201,16 +232,16 @@ def head_gallery(model: torch.nn.Module, inputs: Any, pairs: Sequence[tuple[int,
     if isinstance(pairs, (str, bytes)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs) \
             or not pairs:
         raise ValueError(f"pairs must be a non-empty list of (layer, head), got {pairs!r}")
-    n = len(model_layers(model) if not isinstance(model, MultiHeadAttention) else [model])
-    wanted = [(_layer_index(layer, n), head) for layer, head in pairs]
-    if len(set(wanted)) != len(wanted):
-        raise ValueError(f"pairs must name each (layer, head) once, got {list(pairs)!r}")
-    layers = sorted({layer for layer, _ in wanted})
-    maps = dict(zip(layers, model_layers_head_maps(model, inputs, layers=layers, tokens=tokens, tokenizer=tokenizer,
-                                                   row=row)))
-    for layer, head in wanted:
-        if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < maps[layer].n_heads:
-            raise ValueError(f"head must be an int in [0, {maps[layer].n_heads}) for layer {layer}, got {head!r}")
+    with _patched_for_the_call(model) as found:
+        wanted = [(_layer_index(layer, len(found)), head) for layer, head in pairs]
+        if len(set(wanted)) != len(wanted):
+            raise ValueError(f"pairs must name each (layer, head) once, got {list(pairs)!r}")
+        for layer, head in wanted:
+            h = found[layer][1].n_heads
+            if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < h:
+                raise ValueError(f"head must be an int in [0, {h}) for layer {layer}, got {head!r}")
+        layers = sorted({layer for layer, _ in wanted})
+        maps = dict(zip(layers, _capture(model, found, inputs, layers, tokens, tokenizer, row, None)))
     parts = [maps[layer].subset([head]) for layer, head in wanted]
     first = parts[0]
 
