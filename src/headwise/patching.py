@@ -17,6 +17,10 @@
   contributions plus those of every other residual component sum to the direction's value minus the norm's
   bias term. Only the direct path is counted (not effects through later layers).
 
+Each takes the model's inputs as users have them (a tensor, a tuple, any mapping such as a tokenizer's
+``BatchEncoding``: :mod:`headwise.tracing.inputs`) and runs the model in eval mode for its duration, every
+module's mode given back afterwards; a metric is ``metric(output)`` or ``metric(output, inputs)``.
+
 Shapes:
     b: batch, s: sequence, L: traced layers, h: heads, d: model width (d_model), d_h: head width (d_head).
 

@@ -176,8 +176,8 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
 
     resized = type(model_class.__name__, (model_class,), {"__init__": __init__, "__module__": model_class.__module__})
     with hosts.quiet(messages=False):
-        model, info = safetensors_call(directory, lambda d: resized.from_pretrained(d, output_loading_info=True, **extra),
-                                   plain=True)
+        model, info = safetensors_call(directory, lambda d: resized.from_pretrained(d, output_loading_info=True,
+                                                                                     **extra), plain=True)
     model.__class__ = model_class
     wrong = {k: list(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     wrong["unexpected_keys"] = _own(model, wrong["unexpected_keys"])

@@ -138,7 +138,9 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
   function drawModel() {
     var model = document.getElementById("model");
     var cols = document.createElement("div"); cols.className = "head-col";
-    D.cols.forEach(function (name) { var s = document.createElement("span"); s.textContent = name; cols.appendChild(s); });
+    D.cols.forEach(function (name) {
+      var s = document.createElement("span"); s.textContent = name; cols.appendChild(s);
+    });
     model.appendChild(cols);
     for (var l = 0; l < L; l++) {
       var row = document.createElement("div"); row.className = "layer-row";
