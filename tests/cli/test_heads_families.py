@@ -259,7 +259,7 @@ def test_shared_layers_are_refused_in_one_line(capsys, tmp_path) -> None:
     path = save("albert", tmp_path / "albert", fields)  # ALBERT runs its one layer 3 times
     code, out, err = run(capsys, TEXT, "--model", str(path), "--layer", "1")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert "config.json says 3 layers, but headwise.interop.patch found 1 attention modules" in err, err
+    assert "config.json says 3 layers, but headwise.interop.patch found 1 attention module (shared" in err, err
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "roberta"])

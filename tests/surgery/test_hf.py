@@ -208,7 +208,8 @@ def test_loader_refuses_what_it_cannot_rebuild(tmp_path, edit, match):
 
 def test_loader_refuses_a_non_model_class_and_loads_plain_folders(tmp_path):
     model = build("bert")
-    with pytest.raises(TypeError, match=r"model_class must be a transformers model class \(e.g. BertModel\) or an AutoModel\* class, got .BertModel."):
+    with pytest.raises(TypeError, match=r"model_class must be a transformers model class \(e.g. BertModel\) or an "
+                                        r"AutoModel\* class, got .BertModel."):
         load_pretrained(tmp_path, "BertModel")
     model.save_pretrained(tmp_path)  # no sidecar: plain from_pretrained
     batch = inputs()

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     fmt.table(f"Shape walk of one layer, on {where}", ["step", "code", "shape", "stride", "view or new", "note"],
               [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in r["steps"]],
               optional=["note", "code"])
-    fmt.table("Costs", ["quantity", "one layer", f"{r['n_layers']} layers", "how"], cost_rows(r), optional=["how"])
+    fmt.table("Costs", ["quantity", "one layer", fmt.plural(r['n_layers'], 'layer'), "how"], cost_rows(r),
+              optional=["how"])
     if "parallel" in r:
         par = r["parallel"]
         fmt.table(f"Per rank over {par['ranks']} ranks, one layer (training; {r['dtype']})",

@@ -15,6 +15,8 @@ import sys
 import textwrap
 from typing import Any, Sequence
 
+from ..viz.numbers import plural  # noqa: F401 - the CLI writes counts as the pictures do
+
 # Narrower than this and a table cannot show anything legibly; the width is clamped up to it.
 MIN_WIDTH = 40
 
@@ -44,11 +46,6 @@ def line(text: str = "", *, indent: str = "    ") -> None:
     wrapped = textwrap.wrap(text.strip(), width=width(), initial_indent=lead, subsequent_indent=lead + indent,
                             break_long_words=True, break_on_hyphens=False)
     sys.stdout.write("\n".join(wrapped) + "\n")
-
-
-def plural(n: int, word: str) -> str:
-    """``"1 head"``, ``"12 heads"``."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,

@@ -170,9 +170,9 @@ def _patched(model: Any, info: Any) -> list:
     except (TypeError, ValueError) as exc:  # what patch says: not on the attention interface, flash attention...
         raise CliError(_refusal(model, info, exc)) from None
     if len(found) != info.n_layers:
-        raise CliError(f"--model: model_type {info.family!r}: config.json says {info.n_layers} layers, but "
-                       f"headwise.interop.patch found {len(found)} attention modules (shared layers, or layers "
-                       "without attention); headwise heads draws models with one attention module per layer")
+        raise CliError(f"--model: model_type {info.family!r}: config.json says {fmt.plural(info.n_layers, 'layer')}, "
+                       f"but headwise.interop.patch found {fmt.plural(len(found), 'attention module')} (shared layers, "
+                       "or layers without attention); headwise heads draws models with one attention module per layer")
     return found
 
 
@@ -300,7 +300,7 @@ def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, note
 
 
 def _what(args: argparse.Namespace, info: Any) -> str:
-    layers = f"all {info.n_layers} layers" if args.all_layers else f"layer {args.layer}"
+    layers = f"all {fmt.plural(info.n_layers, 'layer')}" if args.all_layers else f"layer {args.layer}"
     return layers + (f", heads {','.join(map(str, args.heads))}" if args.heads is not None else "")
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ..attention import MultiHeadAttention
 from .headmaps import HeadMaps
+from .numbers import plural
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -94,7 +95,7 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
     if tokens is None:
         tokens = [str(i) for i in range(s)]
     if len(tokens) != s:
-        raise ValueError(f"got {len(tokens)} tokens for a sequence of {s} positions")
+        raise ValueError(f"got {plural(len(tokens), 'token')} for a sequence of {plural(s, 'position')}")
     with torch.no_grad(), eval_mode(attn), trace(attn, capture=("pattern", "v")) as t:
         attn(x.unsqueeze(0), mask=mask, causal=causal)
     return _maps(t[0], 0, tokens, layer)
@@ -135,7 +136,7 @@ def _labels(inputs: Any, row: int, s: int, tokens: Any, tokenizer: Any) -> list[
         else:
             labels = [str(i) for i in (ids if ids is not None else range(s))]
     if len(labels) != s:
-        raise ValueError(f"got {len(labels)} tokens for a sequence of {s} positions")
+        raise ValueError(f"got {plural(len(labels), 'token')} for a sequence of {plural(s, 'position')}")
     return labels
 
 
@@ -201,7 +202,7 @@ def _capture(model: torch.nn.Module, hw_layers: list, inputs: Any, layers: Any, 
     if heads is not None:
         bad = [i for i in heads if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < h]
         if bad or not heads:
-            raise ValueError(f"heads must be ints in [0, {h}) for these layers (the fewest have {h} heads), "
+            raise ValueError(f"heads must be ints in [0, {h}) for these layers (the fewest have {plural(h, 'head')}), "
                              f"got {list(heads)!r}")
     b = batch_size(inputs, "model_layers_head_maps")
     if isinstance(row, bool) or not isinstance(row, int) or not -b <= row < b:

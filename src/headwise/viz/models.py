@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .numbers import plural
+
 __all__ = ["BUNDLED", "SIDECAR", "ModelInfo", "model_info", "check_known", "load_tokenizer", "load",
            "check_weights", "refuse_incomplete"]
 
@@ -280,7 +282,8 @@ def check_weights(info: ModelInfo) -> None:
     on_disk = sum(f.stat().st_size for f in files)
     if info.min_parameters > 2 * on_disk:
         raise ValueError(f"--model: {str(info.path / 'config.json')!r} describes a model of at least "
-                         f"{info.min_parameters:.3g} parameters ({info.n_layers} layers), but its weight files hold "
+                         f"{info.min_parameters:.3g} parameters ({plural(info.n_layers, 'layer')}), but its weight "
+                         "files hold "
                          f"{on_disk} bytes; config.json does not describe these weights")
 
 

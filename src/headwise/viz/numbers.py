@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["span"]
+__all__ = ["span", "plural"]
 
 
 def span(values: Sequence[int], limit: int = 12) -> str:
@@ -30,3 +30,13 @@ def span(values: Sequence[int], limit: int = 12) -> str:
         parts.append(str(values[i]) if j == i else f"{values[i]}-{values[j]}")
         i = j + 1
     return ", ".join(parts) if len(parts) <= limit else ", ".join(parts[:limit]) + f" and {len(parts) - limit} more"
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 head"``, ``"12 heads"``.
+
+    Example:
+        >>> plural(1, "head"), plural(12, "layer")
+        ('1 head', '12 layers')
+    """
+    return f"{n} {word}{'' if n == 1 else 's'}"
