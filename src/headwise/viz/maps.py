@@ -230,8 +230,9 @@ def head_gallery(model: torch.nn.Module, inputs: Any, pairs: Sequence[tuple[int,
         >>> g.names, g.weights.shape
         (['L1 H3', 'L0 H0'], torch.Size([2, 3, 3]))
     """
-    if isinstance(pairs, (str, bytes)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs) \
-            or not pairs:
+    if not isinstance(pairs, (list, tuple)):
+        raise TypeError(f"pairs must be a list of (layer, head), got {type(pairs).__name__}")
+    if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
         raise ValueError(f"pairs must be a non-empty list of (layer, head), got {pairs!r}")
     with _patched_for_the_call(model) as found:
         wanted = [(_layer_index(layer, len(found)), head) for layer, head in pairs]
