@@ -17,6 +17,10 @@
   contributions plus those of every other residual component sum to the direction's value minus the norm's
   bias term. Only the direct path is counted (not effects through later layers).
 
+Each takes the model's inputs as users have them (a tensor, a tuple, any mapping such as a tokenizer's
+``BatchEncoding``: :mod:`headwise.tracing.inputs`) and runs the model in eval mode for its duration, every
+module's mode given back afterwards; a metric is ``metric(output)`` or ``metric(output, inputs)``.
+
 Shapes:
     b: batch, s: sequence, L: traced layers, h: heads, d: model width (d_model), d_h: head width (d_head).
 
@@ -38,43 +42,15 @@ import torch
 from torch import nn
 
 from .tracing import find_layers, trace
+from .tracing.inputs import batch_size, call, check_inputs, differentiable, eval_mode, metric_of, repeat
+from .tracing.progress import check_progress, progress_bar
 
 __all__ = ["head_effects", "attribution", "direct_effects", "logit_direction", "final_norm"]
 
 _SITES = ("q", "k", "v", "pattern", "z")
 
 
-# -- inputs and outputs along the batch axis -------------------------------------------------------------
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
-def _batch_of(inputs: Any, what: str) -> int:
-    tensors = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, (tuple, list)) \
-        else [inputs]
-    sizes = {t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(f"{what}: the input tensors must share one batch size on dim 0 (the patched copies are "
-                         f"stacked along it), got dim-0 sizes {sorted(sizes) or 'none'}")
-    return sizes.pop()
-
-
-def _repeat(inputs: Any, n: int) -> Any:
-    """``n`` copies of the batch, copy-major: rows ``j * b .. (j + 1) * b`` are copy ``j``."""
-    def rep(t: Any) -> Any:
-        return t.repeat(n, *([1] * (t.dim() - 1))) if isinstance(t, torch.Tensor) and t.dim() > 0 else t
-
-    if isinstance(inputs, dict):
-        return {k: rep(v) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(rep(v) for v in inputs)
-    return rep(inputs)
-
-
+# -- outputs along the batch axis -----------------------------------------------------------------------
 def _split(out: Any, n: int, b: int) -> list[Any]:
     """The model output of ``n`` stacked copies as ``n`` outputs of batch ``b`` (tensors, tuples, dicts and
     Hugging Face ``ModelOutput``s; anything else is shared)."""
@@ -117,80 +93,94 @@ def _head_slices(record: Any, site: str, layer: Any) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[[Any], Any], *,
+def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[..., Any], *,
                  site: str = "z", per_position: bool = False, batch_heads: int | None = None,
-                 share_prefix: bool = True) -> torch.Tensor:
+                 share_prefix: bool = True, progress: bool | None = None) -> torch.Tensor:
     """``metric(patched) - metric(corrupted)`` for every (layer, head) whose ``site`` is patched from ``clean``.
 
-    ``clean`` and ``corrupted`` are the model's inputs (a tensor, a tuple of positional inputs or a dict of
-    keyword inputs, e.g. a tokenizer's encoding) of identical shapes with the batch on dim 0. ``metric``
-    takes one model output of that batch and returns a number. ``site`` is what is patched: ``"z"`` (the
-    head's context, default), ``"q"``, ``"k"``, ``"v"`` (the query head's own view of its group's K/V) or
-    ``"pattern"``; with ``per_position`` one position at a time (query positions; key positions for k and v).
-    ``batch_heads`` (default: the heads of one layer) is how many patched copies share one forward; memory
-    grows with it. With ``share_prefix`` (the default) the blocks before the first patched layer of a
-    forward run once, at batch b: the copies split off at the block (the numbered child of a
+    ``clean`` and ``corrupted`` are the model's inputs (a tensor, a tuple of positional inputs, or any mapping
+    of keyword inputs: a dict, a tokenizer's ``BatchEncoding``) of identical shapes with the batch on dim 0.
+    ``metric(output)`` (or ``metric(output, inputs)``, given the corrupted inputs, e.g. for mean pooling over
+    the attention mask) takes one model output of that batch and returns a number. ``site`` is what is
+    patched: ``"z"`` (the head's context, default), ``"q"``, ``"k"``, ``"v"`` (the query head's own view of its
+    group's K/V) or ``"pattern"``; with ``per_position`` one position at a time (query positions; key
+    positions for k and v). ``batch_heads`` (default: the heads of one layer) is how many patched copies share
+    one forward; memory grows with it. With ``share_prefix`` (the default) the blocks before the first patched
+    layer of a forward run once, at batch b: the copies split off at the block (the numbered child of a
     ``ModuleList``/``Sequential``) holding that layer, whose batch-b tensor inputs are repeated; where no such
-    block is found, or the model refuses the split batch, every copy runs the whole forward. Run the model in
-    eval mode.
+    block is found, or the model refuses the split batch, every copy runs the whole forward. The model runs in
+    eval mode for the duration (dropout off; every module's mode is given back afterwards).
 
     Args:
         model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
         clean, corrupted: the two inputs.
-        metric: output -> number.
+        metric: output -> number, or (output, inputs) -> number.
         site: the site patched.
         per_position: patch one position at a time.
         batch_heads: patched copies per forward.
         share_prefix: run the unpatched prefix once per forward instead of once per copy.
+        progress: a progress bar: None (on a terminal or in a notebook, for sweeps longer than half a
+            second), True or False.
 
     Shapes:
         inputs: batch b on dim 0 -> (L, h) float64, or (L, h, s) with per_position (NaN where a layer has
         fewer heads or positions than the widest)
     """
     site = _site(site)
-    b = _batch_of(clean, "head_effects(clean)")
-    if _batch_of(corrupted, "head_effects(corrupted)") != b:
+    measure = metric_of(metric, "head_effects")
+    check_progress(progress, "head_effects")
+    b = batch_size(clean, "head_effects(clean)")
+    if batch_size(corrupted, "head_effects(corrupted)") != b:
         raise ValueError("head_effects: clean and corrupted must have the same batch size")
-    with trace(model, capture=(site,)) as t_clean:
-        _call(model, clean)
-    with trace(model, capture=(site,)) as t_bad:
-        base = _scalar(metric(_call(model, corrupted)))
-    sources = []
-    for rc, rb in zip(t_clean, t_bad):
-        zc, zb = rc.get(site), rb.get(site)
-        if zc.shape != zb.shape:
-            raise ValueError(f"head_effects: layer {rc.index} ({rc.name!r}) has {site} of shape {tuple(zc.shape)} on "
-                             f"the clean input and {tuple(zb.shape)} on the corrupted one; they must match")
-        sources.append([x.detach() for x in _head_slices(rc, site, rc.layer)])  # per head (b, s, n)
-    heads = [layer.n_heads for _, layer in t_clean.layers]
-    lengths = [src[0].shape[1] for src in sources]
-    pairs = [(li, i, p) for li, h in enumerate(heads) for i in range(h)
-             for p in (range(lengths[li]) if per_position else [None])]
-    per = heads[0] if batch_heads is None else batch_heads
-    if isinstance(per, bool) or not isinstance(per, int) or per < 1:
+    if batch_heads is not None and (isinstance(batch_heads, bool) or not isinstance(batch_heads, int)
+                                    or batch_heads < 1):
         raise ValueError(f"batch_heads must be a positive int, got {batch_heads!r}")
-    blocks = _blocks(model, [name for name, _ in t_clean.layers]) if share_prefix else None
-    shape = (len(heads), max(heads), max(lengths)) if per_position else (len(heads), max(heads))
-    effects = torch.full(shape, float("nan"), dtype=torch.float64)
-    for start in range(0, len(pairs), per):
-        chunk = pairs[start:start + per]
-        n = len(chunk)
-        rows: dict[tuple[int, int], list[tuple[int, int | None]]] = {}
-        for j, (li, i, p) in enumerate(chunk):
-            rows.setdefault((li, i), []).append((j, p))
-        edit = {(li, i, site): _patch_rows(sources[li][i], where, n, b) for (li, i), where in rows.items()}
-        outs = None
-        if blocks is not None and n > 1:
-            try:
-                outs = _split(_forward_split(model, corrupted, edit, blocks[chunk[0][0]:], n, b), n, b)
-            except (RuntimeError, ValueError):  # the model combined batch-b and split tensors: run every copy
-                outs = None
-        if outs is None:
-            with trace(model, edit=edit):
-                outs = _split(_call(model, _repeat(corrupted, n)), n, b)
-        for (li, i, p), out in zip(chunk, outs):
-            effects[(li, i) if p is None else (li, i, p)] = _scalar(metric(out)) - base
+    with eval_mode(model):
+        with trace(model, capture=(site,)) as t_clean:
+            call(model, clean)
+        with trace(model, capture=(site,)) as t_bad:
+            base = _scalar(measure(call(model, corrupted), corrupted))
+        sources = []
+        for rc, rb in zip(t_clean, t_bad):
+            zc, zb = rc.get(site), rb.get(site)
+            if zc.shape != zb.shape:
+                raise ValueError(f"head_effects: layer {rc.index} ({rc.name!r}) has {site} of shape "
+                                 f"{tuple(zc.shape)} on the clean input and {tuple(zb.shape)} on the corrupted one; "
+                                 "they must match")
+            sources.append([x.detach() for x in _head_slices(rc, site, rc.layer)])  # per head (b, s, n)
+        heads = [layer.n_heads for _, layer in t_clean.layers]
+        lengths = [src[0].shape[1] for src in sources]
+        pairs = [(li, i, p) for li, h in enumerate(heads) for i in range(h)
+                 for p in (range(lengths[li]) if per_position else [None])]
+        per = heads[0] if batch_heads is None else batch_heads
+        blocks = _blocks(model, [name for name, _ in t_clean.layers]) if share_prefix else None
+        shape = (len(heads), max(heads), max(lengths)) if per_position else (len(heads), max(heads))
+        effects = torch.full(shape, float("nan"), dtype=torch.float64)
+        with progress_bar(-(-len(pairs) // per), "head_effects", progress) as advance:
+            for start in range(0, len(pairs), per):
+                chunk = pairs[start:start + per]
+                for (li, i, p), out in zip(chunk, _patched_outputs(model, corrupted, chunk, sources, site, blocks, b)):
+                    effects[(li, i) if p is None else (li, i, p)] = _scalar(measure(out, corrupted)) - base
+                advance(1)
     return effects
+
+
+def _patched_outputs(model: nn.Module, corrupted: Any, chunk: list[tuple[int, int, int | None]],
+                     sources: list[list[torch.Tensor]], site: str, blocks: list[nn.Module] | None,
+                     b: int) -> list[Any]:
+    """The outputs of one forward of ``len(chunk)`` patched copies of the corrupted batch, one per copy."""
+    n = len(chunk)
+    rows: dict[tuple[int, int], list[tuple[int, int | None]]] = {}
+    for j, (li, i, p) in enumerate(chunk):
+        rows.setdefault((li, i), []).append((j, p))
+    edit = {(li, i, site): _patch_rows(sources[li][i], where, n, b) for (li, i), where in rows.items()}
+    if blocks is not None and n > 1:
+        try:
+            return _split(_forward_split(model, corrupted, edit, blocks[chunk[0][0]:], n, b), n, b)
+        except (RuntimeError, ValueError):  # the model combined batch-b and split tensors: run every copy
+            pass
+    with trace(model, edit=edit):
+        return _split(call(model, repeat(corrupted, n)), n, b)
 
 
 def _patch_rows(source: torch.Tensor, where: list[tuple[int, int | None]], n: int, b: int) -> Callable[..., torch.Tensor]:
@@ -209,16 +199,17 @@ def _patch_rows(source: torch.Tensor, where: list[tuple[int, int | None]], n: in
     return edit
 
 
-def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[[Any], Any], *,
+def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[..., Any], *,
                 site: str = "z", per_position: bool = False) -> torch.Tensor:
     """Attribution patching: the first-order estimate of :func:`head_effects`, from one forward on each input
     and one backward. For every head, ``sum((x_clean - x_corrupted) * d metric / d x)`` over the head's slice
-    of ``site`` (its own view of K/V for k and v), the gradient taken on the corrupted run.
+    of ``site`` (its own view of K/V for k and v), the gradient taken on the corrupted run. The model runs in
+    eval mode for the duration (dropout off), every module's mode given back afterwards.
 
     Args:
         model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
         clean, corrupted: the two inputs (as for :func:`head_effects`).
-        metric: output -> a scalar tensor that autograd can differentiate.
+        metric: output (or output, inputs) -> a scalar tensor that autograd can differentiate.
         site: ``"z"`` (default), ``"q"``, ``"k"``, ``"v"`` or ``"pattern"``.
         per_position: one estimate per position (query positions; key positions for k and v).
 
@@ -234,18 +225,19 @@ def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[[
         torch.Size([2, 2])
     """
     site = _site(site)
+    measure = metric_of(metric, "attribution")
+    for inputs, what in ((clean, "attribution(clean)"), (corrupted, "attribution(corrupted)")):
+        check_inputs(inputs, what)
     # k and v: every query head gets its own K/V copy (an identity edit), so each head's view has a gradient.
     own = {(li, None, site): (lambda x, layer, head: x) for li in range(len(find_layers(model)))} \
         if site in ("k", "v") else None
-    with torch.no_grad(), trace(model, capture=(site,), edit=own) as t_clean:
-        _call(model, clean)
-    with torch.enable_grad(), trace(model, capture=(site,), edit=own) as t_bad:
-        value = metric(_call(model, corrupted))
-        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
-            raise ValueError("attribution: metric must return a one-element tensor computed from the model's output "
-                             f"(autograd differentiates it), got {type(value).__name__}")
-        captured = [r.get(site) for r in t_bad]
-        grads = torch.autograd.grad(value.reshape(()), captured, allow_unused=True)
+    with eval_mode(model):
+        with torch.no_grad(), trace(model, capture=(site,), edit=own) as t_clean:
+            call(model, clean)
+        with torch.enable_grad(), trace(model, capture=(site,), edit=own) as t_bad:
+            value = differentiable(measure(call(model, corrupted), corrupted), "attribution")
+            captured = [r.get(site) for r in t_bad]
+            grads = torch.autograd.grad(value, captured, allow_unused=True)
     per_layer = []
     for rc, rb, grad in zip(t_clean, t_bad, grads):
         if grad is None:
@@ -297,7 +289,7 @@ def _forward_split(model: nn.Module, inputs: Any, edit: dict, blocks: list[nn.Mo
         for blk in blocks]
     try:
         with trace(model, edit=edit):
-            return _call(model, inputs)
+            return call(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -350,11 +342,11 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     For LayerNorm, head write ``r`` contributes ``gamma * (r - mean(r)) / sigma . direction``; for RMSNorm
     ``gamma * r / rms . direction``, with ``sigma`` / ``rms`` those of the norm's actual input in this run
     (the standard linearisation: exact for the run's own residual stream, as the scale is a constant of it).
-    ``norm=None`` projects the raw writes.
+    ``norm=None`` projects the raw writes. The model runs in eval mode for the duration (dropout off).
 
     Args:
         model: a patched Hugging Face model (or any module with headwise layers).
-        inputs: the model's inputs (tensor, tuple or dict).
+        inputs: the model's inputs (a tensor, a tuple, or a mapping such as a tokenizer's encoding).
         direction: (d,) or (b, d), e.g. :func:`logit_direction`.
         norm: the final norm (e.g. :func:`final_norm`), or None.
         position: the query position read (int, or (b,) positions such as each row's last real token).
@@ -363,11 +355,12 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
         each layer's result (b, s, h, d) -> (b, L, h) float32/64 as the model
     """
     kind = None if norm is None else _norm_kind(norm)
+    check_inputs(inputs, "direct_effects")
     seen: list[torch.Tensor] = []
     handle = None if norm is None else norm.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     try:
-        with trace(model, capture=("result",)) as t:
-            _call(model, inputs)
+        with eval_mode(model), trace(model, capture=("result",)) as t:
+            call(model, inputs)
     finally:
         if handle is not None:
             handle.remove()

@@ -38,7 +38,7 @@ ROWS = [
     ("out-parent-missing", ["heads", T, "--out", "{tmp}/nope/h.png"], 2, "does not exist", None),
     ("out-unwritable-dir", ["heads", T, "--out", "{tmp}/ro/h.png"], 2, "cannot create files in", None),
     ("out-bad-suffix", ["heads", T, "--out", "{tmp}/h.jpg"], 2, "must end in .png or .html", None),
-    ("heads-layer-6", ["heads", T, "--layer", "6"], 2, "[0, 6) for the 6-layer bundled model", None),
+    ("heads-layer-6", ["heads", T, "--layer", "6"], 2, "[-6, 6) for the 6-layer bundled model", None),
     ("heads-max-tokens-past-positions", ["heads", T, "--max-tokens", "1000"], 2, "at most 512", None),
     ("heads-empty-text", ["heads", " "], 2, "text must not be empty", None),
     ("heads-model-missing", ["heads", T, "--model", "{tmp}/nope"], 2, "nor an existing directory", None),

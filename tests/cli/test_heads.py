@@ -58,8 +58,8 @@ def test_heads_json_and_files(capsys, tmp_path) -> None:
 
 @pytest.mark.parametrize("argv,message", [
     (["", "--layer", "0"], "text must not be empty"),
-    ([TEXT, "--layer", "6"], "layer must be an int in [0, 6)"),
-    ([TEXT, "--layer", "-1"], "layer must be an int in [0, 6)"),
+    ([TEXT, "--layer", "6"], "layer must be an int in [-6, 6)"),
+    ([TEXT, "--layer", "-7"], "layer must be an int in [-6, 6)"),
     ([TEXT, "--out", "heads.jpg"], "--out must end in .png or .html"),
     ([TEXT, "--max-tokens", "513"], "at most 512"),
     ([TEXT, "--out", "/nonexistent-dir/x.png"], "does not exist"),

@@ -259,7 +259,7 @@ def test_shared_layers_are_refused_in_one_line(capsys, tmp_path) -> None:
     path = save("albert", tmp_path / "albert", fields)  # ALBERT runs its one layer 3 times
     code, out, err = run(capsys, TEXT, "--model", str(path), "--layer", "1")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert "config.json says 3 layers, but headwise.interop.patch found 1 attention modules" in err, err
+    assert "config.json says 3 layers, but headwise.interop.patch found 1 attention module (shared" in err, err
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "roberta"])
@@ -282,10 +282,12 @@ def test_a_pruned_checkpoint_draws_with_its_pruned_head_counts(capsys, tmp_path,
     assert code == 0, err
     r = json.loads(out)
     assert [m["n_heads"] for m in r["layers"]] == [3, 2]
+    assert [m["original_heads"] for m in r["layers"]] == [[0, 2, 3], [1, 3]]  # numbered as before surgery
+    assert [m["heads"] for m in r["layers"]] == [[0, 1, 2], [0, 1]]  # their indices now
     for m, a in zip(r["layers"], ref):
         torch.testing.assert_close(torch.tensor(m["weights"]), a[0], rtol=1e-5, atol=1e-6)
     code, out, err = run(capsys, TEXT, "--model", str(path), "--layer", "1", "--heads", "2")
-    assert code == 2 and "heads must be in [0, 2) for layer 1, which has 2 heads, got 2" in err
+    assert code == 2 and "layer 1 has no head 2: head surgery left its heads 1, 3 (numbered as before surgery)" in err
     assert len(err.strip().splitlines()) == 1
     import headwise.viz.models as vm
 

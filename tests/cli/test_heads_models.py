@@ -138,7 +138,7 @@ def test_bad_arguments_are_refused_before_loading(capsys, tmp_path, no_loading) 
     cases = [
         (["--max-tokens", "65"], "--max-tokens must be at most 64 (the model's position embeddings), got 65"),
         (["--max-tokens", "100000"], "at most 64"),
-        (["--layer", "2"], "layer must be an int in [0, 2) for the 2-layer gpt2 model, got 2"),
+        (["--layer", "2"], "layer must be an int in [-2, 2) for the 2-layer gpt2 model, got 2"),
         (["--heads", "1,3"], "heads must be in [0, 3) for this 3-head model, got 3"),
         (["--heads", "x"], "error: --heads must be head numbers and ranges such as 0,3,5-7, got 'x'"),
         (["--heads", "3-1"], "argument --heads: '3-1' is not a head number or a range"),
@@ -180,9 +180,9 @@ def test_drawings_too_large_are_refused_before_the_model_loads(checkpoint, capsy
     monkeypatch.setattr(models, "load", refuse)
     text = " ".join(f"w{i % 30 + 3}" for i in range(3000))
     code, out, err = run(capsys, text, "--model", str(big), "--all-layers", "--max-tokens", "3000")
-    assert code == 2 and "40 layer(s) x 40 heads x 3000 x 3000 tokens would hold 107.3 GiB" in err, err
+    assert code == 2 and "40 layers x 40 heads x 3000 x 3000 tokens would hold 107.3 GiB" in err, err
     code, out, err = run(capsys, text, "--model", str(big), "--max-tokens", "3000", "--out", str(tmp_path / "x.html"))
-    assert code == 2 and "an HTML page of 1 layer(s) x 40 heads x 3000 x 3000 tokens would hold 360M weights" in err
+    assert code == 2 and "an HTML page of 1 layer x 40 heads x 3000 x 3000 tokens would hold 360M weights" in err
     assert len(err.strip().splitlines()) == 1
 
 

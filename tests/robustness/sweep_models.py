@@ -270,7 +270,7 @@ for name, argv, xfail in [
     ("explain dtype float17", ["explain", "--d-model", "64", "--n-heads", "8", "--dtype", "float17"], None),
     ("compare unknown preset", ["compare", "nope-preset"], None), ("compare seq x", ["compare", "--seq", "x"], None),
     ("heads text '-hello'", ["heads", "-hello"], None),
-    ("heads layer -1", ["heads", T, "--layer", "-1"], None), ("heads heads 3-1", ["heads", T, "--heads", "3-1"], None),
+    ("heads layer 6", ["heads", T, "--layer", "6"], None), ("heads heads 3-1", ["heads", T, "--heads", "3-1"], None),
     ("heads heads a", ["heads", T, "--heads", "a"], None), ("heads max-tokens 0", ["heads", T, "--max-tokens", "0"], None),
     ("heads out .jpg", ["heads", T, "--out", "{tmp}/h.jpg"], None), ("heads model missing", ["heads", T, "--model", "{tmp}/nope"], None),
     ("heads model without config", ["heads", T, "--model", "{tmp}"], None),

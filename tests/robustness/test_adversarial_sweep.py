@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.robustness import sweep_core, sweep_math, sweep_models, sweep_parts, sweep_tools
+from tests.robustness import sweep_core, sweep_math, sweep_models, sweep_parts, sweep_research, sweep_tools
 from tests.robustness.sweep_harness import Outcome, run_case, summary
 
-CASES = sweep_core.CASES + sweep_parts.CASES + sweep_math.CASES + sweep_tools.CASES + sweep_models.CASES
+CASES = (sweep_core.CASES + sweep_parts.CASES + sweep_math.CASES + sweep_tools.CASES + sweep_models.CASES
+         + sweep_research.CASES)
 OUTCOMES: dict[str, Outcome] = {}
 
 

@@ -191,8 +191,13 @@ def _sidecar(tmp_path, edit):
     (lambda d: d["modules"]["model.layers.0.self_attn"].update(n_kv_heads=4), "n_heads=5, n_kv_heads=4"),
     (lambda d: d["modules"]["model.layers.0.self_attn"].update({"class": "BertSelfAttention"}),
      "is a LlamaAttention; the sidecar recorded a BertSelfAttention"),
-    (lambda d: d["modules"]["model.layers.0.self_attn"].update(n_heads=4, n_kv_heads=4),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update(n_heads=4, n_kv_heads=4, original_heads=[0, 2, 3, 4]),
      r"n_heads=4, n_kv_heads=4, d_head=4 do not fit the saved .*q_proj.weight. of shape \(20, 24\)"),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update(original_heads=[0, 2, 2, 4, 5]),
+     r"original_heads must list the original index of each of its 5 heads .*got \[0, 2, 2, 4, 5\]"),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update(original_heads=[0, 2, 3]),
+     r"original_heads must list .* 5 heads"),
+    (lambda d: d["modules"]["model.layers.0.self_attn"].update(original_heads="0,2"), r"original_heads must list"),
 ])
 def test_loader_refuses_what_it_cannot_rebuild(tmp_path, edit, match):
     save_pretrained(prune_heads(patch(build("llama")), DROP["llama"]), tmp_path)
@@ -203,7 +208,8 @@ def test_loader_refuses_what_it_cannot_rebuild(tmp_path, edit, match):
 
 def test_loader_refuses_a_non_model_class_and_loads_plain_folders(tmp_path):
     model = build("bert")
-    with pytest.raises(TypeError, match="model_class must be a transformers model class, got 'BertModel'"):
+    with pytest.raises(TypeError, match=r"model_class must be a transformers model class \(e.g. BertModel\) or an "
+                                        r"AutoModel\* class, got .BertModel."):
         load_pretrained(tmp_path, "BertModel")
     model.save_pretrained(tmp_path)  # no sidecar: plain from_pretrained
     batch = inputs()

@@ -198,7 +198,7 @@ def test_to_gqa_with_explicit_groups_pools_those_heads():
 
 @pytest.mark.parametrize("call, exc, match", [
     (lambda a, x: gradient_importance(a, [], _metric), ValueError, "empty list"),
-    (lambda a, x: gradient_importance(a, x, lambda y: y.sum(-1)), ValueError, r"one floating number.*shape \(2, 5\)"),
+    (lambda a, x: gradient_importance(a, x, lambda y: y.sum(-1)), ValueError, r"one-element tensor.*shape \(2, 5\)"),
     (lambda a, x: ablation_importance(a, x, lambda y: 3), ValueError, "one floating number"),
     (lambda a, x: similarity_groups(a, 4), ValueError, "must divide n_heads=6"),
     (lambda a, x: similarity_groups("a", 2), TypeError, "expected a MultiHeadAttention, got str"),

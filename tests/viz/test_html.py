@@ -51,7 +51,7 @@ def test_several_layers_and_chosen_heads_round_trip() -> None:
     w, norms = decode(meta, blob)
     torch.testing.assert_close(w, torch.stack([m.weights for m in sub]), atol=STEP + 1e-7, rtol=0)
     torch.testing.assert_close(norms, torch.stack([m.value_norms for m in sub]), atol=0, rtol=0)
-    with pytest.raises(ValueError, match="same tokens and heads"):
+    with pytest.raises(ValueError, match="same tokens and the same number of heads"):
         render_html([layers[0], sub[1]])
 
 

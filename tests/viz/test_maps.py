@@ -122,7 +122,7 @@ def test_generic_layer_gqa_rows_sum_to_one() -> None:
 
 def test_bad_inputs(minilm) -> None:
     tokenizer, model = minilm
-    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 6\)"):
+    with pytest.raises(ValueError, match=r"layer must be an int in \[-6, 6\)"):
         text_head_maps("hello", layer=6, tokenizer=tokenizer, model=model)
     with pytest.raises(ValueError, match="non-empty"):
         text_head_maps("   ", tokenizer=tokenizer, model=model)

@@ -50,5 +50,5 @@ def test_value_norms_follow_w_o_per_head_under_gqa():
 
 def test_bad_layer_is_refused():
     model = ref.BUILDERS["gpt2"]("sdpa")
-    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"layer must be an int in \[-2, 2\)"):
         model_head_maps(model, ref.inputs(model), layer=2)

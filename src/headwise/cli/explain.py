@@ -75,13 +75,14 @@ def run(args: argparse.Namespace) -> int:
     name = f"{r['preset']}: " if r["preset"] else ""
     fmt.line(f"{name}d_model={c['d_model']}, n_heads={c['n_heads']}, n_kv_heads={c['n_kv_heads']} ({c['kind']}), "
              f"d_head={c['d_head']}, bias={c['bias']}; {r['seq_len']} tokens, batch {r['batch']}, {r['dtype']}, "
-             f"{r['n_layers']} layer(s)")
+             f"{fmt.plural(r['n_layers'], 'layer')}")
     where = ("meta tensors (shapes and strides only, no memory)" if r["walk_device"] == "meta"
              else "real CPU tensors")
     fmt.table(f"Shape walk of one layer, on {where}", ["step", "code", "shape", "stride", "view or new", "note"],
               [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in r["steps"]],
               optional=["note", "code"])
-    fmt.table("Costs", ["quantity", "one layer", f"{r['n_layers']} layers", "how"], cost_rows(r), optional=["how"])
+    fmt.table("Costs", ["quantity", "one layer", fmt.plural(r['n_layers'], 'layer'), "how"], cost_rows(r),
+              optional=["how"])
     if "parallel" in r:
         par = r["parallel"]
         fmt.table(f"Per rank over {par['ranks']} ranks, one layer (training; {r['dtype']})",

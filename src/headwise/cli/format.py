@@ -15,6 +15,8 @@ import sys
 import textwrap
 from typing import Any, Sequence
 
+from ..viz.numbers import plural  # noqa: F401 - the CLI writes counts as the pictures do
+
 # Narrower than this and a table cannot show anything legibly; the width is clamped up to it.
 MIN_WIDTH = 40
 

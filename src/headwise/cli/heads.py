@@ -86,15 +86,13 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
         raise CliError("text must not be empty")
     info = _info(args.model)
     what = "bundled" if info.bundled else info.family
-    if not args.all_layers and not 0 <= args.layer < info.n_layers:
-        raise CliError(f"--layer: layer must be an int in [0, {info.n_layers}) for the {info.n_layers}-layer "
-                       f"{what} model, got {args.layer}")
-    n_heads = info.heads_of(None if args.all_layers else args.layer)[0]
-    if args.heads is not None and args.heads[-1] >= n_heads:
-        kind = f"this {n_heads}-head model" if info.layer_heads is None else (
-            f"every layer (the fewest have {n_heads} heads)" if args.all_layers
-            else f"layer {args.layer}, which has {n_heads} heads")
-        raise CliError(f"--heads: heads must be in [0, {n_heads}) for {kind}, got {args.heads[-1]}")
+    if not args.all_layers:
+        if not -info.n_layers <= args.layer < info.n_layers:
+            raise CliError(f"--layer: layer must be an int in [-{info.n_layers}, {info.n_layers}) for the "
+                           f"{info.n_layers}-layer {what} model, got {args.layer}")
+        args.layer %= info.n_layers  # -1: the last layer, as the library counts
+    if args.heads is not None:
+        _check_heads(args, info)
     if args.max_tokens < info.min_tokens:
         raise CliError(f"--max-tokens must be at least {info.min_tokens}"
                        + (" ([CLS], one token, [SEP])" if info.min_tokens == 3 else "") + f", got {args.max_tokens}")
@@ -113,12 +111,33 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
     if args.out is None:
         return info, None
     fewest, most = info.heads_of(None if args.all_layers else args.layer)
-    if fewest != most:
+    if fewest != most and args.heads is None:  # chosen heads are the same number in every layer
         raise CliError(_uneven(info.layer_heads))
     out = check_out(args.out, (".png", ".html", ".htm"))
     if out.suffix.lower() == ".png":
         require("matplotlib", "headwise heads --out FILE.png")
     return info, out
+
+
+def _check_heads(args: argparse.Namespace, info: Any) -> None:
+    """``--heads`` names heads every drawn layer has: by the numbers the table shows, which after head surgery
+    are the original ones the sidecar records."""
+    from ..viz.numbers import span
+
+    for layer in _layers(args, info):
+        labels = info.labels_of(layer)
+        if labels is None:
+            n_heads = info.heads_of(layer)[0]
+            if args.heads[-1] >= n_heads:
+                kind = f"this {n_heads}-head model" if info.layer_heads is None else (
+                    f"every layer (the fewest have {fmt.plural(n_heads, 'head')})" if args.all_layers
+                    else f"layer {layer}, which has {fmt.plural(n_heads, 'head')}")
+                raise CliError(f"--heads: heads must be in [0, {n_heads}) for {kind}, got {args.heads[-1]}")
+            continue
+        gone = [h for h in args.heads if h not in labels]
+        if gone:
+            raise CliError(f"--heads: layer {layer} has no head {gone[0]}: head surgery left its heads "
+                           f"{span(sorted(labels)) or 'none (a placeholder)'} (numbered as before surgery)")
 
 
 def _uneven(counts: Any) -> str:
@@ -151,9 +170,9 @@ def _patched(model: Any, info: Any) -> list:
     except (TypeError, ValueError) as exc:  # what patch says: not on the attention interface, flash attention...
         raise CliError(_refusal(model, info, exc)) from None
     if len(found) != info.n_layers:
-        raise CliError(f"--model: model_type {info.family!r}: config.json says {info.n_layers} layers, but "
-                       f"headwise.interop.patch found {len(found)} attention modules (shared layers, or layers "
-                       "without attention); headwise heads draws models with one attention module per layer")
+        raise CliError(f"--model: model_type {info.family!r}: config.json says {fmt.plural(info.n_layers, 'layer')}, "
+                       f"but headwise.interop.patch found {fmt.plural(len(found), 'attention module')} (shared layers, "
+                       "or layers without attention); headwise heads draws models with one attention module per layer")
     return found
 
 
@@ -199,12 +218,14 @@ def check_size(n_layers: int, n_heads_captured: int, n_heads_drawn: int, s: int,
     layer, held twice: weights and writes) or whose page (one byte per drawn weight) would be too large."""
     captured = 2 * 4 * n_layers * n_heads_captured * s * s
     if captured > CAPTURE_LIMIT_BYTES:
-        raise CliError(f"{n_layers} layer(s) x {n_heads_captured} heads x {s} x {s} tokens would hold "
+        raise CliError(f"{fmt.plural(n_layers, 'layer')} x {fmt.plural(n_heads_captured, 'head')} x {s} x {s} tokens "
+                       "would hold "
                        f"{captured / 2**30:.1f} GiB of float32 weights and writes, over the limit of "
                        f"{CAPTURE_LIMIT_BYTES / 2**30:.0f} GiB; draw fewer layers (--layer) or tokens (--max-tokens)")
     stored = n_layers * n_heads_drawn * s * s
     if html and stored > PAGE_LIMIT_WEIGHTS:
-        raise CliError(f"an HTML page of {n_layers} layer(s) x {n_heads_drawn} heads x {s} x {s} tokens would hold "
+        raise CliError(f"an HTML page of {fmt.plural(n_layers, 'layer')} x {fmt.plural(n_heads_drawn, 'head')} x {s} x "
+                       f"{s} tokens would hold "
                        f"{stored / 1e6:.0f}M weights, over its limit of {PAGE_LIMIT_WEIGHTS / 1e6:.0f}M (a browser "
                        "could not hold it); draw fewer layers (--layer), heads (--heads) or tokens (--max-tokens)")
 
@@ -215,75 +236,72 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     with steps(4 if out else 3, enabled=not args.json) as step:
         step("importing torch and transformers")
+        from ..surgery.hosts import quiet
         from ..viz import maps as vmaps
 
-        step(f"loading {info.name} ({'bundled, ' if info.bundled else ''}offline)")
-        _quiet_transformers()
-        if info.bundled:
-            tokenizer, model = vmaps.load_minilm()
-        else:
-            from ..viz.models import check_known
-
-            try:
-                check_known(info)
-            except ValueError as exc:
-                raise CliError(str(exc)) from None
-            tokenizer, model = _loading(info, "tokenizer"), None
-            _check_tokens(tokenizer, args)
-        n_tokens = len(tokenizer(args.text, verbose=False)["input_ids"])  # before the cut, to announce it
-        enc = dict(tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_tokens))
-        tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
-        if n_tokens > len(tokens):
-            limit = f"; the model takes at most {info.max_positions}" if info.max_positions else ""
-            notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
-                         f"(--max-tokens {args.max_tokens}{limit})")
-        layers = _layers(args, info)
-        most = info.heads_of(None if args.all_layers else args.layer)[1]
-        check_size(len(layers), most, len(args.heads or range(most)), len(tokens),
-                   out is not None and out.suffix.lower() != ".png")
-        if model is None:
-            model = _loading(info, "model")
-        _patched(model, info)
-        step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")
-        maps = vmaps.model_layers_head_maps(model, _model_inputs(enc, model), layers=layers, tokens=tokens,
-                                            heads=args.heads)
-        missing = next((m.writes_missing for m in maps if m.writes is None), "")
-        if missing:
-            notes.append(f"what each head writes is not drawn (only where it reads): {missing}")
-        if out is not None and len({m.n_heads for m in maps}) > 1:  # counts the sidecar did not give
-            raise CliError(_uneven([m.n_heads for m in maps]))
-        if out is not None:
-            step(f"drawing {out}")
-            title = f"headwise: {info.name}, {_what(args, info)}, {len(tokens)} tokens"
-            if out.suffix.lower() == ".png":
-                from ..viz.png import png_plan, save_png
-
-                notes += png_plan(maps).notes
-                save(out, lambda tmp: save_png(maps, tmp, title=title))
-            else:
-                from ..viz.html import save_html
-
-                save(out, lambda tmp: save_html(maps, tmp, title=title))
+        with quiet():  # our progress line replaces transformers' bars and notes, for this call only
+            maps, tokens, n_tokens = _draw(args, info, out, step, notes, vmaps)
     for note in notes:
         print(f"headwise heads: note: {note}", file=sys.stderr)
     return {"model": info.name, "family": info.family, "maps": maps, "out": None if out is None else str(out),
             "text_tokens": n_tokens, "truncated": n_tokens > len(tokens), "notes": notes}
 
 
+def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, notes: list[str], vmaps: Any) -> tuple:
+    """(maps, tokens, tokens before the cut): load, run and (with ``out``) draw."""
+    step(f"loading {info.name} ({'bundled, ' if info.bundled else ''}offline)")
+    if info.bundled:
+        tokenizer, model = vmaps.load_minilm()
+    else:
+        from ..viz.models import check_known
+
+        try:
+            check_known(info)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        tokenizer, model = _loading(info, "tokenizer"), None
+        _check_tokens(tokenizer, args)
+    n_tokens = len(tokenizer(args.text, verbose=False)["input_ids"])  # before the cut, to announce it
+    enc = dict(tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_tokens))
+    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+    if n_tokens > len(tokens):
+        limit = f"; the model takes at most {info.max_positions}" if info.max_positions else ""
+        notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
+                     f"(--max-tokens {args.max_tokens}{limit})")
+    layers = _layers(args, info)
+    most = info.heads_of(None if args.all_layers else args.layer)[1]
+    check_size(len(layers), most, len(args.heads or range(most)), len(tokens),
+               out is not None and out.suffix.lower() != ".png")
+    if model is None:
+        model = _loading(info, "model")
+    _patched(model, info)
+    step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")
+    maps = vmaps.model_layers_head_maps(model, _model_inputs(enc, model), layers=layers, tokens=tokens)
+    if args.heads is not None:  # by the numbers shown: the original ones after head surgery
+        maps = [m.subset([m.head_labels.index(h) for h in args.heads]) for m in maps]
+    missing = next((m.writes_missing for m in maps if m.writes is None), "")
+    if missing:
+        notes.append(f"what each head writes is not drawn (only where it reads): {missing}")
+    if out is not None and len({m.n_heads for m in maps}) > 1:  # counts the sidecar did not give
+        raise CliError(_uneven([m.n_heads for m in maps]))
+    if out is not None:
+        step(f"drawing {out}")
+        title = f"headwise: {info.name}, {_what(args, info)}, {fmt.plural(len(tokens), 'token')}"
+        if out.suffix.lower() == ".png":
+            from ..viz.png import png_plan, save_png
+
+            notes += png_plan(maps).notes
+            save(out, lambda tmp: save_png(maps, tmp, title=title))
+        else:
+            from ..viz.html import save_html
+
+            save(out, lambda tmp: save_html(maps, tmp, title=title))
+    return maps, tokens, n_tokens
+
+
 def _what(args: argparse.Namespace, info: Any) -> str:
-    layers = f"all {info.n_layers} layers" if args.all_layers else f"layer {args.layer}"
+    layers = f"all {fmt.plural(info.n_layers, 'layer')}" if args.all_layers else f"layer {args.layer}"
     return layers + (f", heads {','.join(map(str, args.heads))}" if args.heads is not None else "")
-
-
-def _quiet_transformers() -> None:
-    # Our own progress bar replaces transformers' per-weight tqdm bar.
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover - require() said so before
-        pass
 
 
 def _token_list(tokens: list[str]) -> str:
@@ -302,24 +320,42 @@ def run(args: argparse.Namespace) -> int:
         fmt.emit_json(head | {"layers": layers} if args.all_layers else layers[0] | head)
         return 0
     first = maps[0]
-    what = f"{r['model']}, {_what(args, _info(args.model))}, {first.n_heads} heads, {len(first.tokens)} tokens"
+    what = (f"{r['model']}, {_what(args, _info(args.model))}, {fmt.plural(first.n_heads, 'head')}, "
+            f"{fmt.plural(len(first.tokens), 'token')}")
     if r["out"]:  # the picture is the answer: say where it is, not the table again
         fmt.line(f"Wrote {r['out']} ({what})")
         return 0
     fmt.line(f"{what}: " + _token_list(first.tokens))
     many = len(maps) > 1
-    fmt.table("Where each head reads from, and what it actually writes (weight x ||value W_O||)",
-              ["layer.head" if many else "head", "reads most from (mean weight)", "writes most from (share of writes)",
-               "share of writes from the most-read token", "||v W_O|| min..max"],
-              [(f"{m.layer}.{s['head']}" if many else s["head"], f"{s['reads_most']} ({s['reads_most_weight']:.2f})",
-                *_writes(s)) for m in maps for s in m.summary()],
-              optional=["||v W_O|| min..max"])
+    fmt.table("What each head does by position, where it reads from, and what it actually writes (weight x "
+              "||value W_O||)",
+              ["layer.head" if many else "head", "by position (mean weight)", "reads most from (mean weight)",
+               "writes most from (share of writes)", "share of writes from the most-read token",
+               "||v W_O|| min..max"],
+              [(f"{m.layer}.{s['head']}" if many else s["head"], _position(s),
+                f"{s['reads_most']} ({s['reads_most_weight']:.2f})", *_writes(s)) for m in maps for s in m.summary()],
+              optional=["||v W_O|| min..max", "share of writes from the most-read token"])
+    if any(m.original_heads is not None for m in maps):
+        fmt.line("Heads are numbered as in the model before head surgery (--json: \"heads\" are their indices now, "
+                 "\"original_heads\" these numbers).")
     if any(m.writes is None for m in maps):
         fmt.line("What each head writes is not shown: W_O is not located for this family (the note on stderr "
                  "says why).")
     else:
-        fmt.line("A large weight on a token whose value is near zero writes little: compare the two middle columns.")
+        fmt.line("A large weight on a token whose value is near zero writes little: compare where a head reads most "
+                 "from with where it writes most from.")
     return 0
+
+
+_POSITION_NAMES = {"previous": "previous token", "same": "same token", "next": "next token", "first": "first token",
+                   "separators": "separators"}
+
+
+def _position(s: dict[str, Any]) -> str:
+    """The head's strongest positional behaviour: "previous token (0.91)" (see headwise.viz.positions)."""
+    if s["positional"] is None:
+        return "n/a"
+    return f"{_POSITION_NAMES[s['positional']]} ({s['positional_weight']:.2f})"
 
 
 def _writes(s: dict[str, Any]) -> tuple[str, str, str]:

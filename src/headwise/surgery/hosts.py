@@ -63,18 +63,23 @@ def refusal(layers: Sequence[tuple[str, Any]], new: Mapping[int, HeadWeights], w
 
 
 @contextlib.contextmanager
-def quiet():
-    """transformers' logging at errors only (a rebuilt model's init warnings are not the user's)."""
+def quiet(*, messages: bool = True):
+    """transformers' progress bars off (and, with ``messages``, its logging at errors only: a rebuilt model's
+    init warnings are not the user's) for the duration; both settings are given back afterwards."""
     try:
         from transformers.utils import logging
     except ImportError:  # pragma: no cover - a view exists only with transformers
         yield
         return
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    if messages:
+        logging.set_verbosity_error()
+    logging.disable_progress_bar()
     try:
         yield
     finally:
+        if bars:
+            logging.enable_progress_bar()
         logging.set_verbosity(level)
 
 

@@ -17,23 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import stat
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import hosts
+from . import hosts, origin
+from .files import JSON_LIMIT_BYTES, aliased, read_json, safetensors_call, saved_shapes, weight_files
 from .layers import read
 from .weights import as_projections, zeros_like
 
-__all__ = ["save_pretrained", "load_pretrained", "SIDECAR", "head_shapes"]
+__all__ = ["save_pretrained", "load_pretrained", "SIDECAR", "head_shapes", "shape_mismatch", "JSON_LIMIT_BYTES"]
 
 SIDECAR = "headwise_surgery.json"
 FORMAT = 2
-# The largest sidecar or weights index read (either is a few KiB for any real model).
-JSON_LIMIT_BYTES = 16 * 2**20
 
 
 def _class(view: Any) -> str:
@@ -66,11 +64,13 @@ def _patched(model: nn.Module):
 
 
 def head_shapes(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """``{layer name: {"class", "n_heads", "n_kv_heads", "d_head"}}`` for every attention module of ``model``
-    that :func:`headwise.interop.patch` takes over, named as :func:`headwise.interop.layers` names them (the model
-    is patched for the reading, and unpatched again, when it is not already)."""
+    """``{layer name: {"class", "n_heads", "n_kv_heads", "d_head", "original_heads"}}`` for every attention module
+    of ``model`` that :func:`headwise.interop.patch` takes over, named as :func:`headwise.interop.layers` names
+    them (the model is patched for the reading, and unpatched again, when it is not already);
+    ``original_heads`` is :func:`headwise.surgery.original_heads`'s record of the module."""
     with _patched(model) as views:
-        return {name: {"class": _class(v), **dict(zip(("n_heads", "n_kv_heads", "d_head"), v.head_params()))}
+        return {name: {"class": _class(v), **dict(zip(("n_heads", "n_kv_heads", "d_head"), v.head_params())),
+                       "original_heads": list(origin.of_layer(v))}
                 for name, v in views.items()}
 
 
@@ -81,95 +81,18 @@ def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> b
     :func:`load_pretrained`, which works in both cases).
 
     Shapes:
-        the sidecar: {"format": 2, "plain_hf": bool, "modules": {name: {class, n_heads, n_kv_heads, d_head}}}
+        the sidecar: {"format": 2, "plain_hf": bool, "modules": {name: {class, n_heads, n_kv_heads, d_head,
+        original_heads}}}
     """
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"save_pretrained: expected a Hugging Face PreTrainedModel, got {type(model).__name__}")
     shapes = head_shapes(model)
     plain = hosts.rebuilds(model)
-    model.save_pretrained(directory, **kwargs)
+    with hosts.quiet(messages=False):  # transformers' "Writing model shards" bar is not ours to show
+        model.save_pretrained(directory, **kwargs)
     sidecar = {"format": FORMAT, "plain_hf": plain, "modules": shapes}
     (Path(directory) / SIDECAR).write_text(json.dumps(sidecar, indent=1))
     return plain
-
-
-def _read_json(path: Path, what: str) -> Any:
-    """The JSON in ``path`` (a regular file of at most :data:`JSON_LIMIT_BYTES`), else ``ValueError`` naming it.
-
-    The file type comes from ``stat`` before anything is opened (a FIFO would block the read)."""
-    try:
-        info = path.stat()
-    except OSError as exc:
-        raise ValueError(f"load_pretrained: cannot read the {what} {str(path)!r}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"load_pretrained: the {what} {str(path)!r} is not a regular file")
-    if info.st_size > JSON_LIMIT_BYTES:
-        raise ValueError(f"load_pretrained: the {what} {str(path)!r} is {info.st_size} bytes, more than the "
-                         f"{JSON_LIMIT_BYTES} it can be")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as exc:  # ValueError: JSONDecodeError, digits
-        raise ValueError(f"load_pretrained: the {what} {str(path)!r} is not readable JSON: "
-                         f"{type(exc).__name__}: {exc}") from None
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of ``directory``: ``model.safetensors``, or the shards its index names (each a
-    regular file directly in ``directory``: an index cannot point outside the folder)."""
-    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    if single.exists():
-        files = [single]
-    elif index.exists():
-        data = _read_json(index, "weights index")
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"load_pretrained: {str(index)!r}: 'weight_map' must map weight names to shard file "
-                             f"names, got {type(weight_map).__name__}")
-        names = sorted(set(weight_map.values()))
-        outside = [n for n in names if n in ("", ".", "..") or Path(n).name != n or "\\" in n]
-        if outside:
-            raise ValueError(f"load_pretrained: {str(index)!r}: 'weight_map' names shard {outside[0]!r}, which is not "
-                             "a file name in the folder (shards sit beside the index)")
-        files = [directory / n for n in names]
-    else:
-        raise ValueError(f"load_pretrained: {directory} has neither model.safetensors nor "
-                         "model.safetensors.index.json (save with safe_serialization, the default)")
-    for f in files:
-        try:
-            regular = stat.S_ISREG(f.stat().st_mode)
-        except OSError as exc:
-            raise ValueError(f"load_pretrained: weight file {str(f)!r}: {exc.strerror or exc}") from None
-        if not regular:
-            raise ValueError(f"load_pretrained: weight file {str(f)!r} is not a regular file")
-    return files
-
-
-def _safetensors(f: Path, read: Any, *, plain: bool = False) -> Any:
-    """``read(f)`` with safetensors' own errors (a damaged header, a truncated file) as one ValueError naming
-    ``f``; unless ``plain`` (transformers' loader, whose other errors say what they are), so are the OSError,
-    ValueError and RuntimeError of reading it."""
-    foreseen = () if plain else (OSError, ValueError, RuntimeError)
-    try:
-        return read(str(f))
-    except Exception as exc:  # safetensors' SafetensorError derives from Exception only
-        if not (isinstance(exc, foreseen) or type(exc).__name__ == "SafetensorError"):
-            raise
-        raise ValueError(f"load_pretrained: {'the weights in' if plain else 'weight file'} {str(f)!r}: not a "
-                         f"readable safetensors file: {exc}") from None
-
-
-def _saved_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Every saved tensor's shape, from the safetensors headers (nothing is loaded)."""
-    from safetensors import safe_open
-
-    def header(path: str) -> dict[str, tuple[int, ...]]:
-        with safe_open(path, "pt") as sf:
-            return {k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()}
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        shapes.update(_safetensors(f, header))
-    return shapes
 
 
 def _check_sidecar(sidecar: Any, path: Path) -> dict[str, dict[str, Any]]:
@@ -199,6 +122,11 @@ def _check_sidecar(sidecar: Any, path: Path) -> dict[str, dict[str, Any]]:
         if h_kv > h or h % h_kv:
             raise ValueError(f"load_pretrained: module {name!r}: n_heads={h!r}, n_kv_heads={h_kv!r} is not a valid "
                              "head grouping")
+        heads = shape.get("original_heads")
+        if heads is not None and not (isinstance(heads, list) and all(type(i) is int and i >= 0 for i in heads)
+                and len(set(heads)) == len(heads) and (len(heads) == h or (heads == [] and h == 1))):
+            raise ValueError(f"{where}.original_heads must list the original index of each of its {h} heads "
+                             f"(distinct ints >= 0; [] for the placeholder of an emptied layer), got {heads!r}")
     return modules
 
 
@@ -207,30 +135,30 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
 
     Without a sidecar, or when the sidecar says the config suffices, this is ``model_class.from_pretrained``.
     Otherwise the model is built from its config, every recorded module is resized to its head counts, and the
-    saved weights are loaded strictly (tied weights re-tied). Returns the model in eval mode, unpatched.
+    saved weights are loaded strictly (tied weights re-tied). Either way each module gets back its record of
+    original head indices (:func:`headwise.surgery.original_heads`). Returns the model in eval mode, unpatched.
 
     Args:
         directory: the folder.
-        model_class: a transformers model class (e.g. ``BertModel``, ``LlamaForCausalLM``).
+        model_class: a transformers model class (e.g. ``BertModel``, ``LlamaForCausalLM``), or an ``AutoModel*``
+            class (then the class it builds from the folder's ``config.json``).
         attn_implementation: ``"eager"`` or ``"sdpa"`` (default: transformers' choice).
 
     Shapes:
         each recorded module: (d, n_heads, n_kv_heads, d_head) as in the sidecar
     """
     directory = Path(directory)
-    if not (isinstance(model_class, type) and hasattr(model_class, "from_pretrained")
-            and hasattr(model_class, "config_class")):
-        raise TypeError(f"load_pretrained: model_class must be a transformers model class, got {model_class!r}")
+    model_class = _concrete(model_class, directory)
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     path = directory / SIDECAR
     if not path.exists():
-        return _plain(model_class, directory, extra)
-    sidecar = _read_json(path, "sidecar")
+        return _plain(model_class, directory, extra, {})
+    sidecar = read_json(path, "sidecar")
     modules = _check_sidecar(sidecar, path)
     if sidecar.get("plain_hf"):
-        return _plain(model_class, directory, extra)
-    saved = _saved_shapes(_weight_files(directory))
-    _read_json(directory / "config.json", "config")  # a regular, readable file (from_pretrained reads it again)
+        return _plain(model_class, directory, extra, modules)
+    saved = saved_shapes(weight_files(directory))
+    read_json(directory / "config.json", "config")  # a regular, readable file (from_pretrained reads it again)
     config = model_class.config_class.from_pretrained(str(directory))
     n_layers = getattr(config, "num_hidden_layers", None)
     if isinstance(n_layers, int) and n_layers > len(modules):  # before the model is built: it would allocate them
@@ -238,6 +166,7 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
                          f"sidecar records {len(modules)} attention modules")
     with hosts.quiet(), torch.device("meta"):  # every check on a model that allocates nothing
         probe = model_class(config)
+    modules = _renamed(modules, probe)
     _resize(probe, modules, model_class.__name__)
     _check_saved(probe, modules, saved)
 
@@ -246,14 +175,68 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
         _resize(self, modules, model_class.__name__)  # before transformers loads the weights into it
 
     resized = type(model_class.__name__, (model_class,), {"__init__": __init__, "__module__": model_class.__module__})
-    model, info = _safetensors(directory, lambda d: resized.from_pretrained(d, output_loading_info=True, **extra),
-                               plain=True)
+    with hosts.quiet(messages=False):
+        model, info = safetensors_call(directory, lambda d: resized.from_pretrained(d, output_loading_info=True,
+                                                                                     **extra), plain=True)
     model.__class__ = model_class
     wrong = {k: list(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    wrong["unexpected_keys"] = _own(model, wrong["unexpected_keys"])
     if any(wrong.values()):
         raise ValueError(f"load_pretrained: {directory} does not match the rebuilt model: "
                          + ", ".join(f"{k.replace('_', ' ')} {v[:5]}" for k, v in wrong.items() if v))
-    return model.eval()
+    return _with_origins(model.eval(), modules)
+
+
+def _own(model: nn.Module, keys: list[str]) -> list[str]:
+    """The checkpoint keys among ``keys`` that belong under ``model``'s own modules: an unexpected key of a task
+    head the model does not have (``lm_head``, ``cls``: a task model's folder loaded as its base model) is
+    harmless; one under the model's own modules (a layer the config does not build) is not."""
+    own = {name for name, _ in model.named_children()}
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    return [k for k in keys if (k[len(prefix):] if k.startswith(prefix) else k).split(".")[0] in own]
+
+
+def _concrete(model_class: Any, directory: Path) -> type:
+    """``model_class``, or for an ``AutoModel*`` class the transformers class it builds from ``config.json``."""
+    if isinstance(model_class, type) and hasattr(model_class, "from_pretrained") and hasattr(model_class,
+                                                                                              "config_class"):
+        return model_class
+    if not (isinstance(model_class, type) and hasattr(model_class, "from_pretrained")
+            and hasattr(model_class, "from_config")):
+        raise TypeError(f"load_pretrained: model_class must be a transformers model class (e.g. BertModel) or an "
+                        f"AutoModel* class, got {model_class!r}")
+    from transformers import AutoConfig
+
+    read_json(directory / "config.json", "config")
+    config = AutoConfig.from_pretrained(str(directory))
+    try:
+        with hosts.quiet(), torch.device("meta"):  # which class it builds; nothing is allocated
+            return type(model_class.from_config(config))
+    except ValueError as exc:  # this Auto class has no model for the config's family
+        raise ValueError(f"load_pretrained: {model_class.__name__} builds no model from "
+                         f"{str(directory / 'config.json')!r}: {exc}") from None
+
+
+def _renamed(modules: dict[str, dict[str, Any]], model: nn.Module) -> dict[str, dict[str, Any]]:
+    """The sidecar's module names as ``model`` names them: a base model saved and loaded into a task class (or
+    the other way round) differs by the base model's prefix (``bert.``, ``model.``)."""
+    names = {name for name, _ in model.named_modules()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    out = {}
+    for name, shape in modules.items():
+        tries = [name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")] if prefix else [name]
+        out[next((t for t in tries if t in names), name)] = shape  # unknown names: _resize says which
+    return out
+
+
+def _with_origins(model: nn.Module, modules: dict[str, dict[str, Any]]) -> nn.Module:
+    """``model`` with each recorded module's original head indices put back on it."""
+    found = dict(model.named_modules())
+    for name, shape in _renamed(modules, model).items():
+        heads = shape.get("original_heads")
+        if name in found and heads is not None and heads != list(range(shape["n_heads"])):
+            origin.record(found[name], tuple(heads))
+    return model
 
 
 def _resize(model: nn.Module, modules: dict[str, dict[str, Any]], cls: str) -> None:
@@ -291,6 +274,7 @@ def _resize(model: nn.Module, modules: dict[str, dict[str, Any]], cls: str) -> N
 def _check_saved(probe: nn.Module, modules: dict[str, dict[str, Any]], saved: dict[str, tuple[int, ...]]) -> None:
     """The recorded head counts must give the saved weights' shapes (checked on the meta-device model)."""
     shapes = {k: tuple(v.shape) for k, v in probe.state_dict().items()}
+    saved = aliased(saved, probe)
     for name, shape in modules.items():
         scope = [k for k in shapes if k.startswith(name + ".")] or \
             [k for k in shapes if k.startswith(name.rpartition(".")[0] + ".")]
@@ -304,6 +288,45 @@ def _check_saved(probe: nn.Module, modules: dict[str, dict[str, Any]], saved: di
                                  f"{key!r} of shape {saved[key]} (they give {shapes[key]})")
 
 
-def _plain(model_class: type, directory: Path, extra: dict[str, Any]) -> nn.Module:
-    """``model_class.from_pretrained``, a damaged safetensors file as a ValueError naming the folder."""
-    return _safetensors(directory, lambda d: model_class.from_pretrained(d, **extra), plain=True).eval()
+def shape_mismatch(directory: str | Path, model_class: type) -> str:
+    """Why plain ``model_class.from_pretrained(directory)`` cannot load the folder's safetensors weights, in
+    words (``""`` when their shapes are those ``config.json`` gives, or the folder has no safetensors weights):
+    the first weight of another shape, and what to do when heads were removed. Built on the meta device."""
+    directory = Path(directory)
+    try:
+        files = weight_files(directory)
+    except ValueError:  # no safetensors weights: transformers' own loader says what it finds
+        return ""
+    saved = saved_shapes(files)
+    read_json(directory / "config.json", "config")
+    config = model_class.config_class.from_pretrained(str(directory))
+    with hosts.quiet(), torch.device("meta"):
+        probe = model_class(config)
+    saved = aliased(saved, probe)
+    with _patched(probe) as views:
+        attention = tuple(f"{name}." for name in views)
+    for key, value in probe.state_dict().items():
+        if key in saved and saved[key] != tuple(value.shape):
+            shapes = (f"{key!r} has shape {saved[key]} where config.json gives {model_class.__name__} "
+                      f"{tuple(value.shape)}")
+            if not key.startswith(attention):
+                return f"config.json in {str(directory)!r} does not describe these weights: {shapes}"
+            if (directory / SIDECAR).exists():
+                return (f"this checkpoint was changed by head surgery, which config.json does not describe: load "
+                        f"it with headwise.surgery.load_pretrained(folder, model_class) (its {SIDECAR} records the "
+                        f"heads each layer keeps); {shapes}")
+            return (f"this checkpoint was changed by head surgery (heads removed or regrouped) and saved without "
+                    f"the {SIDECAR} that says how many heads each layer keeps: save the changed model with "
+                    f"headwise.surgery.save_pretrained and load it with headwise.surgery.load_pretrained; {shapes}")
+    return ""
+
+
+def _plain(model_class: type, directory: Path, extra: dict[str, Any], modules: dict[str, dict[str, Any]]) -> nn.Module:
+    """``model_class.from_pretrained`` (a weight of another shape than config.json gives, or a damaged
+    safetensors file, as a ValueError naming it), with the sidecar's original head indices put back."""
+    why = shape_mismatch(directory, model_class) if not modules else ""
+    if why:
+        raise ValueError(f"load_pretrained: {why}")
+    with hosts.quiet(messages=False):
+        model = safetensors_call(directory, lambda d: model_class.from_pretrained(d, **extra), plain=True)
+    return _with_origins(model.eval(), modules)

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..attention import MultiHeadAttention
 from ..tracing import find_layers
-from . import hosts
+from . import hosts, origin
 from .weights import HeadWeights
 
 __all__ = ["Target", "read", "new_layer"]
@@ -113,14 +113,25 @@ class Target:
         """Write every ``new[i]`` into layer ``i``; returns the bare layer's copy or the (changed) model."""
         if not new:
             return self.target
+        kept = {i: origin.compose(self.layers[i][1], hw) for i, hw in new.items()}  # before anything changes
         if isinstance(self.target, MultiHeadAttention):
-            return new_layer(self.target, new[0]) if 0 in new else self.target
+            if 0 not in new:
+                return self.target
+            copy_ = new_layer(self.target, new[0])
+            origin.record(copy_, kept[0])
+            return copy_
         if self.hf:
-            return hosts.apply(self.target, self.layers, new, self.what)
+            holders = {i: origin.holder(self.layers[i][1]) for i in new}
+            model = hosts.apply(self.target, self.layers, new, self.what)
+            for i, module in holders.items():
+                origin.record(module, kept[i])
+            return model
         for i, hw in new.items():
             name, layer = self.layers[i]
             parent, _, child = name.rpartition(".")
-            setattr(self.target.get_submodule(parent), child, new_layer(layer, hw))
+            replacement = new_layer(layer, hw)
+            origin.record(replacement, kept[i])
+            setattr(self.target.get_submodule(parent), child, replacement)
         return self.target
 
 

@@ -38,7 +38,8 @@ class HeadWeights:
     n_heads: int
     n_kv_heads: int
     d_head: int
-    heads_from: tuple[int, ...] | None = None  # the original index of each query head (None: 0 .. h - 1)
+    heads_from: tuple[int, ...] | None = None  # the layer's current index of each query head (None: 0 .. h - 1)
+    placeholder: bool = False  # every head removed: the one zero head left in their place
 
     @property
     def group_size(self) -> int:
@@ -120,7 +121,7 @@ def empty_like(hw: HeadWeights) -> HeadWeights:
     zero = {name: None if t is None else torch.zeros_like(t)
             for name, t in (("q_w", one.q_w), ("q_b", one.q_b), ("k_w", one.k_w), ("k_b", one.k_b),
                             ("v_w", one.v_w), ("v_b", one.v_b), ("o_w", one.o_w))}
-    return replace(one, **zero)
+    return replace(one, placeholder=True, **zero)
 
 
 def zeros_like(hw: HeadWeights, n_heads: int, n_kv_heads: int) -> HeadWeights:

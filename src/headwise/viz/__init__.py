@@ -3,7 +3,10 @@
 * :mod:`headwise.viz.maps`: the numbers: :func:`head_maps` for any :class:`~headwise.MultiHeadAttention`,
   :func:`model_head_maps` for any layer of a (patched) model's own forward, :func:`text_head_maps` for a text
   through the bundled all-MiniLM-L6-v2, :func:`model_layers_head_maps` for several (or every) layer from one
-  forward; all captured with :func:`headwise.trace`.
+  forward; :func:`head_gallery` for chosen (layer, head) pairs side by side; all captured with
+  :func:`headwise.trace`, in eval mode, tokens labelled from the tokenizer or the token ids.
+* :mod:`headwise.viz.positions`: what each head does by position (previous / same / next / first token,
+  separators).
 * :mod:`headwise.viz.models`: which checkpoint ``headwise heads`` draws and its limits, read from its
   ``config.json`` without loading it (:func:`model_info`).
 * :mod:`headwise.viz.png`: one layer's heads as a grid, or every layer x head (needs ``matplotlib``).
@@ -27,6 +30,8 @@ _EXPORTS = {
     "minilm_path": "maps",
     "model_layers": "maps",
     "model_layers_head_maps": "maps",
+    "head_gallery": "maps",
+    "positional_scores": "positions",
     "model_info": "models",
     "save_png": "png",
     "render_html": "html",
@@ -40,3 +45,7 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module 'headwise.viz' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)  # the public names (they load on first use), not this module's own imports

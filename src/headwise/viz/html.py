@@ -14,7 +14,8 @@ each, so no explicit sparse format is needed: at 512 tokens x 6 layers x 12 head
 (one pixel per cell, no DOM node per cell).
 
 Shapes:
-    L: layers drawn, h: heads per layer, s: tokens. Stored: weights (L, h, s, s) uint8, norms (L, h, s) float32.
+    L: rows of thumbnails (layers, or one row of a gallery's pairs), h: heads per row, s: tokens. Stored: weights
+    (L, h, s, s) uint8, norms (L, h, s) float32; ``cells[l][h]`` is (layer, head number) of each thumbnail.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from .html_page import PAGE
-from .maps import HeadMaps
+from .headmaps import HeadMaps, default_title
 
 __all__ = ["render_html", "save_html", "encode", "decode", "QUANT_STEPS"]
 
@@ -42,9 +43,22 @@ def _as_list(maps: HeadMaps | Sequence[HeadMaps]) -> list[HeadMaps]:
     if not many or not all(isinstance(m, HeadMaps) for m in many):
         raise TypeError(f"maps must be a HeadMaps or a non-empty sequence of HeadMaps, got {type(maps).__name__}")
     first = many[0]
-    if any(m.tokens != first.tokens or m.head_ids != first.head_ids for m in many):
-        raise ValueError("every HeadMaps of one page must have the same tokens and heads")
+    if any(m.tokens != first.tokens or m.n_heads != first.n_heads for m in many):
+        raise ValueError("every HeadMaps of one page must have the same tokens and the same number of heads")
+    if len(many) > 1 and any(m.layers is not None for m in many):
+        raise ValueError("a gallery of (layer, head) pairs (head_gallery) is one HeadMaps: draw it on its own")
     return many
+
+
+def _grid(many: list[HeadMaps]) -> dict[str, Any]:
+    """The page's names: one row of thumbnails per HeadMaps (a gallery: one row of its pairs), each cell's
+    (layer, head number), the row names and the column headers (heads by their original numbers)."""
+    cells = [[[layer, head] for layer, head in zip(m.layer_ids, m.head_labels)] for m in many]
+    if many[0].layers is not None:
+        return {"cells": cells, "rows": ["chosen heads"], "cols": many[0].names}
+    same = all(m.head_labels == many[0].head_labels for m in many)
+    return {"cells": cells, "rows": [f"layer {m.layer}" for m in many],
+            "cols": [f"head {h}" for h in many[0].head_labels] if same else [""] * many[0].n_heads}
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -80,7 +94,8 @@ def encode(maps: HeadMaps | Sequence[HeadMaps]) -> tuple[dict[str, Any], str]:
     max_write = max(float((q[i].float() / QUANT_STEPS * norms[i][:, None, :]).max()) for i in range(len(many)))
     raw = _bytes(q) + _bytes(_little_endian(norms))
     blob = base64.b64encode(gzip.compress(raw, compresslevel=6, mtime=0)).decode("ascii")
-    meta = {"tokens": list(many[0].tokens), "layers": [m.layer for m in many], "heads": many[0].head_ids,
+    meta = {"tokens": list(many[0].tokens), "layers": [m.layer for m in many], "heads": many[0].head_labels,
+            **_grid(many),
             "s": len(many[0].tokens), "steps": QUANT_STEPS, "max_write": max_write or 1.0,
             "encoding": "gzip+base64: uint8 weights (layer, head, query, key), then float32 norms (layer, head, key)",
             "writes_missing": next((m.writes_missing for m in many if m.value_norms is None), "")}
@@ -133,8 +148,7 @@ def render_html(maps: HeadMaps | Sequence[HeadMaps], *, title: str | None = None
     many = _as_list(maps)
     meta, blob = encode(many)
     if title is None:
-        title = (f"headwise: the {many[0].n_heads} heads of layer {many[0].layer}" if len(many) == 1
-                 else f"headwise: {len(many)} layers x {many[0].n_heads} heads")
+        title = f"headwise: {default_title(many)}"
     meta["title"] = title
     return PAGE.substitute(title=html.escape(title), meta=_script_json(meta), blob=blob)
 

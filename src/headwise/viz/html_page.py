@@ -87,6 +87,12 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     px[o] = 255 - a * (255 - rgb[0]); px[o + 1] = 255 - a * (255 - rgb[1]); px[o + 2] = 255 - a * (255 - rgb[2]);
     px[o + 3] = 255;
   }
+  function cellName(l, h) { return "layer " + D.cells[l][h][0] + ", head " + D.cells[l][h][1]; }
+  function find(layer, head) {  // the thumbnail of (layer, head number), or null
+    for (var l = 0; l < L; l++) for (var h = 0; h < H; h++)
+      if (D.cells[l][h][0] === layer && D.cells[l][h][1] === head) return [l, h];
+    return null;
+  }
   function short(t) { t = String(t); return t.length > 12 ? t.slice(0, 11) + "\\u2026" : t; }
   function quote(t) { return JSON.stringify(String(t)); }
 
@@ -132,11 +138,13 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
   function drawModel() {
     var model = document.getElementById("model");
     var cols = document.createElement("div"); cols.className = "head-col";
-    D.heads.forEach(function (hd) { var s = document.createElement("span"); s.textContent = "head " + hd; cols.appendChild(s); });
+    D.cols.forEach(function (name) {
+      var s = document.createElement("span"); s.textContent = name; cols.appendChild(s);
+    });
     model.appendChild(cols);
     for (var l = 0; l < L; l++) {
       var row = document.createElement("div"); row.className = "layer-row";
-      var name = document.createElement("span"); name.className = "name"; name.textContent = "layer " + D.layers[l];
+      var name = document.createElement("span"); name.className = "name"; name.textContent = D.rows[l];
       row.appendChild(name);
       for (var h = 0; h < H; h++) {
         var c = document.createElement("canvas");
@@ -158,9 +166,9 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     for (var i = i0; i < i1; i++) for (var j = j0; j < j1; j++) best = Math.max(best, weight(l, h, i, j));
     var where = F === 1 ? "query " + i0 + " " + quote(D.tokens[i0]) + " -> key " + j0 + " " + quote(D.tokens[j0])
       : "queries " + i0 + "-" + (i1 - 1) + ", keys " + j0 + "-" + (j1 - 1);
-    showTip(ev, "layer " + D.layers[l] + ", head " + D.heads[h] + " (click to open)\\n" + where +
+    showTip(ev, cellName(l, h) + " (click to open)\\n" + where +
       "\\n" + (F === 1 ? "weight " : "largest weight ") + best.toFixed(4),
-      { layer: D.layers[l], head: D.heads[h], weight: best.toFixed(4) });
+      { layer: D.cells[l][h][0], head: D.cells[l][h][1], weight: best.toFixed(4) });
   }
 
   // -- the head view: weights and writes at one cell per token pair, with axis labels ------------------------
@@ -202,8 +210,8 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     showTip(ev, "query " + i + " " + quote(D.tokens[i]) + " -> key " + j + " " + quote(D.tokens[j]) +
       "\\nweight " + w.toFixed(4) + " (stored to +-" + (0.5 / STEPS).toFixed(4) + ")" +
       (D.writes_missing ? "" : "\\n||v W_O|| " + n.toPrecision(4) + ", writes " + (w * n).toPrecision(4)) +
-      "\\nlayer " + D.layers[l] + ", head " + D.heads[h],
-      { layer: D.layers[l], head: D.heads[h], query: i, key: j, weight: w.toFixed(4) });
+      "\\n" + cellName(l, h),
+      { layer: D.cells[l][h][0], head: D.cells[l][h][1], query: i, key: j, weight: w.toFixed(4) });
     var r = canvas.getBoundingClientRect(), k = r.width / canvas.width;
     if (C * k >= 4) {
       box.style.display = "block";
@@ -217,7 +225,7 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     state = { view: "head", l: l, h: h };
     document.getElementById("model").hidden = true;
     document.getElementById("headview").hidden = false;
-    document.getElementById("which").textContent = "layer " + D.layers[l] + ", head " + D.heads[h];
+    document.getElementById("which").textContent = cellName(l, h);
     drawMap(document.getElementById("map-weights"), l, h, "weights");
     if (D.writes_missing) {  // W_O not located: the reads alone, and why
       document.getElementById("writes").firstChild.textContent = "writes not drawn: " + D.writes_missing;
@@ -227,7 +235,7 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     }
     zoom();
     hideTip();
-    var hash = "#L" + D.layers[l] + "H" + D.heads[h];
+    var hash = "#L" + D.cells[l][h][0] + "H" + D.cells[l][h][1];
     if (location.hash !== hash) history.replaceState(null, "", hash);
   }
   function zoom() {  // CSS scaling only: the tooltip maps the pointer back through the canvas's on-screen size
@@ -246,8 +254,8 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
   function fromHash() {
     var m = /^#L(\\d+)H(\\d+)$$/.exec(location.hash);
     if (!m) return;
-    var l = D.layers.indexOf(+m[1]), h = D.heads.indexOf(+m[2]);
-    if (l >= 0 && h >= 0) open(l, h);
+    var at = find(+m[1], +m[2]);
+    if (at) open(at[0], at[1]);
   }
   ["map-weights", "map-writes"].forEach(function (id) {
     var c = document.getElementById(id);
@@ -278,7 +286,7 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
 
   window.headwise = {
     ready: ready,
-    open: function (layer, head) { open(D.layers.indexOf(layer), D.heads.indexOf(head)); },
+    open: function (layer, head) { var at = find(layer, head); if (at) open(at[0], at[1]); },
     weight: function (l, h, i, j) { return weight(l, h, i, j); },
     cellCenter: function (kind, i, j) {
       var c = document.getElementById("map-" + kind), r0 = c.getBoundingClientRect(), k = r0.width / c.width;

@@ -16,89 +16,22 @@ Shapes:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
 from ..attention import MultiHeadAttention
+from .headmaps import HeadMaps
+from .numbers import plural
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["HeadMaps", "head_maps", "model_head_maps", "model_layers_head_maps", "text_head_maps", "load_minilm", "minilm_path", "model_layers"]
-
-
-@dataclass(frozen=True)
-class HeadMaps:
-    """Per-head reads and writes of one layer for one sequence.
-
-    Where the layer's W_O is not located (:attr:`writes_missing` says why), only the weights are known:
-    ``writes`` and ``value_norms`` are None.
-
-    Shapes:
-        weights: (h, s, s) rows sum to 1; writes: (h, s, s) = weights * value_norms[:, None, :];
-        value_norms: (h, s) = ||v_j W_O^h||
-    """
-
-    tokens: list[str]
-    layer: int
-    weights: torch.Tensor
-    writes: torch.Tensor | None
-    value_norms: torch.Tensor | None
-    heads: tuple[int, ...] | None = None  # the model's head index of each row (None: 0 .. h - 1)
-    writes_missing: str = ""  # why writes and value_norms are None ("" when they are known)
-
-    @property
-    def n_heads(self) -> int:
-        return self.weights.shape[0]
-
-    @property
-    def head_ids(self) -> list[int]:
-        """The model's index of each head held (all heads unless a subset was chosen)."""
-        return list(range(self.n_heads)) if self.heads is None else list(self.heads)
-
-    def summary(self) -> list[dict[str, Any]]:
-        """Per head: the token it reads most from (mean weight over queries) and the token it writes most
-        from (share of the head's total writes), and the range of its value norms (those None without writes).
-
-        Shapes:
-            reads: weights[h].mean(0), (s_kv,); writes: writes[h].sum(0) / total, (s_kv,)
-        """
-        out = []
-        for h in range(self.n_heads):
-            reads = self.weights[h].mean(0)  # (s,)
-            r = int(reads.argmax())
-            row = {"head": self.head_ids[h], "reads_most": self.tokens[r], "reads_most_index": r,
-                   "reads_most_weight": float(reads[r])}
-            if self.writes is None or self.value_norms is None:
-                row.update(dict.fromkeys(("writes_most", "writes_most_index", "writes_most_share",
-                                          "weight_on_reads_most_share_of_writes", "value_norm_min",
-                                          "value_norm_max")))
-            else:
-                writes = self.writes[h].sum(0)  # (s,)
-                share = writes / writes.sum().clamp_min(1e-30)
-                w = int(share.argmax())
-                row.update({"writes_most": self.tokens[w], "writes_most_index": w,
-                            "writes_most_share": float(share[w]),
-                            "weight_on_reads_most_share_of_writes": float(share[r]),
-                            "value_norm_min": float(self.value_norms[h].min()),
-                            "value_norm_max": float(self.value_norms[h].max())})
-            out.append(row)
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain lists, for JSON (float32 precision, rounded to 6 significant digits); writes and value norms
-        are null, and ``writes_missing`` says why, where W_O is not located."""
-        def r(t: torch.Tensor | None) -> list | None:
-            if t is None:
-                return None
-            return [[float(f"{v:.6g}") for v in row] for row in t.tolist()] if t.dim() == 2 else [r(x) for x in t]
-
-        return {"tokens": list(self.tokens), "layer": self.layer, "n_heads": self.n_heads, "heads": self.head_ids,
-                "weights": r(self.weights), "writes": r(self.writes), "value_norms": r(self.value_norms),
-                "writes_missing": self.writes_missing}
+__all__ = ["HeadMaps", "head_maps", "model_head_maps", "model_layers_head_maps", "head_gallery", "text_head_maps",
+           "load_minilm", "minilm_path", "model_layers"]
 
 
 def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int] | None = None) -> HeadMaps:
@@ -108,23 +41,33 @@ def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int]
     h, d_h = attn.n_heads, attn.d_head
     chosen = list(range(h)) if heads is None else list(heads)
     w = record.pattern[row].detach()[chosen]  # (h, s_q, s_kv): the weights the model's own forward used
+    v = record.v[row].detach()  # (h_kv, s_kv, d_h)
+    origin = _origin(attn)
+    original = None if origin is None else tuple(origin[i] for i in chosen)
+    common = dict(tokens=list(tokens), layer=layer, heads=None if heads is None else tuple(chosen),
+                  original_heads=original)
     try:
         w_o = attn.out_proj.weight.detach()  # (d, h * d_h)
     except ValueError as exc:  # W_O not located (headwise.interop.hf_generic says why): the reads still are
-        return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=None, value_norms=None,
-                        heads=None if heads is None else tuple(chosen), writes_missing=str(exc))
-    v = record.v[row].detach()  # (h_kv, s_kv, d_h)
+        return HeadMaps(weights=w, writes=None, value_norms=None, writes_missing=str(exc), **common)
     g = h // attn.n_kv_heads
     norms = torch.stack([(v[i // g] @ w_o[:, i * d_h:(i + 1) * d_h].T.to(v.dtype)).norm(dim=-1)
                          for i in chosen])  # (h, s_kv): ||v_j W_O^h||
-    return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=w * norms[:, None, :], value_norms=norms,
-                    heads=None if heads is None else tuple(chosen))
+    return HeadMaps(weights=w, writes=w * norms[:, None, :], value_norms=norms, **common)
+
+
+def _origin(attn: MultiHeadAttention) -> tuple[int, ...] | None:
+    """The layer's original head indices where head surgery changed it (None where it did not)."""
+    from ..surgery import origin
+
+    heads = origin.of_layer(attn)
+    return None if heads == tuple(range(attn.n_heads)) or len(heads) != attn.n_heads else heads
 
 
 def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | None = None, layer: int = 0,
               mask: torch.Tensor | None = None, causal: bool = False) -> HeadMaps:
     """Every head of ``attn`` in its own forward on ``x`` (self-attention, with ``mask`` / ``causal``):
-    its weights and what it writes, captured with :func:`headwise.trace`.
+    its weights and what it writes, captured with :func:`headwise.trace` (in eval mode: no dropout).
 
     Shapes:
         x: (s, d) or (1, s, d); mask: broadcastable to (1, h, s, s) -> HeadMaps with (h, s, s) arrays
@@ -136,9 +79,12 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
         (torch.Size([4, 5, 5]), True, True)
     """
     from ..tracing import trace
+    from ..tracing.inputs import eval_mode
 
     if not isinstance(attn, MultiHeadAttention):
         raise TypeError(f"attn must be a MultiHeadAttention, got {type(attn).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor (s, d_model) or (1, s, d_model), got {type(x).__name__}")
     if x.dim() == 3:
         if x.shape[0] != 1:
             raise ValueError(f"head_maps takes one sequence: x must be (s, d) or (1, s, d), got {tuple(x.shape)}")
@@ -149,29 +95,60 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
     if tokens is None:
         tokens = [str(i) for i in range(s)]
     if len(tokens) != s:
-        raise ValueError(f"got {len(tokens)} tokens for a sequence of {s} positions")
-    with torch.no_grad(), trace(attn, capture=("pattern", "v")) as t:
+        raise ValueError(f"got {plural(len(tokens), 'token')} for a sequence of {plural(s, 'position')}")
+    with torch.no_grad(), eval_mode(attn), trace(attn, capture=("pattern", "v")) as t:
         attn(x.unsqueeze(0), mask=mask, causal=causal)
     return _maps(t[0], 0, tokens, layer)
 
 
 def model_head_maps(model: torch.nn.Module, inputs: Any, *, layer: int, tokens: list[str] | None = None,
-                    row: int = 0, heads: list[int] | None = None) -> HeadMaps:
-    """The heads of attention layer ``layer`` in ``model``'s own forward on ``inputs`` (a dict of keyword
-    inputs or a tensor), batch row ``row``: causal masks, padding, norms and rotary are the model's. A
-    Hugging Face model is patched first (:func:`model_layers`).
+                    tokenizer: Any = None, row: int = 0, heads: list[int] | None = None) -> HeadMaps:
+    """The heads of attention layer ``layer`` (negative counts from the end) in ``model``'s own forward on
+    ``inputs`` (a tensor, a tuple, or any mapping of keyword inputs such as a tokenizer's encoding), batch row
+    ``row``: causal masks, padding, norms and rotary are the model's. A Hugging Face model is patched first
+    (:func:`model_layers`). Tokens are labelled as :func:`model_layers_head_maps` says.
 
     Shapes:
         inputs: batch b on dim 0, s tokens -> HeadMaps with (h, s, s) arrays of row ``row``
     """
-    return model_layers_head_maps(model, inputs, layers=[layer], tokens=tokens, row=row, heads=heads)[0]
+    return model_layers_head_maps(model, inputs, layers=[layer], tokens=tokens, tokenizer=tokenizer, row=row,
+                                  heads=heads)[0]
+
+
+def _layer_index(layer: Any, n: int) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not -n <= layer < n:
+        raise ValueError(f"layer must be an int in [-{n}, {n}) for this {n}-layer model, got {layer!r}")
+    return layer % n
+
+
+def _labels(inputs: Any, row: int, s: int, tokens: Any, tokenizer: Any) -> list[str]:
+    """The token labels of row ``row``: ``tokens`` as given, else the tokenizer's tokens of the row's
+    ``input_ids``, else the ids themselves, else the positions."""
+    from ..tracing.inputs import token_ids
+
+    if tokens is not None:
+        labels = [str(t) for t in tokens]
+    else:
+        ids = token_ids(inputs)
+        ids = None if ids is None or ids.shape[-1] != s else ids[row].tolist()
+        if ids is not None and tokenizer is not None:
+            labels = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)]
+        else:
+            labels = [str(i) for i in (ids if ids is not None else range(s))]
+    if len(labels) != s:
+        raise ValueError(f"got {plural(len(labels), 'token')} for a sequence of {plural(s, 'position')}")
+    return labels
 
 
 def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[int] | None = None,
-                           tokens: list[str] | None = None, row: int = 0,
+                           tokens: list[str] | None = None, tokenizer: Any = None, row: int = 0,
                            heads: list[int] | None = None) -> list[HeadMaps]:
-    """One :class:`HeadMaps` per layer in ``layers`` (default: every attention layer), all captured in one
-    forward of ``model`` on ``inputs`` (see :func:`model_head_maps`); ``heads`` keeps only those heads.
+    """One :class:`HeadMaps` per layer in ``layers`` (default: every attention layer; negative positions count
+    from the end), all captured in one forward of ``model`` on ``inputs`` in eval mode (see
+    :func:`model_head_maps`); ``heads`` keeps only those heads (the layers' indices now).
+
+    Tokens are labelled with ``tokens`` when given, else with ``tokenizer``'s tokens of the row's ``input_ids``,
+    else with the ids themselves (then positions, for inputs without token ids).
 
     Shapes:
         inputs: batch b on dim 0, s tokens -> len(layers) HeadMaps with (h, s, s) arrays of row ``row``
@@ -181,29 +158,103 @@ def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[
         >>> [m.weights.shape for m in model_layers_head_maps(attn, torch.randn(1, 3, 8), heads=[1])]
         [torch.Size([1, 3, 3])]
     """
-    from ..tracing import trace
+    with _patched_for_the_call(model) as hw_layers:
+        return _capture(model, hw_layers, inputs, layers, tokens, tokenizer, row, heads)
 
-    hw_layers = model_layers(model) if not isinstance(model, MultiHeadAttention) else [("", model)]
+
+@contextlib.contextmanager
+def _patched_for_the_call(model: torch.nn.Module) -> Iterator[list[tuple[str, MultiHeadAttention]]]:
+    """The model's headwise layers (:func:`model_layers`); a Hugging Face model this patched is unpatched again
+    when the call then fails, so a refused call leaves it as it was."""
+    from ..tracing import find_layers
+
+    if isinstance(model, MultiHeadAttention):
+        yield [("", model)]
+        return
+    try:
+        find_layers(model)
+        ours = False
+    except TypeError:
+        ours = True
+    found = model_layers(model)
+    try:
+        yield found
+    except BaseException:
+        if ours:
+            from ..interop import unpatch
+
+            unpatch(model)
+        raise
+
+
+def _capture(model: torch.nn.Module, hw_layers: list, inputs: Any, layers: Any, tokens: Any, tokenizer: Any,
+             row: Any, heads: Any) -> list[HeadMaps]:
+    from ..tracing import trace
+    from ..tracing.inputs import batch_size, call, eval_mode
+
     n = len(hw_layers)
-    chosen = list(range(n)) if layers is None else list(layers)
-    for layer in chosen:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-            raise ValueError(f"layer must be an int in [0, {n}) for this {n}-layer model, got {layer!r}")
+    chosen = list(range(n)) if layers is None else [_layer_index(layer, n) for layer in layers]
     if not chosen:
         raise ValueError("layers must name at least one layer")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"layers must name each layer once, got {list(layers or [])!r}")
     h = min(hw_layers[layer][1].n_heads for layer in chosen)  # layers may differ after head surgery
     if heads is not None:
         bad = [i for i in heads if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < h]
         if bad or not heads:
-            raise ValueError(f"heads must be ints in [0, {h}) for these layers (the fewest have {h} heads), "
+            raise ValueError(f"heads must be ints in [0, {h}) for these layers (the fewest have {plural(h, 'head')}), "
                              f"got {list(heads)!r}")
-    with torch.no_grad(), trace(model, capture={layer: ("pattern", "v") for layer in chosen}) as t:
-        model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    b = batch_size(inputs, "model_layers_head_maps")
+    if isinstance(row, bool) or not isinstance(row, int) or not -b <= row < b:
+        raise ValueError(f"row must be an int in [-{b}, {b}) for this batch of {b}, got {row!r}")
+    with torch.no_grad(), eval_mode(model), trace(model, capture={layer: ("pattern", "v") for layer in chosen}) as t:
+        call(model, inputs)
     s = t[chosen[0]].pattern.shape[-1]
-    tokens = [str(i) for i in range(s)] if tokens is None else tokens
-    if len(tokens) != s:
-        raise ValueError(f"got {len(tokens)} tokens for a sequence of {s} positions")
-    return [_maps(t[layer], row, tokens, layer, heads) for layer in chosen]
+    labels = _labels(inputs, row, s, tokens, tokenizer)
+    return [_maps(t[layer], row, labels, layer, heads) for layer in chosen]
+
+
+def head_gallery(model: torch.nn.Module, inputs: Any, pairs: Sequence[tuple[int, int]], *,
+                 tokens: list[str] | None = None, tokenizer: Any = None, row: int = 0) -> HeadMaps:
+    """The chosen ``(layer, head)`` pairs side by side, captured in one forward of ``model`` on ``inputs``
+    (as :func:`model_layers_head_maps`; heads by the layer's index now): one HeadMaps whose ``layers`` give each
+    row's layer; :func:`~headwise.viz.png.save_png` and :func:`~headwise.viz.html.save_html` draw it titled
+    with the pairs.
+
+    Shapes:
+        pairs: n (layer, head) -> HeadMaps with (n, s, s) arrays
+
+    Example:
+        >>> model = torch.nn.Sequential(MultiHeadAttention(8, 2), MultiHeadAttention(8, 4))
+        >>> g = head_gallery(model, torch.randn(1, 3, 8), [(1, 3), (0, 0)])
+        >>> g.names, g.weights.shape
+        (['L1 H3', 'L0 H0'], torch.Size([2, 3, 3]))
+    """
+    if not isinstance(pairs, (list, tuple)):
+        raise TypeError(f"pairs must be a list of (layer, head), got {type(pairs).__name__}")
+    if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise ValueError(f"pairs must be a non-empty list of (layer, head), got {pairs!r}")
+    with _patched_for_the_call(model) as found:
+        wanted = [(_layer_index(layer, len(found)), head) for layer, head in pairs]
+        if len(set(wanted)) != len(wanted):
+            raise ValueError(f"pairs must name each (layer, head) once, got {list(pairs)!r}")
+        for layer, head in wanted:
+            h = found[layer][1].n_heads
+            if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < h:
+                raise ValueError(f"head must be an int in [0, {h}) for layer {layer}, got {head!r}")
+        layers = sorted({layer for layer, _ in wanted})
+        maps = dict(zip(layers, _capture(model, found, inputs, layers, tokens, tokenizer, row, None)))
+    parts = [maps[layer].subset([head]) for layer, head in wanted]
+    first = parts[0]
+
+    def cat(name: str) -> torch.Tensor | None:
+        got = [getattr(p, name) for p in parts]
+        return None if any(t is None for t in got) else torch.cat(got)
+
+    return replace(first, weights=cat("weights"), writes=cat("writes"), value_norms=cat("value_norms"),
+                   heads=tuple(p.head_ids[0] for p in parts), original_heads=tuple(p.head_labels[0] for p in parts),
+                   layers=tuple(p.layer for p in parts),
+                   writes_missing=next((p.writes_missing for p in parts if p.writes_missing), ""))
 
 
 # -- the bundled real model ----------------------------------------------------------------------------------
@@ -222,41 +273,48 @@ def minilm_path() -> Path:
 
 
 def load_minilm() -> tuple["PreTrainedTokenizerBase", "PreTrainedModel"]:
-    """The bundled all-MiniLM-L6-v2 tokenizer and BERT encoder, loaded offline, in eval mode.
+    """The bundled all-MiniLM-L6-v2 tokenizer and BERT encoder, loaded offline, in eval mode, without
+    transformers' progress bar.
 
     Shapes:
         the model maps input_ids (b, s) to hidden states (b, s, 384)
     """
     from transformers import AutoModel, AutoTokenizer
 
+    from ..surgery.hosts import quiet
+
     path = minilm_path()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    with quiet():  # transformers' loading bar and notes, off for this call only (its settings are given back)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModel.from_pretrained(path, local_files_only=True).eval()
     return tokenizer, model
 
 
 def model_layers(model: torch.nn.Module) -> list[tuple[str, MultiHeadAttention]]:
-    """(name, headwise layer) of every attention layer of a Hugging Face model, patching it in place with
-    :func:`headwise.interop.patch` first if it is not patched yet (its outputs do not change; the model now
-    computes its attention through headwise, and each layer's heads are views of the model's weights).
+    """(name, headwise layer) of every attention layer of a model (as :func:`headwise.trace` numbers them): a
+    module of headwise layers, or a Hugging Face model, patched in place with :func:`headwise.interop.patch`
+    first if it is not patched yet (its outputs do not change; the model now computes its attention through
+    headwise, and each layer's heads are views of the model's weights).
 
     Shapes:
         each layer: d = hidden_size, h = num_attention_heads, d_h = d / h
     """
-    from ..interop import layers, patch
+    from ..tracing import find_layers
 
-    found = layers(model)
-    if not found:
+    try:
+        return find_layers(model)
+    except TypeError:  # no headwise layer in it yet: a Hugging Face model to patch (patch says if it is not)
+        from ..interop import patch
+
         patch(model)
-        found = layers(model)
-    return found
+        return find_layers(model)
 
 
 def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: Any = None,
                    max_tokens: int = 64) -> HeadMaps:
     """Run ``text`` through a BERT model (default: the bundled all-MiniLM-L6-v2), patched through headwise
-    (:func:`model_layers`), and return the heads of attention layer ``layer`` as that forward ran them
-    (:func:`model_head_maps`).
+    (:func:`model_layers`), and return the heads of attention layer ``layer`` (negative counts from the end)
+    as that forward ran them (:func:`model_head_maps`), labelled with the tokenizer's tokens.
 
     Shapes:
         input_ids: (1, s) -> HeadMaps with (h, s, s) arrays, s <= max_tokens
@@ -265,9 +323,6 @@ def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: A
         raise ValueError(f"text must be a non-empty string, got {text!r}")
     if tokenizer is None or model is None:
         tokenizer, model = load_minilm()
-    n_layers = model.config.num_hidden_layers
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-        raise ValueError(f"layer must be an int in [0, {n_layers}) for this {n_layers}-layer model, got {layer!r}")
+    layer = _layer_index(layer, model.config.num_hidden_layers)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
-    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
-    return model_head_maps(model, dict(enc), layer=layer, tokens=tokens)
+    return model_head_maps(model, enc, layer=layer, tokenizer=tokenizer)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .numbers import plural
+
 __all__ = ["BUNDLED", "SIDECAR", "ModelInfo", "model_info", "check_known", "load_tokenizer", "load",
            "check_weights", "refuse_incomplete"]
 
@@ -66,6 +68,9 @@ class ModelInfo:
     min_parameters: int = 0  # a lower bound of the parameters config.json describes
     layer_heads: tuple[int, ...] | None = None  # heads per layer from the surgery sidecar (None: n_heads each)
     surgery: bool = False  # a sidecar says the config alone does not rebuild the model (load_pretrained does)
+    # each layer's original head numbers from the sidecar (None: no sidecar, or it records none)
+    original_heads: tuple[tuple[int, ...], ...] | None = None
+    sidecar: bool = False  # the folder has a surgery sidecar (load_pretrained loads it, original numbers included)
 
     @property
     def min_tokens(self) -> int:
@@ -81,6 +86,10 @@ class ModelInfo:
             return self.n_heads, self.n_heads
         chosen = self.layer_heads if layer is None else (self.layer_heads[layer],)
         return min(chosen), max(chosen)
+
+    def labels_of(self, layer: int) -> tuple[int, ...] | None:
+        """The original numbers of layer ``layer``'s heads, where the sidecar records them (else None)."""
+        return None if self.original_heads is None else self.original_heads[layer]
 
 
 def _bundled_path() -> Path:
@@ -127,21 +136,26 @@ def _text_config(config: dict) -> dict:
     return config
 
 
-def _sidecar_heads(path: Path) -> tuple[tuple[int, ...] | None, bool]:
-    """(heads per recorded attention module, whether the config alone does not rebuild the model) from the
-    surgery sidecar in ``path``; (None, False) without one. A sidecar that is not a JSON object is refused here;
-    wrong fields are left to headwise.surgery.load_pretrained, which names them."""
+def _sidecar_heads(path: Path) -> tuple[tuple[int, ...] | None, bool, tuple[tuple[int, ...], ...] | None]:
+    """(heads per recorded attention module, whether the config alone does not rebuild the model, each module's
+    original head numbers) from the surgery sidecar in ``path``; (None, False, None) without one. A sidecar that
+    is not a JSON object is refused here; wrong fields are left to headwise.surgery.load_pretrained, which names
+    them (they leave the numbers None here)."""
     side = path / SIDECAR
     if not side.exists():
-        return None, False
+        return None, False, None
     data = _read_json(side, "surgery sidecar")
     modules = data.get("modules")
-    heads = [m.get("n_heads") for m in modules.values()] if isinstance(modules, dict) and all(
+    entries = list(modules.values()) if isinstance(modules, dict) and all(
         isinstance(m, dict) for m in modules.values()) else []
+    heads = [m.get("n_heads") for m in entries]
     surgery = data.get("plain_hf") is not True
-    if heads and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in heads):
-        return tuple(heads), surgery
-    return None, surgery
+    if not (heads and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in heads)):
+        return None, surgery, None
+    originals = [m.get("original_heads", list(range(h))) if h <= 1 << 16 else None for m, h in zip(entries, heads)]
+    ok = all(isinstance(o, list) and len(o) == h and all(type(i) is int and i >= 0 for i in o)
+             for o, h in zip(originals, heads))
+    return tuple(heads), surgery, tuple(tuple(o) for o in originals) if ok else None
 
 
 def model_info(spec: str) -> ModelInfo:
@@ -197,13 +211,14 @@ def model_info(spec: str) -> ModelInfo:
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"--model: {str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
                          "tokenizer beside the model (tokenizer.save_pretrained(DIR))")
-    layer_heads, surgery = (None, False) if bundled else _sidecar_heads(path)
+    layer_heads, surgery, originals = (None, False, None) if bundled else _sidecar_heads(path)
     if layer_heads is not None and len(layer_heads) != n_layers:
-        layer_heads = None  # not one module per layer: load_pretrained or the drawing names the mismatch
+        layer_heads = originals = None  # not one module per layer: load_pretrained or the drawing names it
     max_positions = _int(text, POSITION_KEYS)
     return ModelInfo(name=name, path=path, family=family, n_layers=n_layers, n_heads=n_heads,
                      max_positions=max_positions, bundled=bundled, min_parameters=_min_parameters(text, n_layers,
-                     n_heads), layer_heads=layer_heads, surgery=surgery)
+                     n_heads), layer_heads=layer_heads, surgery=surgery, original_heads=originals,
+                     sidecar=not bundled and (path / SIDECAR).exists())
 
 
 def _refuse_special_files(path: Path, only: Path | None = None) -> None:
@@ -267,7 +282,8 @@ def check_weights(info: ModelInfo) -> None:
     on_disk = sum(f.stat().st_size for f in files)
     if info.min_parameters > 2 * on_disk:
         raise ValueError(f"--model: {str(info.path / 'config.json')!r} describes a model of at least "
-                         f"{info.min_parameters:.3g} parameters ({info.n_layers} layers), but its weight files hold "
+                         f"{info.min_parameters:.3g} parameters ({plural(info.n_layers, 'layer')}), but its weight "
+                         "files hold "
                          f"{on_disk} bytes; config.json does not describe these weights")
 
 
@@ -299,23 +315,29 @@ def check_known(info: ModelInfo) -> None:
 def load(info: ModelInfo) -> Any:
     """The checkpoint's model, offline, in eval mode, not yet patched: the base model (no head on top) through
     ``AutoModel``, under the attention implementation transformers picks (sdpa where the family has it, else
-    eager); a checkpoint saved by :func:`headwise.surgery.save_pretrained` whose config alone does not rebuild
-    it (heads removed) through :func:`headwise.surgery.load_pretrained`, as the class it was saved from.
+    eager); a checkpoint saved by :func:`headwise.surgery.save_pretrained` (heads removed or regrouped) through
+    :func:`headwise.surgery.load_pretrained`, as the class it was saved from, with its original head numbers;
+    weights of other shapes than ``config.json`` gives are refused in words (head surgery without the sidecar).
 
     Shapes:
         input_ids (b, s) -> hidden states (b, s, d)
     """
-    from transformers import AutoConfig, AutoModel
+    from transformers import MODEL_MAPPING, AutoConfig, AutoModel
 
     config = AutoConfig.from_pretrained(info.path, local_files_only=True)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"--model: model_type {info.family!r} in {str(info.path / 'config.json')!r} is an "
                          "encoder-decoder model, which headwise heads does not draw (it runs one stack of layers on "
                          "the text: an encoder or a decoder)")
-    if info.surgery:
+    if info.sidecar:  # saved after head surgery: the headwise loader rebuilds it and keeps the original numbers
         from ..surgery import load_pretrained
 
         return load_pretrained(info.path, _saved_class(config))
+    from ..surgery import shape_mismatch
+
+    why = shape_mismatch(info.path, MODEL_MAPPING[type(config)]) if type(config) in MODEL_MAPPING else ""
+    if why:  # transformers would fail with its table of sizes: say what it means instead
+        raise ValueError(f"--model: {why}")
     model, report = AutoModel.from_pretrained(info.path, local_files_only=True, output_loading_info=True)
     refuse_incomplete(model, report, info.path)
     return model.eval()

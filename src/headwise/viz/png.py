@@ -1,5 +1,6 @@
-"""A PNG of the heads: one layer as a grid of heads (weights beside writes), or every layer as a model view
-(rows = layers, columns = heads, weights only).
+"""A PNG of the heads: one layer as a grid of heads (weights beside writes), a gallery of chosen (layer, head)
+pairs the same way, or several layers as a model view (rows = layers, columns = heads, weights only). Heads
+are numbered as the model had them before head surgery, where surgery changed them.
 
 The layout stays legible at any length: past :data:`LABEL_ALL` tokens only every k-th token is labelled,
 a matrix larger than its panel's pixels is max-pooled (a sharp weight never disappears between pixels),
@@ -21,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from .maps import HeadMaps
+from .headmaps import HeadMaps, default_title
 
 __all__ = ["save_png", "png_layout", "png_plan", "PngPlan"]
 
@@ -135,7 +136,7 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
 def _title_lines(many: list[HeadMaps], plan: PngPlan, title: str | None, width_inches: float) -> list[str]:
     """The figure's title, wrapped so that no line is wider than the figure."""
     one = len(many) == 1
-    head = title or (f"Layer {many[0].layer}" if one else f"Every layer ({len(many)}) x head")
+    head = title or default_title(many)
     what = ("where each head reads from (blue, attention weights) and what it writes (orange, weight x "
             "||value W_O||, one scale for all heads)" if one else "attention weights of each head")
     parts = [f"{head}: {what}", "rows = query tokens, columns = key tokens; colour ~ square root of the value"]
@@ -156,6 +157,8 @@ def _as_list(maps: HeadMaps | Sequence[HeadMaps]) -> list[HeadMaps]:
         raise TypeError("maps must be a HeadMaps or a non-empty sequence of HeadMaps")
     if any(m.tokens != many[0].tokens for m in many):
         raise ValueError("every HeadMaps of one picture must have the same tokens")
+    if len(many) > 1 and any(m.layers is not None for m in many):
+        raise ValueError("a gallery of (layer, head) pairs (head_gallery) is one HeadMaps: draw it on its own")
     return many
 
 
@@ -226,9 +229,9 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
                       extent=(-0.5, n_px - 0.5, n_px - 0.5, -0.5))
             ax.set_xlim(-0.5, s - 0.5)
             ax.set_ylim(s - 0.5, -0.5)
-            head = m.head_ids[i]
             name = "reads (weights)" if kind == "weights" else "writes ||a v W_O||"
-            ax.set_title(f"head {head}: {name}" if one else f"L{m.layer} H{head}", fontsize=7)
+            label = m.names[i] if m.layers is not None else f"head {m.head_labels[i]}"
+            ax.set_title(f"{label}: {name}" if one else m.names[i], fontsize=7)
             ax.set_xticks(ticks)
             ax.set_yticks(ticks)
             outer_x, outer_y = one or r == plan.rows - 1, (one and kind == "weights") or (not one and c == 0)

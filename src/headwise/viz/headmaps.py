@@ -1,0 +1,142 @@
+"""The numbers of one picture: :class:`HeadMaps`, the per-head reads and writes of one layer (or of chosen
+(layer, head) pairs) on one sequence, with what each head does by position and its table row.
+
+Shapes:
+    s: tokens, h: heads (rows). weights, writes: (h, s_q, s_kv); value_norms: (h, s_kv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+
+from .numbers import span
+from .positions import POSITIONS, positional_scores
+
+__all__ = ["HeadMaps", "default_title"]
+
+
+@dataclass(frozen=True)
+class HeadMaps:
+    """Per-head reads and writes of one layer for one sequence, or of chosen (layer, head) pairs (a gallery,
+    :func:`head_gallery`: ``layers`` gives each row's layer).
+
+    Where the layer's W_O is not located (:attr:`writes_missing` says why), only the weights are known:
+    ``writes`` and ``value_norms`` are None. After head surgery ``original_heads`` gives each row's index in
+    the model before surgery (:func:`headwise.surgery.original_heads`), which the pictures and tables show.
+
+    Shapes:
+        weights: (h, s, s) rows sum to 1; writes: (h, s, s) = weights * value_norms[:, None, :];
+        value_norms: (h, s) = ||v_j W_O^h||
+    """
+
+    tokens: list[str]
+    layer: int
+    weights: torch.Tensor
+    writes: torch.Tensor | None
+    value_norms: torch.Tensor | None
+    heads: tuple[int, ...] | None = None  # the layer's head index of each row (None: 0 .. h - 1)
+    writes_missing: str = ""  # why writes and value_norms are None ("" when they are known)
+    original_heads: tuple[int, ...] | None = None  # each row's index before head surgery (None: unchanged)
+    layers: tuple[int, ...] | None = None  # a gallery: the layer of each row (None: every row is of ``layer``)
+
+    @property
+    def n_heads(self) -> int:
+        return self.weights.shape[0]
+
+    @property
+    def head_ids(self) -> list[int]:
+        """The layer's index of each head held now (all heads unless a subset was chosen)."""
+        return list(range(self.n_heads)) if self.heads is None else list(self.heads)
+
+    @property
+    def head_labels(self) -> list[int]:
+        """The number each head is shown under: its original index where surgery changed the layer, else its
+        index now."""
+        return self.head_ids if self.original_heads is None else list(self.original_heads)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The layer of each row."""
+        return [self.layer] * self.n_heads if self.layers is None else list(self.layers)
+
+    @property
+    def names(self) -> list[str]:
+        """``L{layer} H{head}`` of each row (original head numbers)."""
+        return [f"L{layer} H{head}" for layer, head in zip(self.layer_ids, self.head_labels)]
+
+    def subset(self, rows: Sequence[int]) -> "HeadMaps":
+        """These rows only (positions in this HeadMaps, in the order given)."""
+        rows = list(rows)
+
+        def pick(t: Any) -> Any:
+            return None if t is None else t[rows]
+
+        return replace(self, weights=self.weights[rows], writes=pick(self.writes), value_norms=pick(self.value_norms),
+                       heads=tuple(self.head_ids[r] for r in rows),
+                       original_heads=None if self.original_heads is None else tuple(self.original_heads[r]
+                                                                                     for r in rows),
+                       layers=None if self.layers is None else tuple(self.layers[r] for r in rows))
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per head: what it does by position (mean weight on the previous / same / next / first token and on
+        separators, :mod:`headwise.viz.positions`, and the largest of them), the token it reads most from (mean
+        weight over queries) and the token it writes most from (share of the head's total writes), and the
+        range of its value norms (those None without writes).
+
+        Shapes:
+            reads: weights[h].mean(0), (s_kv,); writes: writes[h].sum(0) / total, (s_kv,)
+        """
+        out = []
+        positions = positional_scores(self.weights, self.tokens)
+        for h in range(self.n_heads):
+            reads = self.weights[h].mean(0)  # (s,)
+            r = int(reads.argmax())
+            by_position = {name: float(positions[name][h]) for name in POSITIONS}
+            known = {k: v for k, v in by_position.items() if v == v}  # NaN: no query to score
+            top = max(known, key=known.get) if known else None
+            row = {"layer": self.layer_ids[h], "head": self.head_labels[h], "index": self.head_ids[h],
+                   **by_position, "positional": top, "positional_weight": known.get(top),
+                   "reads_most": self.tokens[r], "reads_most_index": r, "reads_most_weight": float(reads[r])}
+            if self.writes is None or self.value_norms is None:
+                row.update(dict.fromkeys(("writes_most", "writes_most_index", "writes_most_share",
+                                          "weight_on_reads_most_share_of_writes", "value_norm_min",
+                                          "value_norm_max")))
+            else:
+                writes = self.writes[h].sum(0)  # (s,)
+                share = writes / writes.sum().clamp_min(1e-30)
+                w = int(share.argmax())
+                row.update({"writes_most": self.tokens[w], "writes_most_index": w,
+                            "writes_most_share": float(share[w]),
+                            "weight_on_reads_most_share_of_writes": float(share[r]),
+                            "value_norm_min": float(self.value_norms[h].min()),
+                            "value_norm_max": float(self.value_norms[h].max())})
+            out.append(row)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists, for JSON (float32 precision, rounded to 6 significant digits); writes and value norms
+        are null, and ``writes_missing`` says why, where W_O is not located. ``heads`` are the layer's indices
+        now, ``original_heads`` the numbers before head surgery, ``layers`` each row's layer."""
+        def r(t: torch.Tensor | None) -> list | None:
+            if t is None:
+                return None
+            return [[float(f"{v:.6g}") for v in row] for row in t.tolist()] if t.dim() == 2 else [r(x) for x in t]
+
+        return {"tokens": list(self.tokens), "layer": self.layer, "n_heads": self.n_heads, "heads": self.head_ids,
+                "original_heads": self.head_labels, "layers": self.layer_ids,
+                "weights": r(self.weights), "writes": r(self.writes), "value_norms": r(self.value_norms),
+                "writes_missing": self.writes_missing}
+
+
+def default_title(many: list[HeadMaps]) -> str:
+    """What the maps show, as the picture's title: ``Layer 2``, ``Heads L0 H2, L1 H8`` (a gallery), or
+    ``Layers 0-5 x heads 0-11`` (the heads' original numbers after head surgery)."""
+    if len(many) == 1:
+        m = many[0]
+        return f"Heads {', '.join(m.names)}" if m.layers is not None else f"Layer {m.layer}"
+    labels = {tuple(m.head_labels) for m in many}
+    heads = f"heads {span(many[0].head_labels)}" if len(labels) == 1 else "heads (per layer)"
+    return f"Layers {span([m.layer for m in many])} x {heads}"
