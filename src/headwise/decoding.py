@@ -71,7 +71,7 @@ class DecodeStep:
         self.layer, self.cache = attn, cache
         # Only the layer's own class has the forward the one-token route reproduces (a subclass may override it).
         self._plain_class = type(attn) is MultiHeadAttention
-        self._plan_key: tuple | None = None
+        self._plan_key: tuple | None = None  # (id(config), dtype, device) the plan below was made for
         self._plan: Plan | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,59 +83,55 @@ class DecodeStep:
         attn, cache = self.layer, self.cache
         if torch.compiler.is_compiling():  # traced: the forward's static-cache route (one graph, every position)
             return attn(x, cache=cache)
-        tensors = self._plain_projections(attn, x)
-        if tensors is None:
-            return attn(x, cache=cache)
-        return self._token(attn, cache, x, tensors)
+        y = self._one_token(attn, cache, x)
+        return attn(x, cache=cache) if y is None else y
 
-    def _plain_projections(self, attn: MultiHeadAttention, x: object) -> tuple[torch.Tensor | None, ...] | None:
-        """The weights and biases of the layer's four projections if ``x`` is one token that the one-token route
-        computes exactly as the forward would (everything that can change between calls is looked at: the
-        input, the layer's hooks, trace, backend, mode and projections); else None."""
+    def _one_token(self, attn: MultiHeadAttention, cache: KVCache, x: object) -> torch.Tensor | None:
+        """The forward's answer for one token of a plain layer, or None where the forward itself must run.
+
+        Everything that can change between calls is looked at (the input; the layer's hooks, trace, backend, mode
+        and projections); the rest was checked when the step was built. Attributes are read from the modules'
+        own dictionaries: a decode step's fixed cost is mostly attribute lookups."""
         if not (self._plain_class and type(x) is torch.Tensor and x.dim() == 3 and x.shape[1] == 1
                 and attn.tracer is None and attn._backend == "sdpa" and attn.rotary is None
                 and not (attn.training and attn.config.dropout) and not has_forward_hooks(attn)):
             return None
-        modules = attn._modules  # read directly: a decode step's fixed cost is mostly attribute lookups
-        tensors: list[torch.Tensor | None] = []
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            p = modules[name]
+        modules = attn._modules
+        q_proj, k_proj, v_proj, out_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["out_proj"]
+        for p in (q_proj, k_proj, v_proj, out_proj):
             if type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks:
                 return None
-            tensors += (p._parameters["weight"], p._parameters["bias"])
-        w, cache = tensors[0], self.cache
-        if x.shape[0] != cache.batch_size or x.shape[2] != attn.config.d_model or x.dtype != w.dtype \
-                or x.device != w.device or cache.keys.dtype != w.dtype or cache.keys.device != w.device:
-            return None  # the forward refuses it with the right message
-        return tuple(tensors)
-
-    def _token(self, attn: MultiHeadAttention, cache: KVCache, x: torch.Tensor,
-               tensors: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         cfg = attn.config
-        b, h, h_kv, d_h = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        key = (cfg, x.dtype, x.device)
-        if key != self._plan_key:  # planned once per config, dtype and device; the position never enters
+        w_q = q_proj._parameters["weight"]
+        b, d = x.shape[0], cfg.d_model
+        keys = cache.keys
+        if b != cache.batch_size or x.shape[2] != d or x.dtype != w_q.dtype or x.device != w_q.device \
+                or keys.dtype != w_q.dtype or keys.device != w_q.device:
+            return None  # the forward refuses it with the right message
+        h, h_kv, d_h = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        plan = self._plan
+        if self._plan_key != (id(cfg), x.dtype, x.device):  # planned once; the position never enters the plan
             read = cache_read(x.device.type, x.dtype, 1, False, False, lambda: cache.length)
-            self._plan = plan_attention(h=h, h_kv=h_kv, d_h=d_h, scale=cfg.scale, b=b, s_q=1, s_kv=cache.max_len,
-                                        dtype=x.dtype, device=x.device, cached=True,
-                                        has_mask=read is CacheRead.BUFFER, read=read)
-            self._plan_key = key
-        w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o = tensors
-        x2 = x.view(b, cfg.d_model)  # one token: (b, d), the projections' plain matrix product
-        q = F.linear(x2, w_q, b_q).view(b, h, 1, d_h)  # (b, h, 1, d_h): one token, so a view
-        k = F.linear(x2, w_k, b_k).view(b, h_kv, 1, d_h)  # (b, h_kv, 1, d_h)
-        v = F.linear(x2, w_v, b_v).view(b, h_kv, 1, d_h)  # (b, h_kv, 1, d_h)
-        plan, mask = self._plan, None
+            plan = self._plan = plan_attention(
+                h=h, h_kv=h_kv, d_h=d_h, scale=cfg.scale, b=b, s_q=1, s_kv=cache.max_len, dtype=x.dtype,
+                device=x.device, cached=True, has_mask=read is CacheRead.BUFFER, read=read)
+            self._plan_key = (id(cfg), x.dtype, x.device)
+        x2 = x.view(b, d)  # one token: (b, d), the projections' plain matrix product
+        q = F.linear(x2, w_q, q_proj._parameters["bias"]).view(b, h, 1, d_h)  # (b, h, 1, d_h): a view
+        k = F.linear(x2, k_proj._parameters["weight"], k_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
+        v = F.linear(x2, v_proj._parameters["weight"], v_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
         start = cache.length
         k, v = cache.update(k, v)  # (b, h_kv, length, d_h); an overflow raises before anything is written
+        mask = None
         if plan.cache_read is CacheRead.BUFFER:  # the whole buffer: one shape at every position (plan rule 8)
-            k, v, mask = cache.keys, cache.values, cache.read_mask(1)  # (b, h_kv, max_len, d_h), (1, 1, 1, max_len)
+            k, v, mask = keys, cache.values, cache.read_mask(1)  # (b, h_kv, max_len, d_h), (1, 1, 1, max_len)
         try:
             z, _ = hwf.attend(plan, q, k, v, mask)  # (b, h, 1, d_h)
         except BaseException:
             cache.crop(start)  # as the forward does: a failed step leaves the cache's length as it was
             raise
-        return F.linear(z.reshape(b, h * d_h), w_o, b_o).view(b, 1, cfg.d_model)  # (b, 1, d): merged, W_O
+        y = F.linear(z.reshape(b, h * d_h), out_proj._parameters["weight"], out_proj._parameters["bias"])
+        return y.view(b, 1, d)  # (b, 1, d): merged, then W_O
 
     def __repr__(self) -> str:
         return f"DecodeStep({self.layer.extra_repr()}, cache={self.cache!r})"

@@ -277,27 +277,29 @@ class KVCache:
         Shapes:
             k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each
         """
-        keys = self.keys
-        if not (type(k) is torch.Tensor and type(v) is torch.Tensor and k.shape == v.shape and k.dim() == 4
-                and k.shape[0] == keys.shape[0] and k.shape[1] == keys.shape[1] and k.shape[3] == keys.shape[3]
+        keys, values = self.keys, self.values
+        shape = k.shape
+        if not (type(k) is torch.Tensor and type(v) is torch.Tensor and shape == v.shape and len(shape) == 4
+                and shape[0] == self.batch_size and shape[1] == self.n_kv_heads and shape[3] == self.d_head
                 and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
             self._check_write(k, v)  # a decode step's writes fit: only a misfit pays for the call and a message
         if self._device_ahead:
             self._read_position()
-        if self._length + k.shape[-2] > self.max_len:
+        start = self._length
+        n = shape[2]
+        end = start + n
+        if end > self.max_len:
             if torch.compiler.is_compiling():
                 return self._overflow_in_graph(k, v)
-            raise ValueError(_overflow_message(self._length, k.shape[-2], self.max_len))
-        start, end = self._length, self._length + k.shape[-2]
+            raise ValueError(_overflow_message(start, n, self.max_len))
         # Cached keys carry no autograd history (detached, as under no_grad), at no context-manager cost.
         if k.requires_grad or v.requires_grad:
             k, v = k.detach(), v.detach()
-        n = end - start  # narrow, not slicing: a decode step's fixed cost is mostly Python
-        self.keys.narrow(2, start, n).copy_(k)
-        self.values.narrow(2, start, n).copy_(v)
+        keys.narrow(2, start, n).copy_(k)  # narrow, not slicing: a decode step's fixed cost is mostly Python
+        values.narrow(2, start, n).copy_(v)
         self._length = end
         self.position.fill_(end)  # compiled steps read it
-        return self.keys.narrow(2, 0, end), self.values.narrow(2, 0, end)  # (b, h_kv, length, d_h)
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)  # (b, h_kv, length, d_h)
 
     def write_static(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                         torch.Tensor]:
