@@ -305,30 +305,42 @@ def softmax_sanity(p: Probe) -> PropertyResult:
     if qk is not None and a.d_head:
         q, k = (t.double() for t in qk)
         d_qk = q.shape[-1]  # the width the scores are over (DeepSeek's differs from the value heads')
-        expected = d_qk ** -0.5
+        expected = a.scale or d_qk ** -0.5
+        named = a.scale_source or f"1/sqrt(d_head={d_qk})"
+        short = a.scale_source or f"1/sqrt({d_qk})"
+        cap = a.softcap
         logw = w.clamp_min(1e-300).log()
         real_rows = allowed & rows[..., None]
+
+        def scores(h: int, g: int) -> torch.Tensor:
+            s = q[:, h] @ k[:, g].transpose(-2, -1)  # (b, s, s)
+            # under a declared softcap the log-weights are linear in the capped scores at the declared scale
+            return s if cap is None else cap * torch.tanh(expected * s / cap)
+
+        unit = 1.0 if cap is not None else expected  # the fitted coefficient that means "the declared scale"
         fits = []
         for h in range(q.shape[1]):
             # Fit against every K/V head and keep the best: which K/V head a query head reads is
             # head_independence's business, not this property's.
-            best = min((_fit_scale(logw[:, h], q[:, h] @ k[:, g].transpose(-2, -1), real_rows[:, h]) + (g,)
-                        for g in range(k.shape[1])), key=lambda r: r[1])
+            best = min((_fit_scale(logw[:, h], scores(h, g), real_rows[:, h]) + (g,) for g in range(k.shape[1])),
+                       key=lambda r: r[1])
             fits.append(best)
         bad_fit = [(h, c, r) for h, (c, r, _) in enumerate(fits) if r > 1e3 * p.rtol]
-        bad_scale = [(h, c) for h, (c, r, _) in enumerate(fits) if abs(c / expected - 1) > 1e3 * p.rtol]
+        bad_scale = [(h, c) for h, (c, r, _) in enumerate(fits) if abs(c / unit - 1) > 1e3 * p.rtol]
         if bad_fit:
             h, c, r = bad_fit[0]
             problems.append(("weights are not a softmax of scaled q . k over keys", {"head": h, "residual": r,
-                             "summary": f"head {h}'s log-weights are not linear in q . k (relative residual "
+                             "summary": f"head {h}'s log-weights are not linear in q . k"
+                                        f"{'' if cap is None else f' capped at {cap:g}'} (relative residual "
                                         f"{r:.2g})"}))
         elif bad_scale:
             h, c = bad_scale[0]
+            c = c * expected / unit  # the scale itself
             problems.append(("wrong scale", {"head": h, "fitted_scale": c, "expected_scale": expected,
                              "summary": f"head {h} scales scores by {_name_scale(c, d_qk, a.d_model)}, "
-                                        f"expected {expected:.6g} = 1/sqrt(d_head={d_qk})"}))
+                                        f"expected {expected:.6g} = {named}"}))
         else:
-            scale_note = f"scale 1/sqrt({d_qk}) fitted on every head"
+            scale_note = f"scale {short} fitted on every head" + ("" if cap is None else f", softcap {cap:g}")
     if problems:
         detail, cex = problems[0]
         return PropertyResult(name, FAIL, "; ".join(pr[0] for pr in problems), cex,
