@@ -27,6 +27,7 @@ Shapes:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from typing import Any, Iterator
 
@@ -179,7 +180,7 @@ class HFAdapter(Adapter):
 
     def _position_embeddings(self, x: torch.Tensor, positions: torch.Tensor) -> Any:
         position_ids = positions.expand(x.shape[0], -1) if positions.dim() == 1 else positions
-        if "layer_type" in keywords(self.rope):
+        if "layer_type" in inspect.signature(self.rope.forward).parameters:
             types, index = getattr(self.config, "layer_types", None), getattr(self.attention, "layer_idx", None)
             kind = types[index] if isinstance(types, (list, tuple)) and isinstance(index, int) else None
             return self.rope(x, position_ids, kind)

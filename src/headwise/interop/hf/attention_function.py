@@ -164,6 +164,10 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         attention_mask (b or 1, 1, s_q, s_kv); s_aux (h,); sinks (b, h, s_q, 1)
         -> (b, s_q, h, d_v), weights (b, h, s_q, s_kv) or None
     """
+    for name in ("decoder_head_mask", "cross_attn_head_mask"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} handed headwise {name}=..., which it does not apply: edit "
+                             "heads with headwise.trace(model, edit={(layer, head): 0.0})")
     for name in _SELECTIONS:
         if kwargs.get(name) is not None:
             raise ValueError(f"{type(module).__name__} handed headwise a sparse attention selection ({name}=...), "

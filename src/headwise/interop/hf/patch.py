@@ -6,7 +6,8 @@
 every attention module that calls the interface a headwise layer, ``module.attn``: an
 :class:`~headwise.interop.hf.layer.HFView` of the module's own weights, through which every head the module
 computes passes. Nothing else changes: no module is replaced, copied, renamed or re-classed, no parameter, buffer,
-submodule or hook is added, and nothing of transformers is modified.
+submodule is added, and nothing of transformers is modified; one forward pre-hook on the model checks a
+``head_mask`` before anything runs (:func:`check_head_mask`).
 
 Shapes:
     b: batch, s: sequence, h: query heads, h_kv: key/value heads, d: model width, d_h: head width.
@@ -39,7 +40,7 @@ from typing import Any
 
 from torch import nn
 
-from .attention_function import NAME
+from .attention_function import NAME, head_factors
 from .layer import HFView, is_target, view_of
 
 __all__ = ["patch", "unpatch", "layers", "check_impl", "SUPPORTED_IMPLS"]
@@ -110,6 +111,31 @@ def _restore(impls: list[tuple[Any, Any]]) -> None:
         config._attn_implementation = impl
 
 
+_OTHER_MASKS = ("decoder_head_mask", "cross_attn_head_mask")
+
+
+def check_head_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook of the patched model: Hugging Face's ``head_mask`` is honoured (each head's probabilities
+    and context scaled, :func:`~headwise.interop.hf.attention_function.head_factors`) where it means one thing, and
+    refused in one line, before anything runs (so no cache has changed), where it does not."""
+    where = type(model).__name__
+    other = [n for n in _OTHER_MASKS if kwargs.get(n) is not None]
+    head_mask = kwargs.get("head_mask")
+    if other or (head_mask is not None and getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
+        raise ValueError(f"{where}: {other[0] if other else 'head_mask'} is not supported on an encoder-decoder model "
+                         "(transformers 5 hands one mask to every stack); edit heads with "
+                         "headwise.trace(model, edit={(layer, head): 0.0})")
+    if head_mask is None:
+        return
+    found = layers(model)
+    for _, view in found:
+        head_factors(head_mask, view.host, view.n_heads)
+    indices = [getattr(view.host, "layer_idx", None) for _, view in found]
+    if getattr(head_mask, "dim", lambda: 0)() == 2 and len(set(indices)) != len(indices):
+        raise ValueError(f"{where}: head_mask has one row per layer, but its attention modules share layer numbers "
+                         "(several stacks); pass one row (h,) for every layer, or edit heads with headwise.trace")
+
+
 def patch(model: nn.Module) -> nn.Module:
     """Make every attention module of ``model`` that calls transformers' attention interface compute with
     headwise, in place; returns ``model``.
@@ -118,9 +144,10 @@ def patch(model: nn.Module) -> nn.Module:
     module gets ``module.attn``, its layer: a view of the module's current weights (never a registered submodule,
     so ``state_dict``, ``save_pretrained``, tensor-parallel plans and PEFT targets are unchanged), through which
     :func:`headwise.trace` captures and edits every head. The module keeps its class, forward, parameters,
-    buffers, submodules and hooks. Outputs are the model's own: every module keeps the conventions of the
-    implementation it had (eager's uniform rows for queries that may read nothing, or sdpa's zeros; see
-    :mod:`~headwise.interop.hf.attention_function`).
+    buffers, submodules and hooks. A ``head_mask`` given to the model scales each head (transformers 5 ignores
+    it), or is refused before anything runs where it is ambiguous (:func:`check_head_mask`). Outputs are the
+    model's own: every module keeps the conventions of the implementation it had (eager's uniform rows for queries
+    that may read nothing, or sdpa's zeros; see :mod:`~headwise.interop.hf.attention_function`).
 
     No data is read, so a model on the meta device can be patched before its weights arrive. Patching a patched
     model gives layers to modules that have none, and re-takes a model whose implementation was switched since;
@@ -172,7 +199,9 @@ def patch(model: nn.Module) -> nn.Module:
         raise
     for module, view in views:
         module.__dict__["attn"] = view
-    model.__dict__.setdefault("_hw_impls", before)  # what the first patch found: unpatch's target
+    if "_hw_impls" not in model.__dict__:  # the first patch: what unpatch puts back
+        model.__dict__["_hw_impls"] = before
+        model.__dict__["_hw_hook"] = model.register_forward_pre_hook(check_head_mask, with_kwargs=True)
     return model
 
 
@@ -192,6 +221,9 @@ def unpatch(model: nn.Module) -> nn.Module:
         if view_on(module) is not None:
             del module.__dict__["attn"]
     _restore(model.__dict__.pop("_hw_impls", []))
+    hook = model.__dict__.pop("_hw_hook", None)
+    if hook is not None:
+        hook.remove()
     return model
 
 
