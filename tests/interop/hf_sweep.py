@@ -1,4 +1,4 @@
-"""One row of docs/interop_hf.md's family table: build a model type tiny, patch it, and check what works.
+"""One row of docs/interop_hf_families.md's table: build a model type tiny, patch it, and check what works.
 
 Every cell is a check that ran: ``patch`` (the conventions kept: the implementation the model had), ``equal``
 (patched logits vs the unpatched model, float32 default tolerances), ``padded`` (the same with a left-padded row,
