@@ -20,7 +20,7 @@ from tests.interop import hf_sweep  # noqa: E402
 DOC = Path(__file__).resolve().parents[2] / "docs" / "interop_hf_families.md"
 START = "<!-- family table: written by tests/interop/test_hf_table.py (HEADWISE_WRITE_TABLE=1) -->"
 END = "<!-- end of family table -->"
-SAMPLE = ["bert", "gpt2", "llama", "qwen3", "phi3", "gpt_neox", "opt", "mixtral", "deepseek_v3", "vit", "roberta",
+SAMPLE = ["bert", "gpt2", "llama", "qwen3", "phi3", "gpt_neox", "opt", "mixtral", "deepseek_v3", "vit", "roberta", "gemma2", "dory",
           "t5"]
 
 

@@ -110,7 +110,7 @@ def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int]
     w = record.pattern[row].detach()[chosen]  # (h, s_q, s_kv): the weights the model's own forward used
     try:
         w_o = attn.out_proj.weight.detach()  # (d, h * d_h)
-    except ValueError as exc:  # W_O not located (headwise.interop.hf_generic says why): the reads still are
+    except ValueError as exc:  # W_O not located (headwise.interop.hf.locate says why): the reads still are
         return HeadMaps(tokens=list(tokens), layer=layer, weights=w, writes=None, value_norms=None,
                         heads=None if heads is None else tuple(chosen), writes_missing=str(exc))
     v = record.v[row].detach()  # (h_kv, s_kv, d_h)

@@ -29,7 +29,8 @@ transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``; nothin
 The mask function is transformers' ``sdpa_mask`` (bool, True = may attend: headwise's convention), never skipped
 for more than one query: a missing mask would leave causality to the module's ``is_causal`` flag, which families
 that only ever ran eager do not keep, and to code that looks for the name ``"sdpa"`` before dropping queries
-(Gemma 4). So a mask is missing only where the model builds none (ViT) or for one query. T5's ``position_bias`` is added to the scores; ``softcap`` (Gemma 2), ``s_aux`` (a sink logit per head,
+(Gemma 4). So a mask is missing only where the model builds none (ViT), for one query, or for a family whose
+registry entry keeps sdpa's skip (``causal_skip``: Dory). T5's ``position_bias`` is added to the scores; ``softcap`` (Gemma 2), ``s_aux`` (a sink logit per head,
 gpt-oss) and ``sinks`` (a sink logit per query row, Inkling 2) are applied; ``head_mask`` scales each head's
 probabilities and context (:func:`head_factors`).
 
@@ -58,6 +59,7 @@ from torch import nn
 
 from ... import functional as hwf
 from .layer import HFView
+from .registry import entry_for
 
 __all__ = ["NAME", "register", "attention_forward", "mask", "head_factors"]
 
@@ -82,11 +84,13 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     causal or not: a missing mask would leave the call's causality to the module's ``is_causal`` flag.
 
     One query (a decode step) reads every key it may: there "no mask" means that under eager too, so transformers
-    may still skip the mask when no padding or window hides a key."""
+    may still skip the mask when no padding or window hides a key; so it may for a family whose registry entry
+    says its modules need sdpa's skip (``causal_skip``)."""
     from transformers.masking_utils import sdpa_mask
 
     q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
-    if q_length != 1:
+    config = kwargs.get("config")
+    if q_length != 1 and not entry_for(getattr(config, "model_type", None), config).causal_skip:
         kwargs["allow_is_causal_skip"] = kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 

@@ -102,6 +102,10 @@ class Entry:
             copy compute what the module computes (masks aside: a sliding window lives in the model's mask).
             Elsewhere ``attn(x)`` is refused and the copy holds the weights only.
         dropout: names of the module's attention-dropout probability (a float, or an ``nn.Dropout``).
+        causal_skip: the family's modules attend over more keys than the model's causal mask covers, which only
+            sdpa's kernel ``is_causal`` handles (Dory's looped layers prepend the previous loop's keys): headwise's
+            mask function keeps transformers' skip of a purely causal mask for it, as sdpa does (elsewhere every
+            prefill's mask is materialised).
 
     :func:`headwise.check` also reads what the family declares in its config:
 
@@ -145,6 +149,7 @@ class Entry:
     qk_norm: tuple[str, str] | None = None
     standalone: bool = False
     dropout: tuple[str, ...] = ("attention_dropout", "attn_dropout", "dropout")
+    causal_skip: bool = False
     scale_fields: tuple[str, ...] = ("query_pre_attn_scalar",)
     multiplier_fields: tuple[str, ...] = ("attention_multiplier",)
     softcap_fields: tuple[str, ...] = ("attn_logit_softcapping",)
@@ -205,6 +210,7 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     "diffllama": Entry(refuse="differential attention subtracts pairs of heads' patterns (value heads concatenated "
                               "in pairs, lambda over the pair), so heads cannot be removed one by one"),
     **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
+    "dory": Entry(causal_skip=True),
     # Attention residuals: at every position learned queries attend over the residual stream's blocks, handing
     # over the sequence as the heads axis (no projections, no heads).
     "inkling2_text": Entry(not_heads=("Inkling2BlockAttentionResidual",)),
