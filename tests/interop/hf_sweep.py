@@ -65,7 +65,7 @@ def _budget(seconds: int):
 
 def _why(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text[:90]}".replace("|", "/")
+    return f"{type(e).__name__}: {text[:90].rstrip()}".replace("|", "/")
 
 
 def _config(transformers: Any, model_type: str) -> Any:
