@@ -22,14 +22,13 @@ from torch import nn
 from . import checkpoint
 from . import functional as hwf
 from .chunking import attend_in_chunks
-from .config import AttentionConfig
+from .config import AttentionConfig, check_dropout, check_scale
 from .dispatch import DispatchInfo, describe
 from .head import LayerHeads
 from .kv_cache import KVCache
+from .masks import validate_mask
 from .plan import Plan, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
-from .config import check_dropout, check_scale
-from .masks import validate_mask
 from .validation import (check_bool, check_causal, check_device, check_dtype, check_forward, check_layer_size,
                          check_qkv, check_sinks, has_dead_rows)
 
@@ -253,7 +252,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             if mask is not None:
                 mask = validate_mask(mask, (b, h, s_q, k.shape[2]), q.dtype, q.device)
             wants = return_weights or (tracer is not None and tracer.wants_weights(self))
-            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                or (sinks is not None and sinks.requires_grad))
             plan = plan_attention(
                 h=h, h_kv=k.shape[1], d_h=q.shape[-1], scale=cfg.scale if scale is None else float(scale), b=b,
                 s_q=s_q, s_kv=k.shape[2], dtype=q.dtype, device=q.device,
