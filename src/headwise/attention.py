@@ -202,9 +202,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         so a trace sees ``q, k, v`` as given here (and may replace them), then the context and weights (and may
         edit the context) the same way everywhere.
 
-        Called directly, it checks its inputs against this layer (``h`` and ``h_kv`` heads, values of ``d_head``)
-        and plans the call; ``forward`` hands over its own ``plan`` (made on inputs it checked) and ``cache``
-        (joined after the trace's edits, rolled back if the step fails).
+        Called directly, it checks its inputs (q, k, v agree; the mask broadcasts; a sequence-parallel rank hands
+        over its own heads) and plans the call; ``forward`` hands over its own ``plan`` (made on inputs it checked)
+        and ``cache`` (joined after the trace's edits, rolled back if the step fails).
 
         Args:
             q, k, v: the split heads (after rotary).
@@ -233,9 +233,6 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                 check_causal(causal)
                 check_bool("return_weights", return_weights)
             b, h, s_q, _ = q.shape
-            if h != cfg.n_heads or k.shape[1] != cfg.n_kv_heads or v.shape[-1] != cfg.d_head:
-                raise ValueError(f"attend: this layer has h={cfg.n_heads}, h_kv={cfg.n_kv_heads}, d_head={cfg.d_head}; "
-                                 f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
             if scale is not None:
                 check_scale(scale)
             if softcap is not None:

@@ -1,5 +1,5 @@
 """One trace seam: MultiHeadAttention.attend is the step a trace sees, for a bare layer's forward and for every head
-a patched Hugging Face module computes; called directly it checks its inputs against the layer. The reference is
+a patched Hugging Face module computes; called directly it checks its inputs. The reference is
 the float64 per-head formula (tests/reference.py)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_a_bare_layer_and_a_patched_module_trace_through_the_same_step(monkeypat
     assert calls == ["HFView", "HFView"] and t[1].z.shape == (1, 4, 4, 4)
 
 
-def test_attend_called_directly_checks_the_heads_and_scales_each_head():
+def test_attend_called_directly_checks_its_inputs_and_scales_each_head():
     attn = MultiHeadAttention(16, 4, 2).eval()
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 4, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4,
@@ -54,8 +54,8 @@ def test_attend_called_directly_checks_the_heads_and_scales_each_head():
     want_z, want_w = reference_heads(q, k, v, causal=True)
     torch.testing.assert_close(z, (want_z * factors.view(1, 4, 1, 1).double()).float())
     torch.testing.assert_close(w, (want_w * factors.view(1, 4, 1, 1).double()).float())
-    with pytest.raises(ValueError, match=r"^attend: this layer has h=4, h_kv=2, d_head=4; got q \(2, 2, 5, 4\)"):
-        attn.attend(q[:, :2], k, v)
+    with pytest.raises(ValueError, match=r"^q and k must share d_h; got q \(2, 4, 5, 4\), k \(2, 2, 5, 3\)"):
+        attn.attend(q, k[..., :3], v)
     with pytest.raises(ValueError, match=r"head_scale must be a tensor of one factor per head, shape \(4,\)"):
         attn.attend(q, k, v, head_scale=torch.ones(3))
     with pytest.raises(TypeError, match="causal must be a bool"):
