@@ -22,13 +22,15 @@ from torch import nn
 from . import checkpoint
 from . import functional as hwf
 from .chunking import attend_in_chunks
-from .config import AttentionConfig
+from .config import AttentionConfig, check_dropout, check_scale
 from .dispatch import DispatchInfo, describe
 from .head import LayerHeads
 from .kv_cache import KVCache
+from .masks import validate_mask
 from .plan import CacheRead, Plan, cache_read, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
-from .validation import check_bool, check_device, check_dtype, check_forward, check_layer_size, has_dead_rows
+from .validation import (check_bool, check_causal, check_device, check_dtype, check_forward, check_layer_size,
+                         check_qkv, check_sinks, has_dead_rows)
 
 __all__ = ["MultiHeadAttention", "has_forward_hooks"]
 
@@ -184,29 +186,100 @@ class MultiHeadAttention(LayerHeads, nn.Module):
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
-        causal: bool = False, return_weights: bool = False,
+        causal: bool = False, return_weights: bool = False, scale: float | None = None, softcap: float | None = None,
+        sinks: torch.Tensor | None = None, dropout: float | None = None, head_scale: torch.Tensor | None = None,
+        plan: Plan | None = None, cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-head attention on already split heads, with the layer's dropout, scale and backend.
+        """Per-head attention on already split heads: the one step a :func:`headwise.trace` sees and edits.
 
-        Inside a :func:`headwise.trace` this step is traced like :meth:`forward`'s (patched Hugging Face
-        modules call it directly): the tracer sees ``q, k, v`` as given and may edit the context it returns.
+        :meth:`forward` calls it, and so does every patched Hugging Face module (through its attention function),
+        so a trace sees ``q, k, v`` as given here (and may replace them), then the context and weights (and may
+        edit the context) the same way everywhere.
+
+        Called directly, it checks its inputs (q, k, v agree; the mask broadcasts; a sequence-parallel rank hands
+        over its own heads) and plans the call; ``forward`` hands over its own ``plan`` (made on inputs it checked)
+        and ``cache`` (joined after the trace's edits, rolled back if the step fails).
+
+        Args:
+            q, k, v: the split heads (after rotary).
+            mask: bool (True = may attend) or floating (added to the scores), broadcastable to (b, h, s_q, s_kv).
+            causal: bottom-right causal masking.
+            return_weights: also return every head's probabilities (the eager path).
+            scale: score scale (None: the layer's).
+            softcap: bound the scores with ``softcap * tanh(score / softcap)`` (Gemma 2).
+            sinks: an extra logit per query row that takes probability and carries no value (``(h,)`` or
+                ``(b or 1, h, s_q or 1, 1)``).
+            dropout: dropout on the probabilities (None: the layer's, in training mode only).
+            head_scale: a factor per head ``(h,)`` applied to its probabilities and context (Hugging Face's
+                ``head_mask``).
+            plan: :meth:`forward`'s plan of this call (its inputs already checked).
+            cache: :meth:`forward`'s KV cache (self-attention), joined after the trace sees this call's k, v.
 
         Shapes:
-            q: (b, h, s_q, d_h); k, v: (b, h_kv, s_kv, d_h) -> (b, h, s_q, d_h), weights or None
+            q: (b, h, s_q, d_qk); k: (b, h_kv, s_kv, d_qk); v: (b, h_kv, s_kv, d_h) -> (b, h, s_q, d_h),
+            weights (b, h, s_q, s_kv) or None
         """
-        tracer = self.tracer  # a headwise.trace sees (and may edit) the heads of this step too
-        if tracer is None:
-            backend = "eager" if return_weights is True else self.backend
-            return hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self.config.dropout if self.training else 0.0,
-                                 causal=causal, backend=backend, return_weights=return_weights)
-        wants = tracer.wants_weights(self)  # "pattern" captured: the eager path, whatever was asked
-        if wants:
-            check_bool("return_weights", return_weights)
-        q, k, v = tracer.qkv(self, q, k, v)
-        z, weights = hwf.attention(q, k, v, mask=mask, scale=self.config.scale, dropout_p=self.config.dropout if self.training else 0.0,
-                                   causal=causal, backend="eager" if wants or return_weights is True else self.backend,
-                                   return_weights=True if wants else return_weights)
-        return tracer.context(self, z, weights), (weights if return_weights is True else None)
+        tracer = self.tracer  # a headwise.trace (None outside one)
+        if plan is None:
+            cfg = self.config
+            check_qkv(q, k, v)
+            if not (isinstance(causal, bool) and isinstance(return_weights, bool)):
+                check_causal(causal)
+                check_bool("return_weights", return_weights)
+            b, h, s_q, _ = q.shape
+            if scale is not None:
+                check_scale(scale)
+            if softcap is not None:
+                check_scale(softcap, "softcap")
+            if dropout is None:
+                dropout = cfg.dropout if self.training else 0.0
+            elif dropout:
+                check_dropout(dropout)
+            if sinks is not None:
+                check_sinks(sinks, b, h, s_q, q.device)
+            if head_scale is not None and (not isinstance(head_scale, torch.Tensor) or head_scale.shape != (h,)):
+                raise ValueError(f"attend: head_scale must be a tensor of one factor per head, shape ({h},), got "
+                                 f"{tuple(head_scale.shape) if isinstance(head_scale, torch.Tensor) else head_scale}")
+            if mask is not None:
+                mask = validate_mask(mask, (b, h, s_q, k.shape[2]), q.dtype, q.device)
+            wants = return_weights or (tracer is not None and tracer.wants_weights(self))
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                or (sinks is not None and sinks.requires_grad))
+            plan = plan_attention(
+                h=h, h_kv=k.shape[1], d_h=q.shape[-1], scale=cfg.scale if scale is None else float(scale), b=b,
+                s_q=s_q, s_kv=k.shape[2], dtype=q.dtype, device=q.device,
+                backend="eager" if wants else self._backend, causal=causal, has_mask=mask is not None,
+                return_weights=wants, dropout_p=float(dropout), chunk_queries=False, records_grad=grad,
+                softcap=softcap, sinks=sinks is not None,
+                dead_rows=False if mask is None else partial(has_dead_rows, mask),
+                mask_per_head=mask is not None and mask.shape[1] != 1)
+        if tracer is not None:
+            q, k, v = tracer.qkv(self, q, k, v)
+        start, room = 0, None
+        if cache is not None:  # the plan says which keys the call reads (headwise.plan, rule 8)
+            if plan.cache_read is CacheRead.POSITION:  # compiled: written at the device position
+                k, v, mask, room = cache.write_static(k, v)  # (b, h_kv, max_len, d_h), (1, 1, s_q, max_len)
+            else:
+                start = cache.length
+                k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
+                if plan.cache_read is CacheRead.BUFFER:  # the whole buffer: one shape at every position
+                    k, v, mask = cache.keys, cache.values, cache.read_mask(q.shape[2])  # (.., max_len, ..)
+        try:
+            z, weights = hwf.attend(plan, q, k, v, mask, sinks)  # (b, h, s_q, d_h)
+            if room is not None:  # a compiled step the cache had no room for: refused, a zero context
+                z = torch.where(room, z, 0.0)
+            if head_scale is not None:
+                scale_h = head_scale.to(z.dtype).view(1, -1, 1, 1)  # (1, h, 1, 1)
+                z, weights = z * scale_h, None if weights is None else weights * scale_h
+            if tracer is not None:
+                z = tracer.context(self, z, weights)
+        except BaseException:
+            # A failed step after the cache write rolls the cache back to the length it had: the positions
+            # it reads are exactly as before (the write's slots are past the length again, never read).
+            if cache is not None and room is None:
+                cache.crop(start)
+            raise
+        return z, weights if return_weights is True else None
 
     def project_out(self, z: torch.Tensor, results: torch.Tensor | None = None) -> torch.Tensor:
         """Merge heads and apply W_O, the only place heads mix.
@@ -279,32 +352,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         q, k, v = self.project_qkv(x) if key is None else (self.project_q(x), *self.project_kv(key, value))
         if self.rotary is not None:
             q, k = self.rotary.rotate(q, k, positions)
-        if tracer is not None:
-            q, k, v = tracer.qkv(self, q, k, v)
-        # Attend: every head on its own, over the cache's positions too when there is one.
-        if plan.cache_read is CacheRead.POSITION:  # compiled: written on the device, the whole buffer read
-            k, v, mask, room = cache.write_static(k, v)  # (b, h_kv, max_len, d_h), (1, 1, s_q, max_len)
-            z, weights = hwf.attend(plan, q, k, v, mask)  # (b, h, s_q, d_h)
-            if tracer is not None:
-                z = tracer.context(self, z, weights)
-            y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
-            y = torch.where(room, y, 0.0)  # a step the cache had no room for: refused, zeros (see write_static)
-            return y if batched else y.squeeze(0)
-        start = 0 if cache is None else cache.length
-        if cache is not None:
-            k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
-            if plan.cache_read is CacheRead.BUFFER:  # the whole buffer, the same shape at every position
-                k, v, mask = cache.keys, cache.values, cache.read_mask(x.shape[1])  # (.., max_len, ..)
-        try:
-            z, weights = hwf.attend(plan, q, k, v, mask)  # (b, h, s_q, d_h)
-            if tracer is not None:
-                z = tracer.context(self, z, weights)
-        except BaseException:
-            # A failed step after the cache write rolls the cache back to the length it had: the positions
-            # it reads are exactly as before (the write's slots are past the length again, never read).
-            if cache is not None:
-                cache.crop(start)
-            raise
+        # Attend: every head on its own (the step a trace sees), over the cache's positions too when there is one.
+        z, weights = self.attend(q, k, v, mask=mask, return_weights=True, plan=plan, cache=cache)  # (b, h, s_q, d_h)
         del q, k, v  # without autograd, freed before W_O allocates the output
         # Merge and project out: W_O is the only place heads mix.
         y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from .masks import causal_mask, combine_masks, dead_rows, lift_dead_rows, validate_mask
+from .masks import causal_mask, combine_masks, open_dead_rows, validate_mask
 from .plan import Causal, Grouping, Plan, plan_attention
 from .config import check_dropout, check_scale
 from .validation import check_bool, check_causal, check_qkv, check_sinks, check_tensor, has_dead_rows
@@ -141,8 +141,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     blocked = None
     if mask is not None:
         if may_block:
-            blocked = dead_rows(mask)  # (b or 1, h or 1, s_q, 1)
-            mask = lift_dead_rows(mask, blocked)
+            mask, blocked = open_dead_rows(mask)  # blocked: (b or 1, h or 1, s_q, 1)
         if mask.dtype == torch.bool:  # additive on the mask's small shape: one pass over the scores
             mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~mask, float("-inf"))
         scores = scores + mask
@@ -190,8 +189,7 @@ def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         mask = combine_masks(mask, causal_mask(s_q, s_kv, device=q.device))  # bottom-right
     dead = None
     if plan.zero_dead_rows:  # zeros by headwise, whatever the kernel gives a row that reads nothing
-        dead = dead_rows(mask)  # (b or 1, h or 1, s_q, 1)
-        mask = lift_dead_rows(mask, dead)
+        mask, dead = open_dead_rows(mask)  # dead: (b or 1, h or 1, s_q, 1)
     grouping = plan.grouping
     if grouping is Grouping.FOLD:  # one query: a group's query heads are rows of its K/V head
         q = q.reshape(b, k.shape[1], h // k.shape[1], q.shape[-1])  # (b, h_kv, g, d_h)

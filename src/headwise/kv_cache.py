@@ -176,7 +176,7 @@ class KVCache:
         if refused:
             self._refused.zero_()
             raise ValueError(f"cache overflow: {refused} compiled step(s) found all max_len={self.max_len} positions "
-                             f"written and were refused (nothing was written; each returned zeros); allocate a "
+                             f"written and were refused (nothing was written; each attended to nothing: a zero context); allocate a "
                              f"larger cache or reset() it")
 
     @property
@@ -278,11 +278,11 @@ class KVCache:
             k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each
         """
         keys, values = self.keys, self.values
-        shape = k.shape
-        if not (type(k) is torch.Tensor and type(v) is torch.Tensor and shape == v.shape and len(shape) == 4
-                and shape[0] == self.batch_size and shape[1] == self.n_kv_heads and shape[3] == self.d_head
+        if not (type(k) is torch.Tensor and type(v) is torch.Tensor and k.shape == v.shape and k.dim() == 4
+                and k.shape[0] == self.batch_size and k.shape[1] == self.n_kv_heads and k.shape[3] == self.d_head
                 and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
             self._check_write(k, v)  # a decode step's writes fit: only a misfit pays for the call and a message
+        shape = k.shape
         if self._device_ahead:
             self._read_position()
         start = self._length
@@ -309,7 +309,7 @@ class KVCache:
         step traced once serves them all. Returns the whole buffers, the mask of the keys each new query may
         read (query i sits at ``position + i`` and reads keys ``j <= position + i``), and ``room``: whether the
         write fitted. A write that does not fit changes nothing (the slots are rewritten with their own values,
-        the position stays); the caller zeros its output, and the cache's next host-side use raises the
+        the position stays); the caller gives that step a zero context, and the cache's next host-side use raises the
         overflow ``ValueError`` (no host code runs between compiled steps, so none can raise at the step).
         Inputs are trusted (the layer checked them against the cache).
 

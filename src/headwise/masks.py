@@ -28,8 +28,7 @@ __all__ = [
     "sliding_window_mask",
     "combine_masks",
     "validate_mask",
-    "dead_rows",
-    "lift_dead_rows",
+    "open_dead_rows",
     "ALIGNMENTS",
 ]
 
@@ -231,7 +230,9 @@ def validate_mask(mask: torch.Tensor, target: tuple[int, int, int, int], dtype: 
     if mask.device != device:
         raise ValueError(f"mask is on {mask.device}, but the inputs are on {device}")
     shape = tuple(mask.shape)
-    ok = len(shape) <= 4 and all(m in (1, t) for m, t in zip(reversed(shape), reversed(target)))
+    ok = len(shape) <= 4
+    for m, t in zip(reversed(shape), reversed(target)):  # a loop, not all(...): no generator frame per call
+        ok = ok and m in (1, t)
     if not ok:
         raise ValueError(
             f"mask of shape {shape} does not broadcast to (b, h, s_q, s_kv) = {tuple(target)}; "
@@ -244,36 +245,24 @@ def validate_mask(mask: torch.Tensor, target: tuple[int, int, int, int], dtype: 
     return mask
 
 
-def dead_rows(mask: torch.Tensor) -> torch.Tensor:
-    """Query rows that may read no key at all: every entry False (bool) or ``-inf`` (floating).
+def open_dead_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Find the query rows that may read no key at all (every entry False, or ``-inf``), and open them to every
+    key, so that no kernel divides 0 by 0 on them (forward or backward); the caller zeros those rows' outputs.
 
-    Computed with tensor operations on the mask's own broadcast shape (usually without a head axis), so it needs
-    no host synchronisation and traces under ``torch.compile`` and CUDA graphs.
-
-    Shapes:
-        mask: (b or 1, h or 1, s_q or 1, s_kv or 1) -> (b or 1, h or 1, s_q or 1, 1) bool
-
-    Example:
-        >>> dead_rows(torch.tensor([[True, False], [False, False]])).flatten().tolist()
-        [False, True]
-    """
-    if mask.dtype == torch.bool:
-        return ~mask.any(-1, keepdim=True)
-    return (mask == float("-inf")).all(-1, keepdim=True)
-
-
-def lift_dead_rows(mask: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
-    """``mask`` with every dead row opened to all keys, so that no kernel divides 0 by 0 on it (forward or
-    backward); the caller zeros those rows' outputs.
+    Tensor operations on the mask's own broadcast shape (usually without a head axis): no host synchronisation,
+    so it traces under ``torch.compile`` and CUDA graphs.
 
     Shapes:
-        mask: (.., s_q, s_kv); dead: (.., s_q, 1) from :func:`dead_rows` -> the mask's shape
+        mask: (b or 1, h or 1, s_q or 1, s_kv or 1) -> the opened mask (same shape), dead rows
+        (b or 1, h or 1, s_q or 1, 1) bool
 
     Example:
-        >>> m = torch.tensor([[True, False], [False, False]])
-        >>> lift_dead_rows(m, dead_rows(m)).tolist()
-        [[True, False], [True, True]]
+        >>> opened, dead = open_dead_rows(torch.tensor([[True, False], [False, False]]))
+        >>> opened.tolist(), dead.flatten().tolist()
+        ([[True, False], [True, True]], [False, True])
     """
     if mask.dtype == torch.bool:
-        return mask | dead
-    return mask.masked_fill(dead, 0.0)
+        dead = ~mask.any(-1, keepdim=True)
+        return mask | dead, dead
+    dead = (mask == float("-inf")).all(-1, keepdim=True)
+    return mask.masked_fill(dead, 0.0), dead

@@ -316,7 +316,7 @@ def plan_attention(
     if backend == "eager":
         nbytes = b * h * s_q * s_kv * (4 if dtype in _LOW_PRECISION else dtype.itemsize)
     elif backend == "sdpa" and device_type == "cpu" and not cached and not dropout_p and not records_grad:
-        chunk = chunk_length(h, h_kv, d_h, b, s_q, s_kv, dtype, chunk_queries)
+        chunk = None if chunk_queries is False else chunk_length(h, h_kv, d_h, b, s_q, s_kv, dtype, chunk_queries)
         if chunk is not None and causal:
             lse = not has_mask and s_kv >= s_q and lse_merge_available(device, dtype)
             via = Causal.KERNEL if lse else Causal.MASK

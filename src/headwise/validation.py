@@ -187,7 +187,7 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
         if (cache.batch_size, cache.n_kv_heads, cache.d_head) != (b, config.n_kv_heads, config.d_head) \
-                or cache.dtype != dtype or cache.keys.device != device:
+                or cache.keys.dtype != dtype or cache.keys.device != device:
             # What this call would write, as a shape-only stand-in: the cache refuses it with its own message
             # before the layer claims the cache.
             probe = torch.empty((), dtype=dtype, device=device).expand(b, config.n_kv_heads, s_q, config.d_head)

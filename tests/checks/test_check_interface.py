@@ -17,7 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from headwise.checks import adapt, check  # noqa: E402
-from headwise.checks.hf_interface_adapter import InterfaceAdapter, is_interface_module  # noqa: E402
+from headwise.checks.hf_adapter import HFAdapter  # noqa: E402
+from headwise.interop.hf.layer import is_target  # noqa: E402
 from headwise.interop import layers, patch  # noqa: E402
 
 ALL = {"permutation_equivariance", "batch_independence", "causality", "padding_invariance", "softmax_sanity",
@@ -57,7 +58,7 @@ def _build(model_type: str, impl: str | None = None):
 
 
 def _module(model):
-    return next(m for m in model.modules() if is_interface_module(m))
+    return next(m for m in model.modules() if is_target(m))
 
 
 def _forms(model_type: str):
@@ -93,19 +94,10 @@ def test_every_implementation_gets_its_own_masks(model_type, impl):
     assert module.config._attn_implementation == impl
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "mixtral"])
-def test_the_interface_adapter_also_checks_llama_style_modules(model_type):
-    # adapt() gives these the Llama family adapter; the interface one must agree that they are attention
-    module = _module(_build(model_type))
-    assert type(adapt(module)).__name__ == "LlamaAdapter"
-    report = check(InterfaceAdapter(module))
-    assert report.ok and _ran(report) == ALL, str(report)
-
-
-@pytest.mark.parametrize("model_type", ["opt", "phi3", "gpt_neox", "electra", "deepseek_v3"])
-def test_interface_modules_get_the_interface_adapter(model_type):
+@pytest.mark.parametrize("model_type", ["opt", "phi3", "gpt_neox", "electra", "deepseek_v3", "gemma2", "mixtral"])
+def test_every_form_gets_the_one_hugging_face_adapter(model_type):
     for form, layer in _forms(model_type).items():
-        assert isinstance(adapt(layer), InterfaceAdapter), form
+        assert type(adapt(layer)) is HFAdapter, form
 
 
 def _hooked(model, module, batch):
@@ -131,7 +123,7 @@ def test_the_adapter_calls_the_module_as_its_model_does(model_type):
     keep[1, 4:] = False  # right padding
     ids = torch.randint(3, 32, (2, 6), generator=torch.Generator().manual_seed(0))
     got = _hooked(model, module, {"input_ids": ids, "attention_mask": keep.long()})
-    adapter = InterfaceAdapter(module)
+    adapter = HFAdapter(module)
     with torch.no_grad():
         y = adapter.run(got["x"], keep=keep)
         y_w, w = adapter.run_weights(got["x"], keep=keep)

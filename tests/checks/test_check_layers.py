@@ -128,7 +128,7 @@ def _patched(family):
     from tests.interop.tiny_models import build
 
     model = patch(build(family))
-    return [m for m in model.modules() if hasattr(m, "original_class")][0]
+    return [m for m in model.modules() if "attn" in vars(m)][0]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "qwen3", "bert"])
@@ -156,8 +156,8 @@ def test_hf_attention_with_heads_removed_passes(family):
 
 
 def test_a_patched_layer_with_a_broken_scale_is_caught():
-    layer = _patched("llama")  # the check runs the patched module, so headwise's own scale is what it sees
-    layer.attn.config = layer.attn.config.replace(scale=1.0 / layer.attn.config.d_head)
+    layer = _patched("llama")  # the check runs the patched module: the scale it hands headwise is what it sees
+    layer.scaling = 1.0 / layer.attn.config.d_head
     report = check(layer)
     assert report.failed == ["softmax_sanity"] and "1/d_head" in report["softmax_sanity"].counterexample["summary"]
 
@@ -169,7 +169,7 @@ def test_a_non_finite_rotary_attention_scaling_is_refused():
     layer.rotary.attention_scaling = float("nan")  # set afterwards: the check refuses it
     with pytest.raises(ValueError, match="attention_scaling must be a finite number, got nan"):
         check(layer, causal=True)
-    patched = _patched("llama")
-    patched.attn.rotary.attention_scaling = float("inf")
-    with pytest.raises(ValueError, match="attention_scaling must be a finite number, got inf"):
+    patched = _patched("llama")  # the module rotates with the model's own rotary class: the check builds one
+    patched.config.rope_parameters = {**patched.config.rope_parameters, "rope_type": "yarn", "factor": float("inf")}
+    with pytest.raises(ValueError, match="attention_scaling must be a finite number, got"):
         check(patched)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from headwise.checks import check
-from headwise.checks.hf_adapters import hf_adapter
+from headwise.checks.hf_adapter import HFAdapter
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,13 +49,13 @@ def test_the_checked_window_is_the_one_the_unpatched_model_applies():
     with torch.no_grad():
         model(torch.randint(0, 32, (2, SEQ), generator=torch.Generator().manual_seed(1)))
     handle.remove()
-    adapter = hf_adapter(attn)
+    adapter = HFAdapter(attn)
     assert adapter.window == WINDOW
     with torch.no_grad():
         torch.testing.assert_close(adapter.run(seen["x"]), seen["y"])
         full = tiny_mistral(window=None).model.layers[0].self_attn  # same weights, no window
         full.load_state_dict(attn.state_dict())
-        assert not torch.allclose(hf_adapter(full).run(seen["x"]), seen["y"])  # the window matters here
+        assert not torch.allclose(HFAdapter(full).run(seen["x"]), seen["y"])  # the window matters here
 
 
 def test_a_layer_that_reads_past_its_window_fails_causality():

@@ -7,11 +7,16 @@ Loaded by :mod:`tests.hf_suite.run` (``-p hf_plugin``) into a pytest session roo
   of ``from_pretrained`` and ``_from_config``) is wrapped to call :func:`headwise.interop.patch` on the new model.
   Models with no attention headwise can take over stay as they are (the check below catches tests that build only
   such models).
-* **keeps headwise in charge**: ``set_attn_implementation("eager" | "sdpa")`` on a patched model keeps
-  ``"headwise"`` (headwise computes the weights whenever ``output_attentions`` asks, which is what the tests ask
-  eager for), except in ``test_eager_matches_sdpa*``: there the eager side is the reference, so a model switched
-  to (or loaded as) ``"eager"`` is unpatched and runs transformers' own eager attention, and the side that stays
-  on sdpa is headwise.
+* **keeps headwise in charge**: ``set_attn_implementation("eager" | "sdpa")`` on a patched model switches it, then
+  patches it again, so headwise computes with the conventions of the implementation asked for (eager's: weights
+  on every call, uniform rows for queries that read nothing), except in ``test_eager_matches_sdpa*``: there the
+  eager side is the reference, so a model switched to (or loaded as) ``"eager"`` is unpatched and runs
+  transformers' own eager attention, and the side that stays on sdpa is headwise.
+* **lets ``config.output_attentions = True`` stand on a patched model's config**, as transformers lets it stand
+  under ``"eager"``: transformers' config refuses it for every other implementation, ``"headwise"`` included, and
+  ``test_attention_outputs`` sets it after building the model (which patching switched to ``"headwise"``). The
+  library leaves that rule alone (users pass ``output_attentions=True`` to the call); only this test process
+  wraps the setter, a known difference listed in docs/interop_hf_tests.md.
 * **proves the patch took over**: every test that passes must have built at least one patched layer and, if any
   attention module ran, have run ``headwise.functional`` attention at least once; otherwise it is turned into a
   failure (a test that silently ran unpatched would pass for the wrong reason). A test that built no model at all
@@ -122,6 +127,10 @@ def _install() -> None:
             return out  # the reference side of eager-vs-sdpa stays transformers' own
         if impl not in (None, "eager", "sdpa", "headwise"):
             return out  # flash / flex kernels: headwise refuses them (patch raises ValueError)
+        if impl == "headwise" and getattr(self.config, "output_attentions", False):
+            # a config asking for weights (which only this process lets stand under "headwise") asks for eager, as
+            # transformers reads it: patched with eager's conventions, the model returns them on every call
+            self.config._attn_implementation = "eager"
         try:
             interop.patch(self)
         except TypeError as e:
@@ -135,11 +144,36 @@ def _install() -> None:
             if COUNTS.reference and attn_implementation == "eager":
                 interop.unpatch(self)  # the eager reference: transformers' own attention, not headwise's
             else:
-                attn_implementation = "headwise"
+                out = set_impl(self, attn_implementation, *args, **kwargs)
+                interop.patch(self)  # headwise again, with the conventions of the implementation asked for
+                return out
         return set_impl(self, attn_implementation, *args, **kwargs)
 
     PreTrainedModel.post_init = patched_post_init
     PreTrainedModel.set_attn_implementation = patched_set_impl
+    _let_patched_configs_ask_for_weights()
+
+
+def _let_patched_configs_ask_for_weights() -> None:
+    """``config.output_attentions = True`` stands on a config whose implementation is ``"headwise"`` (this test
+    process only; see the module docstring)."""
+    from transformers import PreTrainedConfig
+
+    prop = PreTrainedConfig.__dict__["output_attentions"]
+    setter, validate = prop.fset, PreTrainedConfig.validate_output_attentions
+
+    def fset(self, value):
+        if value and self._attn_implementation == "headwise":
+            self._output_attentions = value
+        else:
+            setter(self, value)
+
+    def validate_output_attentions(self):
+        if self._attn_implementation != "headwise":
+            validate(self)
+
+    PreTrainedConfig.output_attentions = property(prop.fget, fset, prop.fdel, prop.__doc__)
+    PreTrainedConfig.validate_output_attentions = validate_output_attentions
 
 
 def pytest_configure(config: pytest.Config) -> None:

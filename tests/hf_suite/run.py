@@ -3,7 +3,7 @@
     python tests/hf_suite/run.py                      # every family, every kind (the docs table)
     python tests/hf_suite/run.py --families opt phi --kinds save_load
     python tests/hf_suite/run.py --unpatched ...      # the same tests without headwise (HEADWISE_HF=off)
-    python tests/hf_suite/run.py --write-docs         # also write the table into docs/interop_hf.md
+    python tests/hf_suite/run.py --write-docs         # also write the table into docs/interop_hf_tests.md
 
 Each family's ``tests/models/<family>/test_modeling_<family>.py`` runs in its own pytest process (in the suite
 :mod:`assemble` builds) with ``-k`` selecting the test kinds below; tests marked as needing the hub
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from assemble import BUILD, REPO, assemble
 
+FIRST = ["bert", "gpt2", "llama", "mistral", "qwen2", "qwen3"]
 NEW = ["roberta", "distilbert", "albert", "electra", "gpt_neox", "gptj", "opt", "phi", "phi3", "gemma", "gemma2",
        "gemma3", "olmo", "olmo2", "granite", "cohere", "stablelm", "starcoder2", "smollm3", "mixtral", "qwen3_moe",
        "deepseek_v3", "t5", "bart", "whisper", "vit", "codegen"]
@@ -36,9 +37,9 @@ KINDS = {  # column -> pytest -k expression
 }
 # Integration tests load checkpoints from the hub: deselected (HF_HUB_OFFLINE=1 would fail them, not test us).
 DESELECT = "not IntegrationTest and not integration and not slow"
-# Failures explained in docs/interop_hf.md: they count as failed in the table, but not in the exit status.
+# Failures explained in docs/interop_hf_tests.md: they count as failed in the table, but not in the exit status.
 KNOWN: dict[str, str] = {}
-DOC = REPO / "docs" / "interop_hf.md"
+DOC = REPO / "docs" / "interop_hf_tests.md"
 START = "<!-- hf tests table: written by tests/hf_suite/run.py --write-docs -->"
 END = "<!-- end of hf tests table -->"
 
@@ -101,7 +102,7 @@ def failures(family: str, patched: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", default=NEW)
+    parser.add_argument("--families", nargs="+", default=FIRST + NEW)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--unpatched", action="store_true")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")

@@ -1,7 +1,8 @@
-"""One row of docs/interop_hf.md's family table: build a model type tiny, patch it, and check what works.
+"""One row of docs/interop_hf_families.md's table: build a model type tiny, patch it, and check what works.
 
-Every cell is a check that ran: ``patch`` (which path), ``equal`` (patched logits vs the unpatched model, float32
-default tolerances), ``trace`` (z and pattern captured with the shapes of the heads transformers handed over),
+Every cell is a check that ran: ``patch`` (the conventions kept: the implementation the model had), ``equal``
+(patched logits vs the unpatched model, float32 default tolerances), ``padded`` (the same with a left-padded row,
+at every position: the padded ones too), ``trace`` (z and pattern captured with the shapes of the heads transformers handed over),
 ``result`` (the heads' writes sum to the output of the module that reads z), ``heads`` (``attn.head(i)`` weight
 views; the captured V of layer 0 equals each head's ``project`` of the module input: its W_V plus b_V, or for
 multi-head latent attention its W_V applied to the module's kv latent) and ``surgery`` (``prune_heads`` of head 0
@@ -41,7 +42,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 MAX_PARAMS = 8_000_000  # a "tiny" config that still builds this big has sizes SMALL does not reach
 BUDGET_S = 10  # seconds per family; slower ones are listed as not run
-COLUMNS = ("model_type", "class", "patch", "equal", "trace", "result", "heads", "surgery")
+COLUMNS = ("model_type", "class", "patch", "equal", "padded", "trace", "result", "heads", "surgery")
 
 
 class _Slow(Exception):
@@ -64,7 +65,7 @@ def _budget(seconds: int):
 
 def _why(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text[:90]}".replace("|", "/")
+    return f"{type(e).__name__}: {text[:90].rstrip()}".replace("|", "/")
 
 
 def _config(transformers: Any, model_type: str) -> Any:
@@ -107,6 +108,19 @@ def _inputs(model: Any, config: Any) -> dict[str, torch.Tensor]:
     raise ValueError(f"input {name!r} not built by this sweep")
 
 
+def _padded(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | str:
+    """``batch`` with its second row's first two tokens padded (left padding), or why there is none to give."""
+    import inspect
+
+    if "input_ids" not in batch:
+        return f"n/a: {model.main_input_name} inputs, no padding"
+    if "attention_mask" not in inspect.signature(model.forward).parameters:
+        return "n/a: the model takes no attention_mask"
+    mask = torch.ones_like(batch["input_ids"])
+    mask[1, :2] = 0
+    return {**batch, "attention_mask": mask}
+
+
 def _output(model: Any, batch: dict) -> torch.Tensor:
     torch.manual_seed(1)  # families that draw noise in their forward (ViT-MAE's masking) draw the same
     with torch.no_grad():
@@ -141,16 +155,25 @@ def row(model_type: str) -> dict[str, str]:
             model = cls(config).eval()
             batch = _inputs(model, config)
             want = _output(model, batch)
+            padded = _padded(model, batch)
     except BaseException as e:  # noqa: BLE001 - every failure is a table cell
         if isinstance(e, KeyboardInterrupt):
             raise
         cells["patch"] = f"not run: {_why(e)}"
         return cells
+    if isinstance(padded, dict):
+        try:
+            with _budget(BUDGET_S):
+                want_padded = _output(model, padded)
+        except BaseException as e:  # noqa: BLE001 - the unpatched model itself cannot take the padding
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            padded = f"n/a: unpatched, it fails with padding ({_why(e)})"
     try:
         with _budget(BUDGET_S):
             patch(model)
-            paths = sorted({how for _, _, how in layers(model, how=True)})
-            cells["patch"] = "yes (" + ", ".join(paths) + ")"
+            rules = sorted({attn.rule for _, attn in layers(model)})
+            cells["patch"] = "yes (" + ", ".join(rules) + ")"
             got = _output(model, batch)
             torch.testing.assert_close(got, want)
             cells["equal"] = "yes"
@@ -160,6 +183,17 @@ def row(model_type: str) -> dict[str, str]:
         cells["patch" if not cells["patch"] else "equal"] = f"no: {_why(e)}"
         if not cells["patch"].startswith("yes"):
             return cells
+    try:
+        with _budget(BUDGET_S):
+            if isinstance(padded, str):
+                cells["padded"] = padded
+            else:
+                torch.testing.assert_close(_output(model, padded), want_padded)
+                cells["padded"] = "yes"
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        cells["padded"] = f"no: {_why(e)}"
     checks = (("trace", _trace), ("result", _result), ("heads", _heads), ("surgery", _surgery))
     for column, check in checks:
         try:

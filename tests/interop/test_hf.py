@@ -14,6 +14,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+import headwise  # noqa: E402
 from headwise import MultiHeadAttention  # noqa: E402
 from headwise.interop import from_hf, layers, patch, to_hf, unpatch  # noqa: E402
 
@@ -279,22 +280,39 @@ def test_deepcopy_of_a_patched_model_unpatches_on_its_own():
         torch.testing.assert_close(twin(input_ids=ids, attention_mask=mask).logits, want)
 
 
-def test_instance_level_forward_of_the_original_is_not_inherited():
-    """accelerate-style hooks replace ``module.forward`` on the instance; the patch must not call it."""
+def test_an_instance_level_forward_still_runs_and_its_heads_are_headwise():
+    """accelerate-style hooks replace ``module.forward`` on the instance; patching leaves them where they are, and
+    the module they wrap still hands its heads to headwise."""
     model = llama("llama-gqa", "eager")
+    calls = []
     for layer in model.model.layers:
-        layer.self_attn.forward = lambda *a, **k: (_ for _ in ()).throw(AssertionError("original forward ran"))
-    patch(model)
+        original = layer.self_attn.forward
+        layer.self_attn.forward = lambda *a, _f=original, **k: calls.append(1) or _f(*a, **k)
+    ids = batch(9, "right")[0]
     with torch.no_grad():
-        model(input_ids=batch(9, "right")[0])
+        want = model(input_ids=ids).logits
+        patch(model)
+        with headwise.trace(model, capture=("z",)) as t:
+            got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want)
+    assert len(calls) == 4 and t[1].z.shape == (3, 7, 6, 4)
 
 
 def test_switching_attn_implementation_after_patching():
+    """The switched model is transformers' own again: a trace refuses it in one line, and patching again takes it
+    over with the new implementation's conventions (eager's uniform rows for queries that read nothing)."""
     model = llama("llama-gqa", "sdpa")
     ids, mask = batch(11, "left")
     want = run(eager_twin(model), input_ids=ids, attention_mask=mask)
     patch(model).set_attn_implementation("eager")
-    got = run(model, input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"^trace: model.layers.0.self_attn computes with attn_implementation="
+                                         r"'eager' since it was patched \(set_attn_implementation\); call "
+                                         r"headwise.interop.patch\(model\) again$"):
+        headwise.trace(model, capture=("z",))
+    patch(model)
+    with headwise.trace(model, capture=("z",)) as t:
+        got = run(model, input_ids=ids, attention_mask=mask)
+    assert t[0].z.shape == (3, 7, 6, 4)
     torch.testing.assert_close(got.logits, want.logits)
     assert_attentions(got.attentions, want.attentions, 2)  # eager masks: fully masked rows are uniform again
 
@@ -361,19 +379,6 @@ def test_rotary_matches_the_models(name):
         torch.testing.assert_close(hw_sin[:, 0], sin, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-rope-linear"])
-def test_patched_llama_layer_without_position_embeddings_uses_its_own_rotary(name):
-    """Called directly with position_ids only, the patched layer rotates with attn.rotary: same result."""
-    model = llama(name, "sdpa")
-    x = torch.randn(2, 6, model.config.hidden_size)
-    pos = torch.arange(3, 9)[None].expand(2, -1)
-    layer = patch(model).model.layers[0].self_attn
-    with torch.no_grad():
-        want, _ = layer(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=None)
-        got, _ = layer(x, position_embeddings=None, attention_mask=None, position_ids=pos)
-    torch.testing.assert_close(got, want)
-
-
 def test_gpt2_conv1d_orientation_by_hand():
     """Conv1D computes x @ W + b with W stored (in, out): check q/k/v/out against that formula in float64."""
     module = gpt2("gpt2-21x3", "eager").transformer.h[0].attn
@@ -395,20 +400,21 @@ def test_gpt2_conv1d_orientation_by_hand():
 
 # -- errors ------------------------------------------------------------------------------------------------
 def test_unsupported_modules_raise_clear_errors():
-    with pytest.raises(TypeError, match=r"Linear is not a supported attention module; supported: BERT.*GPT-2.*Llama"):
+    with pytest.raises(TypeError, match=r"^from_hf: Linear is not a supported attention module: headwise converts "
+                                        r"modules that call transformers' attention interface"):
         from_hf(nn.Linear(4, 4))
-    with pytest.raises(TypeError, match="pass the enclosing BertAttention"):
+    with pytest.raises(ValueError, match=r"W_O is not located: .*; pass the module that holds W_O \(its parent, "
+                                         r"e.g. BertAttention for BertSelfAttention\)$"):
         from_hf(bert("bert-20x4", "eager").encoder.layer[0].attention.self)
     cross = transformers.GPT2Model(transformers.GPT2Config(n_embd=12, n_head=3, n_layer=1, add_cross_attention=True))
-    with pytest.raises(NotImplementedError, match="cross-attention"):
-        from_hf(cross.h[0].crossattention)
+    with pytest.raises(ValueError, match=r"GPT2Attention cannot be converted: Q/K/V are not located: GPT2Attention."
+                                         r"c_attn is not a projection with \(h \+ 2 h_kv\) d_h = 36 outputs \(got 24\)"):
+        from_hf(cross.h[0].crossattention)  # cross-attention: its c_attn holds K and V only
     with pytest.raises(TypeError, match="Sequential contains no attention module"):
         patch(nn.Sequential(nn.Linear(4, 4)))
-    model = llama("llama-gqa", "eager")
-    with pytest.raises(TypeError, match="already patched"):
-        from_hf(patch(model).model.layers[0].self_attn)
-    with pytest.raises(TypeError, match="already patched"):
-        from_hf(patch(bert("bert-20x4", "eager")).encoder.layer[0].attention)
+    model = llama("llama-gqa", "eager")  # a patched module converts as it is: patching changed nothing of it
+    assert torch.equal(from_hf(patch(model).model.layers[0].self_attn).q_proj.weight,
+                       model.model.layers[0].self_attn.q_proj.weight)
     with pytest.raises(TypeError, match="is itself an attention module"):
         patch(llama("llama-gqa", "eager").model.layers[0].self_attn)
     with pytest.raises(TypeError, match="must be a MultiHeadAttention"):
@@ -417,7 +423,7 @@ def test_unsupported_modules_raise_clear_errors():
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
-def test_cross_attention_layers_take_the_interface_path_and_the_decoder_still_matches(family, impl):
+def test_cross_attention_layers_are_patched_and_the_decoder_still_matches(family, impl):
     if family == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=12, n_head=3, n_layer=2, add_cross_attention=True,
                                       attn_implementation=impl)
@@ -443,9 +449,8 @@ def test_cross_attention_layers_take_the_interface_path_and_the_decoder_still_ma
 
     want = two_steps()
     patch(model)
-    assert [(n, how) for n, _, how in layers(model, how=True)] == [
-        (n, "interface" if "cross" in n else f"adapter:{family}") for n in names]
-    assert type(cross()).__name__ in ("HeadwiseGPT2Attention", "HeadwiseBertCrossAttention")
+    assert [n for n, _ in layers(model)] == names
+    assert cross().attn.host is cross() and type(cross()).__name__ in ("GPT2Attention", "BertCrossAttention")
     assert model.config._attn_implementation == "headwise"
     for g, w in zip(two_steps(), want):
         torch.testing.assert_close(g, w)
@@ -456,14 +461,14 @@ def test_cross_attention_layers_take_the_interface_path_and_the_decoder_still_ma
 def test_unsupported_layouts_raise_clear_errors():
     module = llama("llama-gqa", "eager").model.layers[0].self_attn
     module.k_proj = nn.Linear(24, 8, bias=True)  # bias on K only
-    with pytest.raises(NotImplementedError, match="some of the Q/K/V projections have a bias"):
+    with pytest.raises(ValueError, match="some of q_proj, k_proj, v_proj have a bias and some do not"):
         from_hf(module)
     module.k_proj = nn.Linear(24, 12, bias=False)  # wrong width for num_key_value_heads=2, head_dim=4
-    with pytest.raises(ValueError, match=r"k_proj.weight must have shape \(out=8, in=24\), got \(12, 24\)"):
+    with pytest.raises(ValueError, match=r"the projections have \{'q_proj': 24, 'k_proj': 12, 'v_proj': 8\} outputs"):
         from_hf(module)
     g = gpt2("gpt2-21x3", "eager").transformer.h[0].attn
     g.c_attn.weight = nn.Parameter(g.c_attn.weight.T.contiguous())  # nn.Linear order: the classic mistake
-    with pytest.raises(ValueError, match=r"Conv1D shape \(in=21, out=63\), got \(63, 21\).*Conv1D stores \(in, out\)"):
+    with pytest.raises(ValueError, match=r"c_attn is not a projection with \(h \+ 2 h_kv\) d_h = 63 outputs \(got 21\)"):
         from_hf(g)
     like = llama("llama-gqa", "eager").model.layers[0].self_attn
     with pytest.raises(ValueError, match="n_kv_heads: module 2 vs attn 6"):

@@ -10,7 +10,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import headwise  # noqa: E402
-from headwise.interop import hf_registry, layers, patch, unpatch  # noqa: E402
+from headwise.interop import layers, patch, unpatch  # noqa: E402
+from headwise.interop.hf import registry as hf_registry  # noqa: E402
 
 # PEFT asks transformers a deprecated question; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -48,13 +49,13 @@ def test_patch_unpatch_round_trip_on_the_interface(model_type, impl):
     want = logits(model)
     keys = {k: v.data_ptr() for k, v in model.state_dict().items()}
     patch(model)
-    assert [how for _, _, how in layers(model, how=True)] == ["interface", "interface"]
+    assert len(layers(model)) == 2 and all(type(a).__name__.endswith("HFView") for _, a in layers(model))
     assert model.config._attn_implementation == "headwise"
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == keys
     torch.testing.assert_close(logits(model), want)
     unpatch(model)
     assert model.config._attn_implementation == impl and layers(model) == []
-    assert not any(type(m).__name__.startswith("Headwise") for m in model.modules())
+    assert not any("attn" in vars(m) for m in model.modules())
 
 
 def test_phi3_heads_are_live_views_of_the_fused_qkv_proj():
@@ -120,7 +121,7 @@ def test_without_a_located_w_o_result_says_why_and_z_still_traces(monkeypatch):
         logits(model)
     assert t[0].z.shape == (2, 5, 4, 4) and t[0].pattern.shape == (2, 4, 5, 5)
     with pytest.raises(ValueError, match=r"out_proj .*'result' captures.* is unavailable: W_O is not located: no "
-                                         r"nn.Linear \(16, 16\) named"):
+                                         r"projection \(16, 16\) named"):
         with headwise.trace(model, capture=("result",)), torch.no_grad():
             logits(model)
 
@@ -139,21 +140,31 @@ def test_a_failed_switch_of_the_implementation_leaves_the_model_as_it_was(monkey
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_patch_after_peft_says_to_patch_first():
+def test_patch_after_peft_takes_over_reads_the_base_weights_and_refuses_surgery():
     peft = pytest.importorskip("peft")
-    from tests.interop.tiny_models import build
+    from headwise.surgery import prune_heads
+    from tests.interop.tiny_models import build, inputs
 
-    model = peft.get_peft_model(build("llama"), peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=2))
-    with pytest.raises(TypeError, match=r"^LlamaAttention.q_proj is wrapped by PEFT \(peft\.tuners\.lora\.layer\."
-                                        r"Linear\); patch the model before get_peft_model, or merge_and_unload"):
-        patch(model)
-    assert layers(model) == []
+    model = peft.get_peft_model(build("llama"), peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=2,
+                                                                init_lora_weights=False))
+    batch = inputs(3)
+    with torch.no_grad():
+        want = model(**batch).logits
+    patch(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, want)  # the LoRA modules still run: the module's forward
+    name, attn = layers(model)[0]
+    base = model.get_submodule(name).q_proj.base_layer.weight
+    assert attn.head(1).w_q.data_ptr() == base[4:].data_ptr()  # head views read the base weight
+    with pytest.raises(TypeError, match=r"q_proj of this layer is a Linear \(an adapter wrapper\?\); merge"):
+        prune_heads(model, {0: [1]})
+    assert "wrapped by an adapter (PEFT): merge_and_unload() first" in attn.edit_refusal(2, 2)
 
 
 def test_the_registry_has_one_entry_per_family():
     assert hf_registry.entry_for("phi3").qkv == "qkv_proj"
     assert hf_registry.entry_for("gpt_neox").layout == "per_head"
-    assert hf_registry.entry_for("llama") is hf_registry.DEFAULT
+    assert hf_registry.entry_for("opt") is hf_registry.DEFAULT and hf_registry.entry_for("llama").rotary
     big = transformers.AutoConfig.for_model("gpt_bigcode", multi_query=False)
     assert hf_registry.entry_for("gpt_bigcode", big).layout == "per_head"
 
@@ -170,15 +181,6 @@ def test_greedy_generation_with_the_models_cache_is_unchanged(model_type):
         got = model.generate(ids, **kw)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(t[0].calls) == 5 and t[0].z.shape[1] == 4 + 4  # prefill + one call per new token but the last
-
-
-def test_from_hf_of_a_module_without_an_adapter_points_to_patch():
-    from headwise.interop import from_hf
-
-    module = tiny("phi3").model.layers[0].self_attn
-    with pytest.raises(TypeError, match=r"^from_hf: Phi3Attention has no family adapter \(adapters: BERT.*\); it is "
-                                        r"on transformers' attention interface, so patch\(model\) takes it over"):
-        from_hf(module)
 
 
 @pytest.mark.parametrize("model_type, drop", [("opt", [0]), ("gpt_neox", [2]), ("mixtral", [0, 1])])
@@ -206,13 +208,13 @@ def test_write_heads_removing_heads_equals_zeroing_them(model_type, drop):
     torch.testing.assert_close(logits(model), want)
 
 
-def test_an_adapter_family_loaded_with_the_headwise_implementation_patches_and_matches_eager():
+def test_a_model_loaded_with_the_headwise_implementation_patches_and_matches_eager():
     from tests.interop.tiny_models import build, inputs, output
 
     eager, model = build("llama", "eager"), build("llama", "headwise")
     batch = inputs(4)
     patch(model)
-    assert [how for _, _, how in layers(model, how=True)] == ["adapter:llama"] * 2
+    assert [a.rule for _, a in layers(model)] == ["sdpa"] * 2  # headwise's own conventions are sdpa's
     got, want = output(model, batch), output(eager, batch)
     keep = batch["attention_mask"].bool()  # padded queries read nothing: eager averages, headwise gives zeros
     torch.testing.assert_close(got[keep], want[keep])
@@ -239,13 +241,20 @@ def test_a_deep_copy_and_a_pickle_of_a_patched_model_view_their_own_weights(mode
 
 @pytest.mark.parametrize("model_type", ["phi3", "opt"])
 def test_output_attentions_of_a_patched_model_are_the_eager_weights(model_type):
+    """An eager model keeps returning its weights; an sdpa one returns them where output_attentions reaches its
+    attention function (Phi-3), and otherwise what sdpa returns: nothing (OPT's layers do not pass it down)."""
     plain = tiny(model_type, "eager")
-    model = patch(tiny(model_type, "sdpa"))
     with torch.no_grad():
-        want, got = plain(IDS, output_attentions=True).attentions, model(IDS, output_attentions=True).attentions
-    assert len(got) == len(want) == 2
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
+        want = plain(IDS, output_attentions=True).attentions
+        for impl in ("eager", "sdpa"):
+            model, unpatched = patch(tiny(model_type, impl)), tiny(model_type, impl)
+            got = model(IDS, output_attentions=True).attentions
+            if impl == "sdpa" and model_type == "opt":
+                assert got == unpatched(IDS, output_attentions=True).attentions == ()
+                continue
+            assert len(got) == len(want) == 2
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize("model_type", ["phi3", "gpt_neox", "deepseek_v3"])
@@ -332,7 +341,7 @@ def test_a_sparse_selection_made_for_eager_and_sdpa_only_is_refused_never_ignore
 def test_a_prefill_whose_queries_the_model_slices_after_masking_keeps_its_mask():
     # Gemma 4's KV-shared layers keep only the last logits_to_keep queries of a prefill; transformers allows that
     # under sdpa only with a mask, by the implementation's name, so headwise materialises the causal mask there.
-    from headwise.interop.hf_interface import mask
+    from headwise.interop.hf.attention_function import mask
 
     plain = _built("gemma4_unified_text", num_hidden_layers=4, num_kv_shared_layers=2, head_dim=4,
                    layer_types=["sliding_attention", "full_attention"] * 2)
@@ -341,4 +350,3 @@ def test_a_prefill_whose_queries_the_model_slices_after_masking_keeps_its_mask()
     with torch.no_grad():
         torch.testing.assert_close(model(IDS, logits_to_keep=3).logits, plain(IDS, logits_to_keep=3).logits)
     assert mask(batch_size=1, q_length=4, kv_length=4, config=model.config) is not None
-    assert mask(batch_size=1, q_length=4, kv_length=4, config=transformers.AutoConfig.for_model("llama")) is None

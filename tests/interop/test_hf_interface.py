@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import headwise.interop  # noqa: E402,F401  (registers "headwise")
-from headwise.interop.hf_interface import attention_forward, mask  # noqa: E402
+from headwise.interop.hf.attention_function import attention_forward, mask  # noqa: E402
 
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
@@ -68,12 +68,12 @@ def test_no_mask_follows_the_module_is_causal_flag(causal):
     assert weights is None
 
 
-def test_no_mask_in_an_eager_only_family_attends_everywhere_as_eager_does():
+def test_without_a_mask_the_is_causal_keyword_wins_over_the_module_flag():
     q, k, v = qkv()
-    out, _ = attention_forward(Module(True, "pegasus_x"), q, k, v, None)
-    torch.testing.assert_close(out, reference(q, k, v).float())
-    out, _ = attention_forward(Module(False, "pegasus_x"), q, k, v, None, is_causal=True)  # the keyword wins
+    out, _ = attention_forward(Module(False), q, k, v, None, is_causal=True)
     torch.testing.assert_close(out, reference(q, k, v, causal=True).float())
+    out, _ = attention_forward(Module(True), q, k, v, None, is_causal=False)
+    torch.testing.assert_close(out, reference(q, k, v).float())
 
 
 def test_sinks_per_query_row_take_part_in_the_softmax_and_s_aux_with_them_is_refused():
@@ -169,20 +169,22 @@ def test_set_attn_implementation_headwise_and_back():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt_neox"])
-def test_config_output_attentions_on_headwise_gives_eagers_weights(model_type):
+def test_config_output_attentions_keeps_transformers_rule_and_the_call_gives_eagers_weights(model_type):
     eager, ours = tiny(model_type, "eager"), tiny(model_type, "headwise")
     eager.config.output_attentions = True
-    ours.config.output_attentions = True  # transformers refuses this for every implementation but eager's
+    with pytest.raises(ValueError, match="output_attentions"):  # transformers' rule for every implementation but eager
+        ours.config.output_attentions = True
+    assert ours.config.output_attentions is False
     with torch.no_grad():
-        want, got = eager(IDS).attentions, ours(IDS).attentions
+        want, got = eager(IDS).attentions, ours(IDS, output_attentions=True).attentions
     assert len(got) == len(want) == eager.config.num_hidden_layers
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
 
 
 def test_weights_are_computed_exactly_when_the_call_asks_for_them(monkeypatch):
-    """The call's ``output_attentions`` overrides the config's, as transformers' output capturing decides: the
-    eager path (the only one that materialises weights) runs for a call that records them and for no other."""
+    """The eager path (the only one that materialises weights) runs for a call whose output_attentions reaches the
+    attention function, and for no other."""
     import headwise.functional as hwf
 
     eager, ours = tiny("phi3", "eager"), tiny("phi3", "headwise")
@@ -190,30 +192,26 @@ def test_weights_are_computed_exactly_when_the_call_asks_for_them(monkeypatch):
     real = hwf.softmax_attention
     monkeypatch.setattr(hwf, "softmax_attention", lambda *a, **k: softmax_calls.append(1) or real(*a, **k))
     with torch.no_grad():
-        out = ours(IDS, output_attentions=True)  # the config says no, the call says yes
+        out = ours(IDS, output_attentions=True)
         want = eager(IDS, output_attentions=True)
         assert softmax_calls and len(out.attentions) == 1
         torch.testing.assert_close(out.attentions[0], want.attentions[0])
-        ours.config.output_attentions = True
         softmax_calls.clear()
-        out = ours(IDS, output_attentions=False)  # the config says yes, the call says no: the fused path
+        out = ours(IDS)  # the fused path
         assert not softmax_calls and out.attentions is None
         torch.testing.assert_close(out.logits, want.logits)
 
 
-def test_config_output_attentions_keeps_transformers_rule_for_other_implementations():
-    model = tiny("llama", "sdpa")
-    with pytest.raises(ValueError, match="output_attentions"):
-        model.config.output_attentions = True
-    assert model.config.output_attentions is False
+def test_the_mask_is_materialised_for_every_prefill_and_skipped_only_for_one_query():
+    config = transformers.AutoConfig.for_model("llama")
+    causal = mask(batch_size=1, q_length=4, kv_length=4, config=config)
+    torch.testing.assert_close(causal, torch.ones(1, 1, 4, 4, dtype=torch.bool).tril())
+    from transformers.masking_utils import bidirectional_mask_function
 
-
-def test_a_causal_mask_is_skipped_only_in_families_transformers_runs_under_sdpa():
-    sdpa_family = transformers.AutoConfig.for_model("llama")
-    eager_only = transformers.AutoConfig.for_model("pegasus_x")
-    assert mask(batch_size=1, q_length=4, kv_length=4, config=sdpa_family) is None  # the kernel's is_causal
-    got = mask(batch_size=1, q_length=4, kv_length=4, config=eager_only)
-    torch.testing.assert_close(got, torch.ones(1, 1, 4, 4, dtype=torch.bool).tril())
+    both = mask(batch_size=1, q_length=4, kv_length=4, config=config, mask_function=bidirectional_mask_function,
+                allow_is_bidirectional_skip=True)
+    torch.testing.assert_close(both, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    assert mask(batch_size=1, q_length=1, kv_length=4, kv_offset=0, q_offset=3, config=config) is None
 
 
 def test_an_eager_only_family_whose_decoder_says_is_causal_false_equals_eager():

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import headwise  # noqa: E402
 from headwise.interop import layers, patch  # noqa: E402
-from headwise.interop.hf_latent import LatentHead  # noqa: E402
+from headwise.interop.hf.latent import LatentHead  # noqa: E402
 from tests.interop.tiny_models import build, inputs  # noqa: E402
 
 H, NOPE, ROPE, D_V, R_Q, R_KV, D = 4, 4, 2, 5, 7, 6, 16  # tiny_models.LATENT's widths
@@ -204,7 +204,7 @@ def test_latent_heads_refuse_what_they_do_not_have():
         attn.head(0).w_q
     assert attn.head(-1).index == 3
     # Q/K/V are not projections of x: the layer's q_proj (what surgery needs) stays unlocated, saying why.
-    with pytest.raises(ValueError, match=r"q_proj \(and what needs it: surgery\) is unavailable: .*latent.*"
+    with pytest.raises(ValueError, match=r"q_proj \(and what needs it: surgery, from_hf\) is unavailable: .*latent.*"
                                          r"attn\.head\(i\) gives those rows"):
         attn.q_proj
     with pytest.raises(ValueError, match="surgery cannot resize DeepseekV3Attention: multi-head latent"):

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from headwise import MultiHeadAttention  # noqa: E402
 from headwise.interop import from_hf, layers, patch, to_hf  # noqa: E402
-from headwise.interop.qk_norm import QKNormAttention, QKNormHead  # noqa: E402
+from headwise.interop.hf.qk_norm import QKNormAttention, QKNormHead  # noqa: E402
 
 from tests.interop.tiny_models import build, inputs  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""docs/interop_hf.md's family table is what tests/interop/hf_sweep.py finds on the installed transformers.
+"""docs/interop_hf_families.md's table is what tests/interop/hf_sweep.py finds on the installed transformers.
 
 ``HEADWISE_WRITE_TABLE=1`` re-runs every model type of transformers' auto config mapping (minutes) and writes the
 table. Otherwise (CI) the table must list exactly the installed mapping's model types, its summary must count
@@ -17,10 +17,10 @@ transformers = pytest.importorskip("transformers")
 
 from tests.interop import hf_sweep  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "interop_hf.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "interop_hf_families.md"
 START = "<!-- family table: written by tests/interop/test_hf_table.py (HEADWISE_WRITE_TABLE=1) -->"
 END = "<!-- end of family table -->"
-SAMPLE = ["bert", "gpt2", "llama", "qwen3", "phi3", "gpt_neox", "opt", "mixtral", "deepseek_v3", "vit", "roberta",
+SAMPLE = ["bert", "gpt2", "llama", "qwen3", "phi3", "gpt_neox", "opt", "mixtral", "deepseek_v3", "vit", "roberta", "gemma2", "dory",
           "t5"]
 
 
@@ -29,7 +29,9 @@ def summary(rows: list[dict[str, str]]) -> str:
     patched = [r for r in built if r["patch"].startswith("yes")]
     return (f"{len(rows)} model types in transformers {transformers.__version__}'s auto config mapping; "
             f"{len(built)} built tiny and ran; `patch` took over {len(patched)}; outputs equal to the unpatched "
-            f"model (float32) for **{sum(r['equal'] == 'yes' for r in rows)}**; trace "
+            f"model (float32) for **{sum(r['equal'] == 'yes' for r in rows)}**, at padded positions too for "
+            f"{sum(r['padded'] == 'yes' for r in rows)} (of {sum(not r['padded'].startswith('n/a') for r in patched)} "
+            f"with token inputs and a mask); trace "
             f"{sum(r['trace'] == 'yes' for r in rows)}, result {sum(r['result'] == 'yes' for r in rows)}, heads "
             f"{sum(r['heads'] == 'yes' for r in rows)}, surgery {sum(r['surgery'] == 'yes' for r in rows)}.")
 

@@ -150,18 +150,24 @@ def test_tensor_parallel_plans_still_name_the_parameters(family):
 @pytest.mark.parametrize("family", ALL)
 def test_hf_attention_module_scan_and_switching_implementation(family, impl):
     """transformers' test suite reads ``.config._attn_implementation`` on every module whose class name ends in
-    "Attention"; after patching every such module is still HF's (the headwise layer is not in the tree)."""
+    "Attention": after patching every such module is still HF's (the headwise layer is not in the tree) and says
+    "headwise". Switched to another implementation, the model is that implementation's; patched again, it keeps
+    that implementation's conventions."""
     model = build(family, impl)
     batch = inputs(3)
     patch(model)
     scanned = [m for m in attention_modules(model) if hasattr(m, "config")]
-    assert scanned and all(m.config._attn_implementation == impl for m in scanned)
+    assert scanned and all(m.config._attn_implementation == "headwise" for m in scanned)
     assert not any(isinstance(m, MultiHeadAttention) for m in model.modules())
     other = "sdpa" if impl == "eager" else "eager"
     twin = build(family, other)
     model.set_attn_implementation(other)
     assert all(m.config._attn_implementation == other for m in scanned)
     torch.testing.assert_close(output(model, batch), output(twin, batch))
+    patch(model)
+    assert [a.rule for _, a in layers(model)] == [other, other]
+    torch.testing.assert_close(output(model, batch), output(twin, batch))
+    assert unpatch(model).config._attn_implementation == impl  # what the first patch found
 
 
 WHAT = {"bert": ("BertSelfAttention", "encoder.layer.0.attention.self"),
@@ -174,14 +180,15 @@ WHAT = {"bert": ("BertSelfAttention", "encoder.layer.0.attention.self"),
 
 @pytest.mark.parametrize("family", ALL)
 def test_a_patched_model_says_what_it_is(family):
+    plain = build(family)
     model = patch(build(family))
     cls, first = WHAT[family]
     names = [name for name, _ in layers(model)]
     assert names == [first, first.replace(".0.", ".1.")]
     module = model.get_submodule(first)
-    assert type(module).__name__ == f"Headwise{cls}" and module.original_class.__name__ == cls
-    assert f"patched by headwise (was {cls})" in repr(module)
+    assert type(module).__name__ == cls and repr(module) == repr(plain.get_submodule(first))  # nothing re-classed
     attn = layers(model)[0][1]
+    assert module.attn is attn and attn.host is module
     assert repr(attn).startswith(f"{type(attn).__name__}(view of {first} ({cls}: ")
     assert f"n_heads={attn.n_heads}" in repr(attn)
     with pytest.raises(TypeError, match="is a view of .*save the host model's state_dict"):
@@ -214,17 +221,22 @@ def test_a_family_outside_the_attention_interface_is_refused_naming_its_classes(
     cfg = transformers.FalconConfig(vocab_size=40, hidden_size=12, num_attention_heads=3, num_hidden_layers=1)
     model = transformers.FalconModel(cfg).eval()
     before = fingerprint(model)
-    with pytest.raises(TypeError, match=r"FalconModel contains no attention module headwise can patch; supported: "
-                                        r"BERT.*GPT-2.*Llama-family.*attention interface.*; it has "
-                                        r"\['FalconAttention'\], none of them a family adapter's class and none calling transformers' attention interface"):
+    with pytest.raises(TypeError, match=r"^patch: FalconModel contains no attention module headwise can patch \(it "
+                                        r"patches every module that calls transformers' attention interface, "
+                                        r"ALL_ATTENTION_FUNCTIONS\); it has \['FalconAttention'\], none of them calling"):
         patch(model)
     assert_unchanged(model, before)
 
 
-def test_a_bad_layer_anywhere_leaves_every_layer_unpatched():
+def test_a_layer_whose_projections_do_not_fit_is_traced_and_says_why_its_heads_are_not_located():
+    from headwise.interop import from_hf
+
     model = build("llama")
-    model.model.layers[1].self_attn.k_proj = nn.Linear(24, 12, bias=False)  # wrong width for 2 K/V heads of 4
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match=r"k_proj.weight must have shape \(out=8, in=24\), got \(12, 24\)"):
-        patch(model)
-    assert_unchanged(model, before)
+    model.model.layers[1].self_attn.k_proj = nn.Linear(24, 12, bias=False)  # 3 K/V heads of 4 beside 2 for V
+    patch(model)
+    attn = layers(model)[1][1]
+    assert "the projections have {'q_proj': 24, 'k_proj': 12, 'v_proj': 8} outputs" in attn.located["k_proj"]
+    with pytest.raises(ValueError, match=r"head weight views, surgery, from_hf\) is unavailable: Q/K/V are not located"):
+        attn.head(0)
+    with pytest.raises(ValueError, match="cannot be converted: Q/K/V are not located"):
+        from_hf(model.model.layers[1].self_attn)

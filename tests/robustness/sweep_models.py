@@ -187,10 +187,49 @@ works("interop.patch ok twice", _patch_twice)
 def _peft(tmp):
     import peft
     m = peft.get_peft_model(tiny("llama"), peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=2))
-    return Setup(lambda: patch(m), [m])
+    batch = inputs()
+    ref = output(m, batch)
+    return Setup(lambda: output(patch(m), batch), [], lambda y: close(y, ref.double()))
 
 
-refuse("interop.patch after PEFT", _peft)
+works("interop.patch after PEFT", _peft)
+
+
+def _gemma2(tmp):  # runs eager: a query that may read nothing averages every value there, where sdpa gives zeros
+    import torch
+    cfg = transformers.AutoConfig.for_model("gemma2", vocab_size=40, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=8, query_pre_attn_scalar=256, pad_token_id=0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 0, 7, 8]]),
+             "attention_mask": torch.tensor([[1] * 4, [0, 0, 1, 1]])}
+    ref = m(**batch).logits.detach()  # every position, the padded ones too
+    return Setup(lambda: patch(m)(**batch).logits.detach(), [], lambda y: close(y, ref.double()))
+
+
+works("interop.patch gemma2 padded rows", _gemma2)
+
+
+def _head_mask(shape):
+    def build(tmp):
+        import torch
+        m = patch(tiny("llama"))
+        return Setup(lambda: m(**inputs(), head_mask=torch.ones(shape)), [m])
+    return build
+
+
+refuse("interop.head_mask (3,) for 6 heads", _head_mask((3,)))
+refuse("interop.head_mask (1, 6) for 2 layers", _head_mask((1, 6)))
+
+
+def _meta_check(tmp):
+    import torch
+    with torch.device("meta"):
+        m = tiny("llama")
+    return Setup(lambda: headwise.check(m.model.layers[0].self_attn), [])
+
+
+refuse("check meta module", _meta_check)
 
 
 # -- headwise.check -----------------------------------------------------------------------------------------

@@ -341,7 +341,7 @@ def _hf():
 
 
 CFG = AttentionConfig(d_model=64, n_heads=8)
-HF_SUPPORTED = r"supported: BERT \(BertAttention"
+HF_SUPPORTED = "headwise converts modules that call transformers' attention interface"
 
 OPTIONAL = [
     ("interop.from_torch type", lambda: _interop().from_torch(nn.Linear(2, 2)), TypeError,
@@ -353,12 +353,13 @@ OPTIONAL = [
     ("interop.to_torch GQA", lambda: _interop().to_torch(MultiHeadAttention(16, 4, 2)), ValueError,
      r"cannot express this layer as nn.MultiheadAttention: GQA \(n_kv_heads=2 != n_heads=4\)"),
     ("interop.from_hf type", lambda: _hf().from_hf(nn.Linear(2, 2)), TypeError,
-     "from_hf: Linear is not a supported attention module; " + HF_SUPPORTED),
+     "from_hf: Linear is not a supported attention module: " + HF_SUPPORTED),
     ("interop.to_hf attn", lambda: _hf().to_hf(nn.Linear(2, 2), like=nn.Linear(2, 2)), TypeError,
      "to_hf: attn must be a MultiHeadAttention, got Linear"),
     ("interop.patch type", lambda: _hf().patch("model"), TypeError, "patch: model must be a torch.nn.Module, got str"),
     ("interop.patch nothing", lambda: _hf().patch(nn.Sequential(nn.Linear(2, 2))), TypeError,
-     "patch: Sequential contains no attention module headwise can patch; " + HF_SUPPORTED),
+     r"patch: Sequential contains no attention module headwise can patch \(it patches every module that calls "
+     "transformers' attention interface"),
     ("interop.unpatch type", lambda: _hf().unpatch(3), TypeError, "unpatch: model must be a torch.nn.Module, got int"),
     ("analysis.param_count config", lambda: _analysis().param_count({"d_model": 64}), TypeError,
      "config must be an AttentionConfig, got dict"),

@@ -5,8 +5,8 @@ Seven named properties, each with a verdict and a minimal counterexample (see
 decode-with-cache == full pass), padding invariance, softmax sanity (rows sum to 1, masked entries 0,
 scale 1/sqrt(d_head)), head independence (heads mix only in W_O), float32 vs float64 stability.
 A plain ``f(x) -> y`` is enough for the first three; adapters (:mod:`headwise.checks.adapters`) expose more
-of headwise, ``nn.MultiheadAttention``, Hugging Face BERT / GPT-2 / Llama layers and every other Hugging
-Face self-attention module on transformers' attention interface (:mod:`headwise.checks.hf_interface_adapter`).
+of headwise, ``nn.MultiheadAttention`` and every Hugging Face self-attention module on transformers' attention
+interface (:mod:`headwise.checks.hf_adapter`).
 A report is OK only when the core properties (:data:`CORE_PROPERTIES`: permutation equivariance, batch
 independence, softmax sanity, head independence) could run and passed: a layer that exposes no attention
 weights or heads is "not verified", never OK.

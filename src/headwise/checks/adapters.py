@@ -12,7 +12,7 @@ and skip the rest. Shipped adapters:
   (``n_kv_heads`` optional), head ``i`` owning output rows ``i * d_head .. (i + 1) * d_head - 1``.
   headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV cache and rotary positions.
 * :class:`TorchMHAAdapter`: ``torch.nn.MultiheadAttention``.
-* Hugging Face BERT, GPT-2 and Llama-family attention: :mod:`headwise.checks.hf_adapters` (built on these).
+* Hugging Face attention modules: :mod:`headwise.checks.hf_adapter` (built on these).
 
 :func:`headwise.checks.choose.adapt` picks the adapter for a layer.
 
@@ -60,6 +60,9 @@ class Adapter:
     has_cache: bool = False
     window: int | None = None     # causal with a sliding window: query p reads keys p - window + 1 .. p only
     sinks: bool = False           # attention sinks take part of each row: weights sum to at most 1
+    scale: float | None = None    # the score scale the layer declares (None: 1/sqrt(d_qk) is expected)
+    scale_source: str = ""        # where that scale is declared, for the report
+    softcap: float | None = None  # the score softcap the layer declares (scores are cap * tanh(scores / cap))
     precision: torch.dtype | None = None  # the layer computes in this dtype (e.g. softmax upcast), if lower
     n_heads: int | None = None
     n_kv_heads: int | None = None

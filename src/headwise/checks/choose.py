@@ -1,9 +1,8 @@
 """Which adapter :func:`headwise.check` uses for a layer (:func:`adapt`).
 
-The adapters themselves live in :mod:`.adapters` (generic, headwise, ``nn.MultiheadAttention``),
-:mod:`.hf_adapters` (Hugging Face families, built on the generic ones) and :mod:`.hf_interface_adapter` (any
-other Hugging Face module on transformers' attention interface, imported only when one is checked); this
-module depends on them, none on it.
+The adapters themselves live in :mod:`.adapters` (generic, headwise, ``nn.MultiheadAttention``) and
+:mod:`.hf_adapter` (every Hugging Face attention module on transformers' attention interface, imported only when
+one is checked); this module depends on them, none on it.
 
 Shapes:
     layer: (b, s, d) -> (b, s, d).
@@ -17,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from .adapters import Adapter, CallableAdapter, ModuleAdapter, TorchMHAAdapter
-from .hf_adapters import family_adapter, hf_adapter, hf_class
+from .hf_module import hf_class
 
 __all__ = ["adapt"]
 
@@ -27,8 +26,8 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
     attention modules get theirs; any other module or callable gets the generic convention.
 
     ``causal=None`` means the layer's own claim (Hugging Face decoders: causal; everything else: not). A Hugging
-    Face module with a family adapter (BERT, GPT-2, Llama-style) gets it; any other on the attention interface
-    (patched or not, or its view from :func:`headwise.interop.layers`) gets the interface adapter.
+    Face module (patched or not, a block holding one, or its layer from :func:`headwise.interop.layers`) gets
+    :class:`~headwise.checks.hf_adapter.HFAdapter`.
 
     Shapes:
         layer: (b, s, d) -> (b, s, d).
@@ -43,12 +42,10 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
         return layer
     if isinstance(layer, nn.MultiheadAttention):
         return TorchMHAAdapter(layer, causal=bool(causal))
-    if isinstance(layer, nn.Module) and is_interface_view(layer):
-        return interface_adapter(layer, causal=causal)
-    if isinstance(layer, nn.Module) and hf_class(layer) is not None:
-        if family_adapter(layer) is None and is_interface_module(layer):
-            return interface_adapter(layer, causal=causal)
-        return hf_adapter(layer, causal=causal)
+    if isinstance(layer, nn.Module) and (is_hf_view(layer) or hf_class(layer) is not None):
+        from .hf_adapter import HFAdapter  # imports transformers' interface only when needed
+
+        return HFAdapter(layer, causal=causal)
     if isinstance(layer, nn.Module):
         return ModuleAdapter(layer, d_model=d_model, causal=bool(causal))
     if callable(layer):
@@ -58,22 +55,10 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
     raise TypeError(f"layer must be an attention module or a callable f(x) -> y, got {type(layer).__name__}")
 
 
-def is_interface_view(layer: nn.Module) -> bool:
-    """The layer :func:`headwise.interop.layers` gives for a module on transformers' attention interface."""
-    if "headwise.interop" not in sys.modules:  # nothing was patched: no such view exists
+def is_hf_view(layer: nn.Module) -> bool:
+    """The layer :func:`headwise.interop.layers` gives for a Hugging Face module."""
+    if "headwise.interop.hf" not in sys.modules:  # nothing was patched: no such view exists
         return False
-    from ..interop.hf_generic import InterfaceView
+    from ..interop.hf import HFView
 
-    return isinstance(layer, InterfaceView)
-
-
-def is_interface_module(layer: nn.Module) -> bool:
-    from .hf_interface_adapter import is_interface_module as on_interface
-
-    return on_interface(layer)
-
-
-def interface_adapter(layer: nn.Module, *, causal: bool | None) -> Adapter:
-    from .hf_interface_adapter import InterfaceAdapter  # imports transformers' interface only when needed
-
-    return InterfaceAdapter(layer, causal=causal)
+    return isinstance(layer, HFView)

@@ -245,6 +245,27 @@ def _fit_scale(logw: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) 
     return c, resid
 
 
+def _fit_capped(logw: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, cap: float,
+                expected: float) -> tuple[float, float]:
+    """The scale c inside a softcap, ``log w = a * cap * tanh(c * scores / cap) - logsumexp``: the declared one
+    when it fits with a = 1, else the best of a log grid around it (the cap makes c not linear); returns (c, the
+    residual of that fit, counting a != 1 as misfit)."""
+    def misfit(c: float) -> float:
+        a, r = _fit_scale(logw, cap * torch.tanh(c * scores / cap), allowed)
+        return r + abs(a - 1)
+
+    if misfit(expected) < 1e-6:
+        return expected, misfit(expected)
+    grid = [expected * 2 ** (i / 16) for i in range(-96, 97)]
+    c = min(grid, key=misfit)
+    lo, hi = c * 2 ** -(1 / 16), c * 2 ** (1 / 16)
+    for _ in range(40):  # golden-section refinement inside the best grid cell
+        m1, m2 = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
+        lo, hi = (lo, m2) if misfit(m1) < misfit(m2) else (m1, hi)
+    c = (lo + hi) / 2
+    return c, misfit(c)
+
+
 def _name_scale(c: float, d_head: int, d_model: int) -> str:
     for label, value in (("1/sqrt(d_head)", d_head ** -0.5), ("1/d_head", 1 / d_head),
                          ("1/sqrt(d_model)", d_model ** -0.5), ("1 (no scale)", 1.0), ("1/d_model", 1 / d_model)):
@@ -305,14 +326,23 @@ def softmax_sanity(p: Probe) -> PropertyResult:
     if qk is not None and a.d_head:
         q, k = (t.double() for t in qk)
         d_qk = q.shape[-1]  # the width the scores are over (DeepSeek's differs from the value heads')
-        expected = d_qk ** -0.5
+        expected = a.scale or d_qk ** -0.5
+        named = a.scale_source or f"1/sqrt(d_head={d_qk})"
+        short = a.scale_source or f"1/sqrt({d_qk})"
+        cap = a.softcap
         logw = w.clamp_min(1e-300).log()
         real_rows = allowed & rows[..., None]
+
+        def raw(h: int, g: int) -> torch.Tensor:
+            return q[:, h] @ k[:, g].transpose(-2, -1)  # (b, s, s)
+
         fits = []
         for h in range(q.shape[1]):
             # Fit against every K/V head and keep the best: which K/V head a query head reads is
-            # head_independence's business, not this property's.
-            best = min((_fit_scale(logw[:, h], q[:, h] @ k[:, g].transpose(-2, -1), real_rows[:, h]) + (g,)
+            # head_independence's business, not this property's. Under a declared softcap the log-weights are
+            # linear in the capped scores (coefficient 1) at the scale inside the cap: that scale is fitted.
+            best = min(((_fit_scale(logw[:, h], raw(h, g), real_rows[:, h]) if cap is None else
+                         _fit_capped(logw[:, h], raw(h, g), real_rows[:, h], cap, expected)) + (g,)
                         for g in range(k.shape[1])), key=lambda r: r[1])
             fits.append(best)
         bad_fit = [(h, c, r) for h, (c, r, _) in enumerate(fits) if r > 1e3 * p.rtol]
@@ -320,15 +350,16 @@ def softmax_sanity(p: Probe) -> PropertyResult:
         if bad_fit:
             h, c, r = bad_fit[0]
             problems.append(("weights are not a softmax of scaled q . k over keys", {"head": h, "residual": r,
-                             "summary": f"head {h}'s log-weights are not linear in q . k (relative residual "
+                             "summary": f"head {h}'s log-weights are not linear in q . k"
+                                        f"{'' if cap is None else f' capped at {cap:g}'} (relative residual "
                                         f"{r:.2g})"}))
         elif bad_scale:
             h, c = bad_scale[0]
             problems.append(("wrong scale", {"head": h, "fitted_scale": c, "expected_scale": expected,
                              "summary": f"head {h} scales scores by {_name_scale(c, d_qk, a.d_model)}, "
-                                        f"expected {expected:.6g} = 1/sqrt(d_head={d_qk})"}))
+                                        f"expected {expected:.6g} = {named}"}))
         else:
-            scale_note = f"scale 1/sqrt({d_qk}) fitted on every head"
+            scale_note = f"scale {short} fitted on every head" + ("" if cap is None else f", softcap {cap:g}")
     if problems:
         detail, cex = problems[0]
         return PropertyResult(name, FAIL, "; ".join(pr[0] for pr in problems), cex,

@@ -35,6 +35,16 @@ def _keep_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
     return keep  # (b, s)
 
 
+def _refuse_meta(layer: Any) -> None:
+    """A layer whose weights are on the meta device has no numbers to check: refused in one line."""
+    if not isinstance(layer, torch.nn.Module):
+        return
+    meta = next((n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"headwise.check: {type(layer).__name__} has its weights on the meta device ({meta} holds no "
+                         "data); load or materialise them first (from_pretrained, or to_empty + load_state_dict)")
+
+
 def _working_adapter(adapter: Adapter, x64: torch.Tensor) -> tuple[Adapter, torch.Tensor]:
     """The adapter in float64 when the layer runs in it (else float32, else its own dtype), and x in that dtype."""
     errors = []
@@ -114,7 +124,9 @@ def _check(layer: Any, *, d_model: int | None, causal: bool | None, batch: int, 
             raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
     if d_model is not None:
         check_input_size(batch, seq_len, d_model)
+    _refuse_meta(layer)
     adapter = adapt(layer, d_model=d_model, causal=causal)
+    _refuse_meta(getattr(adapter, "module", None))
     if d_model is not None and adapter.d_model != d_model:
         raise ValueError(f"d_model={d_model} but {adapter.name} has d_model={adapter.d_model}")
     check_input_size(batch, seq_len, adapter.d_model)

@@ -179,7 +179,7 @@ def _patched(model: Any, info: Any) -> list:
 def _refusal(model: Any, info: Any, exc: Exception) -> str:
     """Why ``patch`` refused ``model``, the reason first (patch's own message, which lists what it supports, last:
     the one-line error is cut at 400 characters)."""
-    from ..interop.hf_generic import is_target
+    from ..interop.hf.layer import is_target
 
     head = f"--model: model_type {info.family!r} cannot be drawn"
     if isinstance(exc, TypeError) and not any(is_target(m) for m in model.modules()):

@@ -1,16 +1,12 @@
-"""Conversions between headwise and other attention implementations, one file per source format.
+"""headwise's layer inside other attention code: the ``nn.MultiheadAttention`` converter and the Hugging Face
+package.
 
 * :mod:`headwise.interop.torch_mha`: ``torch.nn.MultiheadAttention`` (``from_torch`` / ``to_torch``; ``share=True``
   for a view of the module's own parameters).
-* :mod:`headwise.interop.hf`: Hugging Face attention (``patch`` / ``unpatch`` / ``from_hf`` / ``to_hf`` /
-  ``layers``): adapters for BERT, GPT-2, Llama/Mistral/Qwen2/Qwen3, and every other module on transformers'
-  attention interface (:mod:`headwise.interop.hf_generic`, located by :mod:`headwise.interop.hf_registry`);
-  needs the optional ``transformers`` package.
-* :mod:`headwise.interop.qk_norm`: per-head Q/K normalisation (Qwen3's QK-norm) for layers and heads.
-* :mod:`headwise.interop.hf_latent`: heads of multi-head latent attention (DeepSeek-V2/V3), whose Q/K/V read shared
-  latents (:class:`~headwise.interop.hf_latent.LatentHead`).
-* :mod:`headwise.interop.hf_interface`: headwise as a transformers attention implementation,
-  ``attn_implementation="headwise"``.
+* :mod:`headwise.interop.hf`: Hugging Face ``transformers`` (``patch`` / ``unpatch`` / ``layers`` / ``from_hf`` /
+  ``to_hf``, and ``attn_implementation="headwise"``); needs the optional ``transformers`` package.
+* :mod:`headwise.interop.views`: a :class:`~headwise.MultiHeadAttention` that owns nothing, a live view of another
+  module's projections (what both give when they share weights).
 
 Importing this package registers ``"headwise"`` with transformers' ``AttentionInterface`` (and its mask function
 with ``AttentionMaskInterface``) when transformers is installed; ``import headwise`` alone never imports it.
@@ -32,7 +28,7 @@ _EXPORTS = {
     "from_hf": "hf",
     "to_hf": "hf",
     "layers": "hf",
-    "register": "hf_interface",
+    "register": "hf",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -45,4 +41,4 @@ def __getattr__(name: str) -> Any:
 
 
 if importlib.util.find_spec("transformers") is not None:
-    importlib.import_module(".hf_interface", __name__).register()
+    importlib.import_module(".hf.attention_function", __name__).register()

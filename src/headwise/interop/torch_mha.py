@@ -40,7 +40,7 @@ from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import combine_masks, padding_mask
-from ._view import LayerView, ProjectionView
+from .views import LayerView, ProjectionView
 
 __all__ = ["from_torch", "to_torch", "torch_masks_to_headwise", "TorchMHAView"]
 

@@ -1,5 +1,5 @@
 """Surgery on a model patched by :func:`headwise.interop.patch`: its own modules resized through each layer's
-surgery seam (:mod:`headwise.interop.hf_seam`), with no knowledge of families here.
+surgery seam (:mod:`headwise.interop.hf.surgery`), with no knowledge of families here.
 
 1. Every changed layer's ``edit_refusal`` is asked first (and, where a family's forward reads head counts from
    the shared config, every layer must keep the same counts), so a refusal changes nothing.
@@ -33,7 +33,7 @@ def is_view(layer: Any) -> bool:
 
 
 def has_seam(layer: Any) -> bool:
-    """Whether the view ``layer`` can be resized through the surgery seam (:mod:`headwise.interop.hf_seam`)."""
+    """Whether the view ``layer`` can be resized through the surgery seam (:mod:`headwise.interop.hf.surgery`)."""
     return is_view(layer) and callable(getattr(layer, "write_heads", None))
 
 

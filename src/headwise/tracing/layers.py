@@ -47,6 +47,9 @@ def find_layers(module: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
             found = list(patched_layers(module))
         except ImportError:  # pragma: no cover - an interop without its optional peer
             found = []
+    bypassed = [why for _, layer in found if (why := getattr(layer, "bypassed", lambda: "")())]
+    if bypassed:
+        raise ValueError(f"trace: {bypassed[0]}")
     if not found:
         found = [(n, m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
     if not found:

@@ -48,7 +48,7 @@ def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int]
                   original_heads=original)
     try:
         w_o = attn.out_proj.weight.detach()  # (d, h * d_h)
-    except ValueError as exc:  # W_O not located (headwise.interop.hf_generic says why): the reads still are
+    except ValueError as exc:  # W_O not located (headwise.interop.hf.locate says why): the reads still are
         return HeadMaps(weights=w, writes=None, value_norms=None, writes_missing=str(exc), **common)
     g = h // attn.n_kv_heads
     norms = torch.stack([(v[i // g] @ w_o[:, i * d_h:(i + 1) * d_h].T.to(v.dtype)).norm(dim=-1)

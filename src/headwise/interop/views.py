@@ -176,7 +176,7 @@ class LayerView(MultiHeadAttention):
         raise TypeError(f"{type(self).__name__} is a view: load weights into the host model instead")
 
     def extra_repr(self) -> str:
-        kind = type(self.host).__name__.removeprefix("Headwise")  # a patched HF module: name its original class
+        kind = type(self.host).__name__
         names = ", ".join(f"{hw}={what}" for hw, what in self.source_names().items())
         return f"view of {self._hw_name or kind} ({kind}: {names}), {super().extra_repr()}"
 

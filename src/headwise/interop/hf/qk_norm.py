@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import MultiHeadAttention
-from ..head import AttentionHead
+from ...attention import MultiHeadAttention
+from ...head import AttentionHead
 
 __all__ = ["QKNormMixin", "QKNormHead", "QKNormAttention"]
 

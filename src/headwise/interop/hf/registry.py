@@ -1,20 +1,25 @@
-"""Where each Hugging Face family keeps its attention weights: one small :class:`Entry` per family.
+"""Where each Hugging Face family keeps its attention weights, and what else its attention does: one small
+:class:`Entry` per family, the one place headwise recognises a family.
 
 :func:`headwise.interop.patch` takes over every attention module that calls transformers' attention interface
-(see :mod:`~headwise.interop.hf_interface`). Tracing needs nothing else; heads as weight objects
-(``attn.head(i)``), ``result`` captures and surgery need Q/K/V and W_O located, and this registry is the one place
-that says where they are. A family without an entry uses :data:`DEFAULT` (the usual attribute names); adding a
-family is one line in :data:`ENTRIES`.
+(:mod:`~headwise.interop.hf.attention_function`). Tracing needs nothing else; heads as weight objects
+(``attn.head(i)``), ``result`` captures, surgery, :func:`~headwise.interop.from_hf` / ``to_hf`` and
+:func:`headwise.check` read this registry for where Q/K/V and W_O are, how they are laid out, and what the family
+adds to plain attention (rotary, per-head QK-norm). A family without an entry uses :data:`DEFAULT` (the usual
+attribute names); adding a family is one line in :data:`ENTRIES`.
+
+A projection stored as transformers' ``Conv1D`` (weight ``(in, out)``: GPT-2) is recognised by its class and read
+transposed, in every layout.
 
 Multi-head latent attention (DeepSeek-V2/V3, ``latent=``:class:`Latent`) has no projection of the module input per
 head: each head's Q, K, V are rows of up-projections reading shared latents. Its ``attn.head(i)`` is a
-:class:`~headwise.interop.hf_latent.LatentHead` (those rows, and the shared parts named as shared); ``result``
+:class:`~headwise.interop.hf.latent.LatentHead` (those rows, and the shared parts named as shared); ``result``
 captures work (``o_proj`` is an ordinary W_O); surgery stays refused (Q/K/V are not projections of x).
 
 Layouts of a fused Q/K/V projection (``qkv``, rows of the ``(out, in)`` weight):
 
 * ``"blocks"``: every query head, then every key head, then every value head (Phi-3 ``qkv_proj``, ModernBERT
-  ``Wqkv``, GPT-BigCode ``c_attn`` with multi-query).
+  ``Wqkv``, GPT-2's Conv1D ``c_attn``, GPT-BigCode ``c_attn`` with multi-query).
 * ``"per_head"``: head by head, each head's q, k, v rows together (GPT-NeoX ``query_key_value``).
 
 Shapes:
@@ -29,6 +34,8 @@ Example:
     'kv_b_proj'
     >>> entry_for("inkling2_text").not_heads
     ('Inkling2BlockAttentionResidual',)
+    >>> entry_for("qwen3").qk_norm, entry_for("qwen3").rotary, entry_for("qwen3").standalone
+    (('q_norm', 'k_norm'), True, True)
 """
 
 from __future__ import annotations
@@ -80,10 +87,32 @@ class Entry:
         d_v: names of the value head width (the width of each head's context).
         unlocated: why Q/K/V cannot be located as per-head slices of projections of x ("" when they can).
         latent: where multi-head latent attention keeps its pieces (None for every other family): heads are then
-            :class:`~headwise.interop.hf_latent.LatentHead` objects.
+            :class:`~headwise.interop.hf.latent.LatentHead` objects.
         not_heads: class names of the family's modules that call the attention interface over something other
             than token heads (the axis they hand over as heads is not one); :func:`~headwise.interop.patch` gives
             them no layer, and they compute through headwise's implementation function as plain attention.
+        rotary: the module rotates Q and K with the model's rotary embedding built from the config's
+            ``rope_parameters`` (rotate-half over the first ``rotary_dim`` features of each head); the layer's
+            ``rotary`` (and so ``attn.head(i)`` run alone) applies the same rotation. False: the layer has none
+            (the family's rotary, if any, runs only in the module's forward).
+        qk_norm: the names of the module's norms over each head's d_h features, applied to the split queries and
+            keys before rotary (Qwen3); the layer and its heads apply them.
+        standalone: projections, ``qk_norm``, ``rotary``, the module's ``scaling`` and a softmax are the module's
+            whole attention, so the layer's own forward (``attn(x)``) and :func:`~headwise.interop.from_hf`'s
+            copy compute what the module computes (masks aside: a sliding window lives in the model's mask).
+            Elsewhere ``attn(x)`` is refused and the copy holds the weights only.
+        dropout: names of the module's attention-dropout probability (a float, or an ``nn.Dropout``).
+        causal_skip: the family's modules attend over more keys than the model's causal mask covers, which only
+            sdpa's kernel ``is_causal`` handles (Dory's looped layers prepend the previous loop's keys): headwise's
+            mask function keeps transformers' skip of a purely causal mask for it, as sdpa does (elsewhere every
+            prefill's mask is materialised).
+
+    :func:`headwise.check` also reads what the family declares in its config:
+
+    Attributes:
+        scale_fields: config fields whose ``value ** -0.5`` is the score scale (Gemma 2's ``query_pre_attn_scalar``).
+        multiplier_fields: config fields that are the score scale itself (Granite's ``attention_multiplier``).
+        softcap_fields: config fields holding the score softcap (Gemma 2's ``attn_logit_softcapping``).
 
     Surgery (:mod:`headwise.surgery` resizing the module in place) also reads:
 
@@ -116,6 +145,14 @@ class Entry:
     unlocated: str = ""
     latent: Latent | None = None
     not_heads: tuple[str, ...] = ()
+    rotary: bool = False
+    qk_norm: tuple[str, str] | None = None
+    standalone: bool = False
+    dropout: tuple[str, ...] = ("attention_dropout", "attn_dropout", "dropout")
+    causal_skip: bool = False
+    scale_fields: tuple[str, ...] = ("query_pre_attn_scalar",)
+    multiplier_fields: tuple[str, ...] = ("attention_multiplier",)
+    softcap_fields: tuple[str, ...] = ("attn_logit_softcapping",)
     set_heads: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads", "n_head")
     set_kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
     set_groups: tuple[str, ...] = ("num_key_value_groups",)
@@ -145,9 +182,19 @@ _MLA = ("multi-head latent attention: each head's Q, K and V are rows of up-proj
 # Latent attention up-projects every query head's own K/V: the config's num_key_value_heads is not read.
 _LATENT = Entry(unlocated=_MLA, kv_heads=(), latent=Latent(), refuse=_MLA)
 
+# Attention that is exactly projections, rotary from rope_parameters and a softmax with the module's scaling.
+_ROPE = Entry(rotary=True, standalone=True)
+_ROPE_QK_NORM = Entry(rotary=True, qk_norm=("q_norm", "k_norm"), standalone=True)
+_PLAIN = Entry(standalone=True)
+
 #: model_type -> where its attention keeps Q/K/V and W_O (families not listed use DEFAULT); a callable gets the
 #: module's config, for families whose layout depends on it.
 ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe"), _ROPE),
+    **dict.fromkeys(("qwen3", "qwen3_moe"), _ROPE_QK_NORM),
+    **dict.fromkeys(("bert", "roberta"), _PLAIN),
+    # Conv1D c_attn (Q | K | V columns) and c_proj; its forward splits c_attn at split_size (the heads' width).
+    "gpt2": Entry(qkv="c_attn", layout="blocks", set_inner=("split_size",), standalone=True),
     "phi3": Entry(qkv="qkv_proj", layout="blocks", config_read=True),
     "gpt_neox": Entry(qkv="query_key_value", layout="per_head"),
     "persimmon": Entry(qkv="query_key_value", layout="per_head"),
@@ -163,6 +210,7 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     "diffllama": Entry(refuse="differential attention subtracts pairs of heads' patterns (value heads concatenated "
                               "in pairs, lambda over the pair), so heads cannot be removed one by one"),
     **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
+    "dory": Entry(causal_skip=True),
     # Attention residuals: at every position learned queries attend over the residual stream's blocks, handing
     # over the sequence as the heads axis (no projections, no heads).
     "inkling2_text": Entry(not_heads=("Inkling2BlockAttentionResidual",)),

@@ -2,7 +2,7 @@
 
 In MLA no head has a projection of the module input ``x`` of its own. Every head reads latents shared by all
 heads, through rows of two up-projections, and shares one rope key (names as in transformers' modules, registry
-entry :class:`~headwise.interop.hf_registry.Latent`)::
+entry :class:`~headwise.interop.hf.registry.Latent`)::
 
     q_lat        = q_a_layernorm(q_a_proj(x))                 (x itself where the module has q_proj instead)
     q_h          = q_lat @ [w_q_nope | w_q_rope]              rows of q_b_proj (or q_proj); rotary on the rope part
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .hf_registry import Latent
+from .registry import Latent
 
 __all__ = ["LatentHead"]
 

@@ -1,9 +1,8 @@
-"""The surgery seam of every Hugging Face view: which head counts its module can take, and resizing it in place.
+"""The surgery seam of the Hugging Face view: which head counts its module can take, and resizing it in place.
 
 :mod:`headwise.surgery` reads a patched layer's weights through its view (``q_proj`` .. ``out_proj``), computes
-new ones, and hands them back through three methods every HF view has (:class:`~headwise.interop.hf_bert.BertView`,
-:class:`~headwise.interop.hf_gpt2.GPT2View`, :class:`~headwise.interop.hf_llama.LlamaView`,
-:class:`~headwise.interop.hf_generic.InterfaceView`), so surgery never asks which family it is:
+new ones, and hands them back through three methods of :class:`~headwise.interop.hf.layer.HFView`, so surgery
+never asks which family it is:
 
 * :meth:`SurgerySeam.head_params`: the current ``(n_heads, n_kv_heads, d_head)``.
 * :meth:`SurgerySeam.edit_refusal`: why the module cannot take given head counts (``""`` when it can); checked
@@ -11,7 +10,8 @@ new ones, and hands them back through three methods every HF view has (:class:`~
 * ``write_heads(weights, n_heads, n_kv_heads, heads_from)``: new projections under the module's own names (a
   fused Q/K/V in its own layout) and the head-count attributes its forward reads. Patch again afterwards.
 
-What a family's config and attributes call the head counts is in :mod:`~headwise.interop.hf_registry`.
+What a family's config and attributes call the head counts is in :mod:`~headwise.interop.hf.registry`; a new
+projection has the kind of the one it replaces (``nn.Linear``, or transformers' ``Conv1D`` for GPT-2).
 
 Shapes:
     h: query heads, h_kv: key/value heads, d_h: head width; weights ``{q_proj, k_proj, v_proj, out_proj:
@@ -36,15 +36,15 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ._view import PROJECTIONS
-from .hf_registry import Entry, entry_for
+from .locate import PROJECTIONS, is_conv1d
+from .registry import Entry, entry_for
 
-__all__ = ["SurgerySeam", "linear_like", "set_counts", "take_per_head"]
+__all__ = ["SurgerySeam", "projection_like", "set_counts", "take_per_head"]
 
 
 class SurgerySeam:
-    """Mixin of the HF views: the registry entry of the host's family, its head counts, and the checks every
-    resize shares. A view overrides :meth:`edit_refusal` (calling this one) for what its layout adds."""
+    """Mixin of the HF view: the registry entry of the host's family, its head counts, the checks of a resize and
+    the resize itself (:meth:`write_heads`)."""
 
     def hf_config(self) -> Any:
         """The config the host module reads."""
@@ -78,7 +78,7 @@ class SurgerySeam:
         changed either way."""
         host = self.host  # type: ignore[attr-defined]
         where = f"{self.__dict__.get('_hw_name') or type(host).__name__}"
-        cls = type(host).__name__.removeprefix("Headwise")
+        cls = type(host).__name__
         entry = self.surgery_entry()
         if entry.refuse:
             return f"{where}: surgery cannot resize {cls}: {entry.refuse}"
@@ -87,6 +87,10 @@ class SurgerySeam:
                 self.resolve(name)  # type: ignore[attr-defined]
             except ValueError as e:
                 return str(e)
+        wrapped = [n for n, m in self.sources() if isinstance(getattr(m, "base_layer", None), nn.Module)]  # type: ignore[attr-defined]
+        if wrapped:
+            return (f"{where}: {', '.join(wrapped)} are wrapped by an adapter (PEFT): merge_and_unload() first, so "
+                    "that the resized projections keep what the adapter adds")
         for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 return f"{where}: {name} must be a positive int, got {value!r}"
@@ -105,6 +109,10 @@ class SurgerySeam:
             p = getattr(host, name, None)
             if isinstance(p, torch.Tensor) and p.shape[:1] != (h,):
                 return f"{where}: {cls}.{name} has shape {tuple(p.shape)}, not one entry per each of its {h} heads"
+        layout = self._hw_found.layout  # type: ignore[attr-defined]
+        if layout == "per_head" and n_heads != n_kv_heads:
+            return (f"{where}: a head-interleaved Q/K/V ({self._hw_found.fused}) needs n_heads == n_kv_heads, got "  # type: ignore[attr-defined]
+                    f"{n_heads}, {n_kv_heads}")
         return ""
 
     def spanning_params(self) -> list[str]:
@@ -117,24 +125,66 @@ class SurgerySeam:
         return [n for n, p in host.named_parameters() if id(p) not in own and n not in entry.per_head
                 and n.split(".")[0] not in entry.after_o and widths & set(p.shape)]
 
-    def refuse_edit(self, n_heads: int, n_kv_heads: int) -> None:
+    def write_heads(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], n_heads: int,
+                    n_kv_heads: int, heads_from: Sequence[int] | None = None) -> None:
+        """Give the host module new projections holding ``weights`` (``{q_proj, k_proj, v_proj, out_proj:
+        (weight (out, in), bias)}``) for ``n_heads`` / ``n_kv_heads`` heads of this layer's width: new modules of
+        the same kind under the same names (a fused Q/K/V in its own layout), the per-head parameters of heads
+        ``heads_from``, and the head counts set where the module and the next patch read them. Refuses
+        (``ValueError``, nothing changed) what :meth:`edit_refusal` refuses.
+
+        Shapes:
+            q_proj (h * d_h, d), k_proj / v_proj (h_kv * d_h, d), out_proj (d, h * d_h)
+        """
         why = self.edit_refusal(n_heads, n_kv_heads)
         if why:
             raise ValueError(f"write_heads: {why}")
+        d_h, host, entry, found = self.d_head, self.host, self.surgery_entry(), self._hw_found  # type: ignore[attr-defined]
+        (qw, qb), (kw, kb), (vw, vb) = (weights[p] for p in ("q_proj", "k_proj", "v_proj"))
+        if (qw.shape[0], kw.shape[0], vw.shape[0]) != (n_heads * d_h, n_kv_heads * d_h, n_kv_heads * d_h):
+            raise ValueError(f"write_heads: Q/K/V rows {qw.shape[0]}, {kw.shape[0]}, {vw.shape[0]} do not hold "
+                             f"h={n_heads}, h_kv={n_kv_heads} heads of d_h={d_h}")
+        new = {"out_proj": weights["out_proj"]}
+        if found.layout == "split":
+            new.update({"q_proj": (qw, qb), "k_proj": (kw, kb), "v_proj": (vw, vb)})
+        else:
+            parts = (qw, kw, vw), (qb, kb, vb)
+            if found.layout == "per_head":  # head-major [q_i, k_i, v_i] rows (edit_refusal: h == h_kv)
+                w, b = (None if t[0] is None else torch.stack([x.unflatten(0, (n_heads, d_h)) for x in t], 1
+                                                               ).flatten(0, 2) for t in parts)
+            else:
+                w, b = (None if t[0] is None else torch.cat(t) for t in parts)
+            setattr(host, found.fused, projection_like(w, b, getattr(host, found.fused)))
+        for p, (w, b) in new.items():
+            where = found.where[p]
+            where.replace(projection_like(w, b, where.module()))
+        take_per_head(host, entry, heads_from, n_heads)
+        set_counts(host, entry, n_heads, n_kv_heads, d_h)
+        if not any(isinstance(getattr(o, n, None), int) for o in (host, host.config) for n in entry.d_v):
+            host.head_dim = d_h  # the next patch would otherwise derive it from d / h
+        host.num_heads, host.num_key_value_heads = n_heads, n_kv_heads  # what the next patch reads first
 
 
-def linear_like(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> nn.Linear:
-    """A new ``nn.Linear`` holding copies of ``weight`` / ``bias`` (their device and dtype), with ``like``'s mode
-    and ``requires_grad``.
+def projection_like(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> nn.Module:
+    """A new projection of ``like``'s kind (``nn.Linear``, or transformers' ``Conv1D`` storing ``weight.T``) holding
+    copies of ``weight`` / ``bias`` (their device and dtype), with ``like``'s mode and ``requires_grad``.
 
     Shapes:
         weight (out, in), bias (out,) or None
     """
-    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     grad = bool(getattr(getattr(like, "weight", None), "requires_grad", True))
-    new.weight = nn.Parameter(weight.detach().clone(), requires_grad=grad)
-    if bias is not None:
+    if is_conv1d(like):
+        from transformers.pytorch_utils import Conv1D
+
+        with torch.device("meta"):  # no allocation: the parameters are replaced at once
+            new = Conv1D(weight.shape[0], weight.shape[1])
+        new.weight = nn.Parameter(weight.detach().T.contiguous(), requires_grad=grad)  # (in, out)
         new.bias = nn.Parameter(bias.detach().clone(), requires_grad=grad)
+    else:
+        new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        new.weight = nn.Parameter(weight.detach().clone(), requires_grad=grad)
+        if bias is not None:
+            new.bias = nn.Parameter(bias.detach().clone(), requires_grad=grad)
     return new.train(like.training)
 
 

@@ -1,0 +1,137 @@
+"""What :func:`headwise.check` reads off a Hugging Face attention module before running it: which module attends
+(:func:`attention_of`), its sliding window, whether it is cross-attention, the keywords its forward takes, and the
+scale and softcap its family declares (:func:`declared`).
+
+Families are recognised the one way headwise recognises them: a module whose forward calls transformers'
+attention interface, read through its registry entry (:mod:`headwise.interop.hf.registry`). ``transformers`` is
+imported only when such a module is checked.
+
+Shapes:
+    b: batch, s: tokens, d: model width, h: query heads, d_qk: query/key head width.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["hf_class", "attention_of", "sliding_window_of", "cross_reason", "keywords", "folded_scale", "declared",
+           "CACHE_KW", "SUPPLIED"]
+
+CACHE_KW = ("cache", "past_key_values", "past_key_value", "layer_past")
+_CROSS_KW = ("key_value_states", "encoder_hidden_states")
+SUPPLIED = {"attention_mask", "position_embeddings", "position_ids", "cache_position", *CACHE_KW}
+
+
+def hf_class(module: Any) -> type | None:
+    """The first Hugging Face class of ``module``'s class hierarchy, or None when it is not a transformers
+    module."""
+    return next((c for c in type(module).__mro__ if c.__module__.startswith("transformers.")), None)
+
+
+def attention_of(module: Any) -> nn.Module | None:
+    """The module that calls transformers' attention interface: ``module`` itself, or the one such child of a block
+    that also holds its W_O (BERT's ``BertAttention``); None when ``module`` is neither."""
+    if not isinstance(module, nn.Module) or hf_class(module) is None:
+        return None
+    from ..interop.hf.layer import is_target
+
+    if is_target(module):
+        return module
+    inner = [child for child in module.children() if is_target(child)]
+    return inner[0] if len(inner) == 1 else None
+
+
+def sliding_window_of(module: nn.Module, config: Any) -> int | None:
+    """The sliding window the model's mask gives this layer, or None (full causal attention): the module's
+    own ``sliding_window`` where it has one (Qwen2-style, None on full layers), else the config's, unless
+    ``config.layer_types`` says this layer is not a sliding one (Mistral: every layer slides)."""
+    if "sliding_window" in vars(module) or hasattr(type(module), "sliding_window"):
+        window = getattr(module, "sliding_window")
+    else:
+        window = getattr(config, "sliding_window", None)
+        types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+        if isinstance(types, (list, tuple)) and isinstance(index, int) and index < len(types) \
+                and types[index] != "sliding_attention":
+            window = None
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
+def cross_reason(module: nn.Module, params: set[str], where: str, causal: bool | None) -> str:
+    """Why ``module`` is cross-attention ("" when it is not): it says so, or its name in the model does; a module
+    without a name that takes another sequence's keys, belongs to a decoder and is not causal is BART's
+    ``encoder_attn`` unless the caller claims causality (BigBird-Pegasus's decoder self-attention says
+    ``is_causal=False``)."""
+    if getattr(module, "is_cross_attention", False) is True:
+        return "its is_cross_attention is True"
+    if where:
+        return "by its name in the model" if "cross" in where or "encoder_attn" in where else ""
+    if causal is None and params & set(_CROSS_KW) and getattr(module, "is_decoder", None) is True \
+            and getattr(module, "is_causal", None) is False:
+        return ("a decoder's module that takes key_value_states and is not causal, as BART's encoder_attn; pass "
+                "causal=True if it is a decoder's self-attention, or check the view from headwise.interop.layers")
+    return ""
+
+
+def keywords(module: nn.Module) -> set[str]:
+    """The keywords the module's forward takes; ``TypeError`` for a required one the check cannot build."""
+    params = list(inspect.signature(module.forward).parameters.values())
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = [p.name for p in params[1:] if p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in SUPPLIED]
+    if required:
+        raise TypeError(f"{type(module).__name__}.forward needs {required}, which headwise.check cannot build; "
+                        f"it supplies hidden_states and {sorted(SUPPLIED)}")
+    return named
+
+
+def folded_scale(q: torch.Tensor, outs: list[torch.Tensor]) -> float:
+    """The factor between the q the interface got and the projection that made it, where the module multiplied
+    one by a constant: each (token, head) row of q has the norm of that head's rows of some projection's output
+    (its first h * d_qk columns) times the same factor (rotary rotates, so norms survive it; a per-head norm would
+    not keep one factor). 1.0 when no projection is related so.
+
+    Shapes: q (b, h, s, d_qk); outs: projection outputs (b, s, >= h * d_qk)"""
+    b, h, s, d = q.shape
+    q_norm = q.detach().double().norm(dim=-1)  # (b, h, s)
+    for out in outs:
+        if out.dim() != 3 or tuple(out.shape[:2]) != (b, s) or out.shape[-1] < h * d:
+            continue
+        rows = out[..., :h * d].detach().double().reshape(b, s, h, d).transpose(1, 2)  # (b, h, s, d_qk)
+        ratio = q_norm / rows.norm(dim=-1).clamp_min(1e-300)
+        factor = float(ratio.mean())
+        if factor > 0 and float((ratio / factor - 1).abs().max()) < 1e-4:
+            return 1.0 if abs(factor - 1) < 1e-4 else factor
+    return 1.0
+
+
+def _positive(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else None
+
+
+def declared(module: nn.Module, config: Any) -> tuple[float | None, str, float | None]:
+    """``(scale, where it is declared, softcap)`` as the family declares them in its config (the registry's
+    ``scale_fields``: ``query_pre_attn_scalar ** -0.5`` for Gemma 2 and 3; ``multiplier_fields``: Granite's
+    ``attention_multiplier``; ``softcap_fields``: Gemma 2's ``attn_logit_softcapping``), or ``(None, "", None)``:
+    the check then expects ``1/sqrt(d_qk)`` and no softcap. The module's own ``scaling`` is what is checked, never
+    what it is checked against."""
+    from ..interop.hf.layer import family_entry
+
+    entry = family_entry(module)
+    scale, where = None, ""
+    for name in entry.scale_fields:
+        value = _positive(getattr(config, name, None))
+        if value is not None:
+            scale, where = value ** -0.5, f"{name}**-0.5 = {value:g}**-0.5 (the config's)"
+            break
+    for name in entry.multiplier_fields if scale is None else ():
+        value = _positive(getattr(config, name, None))
+        if value is not None:
+            scale, where = value, f"{name} = {value:g} (the config's)"
+            break
+    softcap = next((v for n in entry.softcap_fields if (v := _positive(getattr(config, n, None))) is not None), None)
+    return scale, where, softcap

@@ -1,0 +1,232 @@
+"""headwise as a transformers attention implementation: ``attn_implementation="headwise"``.
+
+transformers routes the attention of most of its families through one seam, ``ALL_ATTENTION_FUNCTIONS``: the
+attention module projects, normalises and rotates Q/K/V itself, then calls the registered function with
+q ``(b, h, s_q, d_qk)``, k ``(b, h_kv, s_kv, d_qk)``, v ``(b, h_kv, s_kv, d_v)`` and the mask, and applies its
+own output projection to what comes back. :func:`register` (run when :mod:`headwise.interop` is imported) puts
+:func:`attention_forward` there under the name ``"headwise"``, with :func:`mask` as its mask function, through
+transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``; nothing of transformers is replaced.
+
+* ``from_pretrained(..., attn_implementation="headwise")`` or ``model.set_attn_implementation("headwise")``:
+  every head is computed by :func:`headwise.functional.attention`, with sdpa's conventions.
+* A model patched by :func:`headwise.interop.patch`: every head of a module is computed by its layer's
+  :meth:`~headwise.MultiHeadAttention.attend` (the step :func:`headwise.trace` sees), with the conventions of the
+  implementation the model had before patching (the layer's ``rule``), so patching changes no output:
+
+  ========================  =====================================  ==========================================
+  the model had             ``"sdpa"``                             ``"eager"``
+  ========================  =====================================  ==========================================
+  a row that may read       zeros (sdpa's kernel)                  the mean of every value (eager's finfo.min
+  no key (padding)                                                 row is uniform)
+  no mask, ``s_q > 1``      causal by ``is_causal`` (the keyword,  no causality (the mask is eager's only
+                            else ``module.is_causal``, else True), source of it)
+                            after cropping K/V to ``s_q`` (an
+                            empty static cache's prefill)
+  attention weights         when ``output_attentions=True``        always (eager's); the model records them
+                            reaches the function                   when ``output_attentions`` asks
+  ========================  =====================================  ==========================================
+
+The mask function is transformers' ``sdpa_mask`` (bool, True = may attend: headwise's convention), never skipped
+for more than one query: a missing mask would leave causality to the module's ``is_causal`` flag, which families
+that only ever ran eager do not keep, and to code that looks for the name ``"sdpa"`` before dropping queries
+(Gemma 4). So a mask is missing only where the model builds none (ViT), for one query, or for a family whose
+registry entry keeps sdpa's skip (``causal_skip``: Dory). T5's ``position_bias`` is added to the scores; ``softcap`` (Gemma 2), ``s_aux`` (a sink logit per head,
+gpt-oss) and ``sinks`` (a sink logit per query row, Inkling 2) are applied; ``head_mask`` scales each head's
+probabilities and context (:func:`head_factors`).
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
+    d_qk: query/key head width, d_v: value head width, L: layers.
+
+Example:
+    >>> import torch, transformers
+    >>> import headwise.interop                                     # registers "headwise"
+    >>> cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                                num_attention_heads=4, num_key_value_heads=2)
+    >>> model = transformers.LlamaForCausalLM(cfg).eval()
+    >>> ids = torch.tensor([[1, 5, 7, 3]])
+    >>> before = model(ids).logits
+    >>> model.set_attn_implementation("headwise")
+    >>> torch.testing.assert_close(model(ids).logits, before)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import functional as hwf
+from .layer import HFView
+from .registry import entry_for
+
+__all__ = ["NAME", "register", "attention_forward", "mask", "head_factors"]
+
+NAME = "headwise"
+
+#: Keywords that carry a sparse attention selection for kernels that apply it themselves (transformers builds it
+#: into the mask only under eager and sdpa, whose names headwise cannot answer to).
+_SELECTIONS = ("indices", "block_indices")
+
+
+def register() -> None:
+    """Register :func:`attention_forward` and :func:`mask` with transformers under :data:`NAME` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask)
+
+
+def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' ``sdpa_mask`` (bool, True = may attend), materialised whenever more than one query attends,
+    causal or not: a missing mask would leave the call's causality to the module's ``is_causal`` flag.
+
+    One query (a decode step) reads every key it may: there "no mask" means that under eager too, so transformers
+    may still skip the mask when no padding or window hides a key; so it may for a family whose registry entry
+    says its modules need sdpa's skip (``causal_skip``)."""
+    from transformers.masking_utils import sdpa_mask
+
+    q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
+    config = kwargs.get("config")
+    if q_length != 1 and not entry_for(getattr(config, "model_type", None), config).causal_skip:
+        kwargs["allow_is_causal_skip"] = kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _position_bias_mask(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, s_q: int,
+                        s_kv: int) -> torch.Tensor:
+    """T5-style relative position bias combined with the mask into one additive mask, as transformers' sdpa does.
+
+    Shapes: bias (b or 1, h, s_q, s_kv); mask (b or 1, 1, s_q, s_kv) or None -> (b or 1, h, s_q, s_kv)"""
+    low = torch.finfo(bias.dtype).min
+    if mask is None:
+        if not causal:
+            return bias
+        keep = torch.ones(s_q, s_kv, dtype=torch.bool, device=bias.device).tril()  # top-left, as sdpa's is_causal
+        return torch.where(keep, bias, low)
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias, low)
+    return bias + mask
+
+
+def head_factors(head_mask: Any, module: nn.Module, h: int) -> torch.Tensor | None:
+    """The factor of each of this module's ``h`` heads from Hugging Face's ``head_mask`` (1 keeps a head, 0 removes
+    it): ``(h,)`` for every layer, or ``(L, h)`` with the module's ``layer_idx`` picking its row. Anything else is
+    refused with a ``ValueError`` (transformers 5 itself ignores ``head_mask``; headwise never does).
+
+    Shapes: head_mask (h,) or (L, h) -> (h,)"""
+    if head_mask is None:
+        return None
+    where = type(module).__name__
+    if not isinstance(head_mask, torch.Tensor) or not (head_mask.dtype.is_floating_point or head_mask.dtype in (
+            torch.bool, torch.int64, torch.int32)):
+        raise TypeError(f"head_mask must be a tensor of per-head factors, got {type(head_mask).__name__}")
+    if head_mask.dim() == 2:
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int) or not 0 <= index < head_mask.shape[0]:
+            raise ValueError(f"head_mask of shape {tuple(head_mask.shape)} has one row per layer, but {where} has "
+                             f"layer_idx={index!r}; pass one row (h,) for every layer, or edit heads with "
+                             "headwise.trace(model, edit={(layer, head): 0.0})")
+        head_mask = head_mask[index]
+    if tuple(head_mask.shape) != (h,):
+        raise ValueError(f"head_mask must have shape (h={h},) or (layers, h={h}) for {where}, got "
+                         f"{tuple(head_mask.shape)} (per-example or per-position masks are not supported)")
+    return head_mask.float()
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, position_bias: torch.Tensor | None = None,
+                      softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                      sinks: torch.Tensor | None = None, head_mask: torch.Tensor | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every head's attention with headwise, in transformers' attention-interface signature.
+
+    A patched module's heads go through its layer's :meth:`~headwise.MultiHeadAttention.attend` (traced), with the
+    rule of the implementation its model had (see the module docstring); any other module's through
+    :func:`headwise.functional.attention` with sdpa's rule. A sparse selection handed over as ``indices`` or
+    ``block_indices`` (DeepSeek-V3.2, MiniMax M3: transformers folds it into the mask only under eager and sdpa)
+    is refused with a ``ValueError``, as are both ``s_aux`` and ``sinks`` at once.
+
+    Args:
+        module: the Hugging Face attention module calling.
+        query, key, value: the split heads after the module's norms and rotary.
+        attention_mask: the prepared 4-D mask, or None.
+        dropout: dropout on the probabilities (transformers passes 0.0 in eval mode).
+        scaling: score scale (None: ``d_qk ** -0.5``).
+        is_causal: overrides ``module.is_causal`` when no mask is given (sdpa's rule).
+        position_bias: an additive per-head bias (T5).
+        softcap: logit soft-capping ``softcap * tanh(scores / softcap)``.
+        s_aux: one sink logit per query head.
+        sinks: one sink logit per query row (at most one of ``s_aux`` and ``sinks``).
+        head_mask: a factor per head, ``(h,)`` or ``(L, h)`` (:func:`head_factors`).
+
+    Shapes:
+        query (b, h, s_q, d_qk); key (b, h_kv, s_kv, d_qk); value (b, h_kv, s_kv, d_v);
+        attention_mask (b or 1, 1, s_q, s_kv); s_aux (h,); sinks (b, h, s_q, 1)
+        -> (b, s_q, h, d_v), weights (b, h, s_q, s_kv) or None
+    """
+    for name in ("decoder_head_mask", "cross_attn_head_mask"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} handed headwise {name}=..., which it does not apply: edit "
+                             "heads with headwise.trace(model, edit={(layer, head): 0.0})")
+    for name in _SELECTIONS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__} handed headwise a sparse attention selection ({name}=...), "
+                             "which transformers folds into the mask only under attn_implementation 'eager' or "
+                             "'sdpa'; headwise cannot apply it: run this model with 'sdpa' or 'eager'")
+    if s_aux is not None and sinks is not None:
+        raise ValueError(f"{type(module).__name__} handed headwise both s_aux (a sink per head) and sinks (a sink "
+                         "per query row); at most one sink logit per row is defined")
+    layer = module.__dict__.get("attn")  # set by headwise.interop.patch: the module's headwise layer
+    if not isinstance(layer, HFView) or layer.__dict__.get("_hw_host") is not module:
+        layer = None
+    eager = layer is not None and layer.rule == "eager"  # an attribute: no call on this path
+    s_q, s_kv = query.shape[2], key.shape[2]
+    mask = attention_mask
+    causal = False
+    if mask is None and not eager and s_q > 1:
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        if causal and s_kv > s_q:
+            key, value = key[:, :, :s_q], value[:, :, :s_q]  # (b, h_kv, s_q, d): sdpa's top-left causal, cropped
+            if position_bias is not None:
+                position_bias = position_bias[..., :s_q]
+    elif eager and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # eager's own additive mask
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask,
+                                                                                        torch.finfo(query.dtype).min)
+    if position_bias is not None:
+        mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
+        causal = False
+    wants = eager or bool(kwargs.get("output_attentions", False))
+    sinks = s_aux if sinks is None else sinks
+    factors = None if head_mask is None else head_factors(head_mask, module, query.shape[1])
+    if layer is None:
+        z, weights = hwf.attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout, causal=bool(causal),
+                                   backend="eager" if wants else "sdpa", return_weights=wants, softcap=softcap,
+                                   sinks=sinks)
+        if factors is not None:
+            f = factors.to(z.dtype).view(1, -1, 1, 1)  # (1, h, 1, 1)
+            z, weights = z * f, None if weights is None else weights * f
+    else:
+        cfg = layer.config
+        if query.shape[1] != cfg.n_heads or value.shape[1] != cfg.n_kv_heads or value.shape[-1] != cfg.d_head:
+            adopt(layer, module, query, value)
+        z, weights = layer.attend(query, key, value, mask=mask, causal=bool(causal), return_weights=wants,
+                                  scale=None if scaling == cfg.scale else scaling, softcap=softcap, sinks=sinks,
+                                  dropout=dropout, head_scale=factors)
+    return z.transpose(1, 2).contiguous(), weights  # (b, s_q, h, d_v)
+
+
+def adopt(layer: HFView, module: nn.Module, query: torch.Tensor, value: torch.Tensor) -> None:
+    """Heads that differ from the ones the layer was built for: the layer adopts them where no located weight fixes
+    them (:meth:`~headwise.interop.hf.layer.HFView.adopt_heads`), else this refuses (edits name heads by index)."""
+    cfg = layer.config
+    got = (query.shape[1], value.shape[1], value.shape[-1])
+    want = (cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
+    if not ((got[::2] == want[::2] and layer.adopt_kv_heads(got[1]))
+            or (got[2] == want[2] and layer.adopt_heads(got[0], got[1]))):
+        raise ValueError(f"{type(module).__name__} handed headwise (h, h_kv, d_v) = {got}, but its patched layer "
+                         f"was built for {want} from the module's config and weights; unpatch and patch again after "
+                         "changing the module's head counts")

@@ -1,0 +1,78 @@
+"""headwise.check holds a Hugging Face module to what its family declares in its config: Gemma 2's
+query_pre_attn_scalar (scale) and attn_logit_softcapping (softcap), gpt-oss's sinks; a module that breaks its
+declaration still fails. A module on the meta device is refused in one line; Gemma 3 (whose rotary takes the
+layer's type) is checked like any other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from headwise import check  # noqa: E402
+from headwise.interop import layers, patch  # noqa: E402
+
+ALL = {"permutation_equivariance", "batch_independence", "causality", "padding_invariance", "softmax_sanity",
+       "head_independence", "dtype_stability"}
+BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, pad_token_id=0, max_position_embeddings=64)
+
+
+def gemma(model_type: str, **kw) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **kw})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # scores large enough that the softcap bends them
+    return model
+
+
+def _ran(report) -> set[str]:
+    return {r.name for r in report.results if r.verdict != "skipped"}
+
+
+@pytest.mark.parametrize("scalar", [256, 144])
+def test_gemma2_passes_with_its_declared_scale_and_softcap(scalar):
+    model = gemma("gemma2", query_pre_attn_scalar=scalar, attn_logit_softcapping=5.0)
+    for layer in (model.model.layers[1].self_attn, layers(patch(model))[1][1]):
+        report = check(layer)
+        assert report.ok and _ran(report) == ALL, str(report)
+        detail = report["softmax_sanity"].detail
+        assert f"scale query_pre_attn_scalar**-0.5 = {scalar}**-0.5 (the config's) fitted on every head" in detail
+        assert "softcap 5" in detail
+
+
+def test_gemma2_breaking_its_declared_scale_or_softcap_fails():
+    model = gemma("gemma2", query_pre_attn_scalar=144, attn_logit_softcapping=5.0)
+    module = model.model.layers[1].self_attn
+    module.scaling = 8 ** -0.5  # the usual 1/sqrt(d_head), not what the config declares
+    report = check(module)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert "expected 0.0833333 = query_pre_attn_scalar**-0.5 = 144**-0.5" in report["softmax_sanity"].counterexample[
+        "summary"]
+    module.scaling = 144 ** -0.5
+    module.attn_logit_softcapping = None  # the module no longer caps what the config says it caps
+    report = check(module)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert "capped at 5" in report["softmax_sanity"].counterexample["summary"]
+
+
+def test_gemma3_is_checked_with_its_per_layer_type_rotary():
+    model = gemma("gemma3_text", query_pre_attn_scalar=8, sliding_window=3,
+                  layer_types=["sliding_attention", "full_attention"])
+    for i, window in ((0, "sliding window 3"), (1, "")):
+        report = check(model.model.layers[i].self_attn)
+        assert report.ok and _ran(report) == ALL, str(report)
+        assert window in report["causality"].detail
+
+
+def test_a_module_on_the_meta_device_is_refused_in_one_line():
+    cfg = transformers.LlamaConfig(**{**BASE, "head_dim": 4})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    for layer in (model.model.layers[0].self_attn, layers(patch(model))[0][1]):
+        with pytest.raises(ValueError, match=r"^headwise.check: (LlamaAttention|HFView) has its weights on the meta "
+                                             r"device \(q_proj.weight holds no data\); load or materialise them first"):
+            check(layer)

@@ -1,0 +1,59 @@
+"""A patched Hugging Face module's path stays short: from its forward (transformers' own) to the kernel a reader
+crosses few headwise functions: the attention function, the layer's one trace seam, its checks and plan.
+
+Counted with ``sys.setprofile`` (tests/core/test_call_path.py's counter): every distinct headwise function
+(properties included) the call enters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import headwise  # noqa: E402
+from headwise.interop import patch  # noqa: E402
+
+from tests.core.test_call_path import headwise_functions  # noqa: E402
+
+
+def llama_attention(impl: str):
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation=impl)
+    model = patch(transformers.LlamaForCausalLM(cfg).eval())
+    x = torch.randn(2, 5, 16)
+    position_embeddings = model.model.rotary_emb(x, torch.arange(5)[None])
+    return model, model.model.layers[0].self_attn, x, position_embeddings
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_a_patched_llama_module_runs_at_most_ten_headwise_functions(impl):
+    model, module, x, pe = llama_attention(impl)
+    # the mask the model hands its layers: headwise's mask function, materialised for a prefill (bool)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    with torch.no_grad():
+        module(x, position_embeddings=pe, attention_mask=mask)  # the first call may import lazily
+        called = headwise_functions(lambda: module(x, position_embeddings=pe, attention_mask=mask))
+    assert len(called) <= 10, called
+    assert called[0] == "attention_function.attention_forward", called
+    assert "attention.MultiHeadAttention.attend" in called and "functional.attend" in called, called
+
+
+def test_the_whole_patched_model_enters_the_seam_once_per_layer_call():
+    model, module, x, pe = llama_attention("sdpa")
+    seams = []
+    layer = module.attn
+    real = type(layer).attend
+
+    def counted(self, *args, **kwargs):
+        seams.append(self)
+        return real(self, *args, **kwargs)
+
+    type(layer).attend = counted  # headwise's own class: the count, not a change of transformers
+    try:
+        with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:
+            model(torch.tensor([[1, 5, 7, 3]]))
+    finally:
+        del type(layer).attend
+    assert seams == [layer] and t[0].z.shape == (1, 4, 4, 4)

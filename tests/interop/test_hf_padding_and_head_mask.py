@@ -1,0 +1,124 @@
+"""Patching changes nothing at any position, padded rows included, in the conventions of the implementation the
+model had (Gemma 2 runs eager: a query that may read nothing averages every value there, where sdpa gives zeros);
+and a head_mask, which transformers 5 ignores, is honoured (each head's probabilities and context scaled) or refused
+in one line before anything runs.
+
+Peers: the unpatched model itself, and for head_mask the unpatched model with plain forward pre-hooks scaling each
+head's slice of W_O's input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import headwise  # noqa: E402
+from headwise.interop import layers, patch, unpatch  # noqa: E402
+
+BASE = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64)
+IDS = torch.randint(3, 40, (3, 7), generator=torch.Generator().manual_seed(0))
+MASK = torch.tensor([[1] * 7, [0, 0, 0, 1, 1, 1, 1], [0] + [1] * 6])  # left padding: rows 1 and 2 start padded
+
+
+def build(model_type: str, impl: str | None = None, **kw) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **kw})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **({} if impl is None else
+                                                                 {"attn_implementation": impl})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def loss_over_every_position(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and a loss over all positions, padded ones too (what a careless loss sees)."""
+    with torch.no_grad():
+        logits = model(input_ids=IDS, attention_mask=MASK).logits
+    return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), IDS.flatten())
+
+
+@pytest.mark.parametrize("query_pre_attn_scalar", [256, 144])
+def test_patched_gemma2_equals_unpatched_at_padded_positions(query_pre_attn_scalar):
+    model = build("gemma2", head_dim=8, query_pre_attn_scalar=query_pre_attn_scalar)
+    assert model.config._attn_implementation == "eager"  # Gemma 2's default: eager's rules must be kept
+    want, want_loss = loss_over_every_position(model)
+    patch(model)
+    assert [a.rule for _, a in layers(model)] == ["eager", "eager"]
+    got, got_loss = loss_over_every_position(model)
+    torch.testing.assert_close(got, want)  # every position, the padded ones included
+    torch.testing.assert_close(got_loss, want_loss)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3"])
+def test_every_position_is_unchanged_under_either_convention(model_type, impl):
+    model = build(model_type, impl)
+    want, _ = loss_over_every_position(model)
+    patch(model)
+    got, _ = loss_over_every_position(model)
+    torch.testing.assert_close(got, want)
+    padded = want[1, 0]  # a query that may read nothing: eager's and sdpa's answers differ there
+    other = build(model_type, "sdpa" if impl == "eager" else "eager")
+    assert not torch.allclose(loss_over_every_position(other)[0][1, 0], padded)
+
+
+def w_o_scaled(model: torch.nn.Module, factors: torch.Tensor, d_h: int) -> list:
+    """Plain forward pre-hooks on every layer's o_proj scaling head h's slice of its input by factors[layer, h]."""
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        def scale(m, args, row=factors[i]):  # type: ignore[no-untyped-def]
+            z = args[0].unflatten(-1, (-1, d_h)) * row[:, None]  # (b, s, h, d_h)
+            return (z.flatten(-2),)
+        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(scale))
+    return handles
+
+
+@pytest.mark.parametrize("shape", ["per_layer", "shared"])
+def test_a_head_mask_scales_each_head_as_its_context_scaled_by_hand(shape):
+    factors = torch.tensor([[1.0, 0.0, 0.5, 1.0], [0.0, 1.0, 1.0, 2.0]])
+    head_mask = factors if shape == "per_layer" else factors[0]
+    rows = factors if shape == "per_layer" else factors[:1].expand(2, -1)
+    plain, model = build("llama", "sdpa"), patch(build("llama", "sdpa"))
+    with torch.no_grad():
+        ignored = plain(input_ids=IDS, attention_mask=MASK, head_mask=head_mask).logits
+        assert torch.equal(ignored, plain(input_ids=IDS, attention_mask=MASK).logits)  # transformers 5 ignores it
+        handles = w_o_scaled(plain, rows, d_h=4)
+        want = plain(input_ids=IDS, attention_mask=MASK).logits
+        for h in handles:
+            h.remove()
+        with headwise.trace(model, capture=("z", "pattern")) as t:
+            got = model(input_ids=IDS, attention_mask=MASK, head_mask=head_mask, output_attentions=True)
+    torch.testing.assert_close(got.logits, want)
+    assert torch.equal(t[0].z[:, :, 1], torch.zeros_like(t[0].z[:, :, 1]))  # what W_O reads: the scaled context
+    torch.testing.assert_close(got.attentions[0][:, 2].sum(-1)[0], torch.full((7,), 0.5))  # probabilities scaled
+
+
+def test_bad_or_ambiguous_head_masks_are_refused_in_one_line_before_the_cache_changes():
+    model = patch(build("llama", "sdpa"))
+    with torch.no_grad():
+        out = model(input_ids=IDS[:, :4], attention_mask=MASK[:, :4], use_cache=True)
+    cache, length = out.cache, out.cache.get_seq_length()
+    step = dict(input_ids=IDS[:, 4:5], attention_mask=MASK[:, :5], cache=cache, use_cache=True)
+    for head_mask, message in ((torch.ones(3), r"head_mask must have shape \(h=4,\) or \(layers, h=4\) for "
+                                               r"LlamaAttention, got \(3,\)"),
+                               (torch.ones(1, 4), r"head_mask of shape \(1, 4\) has one row per layer, but "
+                                                  r"LlamaAttention has layer_idx=1"),
+                               ("half", "head_mask must be a tensor of per-head factors, got str")):
+        with pytest.raises((ValueError, TypeError), match=message), torch.no_grad():
+            model(**step, head_mask=head_mask)
+        assert [c.shape[2] for c in (layer.keys for layer in cache.layers)] == [length, length]  # untouched
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)).eval()
+    patch(bart)
+    with pytest.raises(ValueError, match=r"^BartForConditionalGeneration: head_mask is not supported on an "
+                                         r"encoder-decoder model"):
+        bart(input_ids=IDS, head_mask=torch.ones(4))
+    with pytest.raises(ValueError, match="decoder_head_mask is not supported"):
+        bart(input_ids=IDS, decoder_head_mask=torch.ones(4))
+    unpatch(model)
+    with torch.no_grad():  # unpatched: transformers' own behaviour (it ignores head_mask) is back
+        model(input_ids=IDS, head_mask=torch.ones(3))
