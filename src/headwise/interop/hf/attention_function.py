@@ -52,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ from ... import functional as hwf
 from .layer import HFView
 from .registry import entry_for
 
-__all__ = ["NAME", "register", "attention_forward", "mask", "head_factors"]
+__all__ = ["NAME", "register", "attention_forward", "mask", "head_factors", "sdpa_rule"]
 
 NAME = "headwise"
 
@@ -79,19 +80,42 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mask)
 
 
-def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """transformers' ``sdpa_mask`` (bool, True = may attend), materialised whenever more than one query attends,
-    causal or not: a missing mask would leave the call's causality to the module's ``is_causal`` flag.
+#: Configs of models patched from sdpa, by id (:func:`sdpa_rule`): transformers ran their modules under sdpa, which
+#: reads each module's ``is_causal`` when the mask is skipped, so a skipped (purely causal or full) mask may stand
+#: for that flag here too. Weak references: a config's entry goes with the config (configs are not hashable).
+_SDPA_CONFIGS: dict[int, weakref.ref] = {}
 
-    One query (a decode step) reads every key it may: there "no mask" means that under eager too, so transformers
-    may still skip the mask when no padding or window hides a key; so it may for a family whose registry entry
-    says its modules need sdpa's skip (``causal_skip``)."""
+
+def sdpa_rule(config: Any, keep: bool | None = None) -> bool:
+    """Whether ``config`` is one of a model patched from sdpa; ``keep`` True / False records / forgets it first
+    (:func:`headwise.interop.patch` and ``unpatch`` do)."""
+    key = id(config)
+    if keep:
+        _SDPA_CONFIGS[key] = weakref.ref(config, lambda _, key=key: _SDPA_CONFIGS.pop(key, None))
+    elif keep is False:
+        _SDPA_CONFIGS.pop(key, None)
+    ref = _SDPA_CONFIGS.get(key)
+    return ref is not None and ref() is config
+
+
+def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' ``sdpa_mask`` (bool, True = may attend); where more than one query attends, transformers'
+    skip of a purely causal (or full) mask is kept only for models patched from sdpa, as sdpa keeps it (the
+    kernel's own ``is_causal`` then runs, reading half the scores of a materialised causal mask).
+
+    Elsewhere the mask is materialised: a missing mask would leave the call's causality to the module's
+    ``is_causal`` flag, which families that only ever ran eager do not keep, and to code that looks for the name
+    ``"sdpa"`` (registry ``names_sdpa``: Gemma 4). One query (a decode step) reads every key it may: there "no mask"
+    means that under eager too, so transformers may still skip it; so it may for a family whose registry entry says
+    its modules need sdpa's skip (``causal_skip``)."""
     from transformers.masking_utils import sdpa_mask
 
     q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
     config = kwargs.get("config")
-    if q_length != 1 and not entry_for(getattr(config, "model_type", None), config).causal_skip:
-        kwargs["allow_is_causal_skip"] = kwargs["allow_is_bidirectional_skip"] = False
+    if q_length != 1:
+        entry = entry_for(getattr(config, "model_type", None), config)
+        if not (entry.causal_skip or (not entry.names_sdpa and sdpa_rule(config))):
+            kwargs["allow_is_causal_skip"] = kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from torch import nn
 
-from .attention_function import NAME, head_factors
+from .attention_function import NAME, head_factors, sdpa_rule
 from .layer import HFView, is_target, view_of
 
 __all__ = ["patch", "unpatch", "layers", "check_impl", "SUPPORTED_IMPLS"]
@@ -199,6 +199,12 @@ def patch(model: nn.Module) -> nn.Module:
         raise
     for module, view in views:
         module.__dict__["attn"] = view
+    rules: dict[int, set[str]] = {}
+    for module, view in views:
+        rules.setdefault(id(module.config), set()).add(view.rule)
+    for config in configs:  # a config whose every module ran sdpa keeps sdpa's skip of a causal mask
+        if rules.get(id(config)) == {"sdpa"}:
+            sdpa_rule(config, keep=True)
     if "_hw_impls" not in model.__dict__:  # the first patch: what unpatch puts back
         model.__dict__["_hw_impls"] = before
         model.__dict__["_hw_hook"] = model.register_forward_pre_hook(check_head_mask, with_kwargs=True)
@@ -220,6 +226,8 @@ def unpatch(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if view_on(module) is not None:
             del module.__dict__["attn"]
+    for config in _configs(model):
+        sdpa_rule(config, keep=False)
     _restore(model.__dict__.pop("_hw_impls", []))
     hook = model.__dict__.pop("_hw_hook", None)
     if hook is not None:

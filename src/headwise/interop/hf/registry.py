@@ -106,6 +106,10 @@ class Entry:
             sdpa's kernel ``is_causal`` handles (Dory's looped layers prepend the previous loop's keys): headwise's
             mask function keeps transformers' skip of a purely causal mask for it, as sdpa does (elsewhere every
             prefill's mask is materialised).
+        names_sdpa: the family's modeling code decides something by the implementation's name ``"sdpa"`` (read
+            off transformers' modeling files when this registry was written, never at run time): a model of it
+            patched from sdpa still gets every prefill's mask materialised, since its code would not take the
+            decision it takes under sdpa for a missing mask (Gemma 4 keeps a prefill's queries whole).
 
     :func:`headwise.check` also reads what the family declares in its config:
 
@@ -150,6 +154,7 @@ class Entry:
     standalone: bool = False
     dropout: tuple[str, ...] = ("attention_dropout", "attn_dropout", "dropout")
     causal_skip: bool = False
+    names_sdpa: bool = False
     scale_fields: tuple[str, ...] = ("query_pre_attn_scalar",)
     multiplier_fields: tuple[str, ...] = ("attention_multiplier",)
     softcap_fields: tuple[str, ...] = ("attn_logit_softcapping",)
@@ -211,6 +216,13 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
                               "in pairs, lambda over the pair), so heads cannot be removed one by one"),
     **dict.fromkeys(("t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"), _T5),
     "dory": Entry(causal_skip=True),
+    # Every model type of the modeling files that compare the implementation's name with "sdpa" (transformers 5.24).
+    **dict.fromkeys(("axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "dots3_note_vision_encoder",
+                     "dots3_note_audio_encoder", "falcon", "gemma4", "gemma4_text", "gemma4_audio", "gemma4_vision",
+                     "gemma4_unified", "gemma4_unified_text", "gemma4_unified_audio", "gemma4_unified_vision",
+                     "glm5_next", "glm5_next_text", "glm5_next_vision", "glm_moe_dsa", "hy_v4", "hy_v4_vl",
+                     "hy_v4_vl_text", "hy_v4_vl_vision", "minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3_vl_vision",
+                     "mistral_large4", "mistral_large4_text"), Entry(names_sdpa=True)),
     # Attention residuals: at every position learned queries attend over the residual stream's blocks, handing
     # over the sequence as the heads axis (no projections, no heads).
     "inkling2_text": Entry(not_heads=("Inkling2BlockAttentionResidual",)),
