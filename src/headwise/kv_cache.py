@@ -345,6 +345,8 @@ class KVCache:
             >>> cache.read_mask(1).int().flatten().tolist()
             [1, 1, 0, 0]
         """
+        if s == 1:  # one query at the last position reads every filled one: a single comparison
+            return (self._slots < self.length).view(1, 1, 1, self.max_len)
         return self._reads(self.length - s, s)
 
     def _reads(self, start: int | torch.Tensor, s: int) -> torch.Tensor:
