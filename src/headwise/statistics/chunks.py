@@ -85,7 +85,7 @@ def chunked_statistics(
     z = q.new_zeros(b, h, s_q, d_v) if need_z else None
     if b and h and s_q and s_kv:
         c = rows or statistics_rows(b, h, s_q, s_kv, torch.finfo(acc).bits // 8)
-        kt = k.to(acc).transpose(-2, -1)  # (b, h_kv, d_h, s_kv)
+        kt = k.to(acc).transpose(-2, -1).contiguous()  # (b, h_kv, d_h, s_kv): row-major for the score products
         vv = v.to(acc) if need_z else None
         full = None if mask is None else mask.expand(*mask.shape[:2], mask.shape[2], s_kv)  # (B, H, s_q or 1, s_kv)
         sink = None
@@ -161,13 +161,13 @@ def _chunk(q, kt, vv, full, sink, i0, i1, scale, causal, softcap, g, lse, ent, t
     log_total = torch.log(torch.where(dead, 1.0, total))
     lse[:, :, i0:i1] = torch.where(dead, float("-inf"), ref + log_total).squeeze(-1)
     if ent is not None:
-        shifted = torch.linalg.vecdot(e, s).unsqueeze(-1)  # (b, h, c, 1): sum_j e_j (score_j - ref)
+        shifted = torch.einsum("bhcn,bhcn->bhc", e, s).unsqueeze(-1)  # (b, h, c, 1): sum_j e_j (score_j - ref)
         h_row = (l_keys * log_total - shifted) * inv
         ent[:, :, i0:i1] = torch.where(dead, 0.0, h_row).squeeze(-1).clamp_(min=0.0)
     if top is not None:
         top[:, :, i0:i1] = torch.where(dead, 0.0, torch.exp(mx - ref - log_total)).squeeze(-1)
     if kw is not None:
-        kw[..., lo:hi] += torch.matmul(inv.transpose(-2, -1), e)  # (b, h, 1, n)
+        kw[..., 0, lo:hi] += torch.einsum("bhcn,bhc->bhn", e, inv.squeeze(-1))  # (b, h, n)
     if z is not None:
         ctx = torch.matmul(e.view(b, h_kv, g * c, n), vv[:, :, lo:hi]).view(b, h, c, -1)  # (b, h, c, d_v)
         z[:, :, i0:i1] = (ctx * inv).to(z.dtype)
