@@ -15,8 +15,8 @@ the key blocks none of their rows may read. Softcap, sinks (per head or per row)
 K/V head i // g) are applied inside. Scores and statistics are float32 whatever the inputs' dtype.
 
 Only long-stable Triton is used (``tl.load``/``store``/``dot``/``exp``/``log``/``max``/``sum``/``where``).
-With ``TRITON_INTERPRET=1`` set before this module is imported, Triton's interpreter runs the kernels on CPU
-tensors (the tests compare them with float64 there).
+With ``TRITON_INTERPRET=1`` set before Triton is imported, Triton's interpreter runs the kernels on CPU tensors
+(the tests compare them with float64 there, in a process started with it).
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
@@ -262,13 +262,13 @@ def kernel_statistics(
     flags = dict(CAUSAL=bool(causal), HAS_MASK=mask is not None, MASK_BOOL=mask_bool, SOFTCAP=softcap is not None,
                  IEEE=q.dtype == torch.float32)
     cap = float(softcap) if softcap is not None else 1.0
+    out = {}
     grid = (triton.cdiv(s_q, cfg["BLOCK_M"]), b * h)
     _stats_forward[grid](
         q, k, v, z, lse, ent, maxw, m, sink, *q.stride(), *k.stride(), *v.stride(), *z.stride(), *mstrides,
         *sstrides, h, h // h_kv, s_q, s_kv, float(scale), cap, D=d_h, DV=d_v, BLOCK_DV=bdv,
-        HAS_SINK=sinks is not None,
-        **cfg, **flags, **launch)
-    out = {"lse": lse, "entropy": ent, "max_weight": maxw}
+        HAS_SINK=sinks is not None, **cfg, **flags, **launch)
+    out.update(lse=lse, entropy=ent, max_weight=maxw)
     if "key_weight" in names:
         kw = torch.empty(b, h, s_kv, dtype=torch.float32, device=dev)
         grid = (triton.cdiv(s_kv, cfg["BLOCK_N"]), b * h)
