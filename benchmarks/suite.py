@@ -20,7 +20,7 @@ from typing import Callable
 
 __all__ = ["CASES", "main", "run_cases", "merge_processes", "resolve_only"]
 
-CASES = ("forward", "backward", "gqa", "decode", "trace", "sweep", "patched", "families")
+CASES = ("forward", "backward", "gqa", "decode", "trace", "stats", "sweep", "patched", "families")
 #: The folder holding the ``benchmarks`` package: child processes run there.
 ROOT = Path(__file__).resolve().parent.parent
 
