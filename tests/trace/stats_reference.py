@@ -54,7 +54,7 @@ def reference_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, s
     return z, from_pattern(pattern, s + add, readable, rows)
 
 
-def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = 1e-7, atol: float = 1e-9) -> None:
     """Every statistic in ``want`` equal (whole tensors, -inf where the reference has it)."""
     for name, ref in want.items():
         torch.testing.assert_close(got[name].double().cpu(), ref.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")

@@ -56,7 +56,8 @@ def _scores(q, kt, offs_m, offs_n, mask_ptr, smm, smn, S_Q, S_KV, OFF, scale, so
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + OFF)
     if HAS_MASK:
         inside = (offs_m < S_Q)[:, None] & (offs_n < S_KV)[None, :]
-        mt = tl.load(mask_ptr + offs_m[:, None] * smm + offs_n[None, :] * smn, mask=inside, other=0)
+        rows = offs_m.to(tl.int64)  # a (s, s) mask passes 2**31 elements at s 46341
+        mt = tl.load(mask_ptr + rows[:, None] * smm + offs_n[None, :] * smn, mask=inside, other=0)
         if MASK_BOOL:
             valid = valid & (mt != 0)
         else:

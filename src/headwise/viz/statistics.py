@@ -81,13 +81,19 @@ class HeadStatistics:
         return {"sink": sinks, "sharp": sharp}
 
     def chosen(self, count: int = 3) -> list[tuple[int, int]]:
-        """Heads worth a per-position curve: the strongest sink, the sharpest and the most spread head (distinct,
-        at most ``count``)."""
-        g = self.grid()
+        """Heads worth a per-position curve: the strongest sink, the sharpest head that is not a sink and the most
+        spread head (distinct, at most ``count``; the largest of each number where no head is of that kind)."""
+        g, kinds = self.grid(), self.kinds()
         out: list[tuple[int, int]] = []
-        for values in (g["first-token share"], g["mean max weight"], g["mean entropy"]):
-            i = int(values.flatten().argmax())
-            pair = (i // self.n_heads, i % self.n_heads)
+
+        def best(values: torch.Tensor) -> tuple[int, int]:
+            order = values.flatten().argsort(descending=True).tolist()
+            free = [i for i in order if (i // self.n_heads, i % self.n_heads) not in out] or order
+            return free[0] // self.n_heads, free[0] % self.n_heads
+
+        for kind, values in (("sink", g["first-token share"]), ("sharp", g["mean max weight"]),
+                             (None, g["mean entropy"])):
+            pair = kinds[kind][0] if kind and kinds[kind] else best(values)
             if pair not in out:
                 out.append(pair)
         return out[:count]
