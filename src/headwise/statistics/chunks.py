@@ -167,7 +167,7 @@ def _chunk(q, kt, vv, full, sink, i0, i1, scale, causal, softcap, g, lse, ent, t
     if top is not None:
         top[:, :, i0:i1] = torch.where(dead, 0.0, torch.exp(mx - ref - log_total)).squeeze(-1)
     if kw is not None:
-        kw[..., 0, lo:hi] += torch.einsum("bhcn,bhc->bhn", e, inv.squeeze(-1))  # (b, h, n)
+        kw[..., lo:hi] += torch.matmul(inv.transpose(-2, -1), e)  # (b, h, 1, n)
     if z is not None:
         ctx = torch.matmul(e.view(b, h_kv, g * c, n), vv[:, :, lo:hi]).view(b, h, c, -1)  # (b, h, c, d_v)
         z[:, :, i0:i1] = (ctx * inv).to(z.dtype)
