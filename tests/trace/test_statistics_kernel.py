@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_kernel_in_triton_s_interpreter():
     if INTERPRETER:
         pytest.skip("this is the child process")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     env.pop("PYTEST_XDIST_WORKER", None)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                            "-n", "0", str(Path(__file__).relative_to(ROOT)), "-k", "not interpreter"],
