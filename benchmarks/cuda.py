@@ -11,7 +11,9 @@ before the call. The groups and their peers:
 * the compiled step (``mode="reduce-overhead"``) against a gpt-fast-style compiled step (a static cache written
   with ``index_copy_`` at a device position, a mask over ``max_len``) and the eager plain loop;
 * a patched 8-layer Llama's ``generate`` against the unpatched model at seen and fresh lengths, and capturing
-  every head's ``result`` against a plain forward of the patched model.
+  every head's ``result`` against a plain forward of the patched model;
+* per-head statistics (:mod:`headwise.statistics`, the Triton kernel) of a Llama-8B-shaped layer at s32768,
+  causal: lse, entropy and max_weight, and all four, against the layer's plain forward.
 
 Shapes:
     b: batch, s: sequence, d: d_model, h: query heads, h_kv: key/value heads, d_h: head width.
@@ -51,6 +53,7 @@ class Setup:
     prompt: int
     trace: tuple[int, int]  # (b, s)
     compile: dict
+    stats: tuple[int, int, int, int, int] = (1, 64, 64, 4, 2)  # (b, s, d, h, h_kv) of the statistics group
 
 
 CUDA = Setup("cuda", torch.bfloat16,
@@ -59,7 +62,8 @@ CUDA = Setup("cuda", torch.bfloat16,
              decode=(4096, 32, 8, 1024, 16),
              llama=dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=8,
                         intermediate_size=14336, vocab_size=32000),
-             new_tokens=32, prompt=128, trace=(4, 2048), compile=dict(mode="reduce-overhead"))
+             new_tokens=32, prompt=128, trace=(4, 2048), compile=dict(mode="reduce-overhead"),
+             stats=(1, 32768, 4096, 32, 8))
 #: The same groups on the CPU at tiny sizes (tests/bench): the machinery, not the figures.
 CPU_CHECK = Setup("cpu", torch.float32, forwards=((2, 16, 32, 4, 4), (2, 16, 32, 4, 2)), decode=(32, 4, 2, 8, 2),
                   llama=dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
@@ -69,6 +73,7 @@ NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBacke
 _HW = "headwise"
 PLAIN, PLAIN_NO_CUDNN = "plain loop", "plain loop, cuDNN excluded"
 GPT_FAST = "gpt-fast-style compiled step"
+STATS_THREE, STATS_ALL = "trace lse, entropy, max_weight", "trace all four statistics"
 
 
 def _shape(b: int, s: int, d: int, h: int, h_kv: int) -> str:
@@ -92,6 +97,8 @@ CUDA_GOALS = (
     Goal("patched Llama generate vs unpatched, fresh lengths", ("cuda generate b1 fresh", "cuda generate b8 fresh"),
          "headwise (patched)", ("HF Llama (unpatched)",), 1.00),
     Goal("every head's result vs a plain forward", "cuda trace result", "headwise trace", ("plain forward",), 1.15),
+    Goal("lse, entropy and max_weight vs a plain forward", "cuda statistics", STATS_THREE, ("plain forward",), 1.30),
+    Goal("all four statistics vs a plain forward", "cuda statistics", STATS_ALL, ("plain forward",), 2.00),
 )
 
 
@@ -345,13 +352,43 @@ def trace_group(setup: Setup, pair: tuple[nn.Module, nn.Module]) -> Group:
                   "plain forward", rounds=6, notes=[f"the patched Llama above, b{b} s{s}: every head's result captured"])
 
 
+def statistics_group(setup: Setup) -> Group:
+    """One layer's causal forward, plain and traced for per-head statistics (the fused kernel on CUDA, query
+    chunks in the CPU check): the three row statistics, then all four (the key pass too)."""
+    import headwise
+
+    b, s, d, h, h_kv = setup.stats
+    attn = _layer(setup, d, h, h_kv)
+    torch.manual_seed(4)
+    x = torch.randn(b, s, d, device=setup.device, dtype=setup.dtype)
+
+    def run(capture: tuple[str, ...]) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            with torch.no_grad(), headwise.trace(attn, capture=capture):
+                return attn(x, causal=True)
+        return call
+
+    def plain() -> torch.Tensor:
+        with torch.no_grad():
+            return attn(x, causal=True)
+
+    with torch.no_grad():
+        info = attn.explain_dispatch(x, causal=True, statistics=headwise.plan.STATISTICS)
+    entries = [Entry("plain forward", plain, note="attn(x, causal=True), no trace"),
+               Entry(STATS_THREE, run(("lse", "entropy", "max_weight")), note=f"kernel: {info.kernel}"),
+               Entry(STATS_ALL, run(headwise.plan.STATISTICS), note="+ key_weight (the key-blocked pass)")]
+    return _group(setup, "cuda statistics", entries, "plain forward", rounds=5, memory=True,
+                  notes=[f"one layer {_shape(b, s, d, h, h_kv)}, causal; outputs compared: the layer's output"])
+
+
 def cuda_groups(only: list[str] | None = None, setup: Setup = CUDA) -> list[Callable[[], Group]]:
-    """Factories of every group (``only``: the subset of forward, backward, decode, compiled, patched)."""
-    want = set(only or ("forward", "backward", "decode", "compiled", "patched"))
-    unknown = want - {"forward", "backward", "decode", "compiled", "patched"}
+    """Factories of every group (``only``: the subset of forward, backward, decode, compiled, patched,
+    statistics)."""
+    kinds = ("forward", "backward", "decode", "compiled", "patched", "statistics")
+    want = set(only or kinds)
+    unknown = want - set(kinds)
     if unknown:
-        raise ValueError(f"--only with --device cuda takes forward, backward, decode, compiled, patched; got "
-                         f"{', '.join(sorted(unknown))}")
+        raise ValueError(f"--only with --device cuda takes {', '.join(kinds)}; got {', '.join(sorted(unknown))}")
     out: list[Callable[[], Group]] = []
     if "forward" in want:
         out += [partial(forward_group, setup, f) for f in setup.forwards]
@@ -372,4 +409,6 @@ def cuda_groups(only: list[str] | None = None, setup: Setup = CUDA) -> list[Call
         out += [lambda b=b, fresh=fresh: generate_group(setup, b, fresh, pair()) for b in (1, 8)
                 for fresh in (False, True)]
         out += [lambda: trace_group(setup, pair())]
+    if "statistics" in want:
+        out.append(partial(statistics_group, setup))
     return out

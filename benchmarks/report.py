@@ -24,13 +24,14 @@ ENV_VARS = ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 @dataclass(frozen=True)
 class Goal:
     """``entry`` against each of ``others`` in group ``key`` (or in each group of a tuple of keys): the worst
-    paired ratio must be <= ``target``."""
+    paired ratio must be <= ``target``; with ``metric="peak"`` the ratio of their peak memory (memory groups)."""
 
     label: str
     key: str | tuple[str, ...]
     entry: str
     others: tuple[str, ...]
     target: float
+    metric: str = "time"
 
 
 _HW, _PATCHED = "headwise", "headwise (patched)"
@@ -52,6 +53,10 @@ GOALS = (
          ("hooks + einsum", "TransformerLens run_with_cache", "TransformerLens run_with_hooks", "nnsight", "pyvene"),
          1.00),
     Goal("pattern+z vs a plain forward", "trace pattern+z", "headwise trace", ("plain forward",), 1.10),
+    Goal("all four statistics at s8192 vs a plain forward", "trace statistics", "headwise trace, all four statistics",
+         ("plain forward",), 2.00),
+    Goal("their peak memory vs a plain forward's", "trace statistics", "headwise trace, all four statistics",
+         ("plain forward",), 1.30, metric="peak"),
     Goal("144-head sweep vs every peer's batched sweep", "sweep", "headwise head_effects",
          ("hooks, a batch per layer", "TransformerLens run_with_hooks", "nnsight", "pyvene"), 1.00),
     Goal("patched BERT forward vs unpatched", "patched BERT forward", _PATCHED, ("HF BERT (unpatched)",), 1.02),
@@ -86,10 +91,18 @@ def evaluate(groups: list[dict], goals: tuple[Goal, ...] = GOALS) -> list[dict]:
                 absent.append(key)
         row = {"goal": goal.label, "target": f"<= {goal.target:.2f}", "ratio": None, "spread": None,
                "vs": None, "status": "not run"}
-        if pairs:
+        ratio = None
+        if pairs and goal.metric == "peak":  # peak memory above the level before the call, of one call each
+            peaks = [(a["peak_bytes"] / b["peak_bytes"], b) for a, b in pairs
+                     if a.get("peak_bytes") and b.get("peak_bytes")]
+            if peaks:
+                ratio, worst = max(peaks, key=lambda r: r[0])
+                row.update(ratio=ratio, vs=worst["name"])
+        elif pairs:
             ratio, mine, worst = max(((paired_ratio(a["round_s"], b["round_s"]), a, b) for a, b in pairs),
                                      key=lambda r: r[0])
             row.update(ratio=ratio, spread=process_spread(mine["round_s"], worst["round_s"]), vs=worst["name"])
+        if ratio is not None:
             if any(e.get("matches") is False for pair in pairs for e in pair):
                 row["status"] = "output mismatch"
             else:

@@ -20,7 +20,7 @@ from typing import Callable
 
 __all__ = ["CASES", "main", "run_cases", "merge_processes", "resolve_only"]
 
-CASES = ("forward", "backward", "gqa", "decode", "trace", "sweep", "patched", "families")
+CASES = ("forward", "backward", "gqa", "decode", "trace", "stats", "sweep", "patched", "families")
 #: The folder holding the ``benchmarks`` package: child processes run there.
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--quick a temporary folder)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU groups "
                    "(benchmarks/cuda.py: bfloat16, written to benchmarks/RESULTS-cuda.md); --only then takes "
-                   "forward, backward, decode, compiled, patched")
+                   "forward, backward, decode, compiled, patched, statistics")
     p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child process's results
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -3,6 +3,8 @@ of the unpatched model and against the peers researchers use, each capturing the
 
 * ``trace result``: every head's residual write ``z_h W_O^h`` (b, s, h, d) of every layer.
 * ``trace pattern+z``: every head's probabilities (b, h, s, s) and context (b, s, h, d_h) of every layer.
+* ``trace statistics`` (case ``stats``): every head's lse, entropy, max_weight and key_weight of every layer of a
+  4-layer GPT-2-small-shaped model at b1 s8192, against a plain forward (the patterns would be 3.2 GB a layer).
 
 Peers: plain PyTorch hooks on the unpatched model (a pre-hook on ``c_proj`` for z, then an einsum with
 W_O for the result; the eager model's ``output_attentions`` for the pattern), and where installed
@@ -29,7 +31,7 @@ import headwise
 from .cases import Sizes
 from .timing import Entry, Group
 
-__all__ = ["gpt2_models", "trace_groups", "user_lines"]
+__all__ = ["gpt2_models", "trace_groups", "user_lines", "statistics_group"]
 
 
 def gpt2_models(d: int, h: int, layers: int, vocab: int, s: int) -> dict:
@@ -244,10 +246,41 @@ def _group(sz: Sizes, capture: tuple[str, ...], models: dict) -> Group:
                  rounds=sz.rounds, block_s=sz.block_s, tol=(1e-4, 1e-5), memory=True, notes=notes)
 
 
+def _statistics(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.no_grad(), headwise.trace(model, capture=("lse", "entropy", "max_weight", "key_weight")) as t:
+        out = model(input_ids=ids).last_hidden_state
+    assert t[0].key_weight.shape[-1] == ids.shape[1]  # every statistic of every layer, kept
+    return out
+
+
+def statistics_group(sz: Sizes) -> Group:
+    """All four statistics of every head of every layer at a long length, against a plain forward of the
+    unpatched model (sdpa) and of the patched one; outputs compared: the last hidden state."""
+    import transformers
+
+    from headwise.interop import patch
+
+    d, h, layers, b, s = sz.stats
+    cfg = transformers.GPT2Config(n_embd=d, n_head=h, n_layer=layers, vocab_size=50257, n_positions=s,
+                                  bos_token_id=50256, eos_token_id=50256, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    plain = transformers.GPT2Model(cfg).eval()
+    patched = patch(copy.deepcopy(plain))
+    ids = torch.randint(0, 50257, (b, s), generator=torch.Generator().manual_seed(1))
+    es = [Entry("headwise trace, all four statistics", partial(_statistics, patched, ids),
+                note="capture=('lse', 'entropy', 'max_weight', 'key_weight'), every layer"),
+          Entry("plain forward", partial(_plain, plain, ids), note="unpatched, no capture"),
+          Entry("headwise patched, no trace", partial(_plain, patched, ids))]
+    return Group("trace statistics", f"trace statistics GPT-2-shaped d{d} h{h} {layers} layers b{b} s{s}", es,
+                 base="plain forward", rounds=sz.stats_rounds, block_s=sz.block_s, tol=(1e-4, 1e-5), memory=True,
+                 notes=[f"the pattern of one layer would be {b * h * s * s * 4 / 1e9:.1f} GB "
+                                               "(float32)"])
+
+
 def trace_groups(sz: Sizes) -> dict[str, list[Callable[[], Group]]]:
     """The trace factories (none without transformers); both groups share one set of models."""
     if not _installed("transformers"):
-        return {"trace": []}
+        return {"trace": [], "stats": []}
     shared: list[dict] = []
 
     def make(capture: tuple[str, ...]) -> Group:
@@ -259,4 +292,5 @@ def trace_groups(sz: Sizes) -> dict[str, list[Callable[[], Group]]]:
             shared.clear()  # the last group: the models go with it
         return group
 
-    return {"trace": [partial(make, ("result",)), partial(make, ("pattern", "z"))]}
+    return {"trace": [partial(make, ("result",)), partial(make, ("pattern", "z"))],
+            "stats": [partial(statistics_group, sz)]}

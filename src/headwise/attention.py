@@ -29,6 +29,7 @@ from .kv_cache import KVCache
 from .masks import validate_mask
 from .plan import CacheRead, Plan, cache_read, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
+from .statistics import attend_with_statistics, check_statistics
 from .validation import (check_bool, check_causal, check_device, check_dtype, check_forward, check_layer_size,
                          check_qkv, check_sinks, has_dead_rows)
 
@@ -82,7 +83,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
     #: While a :func:`headwise.trace` is active, the object that captures and edits this layer's heads:
     #: ``wants_weights(layer)``, ``qkv(layer, q, k, v)``, ``context(layer, z, weights) -> z`` and
     #: ``results(layer) -> (b, s_q, h, d) or None`` (every head's write z_h W_O^h, when it computed them)
-    #: are called at those steps of the forward. None (the default) costs one check.
+    #: are called at those steps of the forward; ``wants_statistics(layer)`` (names from
+    #: :data:`headwise.plan.STATISTICS`) and ``statistics(layer, values)`` when a trace asks for per-head
+    #: statistics (:mod:`headwise.statistics`). None (the default) costs one check.
     tracer = None
 
     def __init__(
@@ -243,6 +246,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             if mask is not None:
                 mask = validate_mask(mask, (b, h, s_q, k.shape[2]), q.dtype, q.device)
             wants = return_weights or (tracer is not None and tracer.wants_weights(self))
+            stats = () if tracer is None else tracer.wants_statistics(self)
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                 or (sinks is not None and sinks.requires_grad))
             plan = plan_attention(
@@ -252,7 +256,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                 return_weights=wants, dropout_p=float(dropout), chunk_queries=False, records_grad=grad,
                 softcap=softcap, sinks=sinks is not None,
                 dead_rows=False if mask is None else partial(has_dead_rows, mask),
-                mask_per_head=mask is not None and mask.shape[1] != 1)
+                mask_per_head=mask is not None and mask.shape[1] != 1, statistics=stats)
         if tracer is not None:
             q, k, v = tracer.qkv(self, q, k, v)
         start, room = 0, None
@@ -265,7 +269,11 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                 if plan.cache_read is CacheRead.BUFFER:  # the whole buffer: one shape at every position
                     k, v, mask = cache.keys, cache.values, cache.read_mask(q.shape[2])  # (.., max_len, ..)
         try:
-            z, weights = hwf.attend(plan, q, k, v, mask, sinks)  # (b, h, s_q, d_h)
+            if plan.statistics:  # a trace asked for per-head statistics (headwise.plan, rule 10)
+                z, weights, values = attend_with_statistics(plan, q, k, v, mask, sinks)  # (b, h, s_q, d_h)
+                tracer.statistics(self, values)
+            else:
+                z, weights = hwf.attend(plan, q, k, v, mask, sinks)  # (b, h, s_q, d_h)
             if room is not None:  # a compiled step the cache had no room for: refused, a zero context
                 z = torch.where(room, z, 0.0)
             if head_scale is not None:
@@ -338,7 +346,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             cache.claim(self)  # after every check: a refused call never binds a cache
         tracer = self.tracer  # headwise.trace: capture and edit (None outside a trace)
         wants_weights = return_weights or (tracer is not None and tracer.wants_weights(self))
-        plan = self._plan(x, key, mask, causal, cache, wants_weights, chunk=tracer is None)
+        plan = self._plan(x, key, mask, causal, cache, wants_weights, chunk=tracer is None,
+                          statistics=() if tracer is None else tracer.wants_statistics(self))
         if plan.warn:
             warnings.warn(forward_warning(plan), stacklevel=2)
         if self.rotary is not None and positions is None:  # the next positions: after the cache's, or from 0
@@ -379,7 +388,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         attend_in_chunks(plan, queries, k, v, mask, write)
         return y
 
-    def _plan(self, x, key, mask, causal, cache, return_weights, chunk=True) -> Plan:  # type: ignore[no-untyped-def]
+    def _plan(self, x, key, mask, causal, cache, return_weights, chunk=True, statistics=()) -> Plan:  # type: ignore[no-untyped-def]
         """The plan of one call on checked inputs: the one place its decisions are made."""
         cfg = self.config
         read = CacheRead.NONE
@@ -406,18 +415,19 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             dropout_p=cfg.dropout if self.training else 0.0,
             chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
             dead_rows=False if mask is None else partial(has_dead_rows, mask),
-            mask_per_head=mask is not None and mask.shape[1] != 1, read=read)
+            mask_per_head=mask is not None and mask.shape[1] != 1, read=read, statistics=statistics)
 
     def explain_dispatch(
         self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
         causal: bool = False, cache: KVCache | None = None, return_weights: bool = False,
-        warn_bytes: int | None = None,
+        warn_bytes: int | None = None, statistics: tuple[str, ...] = (),
     ) -> DispatchInfo:
         """Which backend and kernel :meth:`forward` would run for these inputs, and why (nothing is computed).
 
         It formats the same :class:`~headwise.plan.Plan` that ``forward`` executes. Warns
         (:class:`headwise.MaterializationWarning`) if the path would materialise more than ``warn_bytes``
-        (default :data:`headwise.dispatch.WARN_BYTES`) of probabilities.
+        (default :data:`headwise.dispatch.WARN_BYTES`) of probabilities. ``statistics`` names per-head statistics a
+        trace would capture (:data:`headwise.plan.STATISTICS`): the plan then says how they are computed.
 
         Shapes:
             x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); mask: broadcastable to (b, h, s_q, s_kv)
@@ -435,7 +445,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                                                   context, None, None, mask, causal, cache, None, return_weights)
         if cache is not None and cache.owner is not None:
             cache.claim(self)  # only checks: explaining never binds a cache
-        plan = self._plan(x, key, mask, causal, cache, return_weights)
+        plan = self._plan(x, key, mask, causal, cache, return_weights, statistics=check_statistics(statistics))
         return describe(plan, d_head=self.d_head, n_kv_heads=self.n_kv_heads, dtype=w.dtype, device=w.device,
                         mask=mask, grad=torch.is_grad_enabled(), causal_given=causal,
                         cache_length=0 if cache is None else cache.length, warn_bytes=warn_bytes)

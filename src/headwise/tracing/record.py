@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from ..attention import MultiHeadAttention
+from ..statistics import STATISTICS, concatenate
 from .edits import masked_mean
 
 __all__ = ["LayerRecord", "CAPTURABLE", "TraceLookupError"]
 
-CAPTURABLE = ("q", "k", "v", "pattern", "z", "result")
+CAPTURABLE = ("q", "k", "v", "pattern", "z", "result") + STATISTICS
 _BY_POSITION = {"q": 2, "z": 1, "result": 1}  # the query-position axis: several calls concatenate along it
 _TL_NAMES = {"q": "hook_q", "k": "hook_k", "v": "hook_v", "pattern": "hook_pattern", "z": "hook_z",
              "result": "hook_result"}
@@ -33,12 +34,14 @@ class LayerRecord:
 
     Each is the tensor the layer's forward used (after every edit), so with autograd on
     ``torch.autograd.grad(loss, t[i].z)`` is the gradient at that tensor. After several calls (decoding)
-    ``q``, ``z`` and ``result`` are concatenated along the query positions, and ``calls`` holds every call's
-    dict; ``paddings`` holds each call's real-token mask (the model's ``attention_mask``) or None.
+    ``q``, ``z``, ``result``, ``lse``, ``entropy`` and ``max_weight`` are concatenated along the query positions
+    and ``key_weight`` is summed per key position (:func:`headwise.statistics.concatenate`); ``calls`` holds every
+    call's dict; ``paddings`` holds each call's real-token mask (the model's ``attention_mask``) or None.
 
     Shapes:
         q (b, h, s_q, d_h); k, v (b, h_kv, s, d_h) (h where a k/v edit gave every query head its own copy);
-        pattern (b, h, s_q, s_kv); z (b, s_q, h, d_h); result (b, s_q, h, d)
+        pattern (b, h, s_q, s_kv); z (b, s_q, h, d_h); result (b, s_q, h, d); lse, entropy, max_weight
+        (b, h, s_q); key_weight (b, h, s_kv)
     """
 
     def __init__(self, index: int, name: str, layer: MultiHeadAttention, capture: frozenset[str]) -> None:
@@ -57,6 +60,8 @@ class LayerRecord:
             raise ValueError(f"layer {self.index} ({self.name!r}) was not called inside the trace")
         if len(self.calls) == 1:
             return self.calls[0][what]
+        if what in STATISTICS:
+            return concatenate(what, [c[what] for c in self.calls])
         if what not in _BY_POSITION:
             raise ValueError(f"layer {self.index} ran {len(self.calls)} times (e.g. decoding) and {what!r} of "
                              f"different calls differ in length: use .calls[i][{what!r}]")
@@ -68,6 +73,13 @@ class LayerRecord:
     pattern = property(lambda self: self.get("pattern"), doc="Probabilities (b, h, s_q, s_kv).")
     z = property(lambda self: self.get("z"), doc="Per-head context after edits (b, s_q, h, d_h).")
     result = property(lambda self: self.get("result"), doc="Per-head residual writes (b, s_q, h, d).")
+    lse = property(lambda self: self.get("lse"), doc="Each row's log-sum-exp of its scores, sinks included "
+                   "(b, h, s_q); -inf where a row may read nothing.")
+    entropy = property(lambda self: self.get("entropy"), doc="Each row's entropy over its keys, natural log "
+                       "(b, h, s_q).")
+    max_weight = property(lambda self: self.get("max_weight"), doc="Each row's largest weight (b, h, s_q).")
+    key_weight = property(lambda self: self.get("key_weight"), doc="Each key's weight summed over the query rows "
+                          "of every call (b, h, s_kv).")
 
     def mean(self, site: str = "z") -> torch.Tensor:
         """Each head's mean ``site`` vector over every call, batch row and real token (the model's
@@ -95,7 +107,7 @@ class LayerRecord:
 
     def tl_names(self) -> dict[str, str]:
         """``{TransformerLens hook name: capture name}`` for what this layer captured."""
-        return {f"blocks.{self.index}.attn.{_TL_NAMES[c]}": c for c in CAPTURABLE if c in self.capture}
+        return {f"blocks.{self.index}.attn.{name}": c for c, name in _TL_NAMES.items() if c in self.capture}
 
     def __repr__(self) -> str:
         return (f"LayerRecord({self.index}, {self.name!r}, capture={sorted(self.capture)}, "

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..attention import MultiHeadAttention
+from ..statistics import STATISTICS
 from .edits import SitePlan, apply
 from .layers import head_results
 from .record import LayerRecord
@@ -52,6 +53,7 @@ class LayerTracer:
         self.entries: list[Entry] = []
         self.last_results: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] | None = None
 
     # -- a copy of a traced layer is not traced ----------------------------------------------------------
     def __deepcopy__(self, memo: dict) -> None:
@@ -66,6 +68,13 @@ class LayerTracer:
     # -- the protocol the layer calls --------------------------------------------------------------------
     def wants_weights(self, layer: MultiHeadAttention) -> bool:
         return any("pattern" in e.record.capture or e.plans["pattern"] for e in self.entries)
+
+    def wants_statistics(self, layer: MultiHeadAttention) -> tuple[str, ...]:
+        entries = self.entries
+        return tuple(n for n in STATISTICS if any(n in e.record.capture for e in entries))
+
+    def statistics(self, layer: MultiHeadAttention, values: dict[str, torch.Tensor]) -> None:
+        self.stats = values  # captured by the context step that follows
 
     def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
         entries = self.entries
@@ -88,6 +97,7 @@ class LayerTracer:
     def context(self, layer: MultiHeadAttention, z: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         entries = self.entries
         values, self.values = self.values, None
+        stats, self.stats = self.stats, None
         edited = [e for e in entries if e.plans["pattern"]]
         if weights is not None and (edited or (torch.is_grad_enabled() and self.wants_weights(layer))):
             for e in edited:
@@ -119,6 +129,8 @@ class LayerTracer:
                 call["z"] = zc
             if "result" in capture:
                 call["result"] = results
+            if stats is not None:
+                call.update((n, t) for n, t in stats.items() if n in capture)
             if capture:
                 e.record.calls.append(call)
                 e.record.paddings.append(e.session.padding)

@@ -12,6 +12,8 @@
 * :mod:`headwise.viz.png`: one layer's heads as a grid, or every layer x head (needs ``matplotlib``).
 * :mod:`headwise.viz.html`: a self-contained HTML model view (every layer x head on canvas, opening into a
   head view with tooltips; inline data, CSS and JS, no network).
+* :mod:`headwise.viz.statistics`: every head at long context from per-head statistics, no pattern
+  (:func:`model_statistics`), drawn by :mod:`headwise.viz.stats_png` and :mod:`headwise.viz.stats_html`.
 
 Names resolve on first use, so ``import headwise.viz`` imports neither transformers nor matplotlib.
 """
@@ -36,6 +38,11 @@ _EXPORTS = {
     "save_png": "png",
     "render_html": "html",
     "save_html": "html",
+    "HeadStatistics": "statistics",
+    "model_statistics": "statistics",
+    "save_statistics_png": "stats_png",
+    "render_statistics_html": "stats_html",
+    "save_statistics_html": "stats_html",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,98 @@
+"""A PNG of :class:`~headwise.viz.statistics.HeadStatistics`: three layer x head grids (mean entropy, mean max
+weight, first-token share) above per-position curves of chosen heads (entropy and max weight of each query,
+weight each key received), with the sink and sharp heads named under the grids.
+
+Shapes:
+    grids (L, h); curves over s positions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .statistics import SHARP_WEIGHT, SINK_SHARE, HeadStatistics
+
+__all__ = ["save_statistics_png"]
+
+_GRIDS = (("mean entropy", "viridis", "nats"), ("mean max weight", "magma", "weight"),
+          ("first-token share", "magma", "weight"))
+_CURVES = (("entropy", "entropy of each query (nats)"), ("max_weight", "max weight of each query"),
+           ("key_weight", "weight each key received (sum over queries)"))
+
+
+def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Sequence[tuple[int, int]] | None = None,
+                        title: str | None = None, dpi: int = 100) -> Path:
+    """Draw ``stats`` into ``path`` (.png): the grids, then curves of ``heads`` ((layer, head) pairs; default
+    :meth:`HeadStatistics.chosen`). Needs matplotlib.
+
+    Shapes:
+        stats arrays (L, h, s) -> one figure of three grids and three curve panels
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)  # no display needed; keeps an interactive backend if one is active
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"save_statistics_png writes a .png file, got {str(path)!r}")
+    heads = list(heads) if heads is not None else stats.chosen()
+    grid, kinds = stats.grid(), stats.kinds()
+    L, h, s = stats.n_layers, stats.n_heads, len(stats.tokens)
+    cell = min(0.5, 4.2 / max(h, 1))
+    width = max(13.0, 3 * (h * cell + 1.2))
+    grid_h = max(2.0, L * cell + 1.0)
+    fig = plt.figure(figsize=(width, grid_h + 4.6), dpi=dpi)
+    try:
+        spec = fig.add_gridspec(2, 3, height_ratios=[grid_h, 3.2], hspace=0.55, wspace=0.3,
+                                top=1 - 0.75 / (grid_h + 4.6), bottom=0.9 / (grid_h + 4.6), left=0.05, right=0.96)
+        for c, (name, cmap, unit) in enumerate(_GRIDS):
+            ax = fig.add_subplot(spec[0, c])
+            values = grid[name].numpy()
+            top = max(float(values.max()), 1e-9) if name == "mean entropy" else 1.0
+            im = ax.imshow(values, cmap=cmap, vmin=0.0, vmax=top, aspect="auto", interpolation="nearest")
+            ax.set_title(name, fontsize=10)
+            ax.set_xlabel("head", fontsize=8)
+            ax.set_ylabel("layer", fontsize=8)
+            ax.set_xticks(range(0, h, max(1, h // 16)))
+            ax.set_yticks(range(0, L, max(1, L // 16)))
+            ax.tick_params(labelsize=7)
+            for layer, head in heads:
+                ax.add_patch(plt.Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="#00c8ff", lw=1.5))
+            if L * h <= 160:
+                for layer in range(L):
+                    for head in range(h):
+                        v = float(values[layer, head])
+                        ax.text(head, layer, f"{v:.2f}" if v < 10 else f"{v:.1f}", ha="center", va="center",
+                                fontsize=6, color="white" if v < 0.6 * top else "black")
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02).set_label(unit, fontsize=7)
+        positions = range(s)
+        for c, (name, label) in enumerate(_CURVES):
+            ax = fig.add_subplot(spec[1, c])
+            values = getattr(stats, name)
+            for layer, head in heads:
+                ax.plot(positions, values[layer, head].numpy(), lw=0.9, label=f"L{layer} H{head}")
+            if name == "key_weight":
+                ax.set_yscale("symlog", linthresh=1e-2)
+            ax.set_title(label, fontsize=9)
+            ax.set_xlabel("key position" if name == "key_weight" else "query position", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+            if c == 0:
+                ax.legend(fontsize=7, loc="best")
+        fig.suptitle(title or f"{stats.model}: every head, {s} tokens", fontsize=11)
+        fig.text(0.05, 0.25 / (grid_h + 4.6), _kinds_line(kinds), fontsize=8)
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _kinds_line(kinds: dict[str, list[tuple[int, int]]]) -> str:
+    def names(pairs: list[tuple[int, int]]) -> str:
+        shown = ", ".join(f"L{a} H{b}" for a, b in pairs[:12])
+        return (shown + f" (+{len(pairs) - 12} more)" if len(pairs) > 12 else shown) or "none"
+
+    return (f"sink heads (first-token share >= {SINK_SHARE}): {names(kinds['sink'])}.   "
+            f"sharp heads (mean max weight >= {SHARP_WEIGHT}): {names(kinds['sharp'])}.   Boxed: the heads drawn below.")

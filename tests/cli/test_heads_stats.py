@@ -1,0 +1,110 @@
+"""`headwise heads --stats`: every layer x head from per-head statistics, at any length the model takes. The
+numbers are checked against the unpatched model's own `output_attentions` (float64 means of its patterns), the
+pictures are written and named, and the arguments are checked before anything loads (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from headwise.cli import main  # noqa: E402
+from tests.cli.test_heads_models import TEXT, save_checkpoint  # noqa: E402
+
+LONG = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire."] * 14)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["heads", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def grid_from_attentions(attentions: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """(L, h) means of each head's pattern, float64, over every query row (none is padding here)."""
+    p = torch.stack([a[0].double() for a in attentions])  # (L, h, s, s)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    return {"mean entropy": entropy.mean(-1), "mean max weight": p.amax(-1).mean(-1),
+            "first-token share": p[..., 0].mean(-1)}
+
+
+def test_minilm_grid_equals_its_own_output_attentions(capsys):
+    from transformers import AutoModel, AutoTokenizer
+
+    from headwise.viz import minilm_path
+
+    code, out, err = run(capsys, LONG, "--stats", "--max-tokens", "200", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    tok = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
+    model = AutoModel.from_pretrained(minilm_path(), local_files_only=True, attn_implementation="eager").eval()
+    enc = tok(LONG, return_tensors="pt", truncation=True, max_length=200)
+    with torch.no_grad():
+        want = grid_from_attentions(model(**enc, output_attentions=True).attentions)
+    assert (r["layers"], r["heads"], len(r["tokens"])) == (6, 12, 200)
+    for name, ref in want.items():
+        torch.testing.assert_close(torch.tensor(r["grid"][name], dtype=torch.float64), ref, rtol=1e-4, atol=1e-5)
+    assert r["kinds"]["sink"] and all(r["grid"]["first-token share"][a][b] >= 0.5 for a, b in r["kinds"]["sink"])
+
+
+def test_a_length_the_pattern_drawing_refuses_is_served(capsys, tmp_path):
+    path = save_checkpoint("llama", tmp_path / "llama")  # 2 layers x 6 heads
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (path / "config.json").write_text(json.dumps(config))
+    text = " ".join(TEXT.split() * 1024)  # 8192 tokens
+    code, _, err = run(capsys, text, "--model", str(path), "--all-layers", "--max-tokens", "8192", "--json")
+    assert code == 2 and "over the limit" in err  # the patterns: 2 x 6 x 8192 x 8192 floats, held twice
+    code, out, err = run(capsys, text, "--model", str(path), "--stats", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert len(r["tokens"]) == 8192 and len(r["key_weight"][1][5]) == 8192
+    kw = torch.tensor(r["key_weight"])  # (L, h, s): each head's weights of every query sum to 1
+    torch.testing.assert_close(kw.sum(-1), torch.full((2, 6), 8192.0), rtol=1e-4, atol=0)
+    entropy = torch.tensor(r["entropy"])
+    assert float(entropy[..., 0].abs().max()) < 1e-6  # the first query reads one key
+    assert bool((entropy <= torch.log(torch.arange(1, 8193, dtype=torch.float32)) + 1e-3).all())
+
+
+def test_the_pictures_are_written_and_name_the_heads(capsys, tmp_path):
+    import matplotlib.image
+
+    png, page = tmp_path / "stats.png", tmp_path / "stats.html"
+    code, out, err = run(capsys, LONG, "--stats", "--curves", "1.11,4.5", "--out", str(png))
+    said = "".join(out.split())  # the terminal line wraps, long paths too
+    assert code == 0 and said.startswith(f"Wrote{png}(") and "per-headstatistics" in said, err
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 500 and image.shape[1] > 1000
+    code, out, err = run(capsys, LONG, "--stats", "--curves", "1.11,4.5", "--out", str(page))
+    assert code == 0, err
+    html = page.read_text()
+    assert "mean entropy" in html and "first-token share" in html and "<svg" in html and "<script" not in html
+    assert "L1 H11" in html and "L4 H5" in html and "sink heads" in html
+
+
+def test_the_table_names_sink_and_sharp_heads(capsys):
+    code, out, err = run(capsys, LONG, "--stats", "--max-tokens", "64")
+    assert code == 0, err
+    assert "first-token share" in out and "Sink heads: " in out and "Sharp heads: " in out
+    rows = [ln for ln in out.splitlines() if re.match(r"\s*\d\.\d+ +\d+\.\d{3} +\d\.\d{3} +\d\.\d{3}", ln)]
+    assert len(rows) == 72  # one per layer x head
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--curves", "1.2"], "--curves draws per-position statistics: it needs --stats"),
+    (["--stats", "--layer", "1"], "--stats draws every layer and head"),
+    (["--stats", "--heads", "0,1"], "--stats draws every layer and head"),
+    (["--stats", "--curves", "6.0"], "--curves: layer must be in [0, 6)"),
+    (["--stats", "--curves", "1.12"], "--curves: layer 1 has 12 heads, got 1.12"),
+    (["--stats", "--curves", "1-2"], "must be layer.head pairs"),
+    (["--stats", "--max-tokens", "513"], "--max-tokens must be at most 512"),
+    (["--stats", "--out", "x.svg"], "x.svg"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, "some text", *argv)
+    assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,71 @@
+"""headwise.viz.model_statistics on a GPT-2 with a planted sink head and a planted sharp head: the per-position
+statistics equal float64 statistics of the unpatched eager model's own `output_attentions`, the grid finds the
+planted heads, and both pictures draw them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import headwise  # noqa: E402
+from headwise.viz import model_statistics, render_statistics_html  # noqa: E402
+
+D_H = 8
+
+
+def planted(n_positions: int = 512) -> torch.nn.Module:
+    """GPT-2 (d32, 4 heads, 2 layers): layer 0 head 1 reads token 0 only (a sink); layer 1 head 2 has scores
+    40 x 40 times larger than the others' (sharp)."""
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_head=4, n_layer=2, n_positions=n_positions,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        model.transformer.wte.weight[0] = 0.0
+        model.transformer.wte.weight[0, 5] = 4.0  # token 0 stands out along feature 5
+        w, b = model.transformer.h[0].attn.c_attn.weight, model.transformer.h[0].attn.c_attn.bias
+        w[:, D_H:2 * D_H] = 0.0
+        b[D_H:2 * D_H] = 3.0  # every query of head 1 the same...
+        w[:, 32 + D_H:32 + 2 * D_H] = 0.0
+        w[5, 32 + D_H:32 + 2 * D_H] = 3.0  # ...and its keys large only on token 0
+        w1 = model.transformer.h[1].attn.c_attn.weight
+        w1[:, 2 * D_H:3 * D_H] *= 40.0
+        w1[:, 32 + 2 * D_H:32 + 3 * D_H] *= 40.0
+    return model
+
+
+def ids(s: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    return torch.cat([torch.zeros(1, 1, dtype=torch.long), torch.randint(1, 64, (1, s - 1), generator=g)], 1)
+
+
+def test_per_position_statistics_equal_the_unpatched_models_own_weights():
+    model = planted()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    x = ids(300)
+    with torch.no_grad():
+        p = torch.stack([a[0].double() for a in eager(x, output_attentions=True).attentions])  # (L, h, s, s)
+    st = model_statistics(model, {"input_ids": x})
+    torch.testing.assert_close(st.entropy.double(), -(p * p.clamp_min(1e-300).log()).sum(-1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.max_weight.double(), p.amax(-1), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(st.key_weight.double(), p.sum(-2), rtol=1e-4, atol=1e-4)
+    assert st.kinds() == {"sink": [(0, 1)], "sharp": [(1, 2)]}
+    assert st.chosen()[:2] == [(0, 1), (1, 2)]
+
+
+def test_the_pictures_draw_the_planted_heads(tmp_path):
+    pytest.importorskip("matplotlib")
+    from headwise.viz import save_statistics_png
+
+    st = model_statistics(headwise.interop.patch(planted()), {"input_ids": ids(200)}, name="planted GPT-2")
+    page = render_statistics_html(st)
+    assert "L0 H1" in page and "L1 H2" in page and "planted GPT-2" in page
+    path = save_statistics_png(st, tmp_path / "planted.png")
+    assert path.stat().st_size > 20_000
+    with pytest.raises(ValueError, match="writes a .png file"):
+        save_statistics_png(st, tmp_path / "planted.jpg")
