@@ -37,10 +37,11 @@ for dtype in (torch.bfloat16, torch.float32):
             print(f"{str(dtype):15} h32/{h_kv:<3} {name:26} kernel={info.kernel:10} grouping={info.plan.grouping.name:7} "
                   f"avoid_cudnn={info.plan.avoid_cudnn} read={info.plan.cache_read.name} chunk={info.query_chunk}")
 PY
+if [ -n "${DIAG:-}" ]; then timeout "${DIAG_TIMEOUT:-60}" python3 -m benchmarks.decode_kernels 2>&1 | tee "$OUT/decode-kernels.txt"; fi
 # The tests, a file at a time (each under its own limit, so one slow compile cannot take the others' time).
 for f in ${TESTS:-tests/gpu/test_cuda.py tests/gpu/test_cuda_hf.py tests/gpu/test_cuda_statistics.py}; do
-  timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -m cuda "$f" -p no:randomly 2>&1 | tee -a "$OUT/gpu-tests.txt"
+  timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -m cuda "$f" -p no:randomly ${TEST_K:+-k "$TEST_K"} 2>&1 \
+    | tee -a "$OUT/gpu-tests.txt"
 done
 timeout "${BENCH_TIMEOUT:-420}" python3 -m benchmarks --device cuda --out "$OUT/RESULTS-cuda.md" ${BENCH_ONLY:+--only $BENCH_ONLY} 2>&1 \
   | tee "$OUT/gpu-bench.txt"
-if [ -n "${DIAG:-}" ]; then timeout "${DIAG_TIMEOUT:-60}" python3 -m benchmarks.decode_kernels 2>&1 | tee "$OUT/decode-kernels.txt"; fi
