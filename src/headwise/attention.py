@@ -24,7 +24,7 @@ from . import functional as hwf
 from .chunking import attend_in_chunks
 from .config import AttentionConfig, check_dropout, check_scale
 from .dispatch import DispatchInfo, describe
-from .head import LayerHeads
+from .head import ORIGINAL_HEADS, LayerHeads
 from .kv_cache import KVCache
 from .masks import validate_mask
 from .plan import CacheRead, Plan, cache_read, forward_warning, plan_attention
@@ -487,8 +487,10 @@ class MultiHeadAttention(LayerHeads, nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
+        origin = self.__dict__.get(ORIGINAL_HEADS)  # after head surgery: which original heads these are
         return (f"d_model={c.d_model}, n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads}, d_head={c.d_head}, "
-                f"kind={c.kind}, backend={self.backend!r}")
+                f"kind={c.kind}, backend={self.backend!r}"
+                + ("" if origin is None else f", original heads {list(origin)}"))
 
 
 def has_forward_hooks(module: nn.Module) -> bool:

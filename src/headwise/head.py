@@ -17,6 +17,10 @@ from .config import check_scale
 from .validation import check_input, check_positions, check_tensor
 from .masks import validate_mask
 
+#: Where head surgery keeps the original index of every head a module has now (in the module's ``__dict__``:
+#: the layer's, or the patched Hugging Face module's), so a layer's ``repr`` can name them.
+ORIGINAL_HEADS = "headwise_original_heads"
+
 if TYPE_CHECKING:
     from .config import AttentionConfig
     from .rotary import RotaryEmbedding

@@ -44,6 +44,7 @@ def test_two_rounds_on_a_bare_stack_and_every_kind_of_surgery():
     layer = headwise.MultiHeadAttention(16, 4)
     small = prune_heads(prune_heads(layer, [3]), [0])
     assert original_heads(small) == [(1, 2)] and original_heads(layer) == [(0, 1, 2, 3)]  # the copy's record only
+    assert "original heads [1, 2]" in repr(small) and "original heads" not in repr(layer)
     assert original_heads(to_mha(small)) == [(1, 2)]
 
 
@@ -78,6 +79,8 @@ def test_two_rounds_on_a_patched_model_survive_unpatch_save_and_load(family, tmp
     prune_heads(model, {1: [0]})
     want = (tuple(range(h)), tuple(i for i in range(h) if i not in (0, 1, 3)))
     assert tuple(original_heads(model)) == want
+    found = headwise.interop.layers(model)  # each layer's repr names its original heads after surgery
+    assert "original heads" not in repr(found[0][1]) and f"original heads {list(want[1])}" in repr(found[1][1])
     after = z_of(model, kw)
     torch.testing.assert_close(after[1], before[1][:, :, list(want[1])])  # layer 0 is unchanged: same input
     unpatch(model)

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
+from ..head import ORIGINAL_HEADS
 
 __all__ = ["LayerView", "ProjectionView"]
 
@@ -178,7 +179,9 @@ class LayerView(MultiHeadAttention):
     def extra_repr(self) -> str:
         kind = type(self.host).__name__
         names = ", ".join(f"{hw}={what}" for hw, what in self.source_names().items())
-        return f"view of {self._hw_name or kind} ({kind}: {names}), {super().extra_repr()}"
+        origin = self.host.__dict__.get(ORIGINAL_HEADS)  # after head surgery: which original heads these are
+        return (f"view of {self._hw_name or kind} ({kind}: {names}), {super().extra_repr()}"
+                + ("" if origin is None else f", original heads {list(origin)}"))
 
     def source_names(self) -> dict[str, str]:
         """headwise name -> where it lives on the host (for ``repr``)."""

@@ -19,13 +19,14 @@ from typing import Any
 
 from torch import nn
 
+from ..head import ORIGINAL_HEADS
 from ..tracing import find_layers
 from . import hosts
 from .weights import HeadWeights
 
 __all__ = ["ATTRIBUTE", "original_heads", "of_layer", "record", "compose", "holder"]
 
-ATTRIBUTE = "headwise_original_heads"
+ATTRIBUTE = ORIGINAL_HEADS
 
 
 def holder(layer: Any) -> nn.Module:
