@@ -33,6 +33,10 @@ def under_torchrun(args: argparse.Namespace, module: str,
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        return run(args, device)
+        status = run(args, device)
+        # Every rank waits for the others before tearing down: a rank that destroys its group and exits while
+        # a peer's gloo threads still hold the connection can abort that peer at exit.
+        dist.barrier()
+        return status
     finally:
         dist.destroy_process_group()
