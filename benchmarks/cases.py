@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from headwise import DecodeStep, MultiHeadAttention
+from headwise import DecodeStep, KVCache, MultiHeadAttention
 
 from . import peers
 from .timing import Entry, Group
@@ -117,6 +117,19 @@ def gqa_group(sz: Sizes) -> Group:
                  rounds=sz.rounds, block_s=sz.block_s)
 
 
+def _rewind(cache: KVCache, ctx: int) -> Callable[[], None]:
+    """The headwise entries' reset: back to ``ctx`` cached positions, the context rewritten with its own values,
+    so that each block starts with its cache as freshly written as the loop's (whose ``fill`` copies it)."""
+    saved = cache.keys[:, :, :ctx].clone(), cache.values[:, :, :ctx].clone()
+
+    def rewind() -> None:
+        cache.crop(ctx)
+        cache.keys[:, :, :ctx].copy_(saved[0])
+        cache.values[:, :, :ctx].copy_(saved[1])
+
+    return rewind
+
+
 def decode_group(sz: Sizes) -> Group:
     """One token per call against a cache of ``context`` tokens: headwise ``attn(x, cache=cache)`` under
     no_grad vs the preallocated ``x @ W`` loop. Every block starts from the same cache content."""
@@ -130,6 +143,7 @@ def decode_group(sz: Sizes) -> Group:
     with torch.no_grad():
         attn(prompt, cache=cache)  # the cached context, written by the forward itself
         k0, v0 = (p(prompt).view(1, ctx, h, d // h).transpose(1, 2) for p in (attn.k_proj, attn.v_proj))
+    rewind = _rewind(cache, ctx)
 
     def step() -> torch.Tensor:
         with torch.no_grad():
@@ -139,7 +153,7 @@ def decode_group(sz: Sizes) -> Group:
         with torch.no_grad():
             return xw(x)
 
-    es = [Entry("headwise", step, reset=partial(cache.crop, ctx), number=tokens,
+    es = [Entry("headwise", step, reset=rewind, number=tokens,
                 note="attn(x, cache=cache) under no_grad"),
           Entry("x @ W preallocated loop", xw_step, reset=partial(xw.fill, k0, v0), number=tokens,
                 note="addmm per projection, slot write, SDPA over the filled prefix, @ W_O")]
@@ -161,7 +175,7 @@ def decode_step_group(sz: Sizes) -> Group:
     with torch.no_grad():
         attn(prompt, cache=cache)
         k0, v0 = (p(prompt).view(1, ctx, h, d // h).transpose(1, 2) for p in (attn.k_proj, attn.v_proj))
-    es = [Entry("headwise DecodeStep", _no_grad(lambda: step(x)), reset=partial(cache.crop, ctx), number=32,
+    es = [Entry("headwise DecodeStep", _no_grad(lambda: step(x)), reset=_rewind(cache, ctx), number=32,
                 note="step = DecodeStep(attn, cache); step(x) under no_grad"),
           Entry("x @ W preallocated loop", _no_grad(lambda: xw(x)), reset=partial(xw.fill, k0, v0), number=32)]
     return Group("decode step", f"decode step d{d} h{h} context {ctx} (per-call overhead)", es,

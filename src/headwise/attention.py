@@ -30,10 +30,11 @@ from .masks import validate_mask
 from .plan import CacheRead, Plan, cache_read, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
 from .statistics import attend_with_statistics, check_statistics
+from .token_step import PLAN_KEY, one_token
 from .validation import (check_bool, check_causal, check_device, check_dtype, check_forward, check_layer_size,
                          check_qkv, check_sinks, has_dead_rows)
 
-__all__ = ["MultiHeadAttention", "has_forward_hooks"]
+__all__ = ["MultiHeadAttention", "calls_forward_only", "has_forward_hooks"]
 
 
 class MultiHeadAttention(LayerHeads, nn.Module):
@@ -338,6 +339,12 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             mask: broadcastable to (b, h, s_q, s_kv); positions: (s_q,) or (b, s_q)
             -> (b, s_q, d) [, weights (b, h, s_q, s_kv)]
         """
+        if cache is not None and type(self) is MultiHeadAttention and context is None and key is None \
+                and value is None and mask is None and positions is None and return_weights is False \
+                and (causal is False or causal is True):
+            y = one_token(self, x, cache)  # a decode step's short route, or None
+            if y is not None:
+                return y
         w = self.q_proj.weight
         x, key, value, mask, positions, batched = check_forward(
             self.config, w.dtype, w.device, self.rotary is not None, x, context, key, value, mask, causal, cache,
@@ -361,11 +368,18 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         q, k, v = self.project_qkv(x) if key is None else (self.project_q(x), *self.project_kv(key, value))
         if self.rotary is not None:
             q, k = self.rotary.rotate(q, k, positions)
+        # The length a failed call puts back (compiled steps write at the device position and roll back there).
+        start = None if cache is None or plan.cache_read is CacheRead.POSITION else cache.length
         # Attend: every head on its own (the step a trace sees), over the cache's positions too when there is one.
         z, weights = self.attend(q, k, v, mask=mask, return_weights=True, plan=plan, cache=cache)  # (b, h, s_q, d_h)
         del q, k, v  # without autograd, freed before W_O allocates the output
         # Merge and project out: W_O is the only place heads mix.
-        y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
+        try:
+            y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
+        except BaseException:  # a hook, an edit of the results or W_O failed after the cache write
+            if start is not None:
+                cache.crop(start)
+            raise
         if not batched:
             y, weights = y.squeeze(0), None if weights is None else weights.squeeze(0)
         return (y, weights) if return_weights else y
@@ -454,6 +468,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("tracer", None)
+        state.pop(PLAN_KEY, None)  # it refers to this layer's cache
         return state
 
     # -- checkpoints: the config rides in the state dict's metadata (see headwise.checkpoint) -------------
@@ -491,6 +506,15 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         return (f"d_model={c.d_model}, n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads}, d_head={c.d_head}, "
                 f"kind={c.kind}, backend={self.backend!r}"
                 + ("" if origin is None else f", original heads {list(origin)}"))
+
+
+def calls_forward_only(module: nn.Module) -> bool:
+    """Whether ``module(...)`` is exactly ``module.forward(...)``: no hook of any kind, its own or global (the
+    condition of ``nn.Module``'s own shortcut)."""
+    m = nn.modules.module
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 def has_forward_hooks(module: nn.Module) -> bool:

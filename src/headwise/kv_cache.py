@@ -129,6 +129,7 @@ class KVCache:
         self._refused = torch.zeros((), dtype=torch.long, device=self.keys.device)  # compiled steps with no room
         self._device_ahead = False  # compiled steps ran since the host last read the position
         self._slots = torch.arange(max_len, device=self.keys.device)  # key index j, for the position mask
+        self._next_slot = self.position.view(1)  # (1,): the next write's slot, as an index
         if not torch.compiler.is_compiling():
             # Compiled steps write these tensors in place; a CUDA graph may do so only to tensors whose address it
             # can trust to stay the same (as transformers marks its StaticCache's), else it is not used at all.
@@ -295,8 +296,12 @@ class KVCache:
         # Cached keys carry no autograd history (detached, as under no_grad), at no context-manager cost.
         if k.requires_grad or v.requires_grad:
             k, v = k.detach(), v.detach()
-        keys.narrow(2, start, n).copy_(k)  # narrow, not slicing: a decode step's fixed cost is mostly Python
-        values.narrow(2, start, n).copy_(v)
+        if n == 1:  # a decode step: the device's position is ``start``; indexing by it costs less than a narrow
+            keys.index_copy_(2, self._next_slot, k)
+            values.index_copy_(2, self._next_slot, v)
+        else:
+            keys.narrow(2, start, n).copy_(k)  # narrow, not slicing: a decode step's fixed cost is mostly Python
+            values.narrow(2, start, n).copy_(v)
         self._length = end
         self.position.fill_(end)  # compiled steps read it
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)  # (b, h_kv, length, d_h)

@@ -1,4 +1,5 @@
-"""DecodeStep: the same tokens as the layer's forward with its cache, bit for bit, and the forward's errors."""
+"""One token at a time: the forward's one-token route and DecodeStep give the general forward's tokens bit for bit,
+and the forward's errors."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import headwise
 from headwise import DecodeStep, MultiHeadAttention, RotaryEmbedding
 from headwise import functional as hwf
+from headwise.token_step import PLAN_KEY, one_token
 from tests.reference import reference_mha
 
 
@@ -17,18 +19,81 @@ def _layer(h: int, h_kv: int, rotary: bool = False, dtype=torch.float32) -> Mult
     return MultiHeadAttention(8 * h, h, h_kv, rotary=rope, dtype=dtype).eval()
 
 
-@pytest.mark.parametrize("h, h_kv, rotary", [(4, 4, False), (4, 2, False), (4, 1, True), (2, 2, True)])
-def test_steps_equal_the_forward_with_a_cache_bit_for_bit(h, h_kv, rotary):
-    attn = _layer(h, h_kv, rotary)
+class GeneralRoute(MultiHeadAttention):
+    """The same layer as a subclass: the forward's general route at every call (the one-token route serves the
+    layer's own class only, as a subclass may override any step)."""
+
+
+def _general_twin(attn: MultiHeadAttention) -> MultiHeadAttention:
+    twin = GeneralRoute(config=attn.config, rotary=attn.rotary, dtype=attn.q_proj.weight.dtype).eval()
+    twin.load_state_dict(attn.state_dict())
+    return twin
+
+
+@pytest.mark.parametrize("h, h_kv, rotary, bias", [(4, 4, False, True), (4, 2, False, False), (4, 1, False, True),
+                                                   (4, 1, True, True), (2, 2, True, False)])
+def test_one_token_calls_and_steps_equal_the_general_forward_bit_for_bit(h, h_kv, rotary, bias):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8 * h, h, h_kv, bias=bias, rotary=RotaryEmbedding(8) if rotary else None).eval()
+    general = _general_twin(attn)
     x = torch.randn(3, 9, attn.d_model)
-    by_forward, by_step = attn.new_cache(3, 12), attn.new_cache(3, 12)
+    by_general, by_forward, by_step = general.new_cache(3, 12), attn.new_cache(3, 12), attn.new_cache(3, 12)
     step = DecodeStep(attn, by_step)
     with torch.no_grad():
-        want = [attn(x[:, :5], cache=by_forward)] + [attn(x[:, t:t + 1], cache=by_forward) for t in range(5, 9)]
-        got = [attn(x[:, :5], cache=by_step)] + [step(x[:, t:t + 1]) for t in range(5, 9)]
-    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=0, atol=0)
-    torch.testing.assert_close(by_step.keys[:, :, :9], by_forward.keys[:, :, :9], rtol=0, atol=0)
-    assert by_step.length == by_forward.length == 9
+        want = [general(x[:, :5], cache=by_general)] + [general(x[:, t:t + 1], cache=by_general)
+                                                         for t in range(5, 9)]
+        got_forward = [attn(x[:, :5], cache=by_forward)] + [attn(x[:, t:t + 1], cache=by_forward)
+                                                             for t in range(5, 9)]
+        got_step = [attn(x[:, :5], cache=by_step)] + [step(x[:, t:t + 1]) for t in range(5, 9)]
+    for got, cache in ((got_forward, by_forward), (got_step, by_step)):
+        torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=0, atol=0)
+        torch.testing.assert_close(cache.keys[:, :, :9], by_general.keys[:, :, :9], rtol=0, atol=0)
+        torch.testing.assert_close(cache.values[:, :, :9], by_general.values[:, :, :9], rtol=0, atol=0)
+        assert cache.length == by_general.length == 9
+    assert (PLAN_KEY in attn.__dict__) is not rotary  # the short route ran exactly where it serves
+
+
+def test_the_one_token_route_serves_plain_calls_only():
+    """It answers a plain one-token call and leaves everything it does not reproduce to the general forward."""
+    attn = _layer(4, 2)
+    cache = attn.new_cache(2, 8)
+    x = torch.randn(2, 1, attn.d_model)
+    with torch.no_grad():
+        assert one_token(attn, x, headwise.KVCache(2, 8, 2, 8)) is None  # unclaimed: the forward binds it
+        assert one_token(attn, x, {"keys": None}) is None  # not a cache: the forward's message
+        attn(x, cache=cache)
+        assert one_token(attn, x, cache) is not None and cache.length == 2
+        assert one_token(attn, torch.randn(2, 2, attn.d_model), cache) is None  # two tokens
+        assert one_token(attn, x.double(), cache) is None  # the forward's dtype message
+        assert one_token(attn, x, attn.new_cache(3, 8)) is None  # a cache of another batch size
+        handle = attn.v_proj.register_forward_hook(lambda m, a, o: o)
+        assert one_token(attn, x, cache) is None  # a hooked projection must be called
+        handle.remove()
+        with headwise.trace(attn, capture=("z",)):
+            assert one_token(attn, x, cache) is None
+        attn.train()
+        assert one_token(attn, x, cache) is not None  # training without dropout: the same math
+        assert cache.length == 3
+
+
+def test_a_layer_that_decoded_copies_and_pickles_without_its_cache(tmp_path):
+    """The one-token plan refers to the layer's cache: copies and pickles leave it behind and plan anew."""
+    import copy
+
+    attn = _layer(4, 2)
+    x = torch.randn(2, 3, attn.d_model)
+    cache = attn.new_cache(2, 8)
+    with torch.no_grad():
+        attn(x[:, :2], cache=cache)
+        attn(x[:, 2:], cache=cache)
+    assert PLAN_KEY in attn.__dict__
+    torch.save(attn, tmp_path / "layer.pt")
+    for twin in (copy.deepcopy(attn), torch.load(tmp_path / "layer.pt", weights_only=False)):
+        assert PLAN_KEY not in twin.__dict__
+        own = twin.new_cache(2, 8)
+        with torch.no_grad():
+            ys = [twin(x[:, :2], cache=own), twin(x[:, 2:], cache=own)]
+        torch.testing.assert_close(torch.cat(ys, 1), attn(x, causal=True), rtol=1e-5, atol=1e-6)
 
 
 def test_steps_compute_the_float64_formula():

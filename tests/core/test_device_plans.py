@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import headwise.attention
-import headwise.decoding
+import headwise.token_step
 from headwise import DecodeStep, MultiHeadAttention
 from headwise import functional as hwf
 from headwise.plan import CacheRead, Causal, Grouping, cache_read, plan_attention
@@ -160,7 +160,7 @@ def test_the_whole_buffer_route_equals_the_prefix_route(monkeypatch, h_kv, rotar
     whole = lambda device_type, dtype, s_q, has_mask, eager, length: (  # noqa: E731
         CacheRead.PREFIX if has_mask or eager or (s_q > 1 and length() == 0) else CacheRead.BUFFER)
     monkeypatch.setattr(headwise.attention, "cache_read", whole)
-    monkeypatch.setattr(headwise.decoding, "cache_read", whole)
+    monkeypatch.setattr(headwise.token_step, "cache_read", whole)
     step = DecodeStep(attn, cache)
     with torch.no_grad():
         assert attn.explain_dispatch(x[:, :1], cache=cache).plan.cache_read is CacheRead.BUFFER

@@ -20,7 +20,7 @@ LAYERS = [
     {"validation", "checkpoint"},                               # checks on the leaves
     {"plan"},                                                   # every decision, from sizes and flags
     {"functional", "dispatch"},                                 # the math; the plan in words
-    {"chunking", "statistics"},                                 # long forwards; statistics without the pattern
+    {"chunking", "statistics", "token_step"},                   # long forwards; statistics; one decode token
     {"head"},                                                   # one head
     {"attention"},                                              # the layer
     {"decoding", "presets", "walkthrough"},                     # built on the layer

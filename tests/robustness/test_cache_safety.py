@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from headwise import KVCache, MaterializationWarning, MultiHeadAttention
+from headwise.decoding import DecodeStep
 from headwise import masks as hwm
 
 D, H, H_KV, D_H = 16, 4, 2, 4
@@ -178,6 +179,36 @@ def test_an_exception_in_the_attention_step_rolls_the_cache_back(monkeypatch):
     fresh = attn.new_cache(2, 8)
     fresh.update(before[1][:, :, :3], before[2][:, :, :3])
     torch.testing.assert_close(attn(x, cache=cache), attn(x, cache=fresh))
+
+
+@pytest.mark.parametrize("route", ["forward", "decode step"])
+@pytest.mark.parametrize("failure", ["W_O dtype", "a hook on W_O"])
+def test_a_failure_after_attention_rolls_the_cache_back(route, failure):
+    """W_O, or a forward hook on it, fails after the cache was written: the call leaves the
+    cache's length and every position it reads as they were, on the forward and on the one-token route."""
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    cache = _filled(attn)
+    before = _cache_state(cache)
+    call = (lambda x: attn(x, cache=cache)) if route == "forward" else DecodeStep(attn, cache)
+    x = torch.randn(2, 1, 16)
+    with torch.no_grad():
+        if failure == "W_O dtype":
+            attn.out_proj.double()
+            with pytest.raises(RuntimeError, match="dtype"):
+                call(x)
+            attn.out_proj.float()
+        else:
+            def broken(module, args, output):
+                raise RuntimeError("hook failure")
+
+            handle = attn.out_proj.register_forward_hook(broken)
+            with pytest.raises(RuntimeError, match="hook failure"):
+                call(x)
+            handle.remove()
+        _assert_same_state(cache, before, readable_only=True)
+        fresh = attn.new_cache(2, 8)  # and decoding goes on as if the failed call never happened
+        fresh.update(before[1][:, :, :3], before[2][:, :, :3])
+        torch.testing.assert_close(call(x), attn(x, cache=fresh))
 
 
 def test_a_warning_raised_as_an_error_leaves_the_cache_unchanged(monkeypatch):

@@ -1,0 +1,103 @@
+"""One token through a layer with a KV cache: the forward's short route for the commonest decode call.
+
+``attn(x, cache=cache)`` with one new token and nothing else asked (no mask, positions, weights or
+context) on a plain layer is what a decoding loop calls at every position, and on small layers its cost is
+the Python around three products and one SDPA call. :func:`one_token`, which the forward (and
+:class:`~headwise.DecodeStep`) calls first, takes that call with only the checks that can change between calls (the token's shape, dtype and device;
+the layer's trace, backend, mode and projections) and with the plan of a one-query step over that cache made
+once, not per token: a one-query step depends on the position only through the key length, which it never
+needs (one query reads every cached key, so no causal mask). Every other call, and every call this route
+does not recognise as plain, takes the general forward, which also refuses bad input with its messages. The
+route computes what the general forward computes, with the same kernels, in the same order.
+
+Shapes:
+    b: batch, d: model width (d_model), h: query heads, h_kv: key/value heads, d_h: head width.
+    x: (b, 1, d) -> (b, 1, d)
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import functional as hwf
+from .kv_cache import KVCache
+from .plan import CacheRead, cache_read, plan_attention
+
+__all__ = ["PLAN_KEY", "one_token"]
+
+#: Where :func:`one_token` keeps a layer's one-token plan, in the layer's ``__dict__`` (a layer drops it from
+#: copies and pickles): (config, weak reference to the cache, dtype, device, plan).
+PLAN_KEY = "headwise_token_plan"
+
+
+def one_token(layer: Any, x: Any, cache: Any) -> torch.Tensor | None:
+    """``layer(x, cache=cache)`` for one token of a plain self-attention layer, or None where the general
+    forward must run (or refuse). ``layer`` is a ``MultiHeadAttention`` of that very class (a subclass may
+    override any step), called without mask, positions, weights or context. Attributes are read from the
+    modules' own dictionaries: at one token a call's fixed cost is mostly attribute lookups.
+
+    Args:
+        layer: the layer.
+        x: the new token's inputs, (b, 1, d) (anything else: None).
+        cache: the layer's :class:`~headwise.KVCache` (anything else: None).
+    """
+    state = layer.__dict__
+    if not (type(x) is torch.Tensor and layer.tracer is None and state["_backend"] == "sdpa"
+            and layer.rotary is None and not (state["training"] and state["config"].dropout)) \
+            or torch.compiler.is_compiling():
+        return None  # compiled: the general forward writes at the device position (one graph for all)
+    modules = state["_modules"]
+    q_proj, k_proj, v_proj, out_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["out_proj"]
+    for p in (q_proj, k_proj, v_proj, out_proj):
+        if type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks:
+            return None  # a wrapped or hooked projection: its module call must run
+    cfg = state["config"]
+    memo = state.get(PLAN_KEY)
+    if memo is None or memo[0] is not cfg or memo[1]() is not cache:
+        memo = _plan(layer, cache)
+        if memo is None:
+            return None
+    _, _, dtype, device, plan = memo
+    b, d, h, h_kv, d_h = cache.batch_size, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    w_q = q_proj._parameters["weight"]
+    if x.shape != (b, 1, d) or x.dtype is not dtype or w_q.dtype is not dtype or x.device != device \
+            or w_q.device != device:
+        return None
+    x2 = x.view(b, d)  # one token: (b, d), the projections' plain matrix product
+    q = F.linear(x2, w_q, q_proj._parameters["bias"]).view(b, h, 1, d_h)  # (b, h, 1, d_h): a view
+    k = F.linear(x2, k_proj._parameters["weight"], k_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
+    v = F.linear(x2, v_proj._parameters["weight"], v_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
+    start = cache.length
+    k, v = cache.update(k, v)  # (b, h_kv, length, d_h); an overflow raises before anything is written
+    try:
+        mask = None
+        if plan.cache_read is CacheRead.BUFFER:  # the whole buffer: one shape at every position (plan rule 8)
+            k, v, mask = cache.keys, cache.values, cache.read_mask(1)  # (b, h_kv, max_len, d_h), (1, 1, 1, max_len)
+        z, _ = hwf.attend(plan, q, k, v, mask)  # (b, h, 1, d_h)
+        y = F.linear(z.reshape(b, h * d_h), out_proj._parameters["weight"], out_proj._parameters["bias"])
+    except BaseException:
+        cache.crop(start)  # as the general forward does: a failed call leaves the cache's length as it was
+        raise
+    return y.view(b, 1, d)  # (b, 1, d): merged, then W_O
+
+
+def _plan(layer: Any, cache: Any) -> tuple | None:
+    """Check once that ``cache`` is this self-attention layer's and fits it, and plan a one-query step over it;
+    keep both on the layer. None (nothing kept) where the general forward must decide."""
+    cfg = layer.config
+    if not isinstance(cache, KVCache) or cache.owner is not layer or not cfg.kdim == cfg.vdim == cfg.d_model \
+            or (cache.n_kv_heads, cache.d_head) != (cfg.n_kv_heads, cfg.d_head):
+        return None  # a first call binds the cache; a misfit gets the forward's message
+    dtype, device = cache.keys.dtype, cache.keys.device  # a cache's buffers never change dtype or device
+    read = cache_read(device.type, dtype, 1, False, False, lambda: cache.length)
+    plan = plan_attention(
+        h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=cache.batch_size, s_q=1,
+        s_kv=cache.max_len, dtype=dtype, device=device, cached=True, has_mask=read is CacheRead.BUFFER, read=read)
+    memo = (cfg, weakref.ref(cache), dtype, device, plan)
+    layer.__dict__[PLAN_KEY] = memo
+    return memo
