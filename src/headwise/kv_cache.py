@@ -130,9 +130,10 @@ class KVCache:
         self._device_ahead = False  # compiled steps ran since the host last read the position
         self._slots = torch.arange(max_len, device=self.keys.device)  # key index j, for the position mask
         self._next_slot = self.position.view(1)  # (1,): the next write's slot, as an index
-        if not torch.compiler.is_compiling():
+        if self.keys.device.type != "cpu" and not torch.compiler.is_compiling():
             # Compiled steps write these tensors in place; a CUDA graph may do so only to tensors whose address it
             # can trust to stay the same (as transformers marks its StaticCache's), else it is not used at all.
+            # The CPU has no graphs to replay, and the mark would cost a CPU cache a second of importing dynamo.
             from torch._dynamo import mark_static_address
 
             for t in (self.keys, self.values, self.position, self._refused, self._slots):

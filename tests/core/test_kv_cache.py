@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import warnings
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -305,3 +307,22 @@ def test_a_cache_too_large_to_allocate_is_a_value_error_naming_its_size():
         KVCache(1, 2**62, 4, 8)
     with pytest.raises(ValueError, match=r"needs 2199023255552 bytes, which could not be allocated"):
         KVCache(1, 2**34, 4, 4)
+
+
+DYNAMO_SCRIPT = """
+import sys, torch, headwise
+attn = headwise.MultiHeadAttention(16, 4, 2)
+cache = attn.new_cache(batch_size=1, max_len=8)
+with torch.no_grad():
+    attn(torch.randn(1, 3, 16), cache=cache)
+    attn(torch.randn(1, 1, 16), cache=cache)
+cpu = "torch._dynamo" in sys.modules
+headwise.KVCache(1, 8, 2, 4, device="meta")  # an accelerator's cache is marked for CUDA graphs
+print(cpu, "torch._dynamo" in sys.modules)
+"""
+
+
+def test_a_cpu_cache_is_not_marked_for_graphs_and_costs_no_dynamo_import():
+    # Marking a cache static for CUDA graphs imports torch._dynamo (about a second); the CPU replays no graphs.
+    out = subprocess.run([sys.executable, "-c", DYNAMO_SCRIPT], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
