@@ -30,7 +30,7 @@ from .masks import validate_mask
 from .plan import CacheRead, Plan, cache_read, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
 from .statistics import attend_with_statistics, check_statistics
-from .token_step import PLAN_KEY, one_token
+from .token_step import PLAN_KEY, QUERY_PLAN_KEY, one_query_plan, one_token
 from .validation import (check_bool, check_causal, check_device, check_dtype, check_forward, check_layer_size,
                          check_qkv, check_sinks, has_dead_rows)
 
@@ -224,6 +224,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             weights (b, h, s_q, s_kv) or None
         """
         tracer = self.tracer  # a headwise.trace (None outside one)
+        if plan is None and tracer is None and mask is None and return_weights is False and sinks is None \
+                and softcap is None and head_scale is None:
+            plan = one_query_plan(self, q, k, v, causal, scale, dropout)  # a decoding loop's step, planned once
         if plan is None:
             cfg = self.config
             check_qkv(q, k, v)
@@ -469,6 +472,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         state = dict(self.__dict__)
         state.pop("tracer", None)
         state.pop(PLAN_KEY, None)  # it refers to this layer's cache
+        state.pop(QUERY_PLAN_KEY, None)
         return state
 
     # -- checkpoints: the config rides in the state dict's metadata (see headwise.checkpoint) -------------

@@ -1,14 +1,21 @@
-"""One token through a layer with a KV cache: the forward's short route for the commonest decode call.
+"""One token through a layer: the short routes of the commonest decode calls.
 
 ``attn(x, cache=cache)`` with one new token and nothing else asked (no mask, positions, weights or
 context) on a plain layer is what a decoding loop calls at every position, and on small layers its cost is
 the Python around three products and one SDPA call. :func:`one_token`, which the forward (and
-:class:`~headwise.DecodeStep`) calls first, takes that call with only the checks that can change between calls (the token's shape, dtype and device;
-the layer's trace, backend, mode and projections) and with the plan of a one-query step over that cache made
-once, not per token: a one-query step depends on the position only through the key length, which it never
+:class:`~headwise.DecodeStep`) calls first, takes that call with only the checks that can change between calls
+(the token's shape, dtype and device; the layer's trace, backend, mode and projections) and with the plan of a
+one-query step over that cache made once, not per token: a one-query step depends on the position only through the key length, which it never
 needs (one query reads every cached key, so no causal mask). Every other call, and every call this route
 does not recognise as plain, takes the general forward, which also refuses bad input with its messages. The
 route computes what the general forward computes, with the same kernels, in the same order.
+
+:func:`one_query_plan` is the same idea for :meth:`~headwise.MultiHeadAttention.attend` called on split heads by a
+model's own decoding loop (a patched Hugging Face module at every token): one query over two or more keys, no
+mask, weights, sinks, softcap or head scale. Such a call depends on its key count only through "two or more"
+(no causal mask, no dead rows, cuDNN avoided for half precision on CUDA: plan rules 3-6), so the plan of a layer's
+first such call serves its later ones while every other input of :func:`~headwise.plan.plan_attention` is the
+same; q, k and v are still checked at every call.
 
 Shapes:
     b: batch, d: model width (d_model), h: query heads, h_kv: key/value heads, d_h: head width.
@@ -25,14 +32,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import functional as hwf
+from .config import check_scale
 from .kv_cache import KVCache
-from .plan import CacheRead, cache_read, plan_attention
+from .plan import CacheRead, Plan, cache_read, plan_attention
+from .validation import check_qkv
 
-__all__ = ["PLAN_KEY", "one_token"]
+__all__ = ["PLAN_KEY", "QUERY_PLAN_KEY", "one_token", "one_query_plan"]
 
 #: Where :func:`one_token` keeps a layer's one-token plan, in the layer's ``__dict__`` (a layer drops it from
 #: copies and pickles): (config, weak reference to the cache, dtype, device, plan).
 PLAN_KEY = "headwise_token_plan"
+#: Where :func:`one_query_plan` keeps a layer's last one-query plan, in the layer's ``__dict__``: (key, plan).
+QUERY_PLAN_KEY = "headwise_query_plan"
 
 
 def one_token(layer: Any, x: Any, cache: Any) -> torch.Tensor | None:
@@ -101,3 +112,44 @@ def _plan(layer: Any, cache: Any) -> tuple | None:
     memo = (cfg, weakref.ref(cache), dtype, device, plan)
     layer.__dict__[PLAN_KEY] = memo
     return memo
+
+
+def one_query_plan(layer: Any, q: Any, k: Any, v: Any, causal: Any, scale: Any, dropout: Any) -> Plan | None:
+    """The plan of ``layer.attend(q, k, v, causal=causal, scale=scale, dropout=dropout)`` for one query over two or
+    more keys, the caller having ruled out a mask, weights, sinks, softcap, head scale and a trace; kept on the
+    layer and reused while every input of ``plan_attention`` but the key count is the same (the plan's ``shape``
+    records the call that made it). q, k, v are checked first, as the general path checks them. None where the
+    general path must decide (or refuse).
+
+    Args:
+        layer: the ``MultiHeadAttention`` whose ``attend`` is called.
+        q, k, v: the split heads.
+        causal, scale, dropout: as given to ``attend``.
+    """
+    check_qkv(q, k, v)
+    if q.shape[2] != 1 or k.shape[2] < 2 or not (causal is False or causal is True) \
+            or torch.compiler.is_compiling():
+        return None  # compiled: the memo is host state, not something to trace
+    state = layer.__dict__
+    cfg = state["config"]
+    if dropout is None:
+        if state["training"] and cfg.dropout:
+            return None
+    elif type(dropout) is not float or dropout != 0.0:
+        return None
+    if scale is None:
+        scale = cfg.scale
+    elif type(scale) is not float:
+        return None
+    backend = state["_backend"]
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (q.shape, k.shape[1], q.dtype, q.device, scale, causal, backend, grad)
+    memo = state.get(QUERY_PLAN_KEY)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    check_scale(scale)
+    b, h, _, d_h = q.shape
+    plan = plan_attention(h=h, h_kv=k.shape[1], d_h=d_h, scale=scale, b=b, s_q=1, s_kv=k.shape[2], dtype=q.dtype,
+                          device=q.device, backend=backend, causal=causal, chunk_queries=False, records_grad=grad)
+    state[QUERY_PLAN_KEY] = (key, plan)
+    return plan

@@ -9,7 +9,8 @@ import torch
 import headwise
 from headwise import DecodeStep, MultiHeadAttention, RotaryEmbedding
 from headwise import functional as hwf
-from headwise.token_step import PLAN_KEY, one_token
+from headwise.plan import plan_attention
+from headwise.token_step import PLAN_KEY, QUERY_PLAN_KEY, one_token
 from tests.reference import reference_mha
 
 
@@ -94,6 +95,66 @@ def test_a_layer_that_decoded_copies_and_pickles_without_its_cache(tmp_path):
         with torch.no_grad():
             ys = [twin(x[:, :2], cache=own), twin(x[:, 2:], cache=own)]
         torch.testing.assert_close(torch.cat(ys, 1), attn(x, causal=True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("h, h_kv", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_attend_plans_a_loops_one_query_steps_once_and_equals_fresh_plans_bit_for_bit(h, h_kv, grad):
+    """A model's own decoding loop calls ``attend`` on split heads at every token (a patched Hugging Face module):
+    the layer's first one-query plan serves later key counts, and every step computes exactly what a plan made
+    for that very call computes, and the formula in float64."""
+    attn = _layer(h, h_kv, dtype=torch.float64)
+    torch.manual_seed(1)
+    steps = [(2, None), (3, None), (9, None), (5, None), (4, 0.5), (17, 0.5)]  # (key count, scale)
+    with torch.set_grad_enabled(grad):
+        for s_kv, scale in steps:
+            q = torch.randn(3, h, 1, 8, dtype=torch.float64, requires_grad=grad)
+            k, v = (torch.randn(3, h_kv, s_kv, 8, dtype=torch.float64) for _ in range(2))
+            z, weights = attn.attend(q, k, v, scale=scale)
+            fresh = plan_attention(h=h, h_kv=h_kv, d_h=8, scale=attn.config.scale if scale is None else scale, b=3,
+                                   s_q=1, s_kv=s_kv, dtype=q.dtype, device=q.device, chunk_queries=False,
+                                   records_grad=grad)
+            torch.testing.assert_close(z, hwf.attend(fresh, q, k, v)[0], rtol=0, atol=0)
+            g = h // h_kv
+            scores = q.detach() @ k.repeat_interleave(g, 1).transpose(-1, -2) * fresh.scale  # (3, h, 1, s_kv)
+            want = torch.softmax(scores, -1) @ v.repeat_interleave(g, 1)  # (3, h, 1, 8)
+            torch.testing.assert_close(z.detach(), want)
+            assert weights is None and z.requires_grad is grad
+    key, plan = attn.__dict__[QUERY_PLAN_KEY]
+    assert plan.shape == (3, h, 1, 4)  # made at the first call of the last scale, reused at 17 keys
+
+
+def test_attend_plans_anew_whatever_its_one_query_plan_does_not_cover():
+    """Calls the kept plan does not cover take the general path (they leave it as it was); another dtype plans
+    anew; q, k, v are checked at every call."""
+    import copy
+
+    attn = _layer(4, 2)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    with torch.no_grad():
+        attn.attend(q, k, v)
+        memo = attn.__dict__[QUERY_PLAN_KEY]
+        others = [dict(mask=torch.ones(1, 1, 1, 6, dtype=torch.bool)), dict(return_weights=True), dict(scale=1),
+                  dict(softcap=5.0), dict(sinks=torch.zeros(4)), dict(head_scale=torch.ones(4)), dict(dropout=0)]
+        for kwargs in others:
+            attn.attend(q, k, v, **kwargs)
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            attn.attend(q, k, v, causal=1)  # the general path's message
+        attn.attend(q, k[:, :, :1], v[:, :, :1])  # one key
+        attn.attend(q.expand(1, 4, 2, 8), k, v)  # two queries
+        with headwise.trace(attn, capture=("z",)):
+            attn.attend(q, k, v)
+        dropping = MultiHeadAttention(32, 4, 2, dropout=0.1).train()
+        dropping.attend(q, k, v)
+        assert attn.__dict__[QUERY_PLAN_KEY] is memo and QUERY_PLAN_KEY not in dropping.__dict__
+        attn.attend(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))  # as many K/V heads as query heads
+        assert attn.__dict__[QUERY_PLAN_KEY][1].grouping.name == "NONE" and memo[1].grouping.name == "FOLD"
+        attn.attend(q.double(), k.double(), v.double())
+        key, plan = attn.__dict__[QUERY_PLAN_KEY]
+        assert torch.float64 in key and plan.shape == (1, 4, 1, 6)
+        assert QUERY_PLAN_KEY not in copy.deepcopy(attn).__dict__  # copies plan for themselves
+        with pytest.raises(ValueError, match="share"):
+            attn.attend(q.double(), k.double()[:, :, :3], v.double())
 
 
 def test_steps_compute_the_float64_formula():

@@ -57,3 +57,17 @@ def test_the_whole_patched_model_enters_the_seam_once_per_layer_call():
     finally:
         del type(layer).attend
     assert seams == [layer] and t[0].z.shape == (1, 4, 4, 4)
+
+
+def test_a_decoding_loop_plans_a_patched_module_once():
+    """One query at every token over a growing cache: checked at every call, planned at the first."""
+    model, module, x, _ = llama_attention("sdpa")
+    past = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        ids = torch.tensor([[1, 5, 7, 3]])
+        out = model(ids, cache=past, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        model(token, cache=past, use_cache=True)  # the first one-query call plans
+        token = torch.tensor([[4]])
+        called = headwise_functions(lambda: model(token, cache=past, use_cache=True))
+    assert "validation.check_qkv" in called and "plan.plan_attention" not in called, called
