@@ -130,10 +130,9 @@ def one_query_plan(layer: Any, q: Any, k: Any, v: Any, causal: Any, scale: Any, 
     if q.shape[2] != 1 or k.shape[2] < 2 or not (causal is False or causal is True) \
             or torch.compiler.is_compiling():
         return None  # compiled: the memo is host state, not something to trace
-    state = layer.__dict__
-    cfg = state["config"]
+    cfg = layer.config
     if dropout is None:
-        if state["training"] and cfg.dropout:
+        if layer.training and cfg.dropout:  # an attribute: a view's mode is its host's
             return None
     elif type(dropout) is not float or dropout != 0.0:
         return None
@@ -141,7 +140,8 @@ def one_query_plan(layer: Any, q: Any, k: Any, v: Any, causal: Any, scale: Any, 
         scale = cfg.scale
     elif type(scale) is not float:
         return None
-    backend = state["_backend"]
+    backend = layer.backend
+    state = layer.__dict__
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (q.shape, k.shape[1], q.dtype, q.device, scale, causal, backend, grad)
     memo = state.get(QUERY_PLAN_KEY)

@@ -71,3 +71,16 @@ def test_a_decoding_loop_plans_a_patched_module_once():
         token = torch.tensor([[4]])
         called = headwise_functions(lambda: model(token, cache=past, use_cache=True))
     assert "validation.check_qkv" in called and "plan.plan_attention" not in called, called
+
+
+def test_a_patched_layers_attend_plans_one_query_calls_with_its_hosts_mode():
+    """Called directly (dropout None), a view's one-query plan reads the host's train/eval mode and config."""
+    model, module, _, _ = llama_attention("sdpa")
+    layer = module.attn
+    q, k, v = torch.randn(2, 4, 1, 4), torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    with torch.no_grad():
+        z, _ = layer.attend(q, k, v)
+        want = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.5, -1) @ v.repeat_interleave(2, 1)
+        torch.testing.assert_close(z, want)
+        module.train()  # attention_dropout 0.0: training changes nothing here
+        torch.testing.assert_close(layer.attend(q, k, v)[0], z, rtol=0, atol=0)
