@@ -224,12 +224,13 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             weights (b, h, s_q, s_kv) or None
         """
         tracer = self.tracer  # a headwise.trace (None outside one)
-        if plan is None and tracer is None and mask is None and return_weights is False and sinks is None \
-                and softcap is None and head_scale is None:
-            plan = one_query_plan(self, q, k, v, causal, scale, dropout)  # a decoding loop's step, planned once
+        if plan is None:
+            check_qkv(q, k, v)
+            if tracer is None and mask is None and return_weights is False and sinks is None and softcap is None \
+                    and head_scale is None:
+                plan = one_query_plan(self, q, k, v, causal, scale, dropout)  # a decoding loop's step, planned once
         if plan is None:
             cfg = self.config
-            check_qkv(q, k, v)
             if not (isinstance(causal, bool) and isinstance(return_weights, bool)):
                 check_causal(causal)
                 check_bool("return_weights", return_weights)

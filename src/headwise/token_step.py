@@ -15,7 +15,7 @@ model's own decoding loop (a patched Hugging Face module at every token): one qu
 mask, weights, sinks, softcap or head scale. Such a call depends on its key count only through "two or more"
 (no causal mask, no dead rows, cuDNN avoided for half precision on CUDA: plan rules 3-6), so the plan of a layer's
 first such call serves its later ones while every other input of :func:`~headwise.plan.plan_attention` is the
-same; q, k and v are still checked at every call.
+same; ``attend`` still checks q, k and v at every call.
 
 Shapes:
     b: batch, d: model width (d_model), h: query heads, h_kv: key/value heads, d_h: head width.
@@ -35,7 +35,6 @@ from . import functional as hwf
 from .config import check_scale
 from .kv_cache import KVCache
 from .plan import CacheRead, Plan, cache_read, plan_attention
-from .validation import check_qkv
 
 __all__ = ["PLAN_KEY", "QUERY_PLAN_KEY", "one_token", "one_query_plan"]
 
@@ -118,15 +117,14 @@ def one_query_plan(layer: Any, q: Any, k: Any, v: Any, causal: Any, scale: Any, 
     """The plan of ``layer.attend(q, k, v, causal=causal, scale=scale, dropout=dropout)`` for one query over two or
     more keys, the caller having ruled out a mask, weights, sinks, softcap, head scale and a trace; kept on the
     layer and reused while every input of ``plan_attention`` but the key count is the same (the plan's ``shape``
-    records the call that made it). q, k, v are checked first, as the general path checks them. None where the
-    general path must decide (or refuse).
+    records the call that made it). The caller has checked q, k, v (``check_qkv``). None where the general path
+    must decide (or refuse).
 
     Args:
         layer: the ``MultiHeadAttention`` whose ``attend`` is called.
         q, k, v: the split heads.
         causal, scale, dropout: as given to ``attend``.
     """
-    check_qkv(q, k, v)
     if q.shape[2] != 1 or k.shape[2] < 2 or not (causal is False or causal is True) \
             or torch.compiler.is_compiling():
         return None  # compiled: the memo is host state, not something to trace
