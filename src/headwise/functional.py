@@ -143,7 +143,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         if may_block:
             mask, blocked = open_dead_rows(mask)  # blocked: (b or 1, h or 1, s_q, 1)
         if mask.dtype == torch.bool:  # additive on the mask's small shape: one pass over the scores
-            mask = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~mask, float("-inf"))
+            mask = torch.where(mask, scores.new_zeros(()), float("-inf"))  # (.., s_q, s_kv) in the scores' dtype
         scores = scores + mask
     if sinks is None:
         weights = torch.softmax(scores, dim=-1)

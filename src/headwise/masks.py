@@ -245,24 +245,35 @@ def validate_mask(mask: torch.Tensor, target: tuple[int, int, int, int], dtype: 
     return mask
 
 
-def open_dead_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def open_dead_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Find the query rows that may read no key at all (every entry False, or ``-inf``), and open them to every
     key, so that no kernel divides 0 by 0 on them (forward or backward); the caller zeros those rows' outputs.
 
     Tensor operations on the mask's own broadcast shape (usually without a head axis): no host synchronisation,
-    so it traces under ``torch.compile`` and CUDA graphs.
+    so it traces under ``torch.compile`` and CUDA graphs. One exception, where reading the mask is free: an
+    eager CPU call (not compiled, not inside a ``torch.func`` transform) whose mask has no such row gets the mask
+    back unchanged and ``None``, so the caller skips a pass over the scores or the context that would multiply
+    by one.
 
     Shapes:
         mask: (b or 1, h or 1, s_q or 1, s_kv or 1) -> the opened mask (same shape), dead rows
-        (b or 1, h or 1, s_q or 1, 1) bool
+        (b or 1, h or 1, s_q or 1, 1) bool, or None
 
     Example:
         >>> opened, dead = open_dead_rows(torch.tensor([[True, False], [False, False]]))
         >>> opened.tolist(), dead.flatten().tolist()
         ([[True, False], [True, True]], [False, True])
+        >>> open_dead_rows(torch.tensor([[True, False], [False, True]]))[1] is None
+        True
     """
-    if mask.dtype == torch.bool:
-        dead = ~mask.any(-1, keepdim=True)
-        return mask | dead, dead
-    dead = (mask == float("-inf")).all(-1, keepdim=True)
-    return mask.masked_fill(dead, 0.0), dead
+    if mask.shape[-1] == 0:  # no key at all: every row is dead
+        dead = torch.ones(mask.shape[:-1] + (1,), dtype=torch.bool, device=mask.device)
+    elif mask.dtype == torch.bool:
+        dead = ~mask.amax(-1, keepdim=True)  # amax, not any: several times faster on CPU, the same answer
+    else:
+        dead = mask.amax(-1, keepdim=True) == float("-inf")  # one reduction, then a compare on (.., s_q, 1)
+    # Read without a synchronisation or a graph break: a plain CPU tensor, outside compiled code and torch.func
+    if (not torch.compiler.is_compiling() and type(dead) is torch.Tensor and dead.device.type == "cpu"
+            and not torch._C._functorch.is_functorch_wrapped_tensor(dead) and not dead.any()):
+        return mask, None
+    return (mask | dead, dead) if mask.dtype == torch.bool else (mask.masked_fill(dead, 0.0), dead)

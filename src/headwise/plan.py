@@ -16,7 +16,8 @@ nothing else decides. The rules:
    ``is_causal`` runs (the two alignments agree there); otherwise an explicit bottom-right mask.
 4. **Rows that may read nothing** (a mask is given, or causal with ``s_q > s_kv``): on the fused path headwise
    zeros them itself after the kernel, whatever the kernel did with them (cuDNN turns a bool mask into a finite
-   bias and gives such a row unmasked attention), with tensor operations only.
+   bias and gives such a row unmasked attention), with tensor operations only; an eager CPU call, which can
+   read its mask for free, skips the zeroing when no row is dead (:func:`headwise.masks.open_dead_rows`).
 5. **GQA** (``h_kv < h``): one query whose mask (if any) is the same for every head folds each group's query
    heads into query rows of its K/V head, so each K/V head is read once per group. On CUDA, where the best
    fused kernel for the inputs cannot group heads (float32, or a mask: the memory-efficient kernel), K and V

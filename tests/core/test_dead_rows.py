@@ -11,6 +11,8 @@ Shapes:
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,3 +122,54 @@ def test_gradients_through_dead_rows_are_finite_and_match_the_formula(cudnn_like
     (gx,) = torch.autograd.grad(attn(x, mask=mask).square().sum(), x)
     (rx,) = torch.autograd.grad(reference_mha(attn, x, mask=mask)[0].square().sum(), x)
     torch.testing.assert_close(gx, rx)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_dead_rows_are_found_by_their_definition(kind):
+    # A row is dead when every entry is False (bool) or -inf (float); the dtype's minimum is a finite bias.
+    torch.manual_seed(0)
+    keep = torch.rand(3, 2, 7, 5) > 0.5
+    keep[0, 1, 2] = False
+    keep[2, 0, 4:] = False
+    if kind == "bool":
+        mask, want = keep, ~keep.any(-1, keepdim=True)
+    else:
+        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+        mask[1, 1, 3] = torch.finfo(torch.float32).min  # finite everywhere: alive
+        mask[1, 0, 0, 0] = float("nan")  # never dead, as (mask == -inf).all() says
+        want = (mask == float("-inf")).all(-1, keepdim=True)
+    opened, dead = hwm.open_dead_rows(mask)
+    assert torch.equal(dead, want)
+    readable = opened.any(-1) if kind == "bool" else (opened != float("-inf")).any(-1)
+    assert opened.dtype == mask.dtype and readable.all()  # every row reads something now
+    torch.testing.assert_close(opened[~want.squeeze(-1)], mask[~want.squeeze(-1)], equal_nan=True)
+
+
+def test_a_mask_without_keys_has_every_row_dead():
+    opened, dead = hwm.open_dead_rows(torch.ones(2, 1, 3, 0, dtype=torch.bool))
+    assert dead.shape == (2, 1, 3, 1) and dead.all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_an_eager_cpu_mask_without_dead_rows_is_returned_as_it_is(dtype):
+    # Reading a CPU mask costs no synchronisation, so a mask with no dead row skips the zeroing pass.
+    keep = torch.ones(2, 1, 4, 4, dtype=torch.bool).tril()
+    mask = keep if dtype == torch.bool else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    opened, dead = hwm.open_dead_rows(mask)
+    assert opened is mask and dead is None
+
+
+def test_vmapped_masks_are_read_with_tensor_operations():
+    # Inside torch.func.vmap a mask's data cannot steer Python; each example's answer is still the float64 one.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 4, 5, 8), torch.randn(3, 1, 2, 5, 8), torch.randn(3, 1, 2, 5, 8)
+    masks = torch.ones(3, 1, 1, 5, 5, dtype=torch.bool).tril()
+    masks[1, ..., 2, :] = False  # one dead row in example 1 only
+    for backend in ("eager", "sdpa"):
+        with warnings.catch_warnings():  # vmap runs SDPA's CPU kernel one example at a time, and says so
+            warnings.simplefilter("ignore", UserWarning)
+            got = torch.func.vmap(lambda q, k, v, m: hwf.attention(q, k, v, mask=m, backend=backend)[0])(q, k, v,
+                                                                                                       masks)
+        for i in range(3):
+            ref, _ = reference_heads(q[i], k[i], v[i], mask=masks[i])
+            torch.testing.assert_close(got[i].double(), ref, rtol=1e-5, atol=1e-6)

@@ -218,8 +218,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             if position_bias is not None:
                 position_bias = position_bias[..., :s_q]
     elif eager and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # eager's own additive mask
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask,
-                                                                                        torch.finfo(query.dtype).min)
+        mask = torch.where(mask, query.new_zeros(()), torch.finfo(query.dtype).min)  # (b or 1, 1, s_q, s_kv)
     if position_bias is not None:
         mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
         causal = False
