@@ -125,8 +125,9 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if dtype in _LOW_PRECISION:  # half-precision scores of large inputs overflow
         q, k, v = q.float(), k.float(), v.float()
     g = h // h_kv
-    # unflatten/flatten and einsum rather than views across the folded (g * s_q) axis: under torch.export's
-    # dynamic shapes those views add guards that pin the sequence length
+    # unflatten/flatten, and an einsum for probs @ V when traced, rather than views that fold (g * s_q) out of
+    # the scores or the probabilities: under torch.export's dynamic shapes those views add guards that pin the
+    # sequence length
     q = (q * scale).reshape(b, h_kv, g * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries share K
     scores = (q @ k.transpose(-2, -1)).unflatten(2, (g, s_q)).flatten(1, 2)  # (b, h, s_q, s_kv)
     if softcap is not None:
@@ -155,8 +156,11 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     probs = F.dropout(weights, p=dropout_p, training=True) if dropout_p else weights
     if g == 1:
         z = probs @ v  # (b, h, s_q, d_v)
-    else:
+    elif torch.compiler.is_compiling():  # the einsum keeps the sequence length free under export (see above)
         z = torch.einsum("bngqk,bnkd->bngqd", probs.unflatten(1, (h_kv, g)), v).flatten(1, 2)  # (b, h, s_q, d_v)
+    else:  # the same batched product without einsum's per-call cost
+        z = probs.unflatten(1, (h_kv, g)).flatten(2, 3) @ v  # (b, h_kv, g * s_q, d_v): a group's rows share V
+        z = z.unflatten(2, (g, s_q)).flatten(1, 2)  # (b, h, s_q, d_v)
     return z.to(dtype), weights.to(dtype)
 
 

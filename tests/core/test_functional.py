@@ -227,3 +227,21 @@ def test_sinks_and_softcap_are_differentiable_and_refuse_bad_values():
         hwf.attention(q, k, v, softcap=float("nan"))
     with pytest.raises(TypeError, match="softcap must be a float or None, got '3'"):
         hwf.attention(q, k, v, softcap="3")
+
+
+@pytest.mark.parametrize("h_kv", [1, 2])
+@pytest.mark.parametrize("s_q", [1, 5])
+def test_the_eager_path_multiplies_grouped_values_the_same_way_when_traced(monkeypatch, h_kv, s_q):
+    # Traced code multiplies probabilities and values with an einsum (it keeps export's sequence length free),
+    # eager code with one matmul over the same fold: both must give the same bits, and match float64.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, s_q, 8), torch.randn(2, h_kv, 6, 8), torch.randn(2, h_kv, 6, 3)
+    mask = torch.rand(2, 1, s_q, 6) > 0.3
+    eager = hwf.softmax_attention(q, k, v, mask, 8 ** -0.5)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = hwf.softmax_attention(q, k, v, mask, 8 ** -0.5)
+    for got, want in zip(eager, traced):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref_z, ref_w = reference_heads(q.double(), k.double(), v.double(), mask=mask)
+    torch.testing.assert_close(eager[0].double(), ref_z, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(eager[1].double(), ref_w, rtol=1e-5, atol=1e-6)
