@@ -128,10 +128,11 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     # unflatten/flatten, and an einsum for probs @ V when traced, rather than views that fold (g * s_q) out of
     # the scores or the probabilities: under torch.export's dynamic shapes those views add guards that pin the
     # sequence length
-    q = (q * scale).reshape(b, h_kv, g * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries share K
+    # the softcap's division rides on the queries' scale: one pass over the scores fewer
+    q = (q * (scale if softcap is None else scale / softcap)).reshape(b, h_kv, g * s_q, d_h)  # a group shares K
     scores = (q @ k.transpose(-2, -1)).unflatten(2, (g, s_q)).flatten(1, 2)  # (b, h, s_q, s_kv)
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = torch.tanh(scores) * softcap
     # Rows that may read nothing (possible only under a given mask, or causal with s_kv < s_q) are found on the
     # mask's own broadcast shape, usually without a head axis, never on the scores: they read everything
     # here, so the softmax stays finite, and their weights are zeroed after it. A bool mask becomes additive
