@@ -127,8 +127,9 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     g = h // h_kv
     # unflatten/flatten, and an einsum for probs @ V when traced, rather than views that fold (g * s_q) out of
     # the scores or the probabilities: under torch.export's dynamic shapes those views add guards that pin the
-    # sequence length. The softcap's division rides on the queries' scale: one pass over the scores fewer.
-    q = (q * (scale if softcap is None else scale / softcap)).reshape(b, h_kv, g * s_q, d_h)  # a group shares K
+    # sequence length
+    q_scale = scale if softcap is None else scale / softcap  # the softcap's division: one pass over the scores fewer
+    q = (q * q_scale).reshape(b, h_kv, g * s_q, d_h)  # (b, h_kv, g * s_q, d_h): a group's queries share K
     scores = (q @ k.transpose(-2, -1)).unflatten(2, (g, s_q)).flatten(1, 2)  # (b, h, s_q, s_kv)
     if softcap is not None:
         scores = torch.tanh(scores) * softcap
