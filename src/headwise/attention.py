@@ -225,6 +225,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         """
         tracer = self.tracer  # a headwise.trace (None outside one)
         if plan is None:
+            if cache is not None:  # the keys a call reads from a cache are planned by forward, with the cache
+                raise ValueError("attend: cache is forward's own argument, given with its plan; decode with "
+                                 "attn(x, cache=cache), or join cached keys to k and v before calling attend")
             check_qkv(q, k, v)
             if tracer is None and mask is None and return_weights is False and sinks is None and softcap is None \
                     and head_scale is None:
@@ -409,14 +412,6 @@ class MultiHeadAttention(LayerHeads, nn.Module):
     def _plan(self, x, key, mask, causal, cache, return_weights, chunk=True, statistics=()) -> Plan:  # type: ignore[no-untyped-def]
         """The plan of one call on checked inputs: the one place its decisions are made."""
         cfg = self.config
-        read = CacheRead.NONE
-        if cache is None:
-            s_kv = x.shape[1] if key is None else key.shape[1]
-        else:
-            read = cache_read(x.device.type, x.dtype, x.shape[1], mask is not None,
-                              return_weights or self._backend == "eager", lambda: cache.length)
-            whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
-            s_kv = cache.max_len if whole else cache.length + x.shape[1]
         # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
         grad = False
         if torch.is_grad_enabled():
@@ -425,6 +420,14 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                 if grad:
                     break
                 grad = p.requires_grad
+        read = CacheRead.NONE
+        if cache is None:
+            s_kv = x.shape[1] if key is None else key.shape[1]
+        else:
+            read = cache_read(x.device.type, x.dtype, x.shape[1], mask is not None,
+                              return_weights or self._backend == "eager" or grad, lambda: cache.length)
+            whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
+            s_kv = cache.max_len if whole else cache.length + x.shape[1]
         return plan_attention(
             h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
             s_kv=s_kv, dtype=x.dtype, device=x.device, backend=self._backend, causal=causal,

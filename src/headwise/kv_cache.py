@@ -10,6 +10,7 @@ Shapes:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -130,6 +131,11 @@ class KVCache:
         self._device_ahead = False  # compiled steps ran since the host last read the position
         self._slots = torch.arange(max_len, device=self.keys.device)  # key index j, for the position mask
         self._next_slot = self.position.view(1)  # (1,): the next write's slot, as an index
+        self._mark_static()
+        self._owner: Any = None
+        self._resets = 0
+
+    def _mark_static(self) -> None:
         if self.keys.device.type != "cpu" and not torch.compiler.is_compiling():
             # Compiled steps write these tensors in place; a CUDA graph may do so only to tensors whose address it
             # can trust to stay the same (as transformers marks its StaticCache's), else it is not used at all.
@@ -138,8 +144,30 @@ class KVCache:
 
             for t in (self.keys, self.values, self.position, self._refused, self._slots):
                 mark_static_address(t)
-        self._owner: Any = None
-        self._resets = 0
+
+    # -- copies: a branch of the decoding state (beam search) has its own buffers and the same layer ----------
+    def __deepcopy__(self, memo: dict[int, Any]) -> "KVCache":
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            # The layer is not the cache's to copy: the copy decodes for the same layer (or for its copy, when
+            # the same deepcopy has copied it already).
+            copied = memo.get(id(value), value) if name == "_owner" else copy.deepcopy(value, memo)
+            new.__dict__[name] = copied
+        new._next_slot = new.position.view(1)
+        new._mark_static()
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_owner"] = None  # a pickle carries the cached positions, not the layer: the first user claims it
+        del state["_next_slot"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._next_slot = self.position.view(1)
+        self._mark_static()
 
     @property
     def owner(self) -> Any:
@@ -276,6 +304,9 @@ class KVCache:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values; return views of everything cached so far (no copy).
 
+        The buffers keep no autograd history. New keys or values that have one are returned joined to the cached
+        prefix instead (a copy), so gradients reach them as in one pass; earlier positions are constants.
+
         Shapes:
             k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each
         """
@@ -294,17 +325,20 @@ class KVCache:
             if torch.compiler.is_compiling():
                 return self._overflow_in_graph(k, v)
             raise ValueError(_overflow_message(start, n, self.max_len))
-        # Cached keys carry no autograd history (detached, as under no_grad), at no context-manager cost.
-        if k.requires_grad or v.requires_grad:
-            k, v = k.detach(), v.detach()
+        # Cached keys carry no autograd history (detached, as under no_grad), at no context-manager cost; the
+        # call's own keys keep theirs in what it reads, so a prefill's gradients are those of one causal pass.
+        own = k.requires_grad or v.requires_grad
+        new_k, new_v = (k.detach(), v.detach()) if own else (k, v)
         if n == 1:  # a decode step: the device's position is ``start``; indexing by it costs less than a narrow
-            keys.index_copy_(2, self._next_slot, k)
-            values.index_copy_(2, self._next_slot, v)
+            keys.index_copy_(2, self._next_slot, new_k)
+            values.index_copy_(2, self._next_slot, new_v)
         else:
-            keys.narrow(2, start, n).copy_(k)  # narrow, not slicing: a decode step's fixed cost is mostly Python
-            values.narrow(2, start, n).copy_(v)
+            keys.narrow(2, start, n).copy_(new_k)  # narrow, not slicing: a decode step's fixed cost is mostly Python
+            values.narrow(2, start, n).copy_(new_v)
         self._length = end
         self.position.fill_(end)  # compiled steps read it
+        if own:
+            return torch.cat((keys.narrow(2, 0, start), k), 2), torch.cat((values.narrow(2, 0, start), v), 2)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)  # (b, h_kv, length, d_h)
 
     def write_static(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -312,7 +346,8 @@ class KVCache:
         """Write ``k``, ``v`` at :attr:`position` with device-side indexing: what a compiled step calls.
 
         Every shape and every Python value is the same at every position (the position is a tensor), so a
-        step traced once serves them all. Returns the whole buffers, the mask of the keys each new query may
+        step traced once serves them all. Returns the whole buffers (a copy holding the new keys' autograd
+        history, where they have one), the mask of the keys each new query may
         read (query i sits at ``position + i`` and reads keys ``j <= position + i``), and ``room``: whether the
         write fitted. A write that does not fit changes nothing (the slots are rewritten with their own values,
         the position stays); the caller gives that step a zero context, and the cache's next host-side use raises the
@@ -327,15 +362,19 @@ class KVCache:
         pos = self.position
         room = pos + s <= self.max_len  # () bool
         idx = (pos + self._slots[:s]).clamp(max=self.max_len - 1)  # (s,): the slots, valid even when refused
-        if k.requires_grad or v.requires_grad:
-            k, v = k.detach(), v.detach()
-        self.keys.index_copy_(2, idx, torch.where(room, k, self.keys.index_select(2, idx)))
-        self.values.index_copy_(2, idx, torch.where(room, v, self.values.index_select(2, idx)))
+        new_k = torch.where(room, k, self.keys.index_select(2, idx))  # a refused write rewrites the old values
+        new_v = torch.where(room, v, self.values.index_select(2, idx))
+        own = new_k.requires_grad or new_v.requires_grad  # as in update: the buffers carry no history
+        self.keys.index_copy_(2, idx, new_k.detach() if own else new_k)
+        self.values.index_copy_(2, idx, new_v.detach() if own else new_v)
+        keys, values = self.keys, self.values
+        if own:  # what the call reads: the buffers with its own keys, history kept
+            keys, values = keys.index_copy(2, idx, new_k), values.index_copy(2, idx, new_v)
         mask = self._reads(pos, s)
         self.position.add_(room.long() * s)
         self._refused.add_((~room).long())
         self._device_ahead = True
-        return self.keys, self.values, mask, room
+        return keys, values, mask, room
 
     def read_mask(self, s: int) -> torch.Tensor:
         """The keys each of the last ``s`` written positions may read, over the whole buffer: query i (at

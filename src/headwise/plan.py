@@ -221,9 +221,14 @@ class Plan(NamedTuple):
     def for_chunk(self, s_q: int, s_kv: int) -> "Plan":
         """The plan of one query chunk attending to its ``s_kv`` readable keys (one pass, same rules)."""
         b, h = self.shape[0], self.shape[1]
+        if s_kv == 0:  # causal queries before the first key (s_q > s_kv): they read nothing, as in one pass
+            return self._replace(shape=(b, h, s_q, 0), backend="empty", causal_via=Causal.NONE, chunk=None,
+                                 lse_chunks=False, zero_dead_rows=False)
         via = causal_mode(self.backend, self.causal, self.has_mask, s_q, s_kv)
+        # The chunk's own rule 4: a square causal chunk (the kernel's is_causal) has no dead row and no mask.
+        dead = self.backend == "sdpa" and (self.has_mask or (self.causal and s_q > s_kv))
         return self._replace(shape=(b, h, s_q, s_kv), causal_via=via, chunk=None, lse_chunks=False,
-                             zero_dead_rows=self.zero_dead_rows or (self.causal and s_q > s_kv))
+                             zero_dead_rows=dead)
 
 
 def causal_mode(backend: str, causal: bool, has_mask: bool, s_q: int, s_kv: int) -> Causal:
@@ -237,9 +242,10 @@ def causal_mode(backend: str, causal: bool, has_mask: bool, s_q: int, s_kv: int)
 
 def cache_read(device_type: str, dtype: torch.dtype, s_q: int, has_mask: bool, eager: bool,
                cached_length: Callable[[], int]) -> CacheRead:
-    """How a cached call of ``s_q`` new positions reads its cache (rule 8). ``cached_length`` is asked only in
-    eager code, and only for several new positions (compiled code must not read the host's length: it changes
-    at every position); a first prefill (nothing cached yet) keeps the kernel's own causal path.
+    """How a cached call of ``s_q`` new positions reads its cache (rule 8). ``eager``: the call takes the eager
+    path or autograd records it (it reads the prefix, where the new keys keep their history). ``cached_length``
+    is asked only in eager code, and only for several new positions (compiled code must not read the host's
+    length: it changes at every position); a first prefill (nothing cached yet) keeps the kernel's own causal path.
 
     Example:
         >>> cache_read("cuda", torch.bfloat16, 1, False, False, lambda: 1024).name    # an eager decode step

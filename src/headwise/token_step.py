@@ -82,6 +82,8 @@ def one_token(layer: Any, x: Any, cache: Any) -> torch.Tensor | None:
     q = F.linear(x2, w_q, q_proj._parameters["bias"]).view(b, h, 1, d_h)  # (b, h, 1, d_h): a view
     k = F.linear(x2, k_proj._parameters["weight"], k_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
     v = F.linear(x2, v_proj._parameters["weight"], v_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
+    if plan.cache_read is CacheRead.BUFFER and k.requires_grad:
+        return None  # autograd records the step: the general forward reads the prefix, the new key's history kept
     start = cache.length
     k, v = cache.update(k, v)  # (b, h_kv, length, d_h); an overflow raises before anything is written
     try:

@@ -186,12 +186,15 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
     if cache is not None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
-        if (cache.batch_size, cache.n_kv_heads, cache.d_head) != (b, config.n_kv_heads, config.d_head) \
-                or cache.keys.dtype != dtype or cache.keys.device != device:
-            # What this call would write, as a shape-only stand-in: the cache refuses it with its own message
-            # before the layer claims the cache.
-            probe = torch.empty((), dtype=dtype, device=device).expand(b, config.n_kv_heads, s_q, config.d_head)
-            cache.check_update(probe, probe)
+        held = (cache.batch_size, cache.n_kv_heads, cache.d_head)
+        if held != (b, config.n_kv_heads, config.d_head):
+            raise ValueError(f"the cache does not fit this call: it holds (b, h_kv, d_h) = {held}, this layer "
+                             f"writes {(b, config.n_kv_heads, config.d_head)}; make one with "
+                             f"layer.new_cache(batch_size={b}, max_len=...)")
+        if cache.keys.dtype != dtype:
+            raise TypeError(f"the cache holds {cache.keys.dtype}, this layer writes {dtype} keys")
+        if cache.keys.device != device:
+            raise ValueError(f"the cache is on {cache.keys.device}, this call runs on {device}")
     if mask is not None:
         # The cache's length is read only here: a compiled decode step without a mask never reads it (the
         # position it writes at is a tensor: see KVCache.write_static).

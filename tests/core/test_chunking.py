@@ -108,6 +108,23 @@ def test_chunked_equals_one_pass_and_the_float64_reference(case):
     assert not chunked.isnan().any()
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4])
+@pytest.mark.parametrize("n_kv_heads", [4, 1])
+def test_causal_cross_attention_with_more_queries_than_keys(chunk, n_kv_heads):
+    # The first four queries read no key: chunks of them alone have no key at all, and a square chunk
+    # takes the kernel's is_causal, so neither has a mask whose dead rows could be opened.
+    attn = MultiHeadAttention(16, 4, n_kv_heads, dtype=torch.float64)
+    x, context = torch.randn(2, 7, 16, dtype=torch.float64), torch.randn(2, 3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        whole = attn(x, context, causal=True)
+        with forced_chunks(attn, chunk) as used:
+            chunked = attn(x, context, causal=True)
+    assert used == [n_chunks(7, chunk)]
+    torch.testing.assert_close(chunked, whole)
+    ref, _ = reference_mha(attn, x, context, causal=True)
+    torch.testing.assert_close(chunked, ref)
+
+
 def test_float32_chunked_matches_one_pass_with_padding_rows_and_gqa():
     attn = MultiHeadAttention(32, 8, 2, rotary=RotaryEmbedding(4)).eval()
     x = torch.randn(2, 11, 32)

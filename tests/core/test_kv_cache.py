@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
+import copy
 import math
+import pickle
 import subprocess
+import warnings
 import sys
 
 import pytest
@@ -12,12 +14,10 @@ import torch
 import numpy as np
 import torch.nn.functional as F
 
-from headwise import KVCache, MultiHeadAttention
 from headwise import AttentionConfig, AttentionHead, KVCache, MaterializationWarning, MultiHeadAttention
 from headwise import RotaryEmbedding
 from headwise import functional as hwf
 from headwise import masks as hwm
-from headwise import AttentionConfig, KVCache, MultiHeadAttention
 from headwise.config import valid_head_counts
 
 
@@ -46,9 +46,9 @@ def test_overflow_raises_and_leaves_the_cache_unchanged():
 def test_wrong_batch_or_dtype_is_refused_before_writing():
     attn = MultiHeadAttention(16, 4)
     cache = attn.new_cache(batch_size=2, max_len=5)
-    with pytest.raises(ValueError, match=r"cache keys must have shape \(b=2, h_kv=4, s, d_h=4\), got \(3, 4, 1, 4\)"):
+    with pytest.raises(ValueError, match=r"it holds \(b, h_kv, d_h\) = \(2, 4, 4\), this layer writes \(3, 4, 4\)"):
         attn(torch.randn(3, 1, 16), cache=cache)
-    with pytest.raises(TypeError, match="cache holds torch.float64, got keys of dtype torch.float32"):
+    with pytest.raises(TypeError, match="the cache holds torch.float64, this layer writes torch.float32 keys"):
         attn(torch.randn(2, 1, 16), cache=KVCache(2, 5, 4, 4, dtype=torch.float64))
     assert cache.length == 0
 
@@ -159,6 +159,82 @@ def test_claim_binds_the_first_owner_and_refuses_others():
     assert cache.owner is a
     with pytest.raises(AttributeError):
         cache.owner = b  # read-only
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("n_kv", [4, 2])
+def test_gradients_of_a_cached_call_reach_its_own_keys_as_in_one_pass(backend, n_kv):
+    # The cache's buffers hold no history; the keys and values a call writes keep theirs in what it attends to.
+    attn = MultiHeadAttention(16, 4, n_kv, backend=backend, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    cached_x, whole_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    cached = attn(cached_x[:, :3], cache=attn.new_cache(2, 8))
+    cached_grads = torch.autograd.grad(cached.square().sum(), [cached_x, *attn.parameters()])
+    whole = attn(whole_x[:, :3], causal=True)
+    whole_grads = torch.autograd.grad(whole.square().sum(), [whole_x, *attn.parameters()])
+    for got, want in zip(cached_grads, whole_grads):
+        torch.testing.assert_close(got, want)
+    # A step after a prefill: its token's gradient is the last row's of one causal pass (earlier rows never
+    # read the last token).
+    cache = attn.new_cache(2, 8)
+    with torch.no_grad():
+        attn(x[:, :4], cache=cache)
+    step_x, whole_x = x[:, 4:].clone().requires_grad_(), x.clone().requires_grad_()
+    step = attn(step_x, cache=cache)
+    whole = attn(torch.cat([x[:, :4], whole_x[:, 4:]], 1), causal=True)[:, 4:]
+    torch.testing.assert_close(step, whole)
+    got, = torch.autograd.grad(step.square().sum(), step_x)
+    want, = torch.autograd.grad(whole.square().sum(), whole_x)
+    torch.testing.assert_close(got, want[:, 4:])
+    assert not cache.keys.requires_grad and not cache.values.requires_grad
+
+
+def test_a_compiled_write_keeps_the_new_keys_history_and_the_buffers_none():
+    cache = KVCache(1, 6, 2, 4, dtype=torch.float64)
+    k = torch.randn(1, 2, 2, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 2, 4, dtype=torch.float64, requires_grad=True)
+    keys, values, mask, room = cache.write_static(k, v)
+    assert bool(room) and not cache.keys.requires_grad
+    gk, gv = torch.autograd.grad((keys * 2).sum() + (values * 3).sum(), [k, v])
+    torch.testing.assert_close(gk, torch.full_like(k, 2.0))
+    torch.testing.assert_close(gv, torch.full_like(v, 3.0))
+    torch.testing.assert_close(cache.keys[:, :, :2], k.detach())
+
+
+def test_attend_refuses_a_cache_without_forwards_plan():
+    attn = MultiHeadAttention(16, 4, 2)
+    cache = attn.new_cache(1, 8)
+    q, k, v = torch.randn(1, 4, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"attend: cache is forward's own argument.*attn\(x, cache=cache\)"):
+        attn.attend(q, k, v, causal=True, cache=cache)
+    assert_same(cache, snap)
+
+
+def test_a_copied_cache_is_a_branch_for_the_same_layer():
+    # Beam search and speculative decoding branch a decoding state by copying it.
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    x = torch.randn(1, 6, 16)
+    cache = attn.new_cache(1, 8)
+    with torch.no_grad():
+        attn(x[:, :3], cache=cache)
+        snap = snapshot(cache)
+        branch = copy.deepcopy(cache)
+        assert branch.owner is attn and branch.keys.data_ptr() != cache.keys.data_ptr()
+        torch.testing.assert_close(attn(x[:, 3:], cache=branch), attn(x, causal=True)[:, 3:])
+        assert_same(cache, snap)  # the original is untouched by the branch
+        assert branch.length == 6
+        torch.testing.assert_close(attn(x[:, 3:4], cache=cache), attn(x[:, :4], causal=True)[:, 3:])
+        # Copied with its layer, the cache belongs to the layer's copy.
+        pair = copy.deepcopy({"layer": attn, "cache": branch})
+        assert pair["cache"].owner is pair["layer"]
+        # A pickle carries the positions, not the layer: the first layer to use it claims it.
+        loaded = pickle.loads(pickle.dumps(branch))
+        assert loaded.owner is None and loaded.length == 6
+        assert torch.equal(loaded.keys, branch.keys) and torch.equal(loaded.values, branch.values)
+        loaded.reset()
+        attn(x[:, :2], cache=loaded)
+        assert loaded.owner is attn and loaded.length == 2
 
 
 def test_claim_checkpoint_update_compile_into_one_graph_for_every_decode_position():
