@@ -63,6 +63,8 @@ CASES = {
     "sinks per head": (2, 4, 2, 11, 11, dict(causal=True, sinks=torch.randn(4, dtype=torch.float64))),
     "sinks per row, padding": (2, 4, 2, 11, 11, dict(mask=_padding(), sinks=torch.randn(2, 4, 11, 1,
                                                                                       dtype=torch.float64))),
+    "a sink far above every key": (2, 4, 2, 11, 11, dict(causal=True, sinks=torch.tensor([800.0, 0.0, -5.0, 120.0],
+                                                                                        dtype=torch.float64))),
     "float mask with -inf": (2, 4, 4, 11, 11, dict(mask=_float_mask())),
     "causal s_q > s_kv": (2, 4, 2, 11, 7, dict(causal=True)),
     "cross s_q < s_kv": (2, 4, 2, 5, 13, dict(causal=True)),

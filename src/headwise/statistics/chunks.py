@@ -156,7 +156,7 @@ def _chunk(q, kt, vv, full, sink, i0, i1, scale, causal, softcap, g, lse, ent, t
     e = torch.exp(s)  # (b, h, c, n)
     l_keys = e.sum(-1, keepdim=True)  # (b, h, c, 1)
     total = l_keys if sink is None else l_keys + torch.exp(_rows(sink, i0, i1) - ref)
-    dead = l_keys == 0  # (b, h, c, 1): no readable key
+    dead = torch.isneginf(mx)  # (b, h, c, 1): no readable key (not l_keys == 0: a far larger sink underflows them)
     inv = torch.where(dead, 0.0, 1.0 / torch.where(dead, 1.0, total))
     log_total = torch.log(torch.where(dead, 1.0, total))
     lse[:, :, i0:i1] = torch.where(dead, float("-inf"), ref + log_total).squeeze(-1)

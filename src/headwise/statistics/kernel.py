@@ -163,7 +163,7 @@ def _stats_forward(
     else:
         ref = tl.where(m_i == float("-inf"), 0.0, m_i)
         total = l_i
-    dead = l_keys == 0.0
+    dead = m_i == float("-inf")  # no readable key (a far larger sink may underflow l_keys to zero)
     total = tl.where(dead, 1.0, total)
     log_total = tl.log(total)
     lse = tl.where(dead, float("-inf"), ref + log_total)
