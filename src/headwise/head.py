@@ -233,6 +233,12 @@ class AttentionHead(nn.Module):
         return f"d_model={self.d_model}, d_head={self.d_head}, {where}"
 
 
+def source_layer(heads: Sequence[AttentionHead]) -> nn.Module | None:
+    """The layer every one of ``heads`` is a view of, or None (heads of several layers, or built alone)."""
+    parents = {id(h._parent): h._parent for h in heads}
+    return next(iter(parents.values())) if len(parents) == 1 else None
+
+
 def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
                n_kv_heads: int | None = None) -> tuple["AttentionConfig", dict[str, torch.Tensor]]:
     """The config and packed tensors of a layer made of ``heads`` and ``out_proj`` (copies nothing yet).
@@ -284,8 +290,10 @@ def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
     if tuple(out_proj.weight.shape) != expected:
         raise ValueError(f"out_proj must map h * d_head = {n * d_head} -> d_model = {d_model} (weight "
                          f"{expected}), got weight {tuple(out_proj.weight.shape)}")
+    layer = source_layer(heads)
     cfg = AttentionConfig(d_model=d_model, n_heads=n, n_kv_heads=n_kv_heads, d_head=d_head, bias=has_bias,
-                          out_bias=out_proj.bias is not None, kdim=kdim, vdim=vdim, scale=first.scale)
+                          out_bias=out_proj.bias is not None, kdim=kdim, vdim=vdim, scale=first.scale,
+                          dropout=getattr(getattr(layer, "config", None), "dropout", 0.0))
     kv_heads = [heads[g * group] for g in range(n_kv_heads)]
     tensors = {"q_proj.weight": torch.cat([h.w_q.T for h in heads]),
                "k_proj.weight": torch.cat([h.w_k.T for h in kv_heads]),
@@ -338,13 +346,14 @@ class LayerHeads:
     @classmethod
     def from_heads(
         cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_kv_heads: int | None = None,
-        backend: str = "sdpa",
+        backend: str | None = None,
     ):  # type: ignore[no-untyped-def]
         """Pack independent heads (and a W_O) into one layer, copying their weights.
 
         ``n_kv_heads`` defaults to what the heads record (heads taken from a layer know their layer's
-        grouping), else one K/V head per head. The heads of one K/V group must have identical
-        W_K/W_V (and biases); otherwise this raises, naming the heads that differ.
+        grouping), else one K/V head per head. Heads that are all views of one layer also bring its dropout
+        and (``backend=None``) its backend; otherwise dropout is 0 and the backend ``"sdpa"``. The heads of one
+        K/V group must have identical W_K/W_V (and biases); otherwise this raises, naming the heads that differ.
 
         Shapes:
             each head: w_q, w_k, w_v (d, d_h); out_proj: Linear(h * d_h -> d)
@@ -357,6 +366,8 @@ class LayerHeads:
             True
         """
         config, tensors = pack_heads(heads, out_proj=out_proj, n_kv_heads=n_kv_heads)
+        if backend is None:
+            backend = getattr(source_layer(heads), "backend", "sdpa")
         w = tensors["q_proj.weight"]
         attn = cls(config=config, rotary=heads[0].rotary, backend=backend, device=w.device, dtype=w.dtype)
         with torch.no_grad():

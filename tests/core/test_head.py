@@ -70,6 +70,16 @@ def test_from_heads_round_trips_exactly():
         assert attn.q_proj.weight.abs().sum() > 0
 
 
+def test_from_heads_of_one_layer_brings_its_dropout_and_backend():
+    attn = MultiHeadAttention(16, 4, 2, dropout=0.2, backend="eager")
+    again = MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj)
+    assert again.config == attn.config and again.backend == "eager"
+    assert MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj, backend="sdpa").backend == "sdpa"
+    other = MultiHeadAttention(16, 4, 2, dropout=0.2)
+    mixed = MultiHeadAttention.from_heads(attn.heads()[:2] + other.heads()[2:], out_proj=attn.out_proj)
+    assert mixed.config.dropout == 0.0 and mixed.backend == "sdpa"  # heads of two layers: neither layer's
+
+
 def test_from_heads_packs_standalone_heads():
     heads = [AttentionHead(torch.randn(10, 3), torch.randn(10, 3), torch.randn(10, 3)) for _ in range(4)]
     out = nn.Linear(12, 10)
