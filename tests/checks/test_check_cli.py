@@ -99,3 +99,90 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_json_output_is_strict_json_with_null_for_non_finite_numbers(capsys, tmp_path, monkeypatch):
+    import math
+
+    from headwise.checks import check
+
+    (tmp_path / "inf_layer_mod.py").write_text("def inf_layer(x):\n    return x * float('inf')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "inf_layer_mod:inf_layer", "--d-model", "8", "--json"]) == 1
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    payload = json.loads(capsys.readouterr().out, parse_constant=refuse)  # RFC 8259: no NaN, no Infinity
+
+    def finite(value):  # the reference: the library's own report with every non-finite float as null
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return value
+
+    from inf_layer_mod import inf_layer
+
+    report = check(inf_layer, d_model=8).to_dict()
+    assert json.dumps(report, default=str).count("Infinity") + json.dumps(report, default=str).count("NaN") > 0
+    report.pop("seconds", None), payload.pop("seconds", None)
+    assert payload == json.loads(json.dumps(finite(report), default=str))
+
+
+def _probability_bytes(b: int, h: int, s: int) -> int:
+    """The reference: what torch itself says a float64 (b, h, s, s) tensor takes (meta: nothing allocated)."""
+    import torch
+
+    return torch.empty(b, h, s, s, dtype=torch.float64, device="meta").nbytes
+
+
+def test_the_size_guard_counts_the_attention_probabilities_not_only_x():
+    from headwise.checks.sizes import MAX_INPUT_BYTES, check_input_size
+
+    # largest s whose one-head (1, 1, s, s) float64 probabilities fit the limit, found from torch's own count
+    s = 1
+    while _probability_bytes(1, 1, s + 1) <= MAX_INPUT_BYTES:
+        s += 1 if s < 1000 else 256
+    while _probability_bytes(1, 1, s) > MAX_INPUT_BYTES:
+        s -= 1
+    check_input_size(1, s, 32)  # x is 32 * s * 8 bytes, far under the limit: the probabilities decide
+    with pytest.raises(ValueError, match=r"attention probabilities \(batch, heads, seq_len, seq_len\) = "
+                                         rf"\(1, 1, {s + 1}, {s + 1}\).*over the limit of 256 MiB"):
+        check_input_size(1, s + 1, 32)
+    # with the head count known it is counted: 4 heads at s // 2 tokens take about what 1 head at s does
+    assert _probability_bytes(1, 4, s // 2 + 1) > MAX_INPUT_BYTES >= _probability_bytes(1, 4, s // 2 - 1)
+    check_input_size(1, s // 2 - 1, 32, 4)
+    with pytest.raises(ValueError, match="over the limit of 256 MiB"):
+        check_input_size(1, s // 2 + 1, 32, 4)
+
+
+@pytest.mark.parametrize("extra", [["--d-model", "32"], []])
+def test_a_sequence_whose_probabilities_are_too_large_is_refused_before_the_layer_runs(capsys, tmp_path,
+                                                                                      monkeypatch, extra):
+    import time
+
+    (tmp_path / "never_run_mod.py").write_text(
+        "import headwise\n"
+        "class Layer(headwise.MultiHeadAttention):\n"
+        "    def forward(self, *a, **k):\n"
+        "        raise AssertionError('the layer must not run')\n"
+        "def good():\n"
+        "    return Layer(32, 4, n_kv_heads=2)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    start = time.perf_counter()
+    code = main(["check", "never_run_mod:good", "--seq", "100000", "--batch", "1", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and time.perf_counter() - start < 30
+    assert f"= (1, 1, 100000, 100000) in float64 would take {_probability_bytes(1, 1, 100000):.1e} bytes" in err
+    assert "over the limit of 256 MiB" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # 4 heads at 3000 tokens: one head would fit, the layer's four do not (judged once it is imported)
+    assert _probability_bytes(1, 1, 3000) <= 256 * 2 ** 20 < _probability_bytes(1, 4, 3000)
+    assert main(["check", "never_run_mod:good", "--seq", "3000", "--batch", "1", *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"(1, 4, 3000, 3000) in float64 would take {_probability_bytes(1, 4, 3000):.1e} bytes" in err
+    assert len(err.strip().splitlines()) == 1

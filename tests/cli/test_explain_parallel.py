@@ -93,3 +93,16 @@ def test_bad_ranks_fail_in_one_line_before_anything_heavy(argv: list[str], messa
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert seconds < 2.0, f"{seconds:.2f} s"  # the CLI's bound for bad input (tests/cli/test_failures.py)
+
+
+def test_readme_names_tensor_parallels_own_parameters() -> None:
+    import inspect
+    import re
+
+    from headwise.parallel import tensor_parallel
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    calls = re.findall(r"tensor_parallel\(attn, (\w+)\)", readme)
+    assert calls, "README.md no longer shows tensor_parallel(attn, ...)"
+    params = list(inspect.signature(tensor_parallel).parameters)
+    assert all(name == params[1] for name in calls), (calls, params)

@@ -156,3 +156,43 @@ def test_out_prints_one_line_saying_where(capsys, tmp_path) -> None:
     assert code == 0, err
     assert out.splitlines() == [f"Wrote {page} (all-MiniLM-L6-v2, all 6 layers, 12 heads, 13 tokens)"]
     assert 'id="headwise-data"' in page.read_text()
+
+
+def test_overwriting_an_out_file_keeps_its_permissions(capsys, tmp_path) -> None:
+    import os
+    import stat
+
+    private = tmp_path / "private.html"
+    private.write_text("secret")
+    os.chmod(private, 0o600)
+    target = tmp_path / "shared.html"
+    target.write_text("old")
+    os.chmod(target, 0o640)
+    link = tmp_path / "link.html"
+    link.symlink_to(target)
+    fresh = tmp_path / "fresh.html"
+    mask = os.umask(0o022)  # a new file's mode depends on the umask: fix it for the test
+    try:
+        for path in (private, link, fresh):
+            assert main(["heads", TEXT, "--out", str(path)]) == 0, capsys.readouterr().err
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o600 and "headwise-data" in private.read_text()
+    # a symlink stays a symlink, and its target keeps its own mode while its bytes change
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o640 and "headwise-data" in target.read_text()
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o644  # what open() gives a new file under umask 022
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.html", "link.html", "private.html", "shared.html"]
+
+
+@pytest.mark.parametrize("text", ["\u200b", "\x01\x02", "\u200b\u200d\x7f"])
+@pytest.mark.parametrize("options", [[], ["--stats"], ["--json"]])
+def test_a_text_of_only_invisible_characters_is_refused_as_empty(capsys, minilm, text, options) -> None:
+    tokenizer, _ = minilm
+    ids = tokenizer(text)["input_ids"]  # the reference: the tokenizer keeps nothing but its [CLS] and [SEP]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["[CLS]", "[SEP]"]
+    code = main(["heads", text, *options])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (code, out)
+    assert "text must not be empty" in err and repr(text) in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -323,3 +323,24 @@ def test_an_index_naming_a_shard_outside_the_folder_is_refused(capsys, tmp_path,
     code, out, err = run(capsys, TEXT, "--model", str(path))
     assert code == 2 and f"names shard {name!r}, which is not a file name in the folder" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN / Infinity, as RFC 8259 and JavaScript's JSON.parse do."""
+    def refuse(name: str):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_of_a_one_token_text_is_strict_json_with_null_for_undefined_scores(checkpoint, capsys) -> None:
+    family, path = checkpoint
+    code, out, err = run(capsys, "w1", "--model", str(path), "--json")
+    assert code == 0, err
+    r = _strict_json(out)  # one token: the positional scores have no pairs to average over (NaN in the library)
+    tokens, ref = reference_attentions(path, "w1")
+    assert r["tokens"] == tokens == ["w1"]
+    torch.testing.assert_close(torch.tensor(r["weights"], dtype=torch.float64), ref[0].double(),
+                               rtol=1e-5, atol=1e-6)
+    for head in r["summary"]:
+        assert head["previous"] is None and head["next"] is None and head["positional"] is None
+        assert head["reads_most"] == "w1"

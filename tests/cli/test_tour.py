@@ -39,3 +39,20 @@ def test_tour_bad_input(capsys, argv: list[str], message: str) -> None:
     code = main(["tour", *argv])
     _, err = capsys.readouterr()
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("d_head", [None, 8, 4, 16])
+def test_tour_header_states_d_head_as_the_layer_has_it(capsys, d_head) -> None:
+    import headwise
+
+    extra = [] if d_head is None else ["--d-head", str(d_head)]
+    code = main(["tour", "--d-model", "64", "--n-heads", "8", "--seq", "4", *extra])
+    header = capsys.readouterr().out.splitlines()[0]
+    # the reference: the head width of the layer these sizes build, read off its W_Q
+    layer = headwise.MultiHeadAttention(64, 8, d_head=d_head)
+    width = layer.q_proj.weight.shape[0] // 8
+    assert code == 0 and width == (d_head or 8)
+    if width * 8 == 64:
+        assert f"d_head = 64 / 8 = {width}," in header
+    else:
+        assert f"d_head = {width} (given, not d_model / n_heads)," in header and "64 / 8" not in header

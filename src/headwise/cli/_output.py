@@ -5,7 +5,8 @@ directory, a missing or virtual (``/proc``, ``/sys``, ``/dev``) directory, somet
 file, a directory this process cannot create files in, a full disk. It does so by creating, writing,
 syncing and removing a small scratch file next to the target, so the answer is the file system's own.
 :func:`write_atomically` writes to a scratch file in the same directory and renames it over the target
-only once complete: a failed write leaves the target as it was.
+only once complete: a failed write leaves the target as it was, and an existing target keeps its
+permissions (a symlink's target's).
 """
 
 from __future__ import annotations
@@ -79,13 +80,22 @@ def write_atomically(path: Path, option: str = "--out") -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        os.chmod(tmp, 0o644 & ~_umask())
+        os.chmod(tmp, _mode_for(real))
         os.replace(tmp, real)
     except OSError as exc:
         raise CliError(f"{option}: writing {str(path)!r} failed: {_reason(exc)}") from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def _mode_for(real: Path) -> int:
+    """Permissions for the file that replaces ``real`` (a path with symlinks resolved)."""
+    try:
+        # an existing file keeps its mode: overwriting a private (0600) file must not make it world-readable
+        return stat.S_IMODE(os.stat(real).st_mode)
+    except FileNotFoundError:
+        return 0o644 & ~_umask()  # mkstemp's 0600 is for scratch files; a new file gets what open() would give
 
 
 def _umask() -> int:

@@ -56,8 +56,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise CliError(f"expected MODULE:FACTORY (e.g. mypkg.layers:make_attention), got {args.target!r}")
     if args.seq < 2:
         raise CliError(f"--seq must be at least 2, got {args.seq}")
-    if args.d_model is not None:
-        check_input_size(args.batch, args.seq, args.d_model)
+    # the (b, h, s, s) probabilities grow with seq_len squared whatever the width: judged even without --d-model
+    check_input_size(args.batch, args.seq, args.d_model)
 
 
 def load_target(target: str) -> Any:
@@ -109,6 +109,13 @@ def run(args: argparse.Namespace) -> int:
 
         step(f"importing {args.target}")
         layer = load_target(args.target)
+        n_heads = getattr(layer, "n_heads", None)
+        if isinstance(n_heads, int) and not isinstance(n_heads, bool) and n_heads >= 1:
+            # the layer says how many heads its (b, h, s, s) probabilities have: judge them exactly now
+            try:
+                check_input_size(args.batch, args.seq, args.d_model, n_heads)
+            except ValueError as exc:
+                raise CliError(str(exc)) from None
         step("checking the properties")
         try:
             report = check(layer, d_model=args.d_model, causal=args.causal, batch=args.batch, seq_len=args.seq,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import numbers
 import os
 import shutil
 import sys
@@ -33,8 +35,23 @@ def width() -> int:
 
 
 def emit_json(payload: Any) -> None:
-    json.dump(payload, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+    """Print ``payload`` as one strict JSON document (RFC 8259): a NaN or infinite number becomes null."""
+    # NaN / Infinity are not JSON: strict parsers (JavaScript's JSON.parse, Go, serde) reject the whole
+    # document, so they become null, and allow_nan=False makes any that slipped through an error, not output.
+    text = json.dumps(_finite(payload), indent=2, default=str, allow_nan=False)
+    sys.stdout.write(text + "\n")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite real number (float, numpy scalar) replaced by None, containers rebuilt."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        number = float(value)  # numpy's float32 is no float subclass: default=str would quote it
+        return number if math.isfinite(number) else None
+    return value
 
 
 def line(text: str = "", *, indent: str = "    ") -> None:

@@ -281,6 +281,10 @@ def _load(args: argparse.Namespace, info: Any, step: Any, notes: list[str], chec
             raise CliError(str(exc)) from None
         tokenizer, model = _loading(info, "tokenizer"), None
         _check_tokens(tokenizer, args)
+    if not tokenizer(args.text, add_special_tokens=False, verbose=False)["input_ids"]:
+        # zero-width or control characters pass the blank check above but leave only [CLS] [SEP]: nothing to draw
+        raise CliError(f"text must not be empty: {args.text!r} has no tokens for this tokenizer (only the "
+                       f"special tokens it adds)")
     n_tokens = len(tokenizer(args.text, verbose=False)["input_ids"])  # before the cut, to announce it
     enc = dict(tokenizer(args.text, return_tensors="pt", truncation=True, max_length=args.max_tokens))
     tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())

@@ -90,8 +90,11 @@ def run(args: argparse.Namespace) -> int:
         fmt.emit_json(result)
         return 0 if result["head_by_head_equal"] else 1
     c = config
+    # --d-head (or a preset's head_dim) may differ from d_model / n_heads: the arithmetic is shown only when it holds
+    d_head = (f"d_head = {c.d_model} / {c.n_heads} = {c.d_head}" if c.d_head * c.n_heads == c.d_model
+              else f"d_head = {c.d_head} (given, not d_model / n_heads)")
     fmt.line(f"One attention layer: d_model={c.d_model}, n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads} ({c.kind}), "
-             f"d_head = {c.d_model} / {c.n_heads} = {c.d_head}, {args.seq} tokens, batch {args.batch}")
+             f"{d_head}, {args.seq} tokens, batch {args.batch}")
     fmt.table("Shape walk (eager path; the fused default never materialises scores/softmax)",
               ["step", "code", "shape", "stride", "view or new", "note"],
               [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in result["steps"]],
