@@ -288,7 +288,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                 scale_h = head_scale.to(z.dtype).view(1, -1, 1, 1)  # (1, h, 1, 1)
                 z, weights = z * scale_h, None if weights is None else weights * scale_h
             if tracer is not None:
-                z = tracer.context(self, z, weights)
+                z, weights = tracer.context(self, z, weights)  # a pattern edit: the weights z was made of
         except BaseException:
             # A failed step after the cache write rolls the cache back to the length it had: the positions
             # it reads are exactly as before (the write's slots are past the length again, never read).

@@ -44,6 +44,7 @@ from torch import nn
 from .tracing import find_layers, trace
 from .tracing.inputs import batch_size, call, check_inputs, differentiable, eval_mode, metric_of, repeat
 from .tracing.progress import check_progress, progress_bar
+from .direct import direct_effects, final_norm, logit_direction
 
 __all__ = ["head_effects", "attribution", "direct_effects", "logit_direction", "final_norm"]
 
@@ -293,98 +294,3 @@ def _forward_split(model: nn.Module, inputs: Any, edit: dict, blocks: list[nn.Mo
     finally:
         for handle in handles:
             handle.remove()
-
-
-# -- direct attribution ----------------------------------------------------------------------------------
-def final_norm(model: nn.Module) -> nn.Module:
-    """The final norm of a GPT-2 (``transformer.ln_f``) or Llama-family (``model.norm``) causal LM.
-
-    Shapes:
-        the norm maps the last residual stream (b, s, d) -> (b, s, d)
-    """
-    for path in ("transformer.ln_f", "model.norm", "model.final_layernorm", "gpt_neox.final_layer_norm"):
-        try:
-            return model.get_submodule(path)
-        except AttributeError:
-            continue
-    raise ValueError(f"no final norm found in {type(model).__name__} (looked for transformer.ln_f, model.norm, ...); "
-                     "pass norm= explicitly (or norm=None for none)")
-
-
-def logit_direction(model: nn.Module, good: Any, bad: Any) -> torch.Tensor:
-    """``W_U[good] - W_U[bad]``: the residual direction whose value (after the final norm) is the logit
-    difference between two tokens (``good``/``bad``: ints, or (b,) tensors of token ids).
-
-    Shapes:
-        W_U: (vocab, d) -> (d,) or (b, d)
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (unembedding) to take a direction from")
-    w = head.weight  # (vocab, d)
-    return (w[torch.as_tensor(good)] - w[torch.as_tensor(bad)]).detach()
-
-
-def _norm_kind(norm: nn.Module) -> tuple[str, float, torch.Tensor | None]:
-    if isinstance(norm, nn.LayerNorm):
-        return "layer", float(norm.eps), norm.weight
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if isinstance(norm, nn.RMSNorm) or "RMSNorm" in type(norm).__name__:
-        return "rms", float(1e-6 if eps is None else eps), getattr(norm, "weight", None)
-    raise TypeError(f"norm must be a LayerNorm or an RMSNorm (or None), got {type(norm).__name__}")
-
-
-@torch.no_grad()
-def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, norm: nn.Module | None = None,
-                   position: int | torch.Tensor = -1) -> torch.Tensor:
-    """Each head's direct write along ``direction`` at ``position``, through ``norm`` with its scale frozen.
-
-    For LayerNorm, head write ``r`` contributes ``gamma * (r - mean(r)) / sigma . direction``; for RMSNorm
-    ``gamma * r / rms . direction``, with ``sigma`` / ``rms`` those of the norm's actual input in this run
-    (the standard linearisation: exact for the run's own residual stream, as the scale is a constant of it).
-    ``norm=None`` projects the raw writes. The model runs in eval mode for the duration (dropout off).
-
-    Args:
-        model: a patched Hugging Face model (or any module with headwise layers).
-        inputs: the model's inputs (a tensor, a tuple, or a mapping such as a tokenizer's encoding).
-        direction: (d,) or (b, d), e.g. :func:`logit_direction`.
-        norm: the final norm (e.g. :func:`final_norm`), or None.
-        position: the query position read (int, or (b,) positions such as each row's last real token).
-
-    Shapes:
-        each layer's result (b, s, h, d) -> (b, L, h) float32/64 as the model
-    """
-    kind = None if norm is None else _norm_kind(norm)
-    check_inputs(inputs, "direct_effects")
-    seen: list[torch.Tensor] = []
-    handle = None if norm is None else norm.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
-    try:
-        with eval_mode(model), trace(model, capture=("result",)) as t:
-            call(model, inputs)
-    finally:
-        if handle is not None:
-            handle.remove()
-    results = [r.result for r in t]  # each (b, s, h, d)
-    b, s = results[0].shape[:2]
-    rows = torch.arange(b)
-    pos = torch.as_tensor(position).expand(b) % s
-    writes = torch.stack([r[rows, pos] for r in results], dim=1)  # (b, L, h, d)
-    direction = torch.as_tensor(direction).to(writes.dtype)
-    if direction.shape[-1] != writes.shape[-1] or direction.dim() not in (1, 2):
-        raise ValueError(f"direction must be (d={writes.shape[-1]},) or (b, d), got {tuple(direction.shape)}")
-    direction = direction.expand(b, -1)[:, None, None, :]  # (b, 1, 1, d)
-    if kind is not None:
-        if not seen:
-            raise ValueError("the norm was not called during the forward; pass the model's final norm")
-        x = seen[-1][rows, pos].to(writes.dtype)  # (b, d): the residual stream the norm normalised
-        name, eps, gamma = kind
-        if name == "layer":
-            scale = (x.var(-1, unbiased=False) + eps).rsqrt()  # (b,): frozen 1 / sigma
-            writes = writes - writes.mean(-1, keepdim=True)
-        else:
-            scale = (x.pow(2).mean(-1) + eps).rsqrt()  # (b,): frozen 1 / rms
-        writes = writes * scale[:, None, None, None]
-        if gamma is not None:
-            writes = writes * gamma.to(writes.dtype)
-    return (writes * direction).sum(-1)  # (b, L, h)
-

@@ -26,7 +26,7 @@ LAYERS = [
     {"decoding", "presets", "walkthrough"},                     # built on the layer
     {"interop", "parallel"},                                    # the layer inside other code
     {"analysis", "tracing"},                                    # sizes and costs; every head of a model
-    {"patching", "surgery", "checks", "viz"},                   # built on traces
+    {"patching", "direct", "surgery", "checks", "viz"},         # built on traces
     {"cli", "__main__"},                                        # the command line
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -321,3 +321,19 @@ def test_a_hook_on_w_o_still_runs_under_a_result_trace():
         y = attn(x)
     assert len(seen) == 1  # the module call ran, so did its hook, and its change reached the output
     torch.testing.assert_close(y, seen[0] * 2)
+
+
+@pytest.mark.parametrize("site,cast", [("z", torch.float64), ("q", torch.float64), ("pattern", torch.float64),
+                                       ("k", torch.float16), ("v", torch.bfloat16)])
+def test_a_callable_edit_must_keep_the_slices_dtype(site, cast):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        before = attn(x)
+    with headwise.trace(attn, edit={(0, 1, site): lambda x_h, layer, head: x_h.to(cast)}):
+        with pytest.raises(TypeError, match=rf"slice's dtype and device \(torch.float32 on cpu\), got {cast} on cpu"):
+            attn(x)
+    assert attn.tracer is None
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), before, rtol=0, atol=0)  # the failed call changed nothing

@@ -85,3 +85,72 @@ def test_as_dict_uses_transformer_lens_names_layouts_and_values():
     assert sorted(names) == sorted(f"blocks.0.attn.hook_{n}" for n in ("q", "k", "v", "pattern", "z", "result"))
     for name, tensor in names.items():
         torch.testing.assert_close(tensor, cache[name])
+
+
+def _bart():
+    cfg = transformers.BartConfig(vocab_size=50, d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BartModel(cfg).eval()
+    return model, ref.twin(model)
+
+
+def _bart_inputs(s_dec, dec_mask=False):
+    g = torch.Generator().manual_seed(1)
+    kw = dict(input_ids=torch.randint(3, 50, (2, 6), generator=g),
+              attention_mask=torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]]),  # the encoder pads row 1
+              decoder_input_ids=torch.randint(3, 50, (2, s_dec), generator=g))
+    if dec_mask:
+        mask = torch.ones(2, s_dec, dtype=torch.long)
+        mask[0, -1] = 0  # the decoder pads row 0's last token
+        kw["decoder_attention_mask"] = mask
+    return kw
+
+
+@pytest.mark.parametrize("s_dec,dec_mask", [(4, False), (4, True), (8, False)])
+def test_mean_in_an_encoder_decoders_decoder_is_over_the_decoders_real_tokens(s_dec, dec_mask):
+    model, plain = _bart()
+    patch(model)
+    kw = _bart_inputs(s_dec, dec_mask)
+    real = kw["decoder_attention_mask"].bool() if dec_mask else torch.ones(2, s_dec, dtype=torch.bool)
+    head, d_h = 1, 8
+    cols = slice(head * d_h, (head + 1) * d_h)
+
+    def mean_over_real(m, args):  # the reference: W_O's input, head 1's slice averaged over the decoder's tokens
+        x = args[0].clone()
+        x[..., cols] = real_mean(x[..., cols], real)
+        return (x,)
+
+    decoder = plain.decoder.layers[0]
+    handles = [decoder.self_attn.out_proj.register_forward_pre_hook(mean_over_real),
+               decoder.encoder_attn.out_proj.register_forward_pre_hook(mean_over_real)]
+    try:
+        with torch.no_grad():
+            want = plain(**kw).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    edit = {("decoder.layers.0.self_attn", head): "mean", ("decoder.layers.0.encoder_attn", head): "mean"}
+    with torch.no_grad(), headwise.trace(model, edit=edit, capture=("z",)) as t:
+        got = model(**kw).last_hidden_state
+    torch.testing.assert_close(got, want)
+    # the record's mean is over the same tokens: the float64 mean of the captured z over the real positions
+    z = t["decoder.layers.0.self_attn"].z.double()  # (b, s, h, d_h)
+    expected = z[real].mean(0)  # (h, d_h)
+    torch.testing.assert_close(t["decoder.layers.0.self_attn"].mean("z").double(), expected)
+
+
+def test_mean_of_k_or_v_in_an_encoder_decoders_decoder_is_refused():
+    model, _ = _bart()
+    patch(model)
+    with pytest.raises(ValueError, match="'mean' of k or v in a decoder layer of an encoder-decoder model"):
+        headwise.trace(model, edit={("decoder.layers.0.encoder_attn", 1, "k"): "mean"})
+    with torch.no_grad(), headwise.trace(model, capture=("k", "v")) as t:
+        model(**_bart_inputs(4))
+    with pytest.raises(ValueError, match="whose padding to average over is unknown"):
+        t["decoder.layers.0.self_attn"].mean("v")
+    # the encoder's layer keeps its own padding: the float64 mean of its keys over the encoder's real tokens
+    k = t["encoder.layers.0.self_attn"].k.transpose(1, 2).double()  # (b, s, h_kv, d_h)
+    real = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]]).bool()
+    torch.testing.assert_close(t["encoder.layers.0.self_attn"].mean("k").double(), k[real].mean(0))

@@ -10,6 +10,7 @@ import torch
 import headwise
 from headwise import MultiHeadAttention
 from headwise.patching import direct_effects, final_norm, head_effects, logit_direction
+from headwise.tracing import find_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -186,3 +187,84 @@ def test_direct_effects_bad_input():
         direct_effects(model, kw, torch.randn(24), norm=torch.nn.Linear(24, 24))
     with pytest.raises(ValueError, match="no final norm"):
         final_norm(torch.nn.Sequential(MultiHeadAttention(8, 2)))
+
+
+def _gemma():
+    cfg = transformers.GemmaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.normal_(0, 0.3)  # a trained gain, 1 + weight, not the init's 1
+    return model
+
+
+def test_direct_effects_through_gemmas_one_plus_weight_gain():
+    model = _gemma()
+    plain = ref.twin(model)
+    patch(model)
+    ids = {"input_ids": torch.tensor([[3, 14, 15, 9, 26], [8, 1, 4, 22, 5]])}
+    direction = logit_direction(model, 7, 11)
+    got = direct_effects(model, ids, direction, norm=final_norm(model))
+    # the reference: W_O's per-head inputs from hooks on the unpatched model, Gemma's norm in float64
+    h, d_h = 4, 8
+    zs, hooks = [], [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: zs.append(a[0]))
+                     for layer in plain.model.layers]
+    norm = final_norm(plain)
+    out, x = _final_residual(plain, ids, norm)
+    for hook in hooks:
+        hook.remove()
+    x = x[:, -1].double()
+    gain = 1 + norm.weight.double()  # GemmaRMSNorm: x / rms(x) * (1 + weight)
+    want = torch.empty(2, 2, h, dtype=torch.float64)
+    for li, layer in enumerate(plain.model.layers):
+        w = layer.self_attn.o_proj.weight.double()
+        for i in range(h):
+            r = zs[li][:, -1, i * d_h:(i + 1) * d_h].double() @ w[:, i * d_h:(i + 1) * d_h].T
+            want[:, li, i] = (r / (x.pow(2).mean(-1) + norm.eps).sqrt()[:, None] * gain) @ direction.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+class DoubledRMSNorm(torch.nn.Module):
+    """An RMSNorm of a formula direct_effects does not know: 2 * weight * x / rms(x)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x):
+        return 2 * self.weight * x * (x.pow(2).mean(-1, keepdim=True) + self.eps).rsqrt()
+
+
+def test_direct_effects_refuses_an_rmsnorm_of_unknown_gain():
+    model = _gemma()
+    model.model.norm = DoubledRMSNorm(model.model.norm)
+    patch(model)
+    ids = {"input_ids": torch.tensor([[3, 14, 15, 9, 26]])}
+    with pytest.raises(ValueError, match=r"DoubledRMSNorm's output in this run is not weight \* x / rms\(x\) or "
+                                         r"1 \+ weight \* x / rms\(x\)"):
+        direct_effects(model, ids, logit_direction(model, 7, 11), norm=final_norm(model))
+    assert not model.model.norm._forward_hooks  # the hook is gone after the refusal
+    for _, layer in find_layers(model):
+        assert layer.tracer is None
+
+
+def test_direct_effects_position_must_lie_in_the_sequence():
+    model = ref.BUILDERS["gpt2"]("sdpa")
+    plain = ref.twin(model)
+    patch(model)
+    kw = ref.inputs(model, pad=False)
+    s = kw["input_ids"].shape[1]
+    direction = logit_direction(model, 7, 11)
+    norm = final_norm(model)
+    for bad in (s, s + 3, -s - 1, torch.tensor([0, s])):
+        with pytest.raises(IndexError, match=rf"position must lie in \[-{s}, {s}\)"):
+            direct_effects(model, kw, direction, norm=norm, position=bad)
+    with pytest.raises(TypeError, match="position must be an int"):
+        direct_effects(model, kw, direction, norm=norm, position=1.0)
+    # the ends of the range are the first and last tokens, as indexing the unpatched model's own run
+    _, zs, _ = ref.hooked_run(plain, kw, model.config.num_attention_heads)
+    raw = direct_effects(model, kw, direction, position=-s)
+    first = torch.stack([torch.stack([zs[li][:, 0, i].double() @ ref.w_o(mod)[0][:, i * 6:(i + 1) * 6].T.double()
+                                      for i in range(4)], 1) for li, mod in enumerate(ref.w_o_modules(plain))], 1)
+    torch.testing.assert_close(raw.double(), first @ direction.double(), rtol=1e-4, atol=1e-6)

@@ -97,3 +97,34 @@ def test_bad_sites_are_refused():
         attn(torch.randn(1, 2, 16), cache=cache)
         with pytest.raises(ValueError, match="needs every value"):
             attn(torch.randn(1, 1, 16), cache=cache)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_returned_weights_are_the_edited_pattern_the_output_was_made_of(n_kv_heads):
+    torch.manual_seed(3)
+    attn = MultiHeadAttention(16, 4, n_kv_heads).double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    fn = lambda p: p.flip(-1) * 0.5  # noqa: E731
+    patterns = []
+    want = per_head_reference(attn, x, mask, {(1, "pattern"): fn}, patterns)
+    with headwise.trace(attn, edit={(0, 1, "pattern"): lambda p, layer, head: fn(p)}):
+        y, w = attn(x, return_weights=True)
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(w, torch.stack(patterns, 1))  # head 1's row: the edited probabilities
+
+
+def test_output_attentions_of_a_patched_gpt2_are_the_edited_pattern():
+    model = ref.gpt2("eager")
+    plain = ref.twin(model)
+    patch(model)
+    kw = ref.inputs(model)
+    # the unpatched model with head 2 of layer 0 zeroed where W_O reads it: a zero pattern's effect
+    want, _, _ = ref.hooked_run(plain, kw, 4, edit={(0, 2): torch.zeros_like}, output_attentions=True)
+    with torch.no_grad(), headwise.trace(model, edit={(0, 2, "pattern"): "zero"}):
+        got = model(**kw, output_attentions=True)
+    torch.testing.assert_close(got.logits, want.logits)
+    layer0 = want.attentions[0].clone()
+    layer0[:, 2] = 0
+    torch.testing.assert_close(got.attentions[0], layer0)
+    torch.testing.assert_close(got.attentions[1], want.attentions[1])

@@ -130,6 +130,10 @@ def parse_value(value: Any, site: str, where: str, width: int | None, li: int, h
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(f"{where}: the callable must return a tensor of the slice's shape "
                                  f"{tuple(x_h.shape)}, got {got}")
+            if out.dtype != x_h.dtype or out.device != x_h.device:
+                # never cast silently: a half-precision edit of a float32 layer would lose what it meant
+                raise TypeError(f"{where}: the callable must return a tensor of the slice's dtype and device "
+                                f"({x_h.dtype} on {x_h.device}), got {out.dtype} on {out.device}")
             return out
         return None, call
     raise TypeError(f"{where}: expected 'zero', 'mean', ('mean', trace), a number, a tensor or a callable, "

@@ -36,7 +36,8 @@ class LayerRecord:
     ``torch.autograd.grad(loss, t[i].z)`` is the gradient at that tensor. After several calls (decoding)
     ``q``, ``z``, ``result``, ``lse``, ``entropy`` and ``max_weight`` are concatenated along the query positions
     and ``key_weight`` is summed per key position (:func:`headwise.statistics.concatenate`); ``calls`` holds every
-    call's dict; ``paddings`` holds each call's real-token mask (the model's ``attention_mask``) or None.
+    call's dict; ``paddings`` holds each call's real-token mask (the model's ``attention_mask``; a decoder layer's of an
+    encoder-decoder model: its ``decoder_attention_mask``) or None.
 
     Shapes:
         q (b, h, s_q, d_h); k, v (b, h_kv, s, d_h) (h where a k/v edit gave every query head its own copy);
@@ -48,6 +49,9 @@ class LayerRecord:
         self.index, self.name, self.layer, self.capture = index, name, layer, capture
         self.calls: list[dict[str, torch.Tensor]] = []
         self.paddings: list[torch.Tensor | None] = []
+        #: A decoder layer of an encoder-decoder model: ``paddings`` are the decoder's (its queries' tokens),
+        #: which its keys need not share (cross-attention reads the encoder's).
+        self.decoder = False
 
     def get(self, what: str) -> torch.Tensor:
         """The captured ``what`` (one of :data:`CAPTURABLE`)."""
@@ -83,14 +87,20 @@ class LayerRecord:
 
     def mean(self, site: str = "z") -> torch.Tensor:
         """Each head's mean ``site`` vector over every call, batch row and real token (the model's
-        ``attention_mask``; every position when there was none), e.g. a mean-ablation value taken on other
-        data: ``edit={(layer, head): reference[layer].mean()[head]}``.
+        ``attention_mask``, or its ``decoder_attention_mask`` in an encoder-decoder's decoder layers, whose k
+        and v are refused as their keys may be either sequence's; every position when there was none), e.g. a
+        mean-ablation value taken on other data: ``edit={(layer, head): reference[layer].mean()[head]}``.
 
         Shapes: -> (h, d_h) for q and z; (h_kv, d_h) for k and v (h under a k/v edit's own copies)
         """
         if site not in ("q", "k", "v", "z"):
             raise ValueError(f"mean: site must be one of q, k, v, z, got {site!r}")
         self.get(site)  # the checks: captured, called
+        if self.decoder and site in ("k", "v"):
+            raise ValueError(f"mean: layer {self.index} ({self.name!r}) is a decoder layer of an encoder-decoder "
+                             f"model, whose {site} positions are the decoder's tokens (self-attention) or the "
+                             "encoder's (cross-attention): whose padding to average over is unknown; average "
+                             f"t[{self.index}].{site} over the real positions yourself")
         total, count = None, 0.0
         for call, padding in zip(self.calls, self.paddings):
             x = call[site] if site == "z" else call[site].transpose(1, 2)  # (b, s, heads, d_h)

@@ -37,6 +37,33 @@ def _position_of(name: str, module: nn.Module) -> int | None:
     return positional.index(name) if name in positional else None
 
 
+def _decoder_layers(module: nn.Module, layers: list) -> tuple[frozenset[int], bool]:
+    """The traced layers inside the decoder of an encoder-decoder model (``config.is_encoder_decoder``), and
+    whether their queries' padding is ``module``'s ``decoder_attention_mask`` (False when ``module`` is the
+    decoder itself: then its own ``attention_mask`` is)."""
+    get = getattr(module, "get_decoder", None)
+    if getattr(getattr(module, "config", None), "is_encoder_decoder", False) is not True or not callable(get):
+        return frozenset(), False
+    try:
+        decoder = get()
+    except (AttributeError, NotImplementedError, TypeError):
+        return frozenset(), False
+    if decoder is module:
+        return frozenset(range(len(layers))), False
+    prefix = next((name for name, m in module.named_modules() if m is decoder and name), None)
+    if prefix is None:
+        return frozenset(), False
+    return frozenset(i for i, (name, _) in enumerate(layers) if name.startswith(prefix + ".")), True
+
+
+def _mask_of(args: tuple, kwargs: dict, name: str, at: int | None) -> torch.Tensor | None:
+    """A call's (b, s) real-token mask passed as ``name`` (by keyword, or by position ``at``), or None."""
+    mask = kwargs.get(name)
+    if mask is None and at is not None and len(args) > at:
+        mask = args[at]  # passed by position
+    return mask != 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
 def _inert() -> Any:
     return inert
 
@@ -76,12 +103,19 @@ class Trace:
         self._names = {name: i for i, (name, _) in enumerate(self.layers)}
         per_layer = self._parse_capture(capture)
         self.records = [LayerRecord(i, n, m, per_layer.get(i, frozenset())) for i, (n, m) in enumerate(self.layers)]
+        # An encoder-decoder's decoder layers: queries from the decoder's tokens, keys from either sequence.
+        self._decoder, self._reads_decoder_mask = _decoder_layers(module, self.layers)
+        for i in self._decoder:
+            self.records[i].decoder = True
         self._plans = self._parse_edits(edit)
         self._active = False
         self._hook: Any = None
         self._mask_at: int | None = None
+        self._decoder_mask_at: int | None = None
         #: The real-token mask ((b, s) bool) of the model call running now: its ``attention_mask``, or None.
         self.padding: torch.Tensor | None = None
+        #: The decoder's real-token mask of an encoder-decoder call: its ``decoder_attention_mask``, or None.
+        self.decoder_padding: torch.Tensor | None = None
 
     # -- indexing ----------------------------------------------------------------------------------------
     def index(self, ref: Any) -> int:
@@ -150,8 +184,9 @@ class Trace:
                 tracer = layer.tracer = LayerTracer()
             record.calls.clear()
             record.paddings.clear()
-            tracer.entries.append(Entry(self, record, plans))
+            tracer.entries.append(Entry(self, record, plans, decoder=record.index in self._decoder))
         self._mask_at = _position_of("attention_mask", self.module)
+        self._decoder_mask_at = _position_of("decoder_attention_mask", self.module)
         self._hook = self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True)
         self._active = True
         return self
@@ -166,22 +201,21 @@ class Trace:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.padding = None
+        self.padding = self.decoder_padding = None
         self._active = False
 
     def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before each call of the traced module: its layers are still the traced ones, and its
-        ``attention_mask`` (if any) is this call's padding."""
+        ``attention_mask`` (if any) is this call's padding, its ``decoder_attention_mask`` its decoder's."""
         if not isinstance(module, MultiHeadAttention):
             now = find_layers(module)
             if len(now) != len(self.layers) or any(a is not b for (_, a), (_, b) in zip(now, self.layers)):
                 raise RuntimeError("trace: the model's attention layers were replaced inside the trace (e.g. by "
                                    "headwise.surgery, which re-patches them); the trace would miss them: close it "
                                    "and open a new trace on the changed model")
-        mask = kwargs.get("attention_mask")
-        if mask is None and self._mask_at is not None and len(args) > self._mask_at:
-            mask = args[self._mask_at]  # passed by position
-        self.padding = mask != 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        self.padding = _mask_of(args, kwargs, "attention_mask", self._mask_at)
+        self.decoder_padding = _mask_of(args, kwargs, "decoder_attention_mask", self._decoder_mask_at) \
+            if self._reads_decoder_mask else self.padding
 
     # -- arguments ---------------------------------------------------------------------------------------
     def _parse_capture(self, capture: Any) -> dict[int, frozenset[str]]:
@@ -216,6 +250,11 @@ class Trace:
         for (li, head, site), value in sorted(chosen.items()):
             layer = self.layers[li][1]
             where = f"edit of layer {li} head {head} {site}"
+            if isinstance(value, str) and value == "mean" and site in ("k", "v") and li in self._decoder:
+                raise ValueError(f"{where}: 'mean' of k or v in a decoder layer of an encoder-decoder model is not "
+                                 "supported: its keys are the decoder's tokens (self-attention) or the encoder's "
+                                 "(cross-attention), so whose padding to average over is unknown; pass a tensor "
+                                 "of the means instead")
             width = None if site == "pattern" else layer.d_head
             reference = None
             if site != "pattern":

@@ -28,9 +28,15 @@ def _no_tracer() -> None:
 class Entry:
     """One active trace on one layer: its record, its per-site plans and its session (for the padding)."""
 
-    def __init__(self, session: Any, record: LayerRecord, plans: dict[str, SitePlan]) -> None:
-        self.session, self.record, self.plans = session, record, plans
+    def __init__(self, session: Any, record: LayerRecord, plans: dict[str, SitePlan], decoder: bool = False) -> None:
+        self.session, self.record, self.plans, self.decoder = session, record, plans, decoder
         self.pending: dict[str, torch.Tensor] = {}
+
+    @property
+    def padding(self) -> torch.Tensor | None:
+        """The real-token mask of the sequence this layer's queries come from: an encoder-decoder's decoder
+        layers read the decoder's tokens, never the encoder's ``attention_mask``."""
+        return self.session.decoder_padding if self.decoder else self.session.padding
 
 
 def _weighted(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -82,7 +88,7 @@ class LayerTracer:
             g = q.shape[1] // k.shape[1]  # each query head its own K/V copy: an edit touches that head's view
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (b, h, s_kv, d_h)
         for e in entries:
-            plans, padding = e.plans, e.session.padding
+            plans, padding = e.plans, e.padding
             if plans["q"]:
                 q = apply(plans["q"], q, padding)
             if plans["k"]:
@@ -94,14 +100,17 @@ class LayerTracer:
         self.values = v if self.wants_weights(layer) else None
         return q, k, v
 
-    def context(self, layer: MultiHeadAttention, z: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def context(self, layer: MultiHeadAttention, z: torch.Tensor,
+                weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(z, weights)`` after the traces' edits: under a pattern edit both are the edited ones, so the
+        probabilities the layer returns are those its output was computed from."""
         entries = self.entries
         values, self.values = self.values, None
         stats, self.stats = self.stats, None
         edited = [e for e in entries if e.plans["pattern"]]
         if weights is not None and (edited or (torch.is_grad_enabled() and self.wants_weights(layer))):
             for e in edited:
-                weights = apply(e.plans["pattern"], weights, e.session.padding)
+                weights = apply(e.plans["pattern"], weights, e.padding)
             usable = values is not None and values.shape[2] == weights.shape[-1] \
                 and not (layer.training and layer.config.dropout > 0)
             if usable:  # z from the (edited) probabilities: the captured pattern is the tensor z was made of
@@ -113,7 +122,7 @@ class LayerTracer:
                                  "decoding with a KVCache), or runs dropout in training mode")
         for e in entries:
             if e.plans["z"]:
-                z = apply(e.plans["z"], z, e.session.padding)
+                z = apply(e.plans["z"], z, e.padding)
         if any("z" in e.record.capture for e in entries):
             zc = z.transpose(1, 2)  # (b, s_q, h, d_h): what is captured is what W_O reads
             z = zc.transpose(1, 2)
@@ -133,9 +142,9 @@ class LayerTracer:
                 call.update((n, t) for n, t in stats.items() if n in capture)
             if capture:
                 e.record.calls.append(call)
-                e.record.paddings.append(e.session.padding)
+                e.record.paddings.append(e.padding)
         self.last_results = results
-        return z
+        return z, weights
 
     def results(self, layer: MultiHeadAttention) -> torch.Tensor | None:
         """The head writes the context step just captured, handed over once (the layer sums them instead of
