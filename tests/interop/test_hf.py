@@ -407,9 +407,9 @@ def test_unsupported_modules_raise_clear_errors():
                                          r"e.g. BertAttention for BertSelfAttention\)$"):
         from_hf(bert("bert-20x4", "eager").encoder.layer[0].attention.self)
     cross = transformers.GPT2Model(transformers.GPT2Config(n_embd=12, n_head=3, n_layer=1, add_cross_attention=True))
-    with pytest.raises(ValueError, match=r"GPT2Attention cannot be converted: Q/K/V are not located: GPT2Attention."
-                                         r"c_attn is not a projection with \(h \+ 2 h_kv\) d_h = 36 outputs \(got 24\)"):
-        from_hf(cross.h[0].crossattention)  # cross-attention: its c_attn holds K and V only
+    with pytest.raises(ValueError, match=r"GPT2Attention cannot be converted: it is cross-attention: its keys and "
+                                         r"values read the encoder's hidden states, not its input"):
+        from_hf(cross.h[0].crossattention)  # Q in q_attn, K | V in c_attn: a copy would attend over its own input
     with pytest.raises(TypeError, match="Sequential contains no attention module"):
         patch(nn.Sequential(nn.Linear(4, 4)))
     model = llama("llama-gqa", "eager")  # a patched module converts as it is: patching changed nothing of it
@@ -492,3 +492,43 @@ def test_a_rotary_emb_whose_inv_freq_is_not_a_tensor_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"^rotary_emb must be the model's rotary module, whose inv_freq is a "
                                         r"torch.Tensor; got SimpleNamespace with inv_freq numpy.ndarray$"):
         from_hf(model.model.layers[0].self_attn, rotary_emb=rot)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpt2_cross_attention_heads_take_q_from_q_attn_and_k_v_from_c_attn(impl):
+    # 4 heads of 8: c_attn's K | V (64 columns) would also read as Q | K | V with 2 K/V heads of 8.
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, add_cross_attention=True,
+                                  attn_implementation=impl)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    plain = copy.deepcopy(model)
+    ids, enc = torch.randint(3, VOCAB, (2, 5)), torch.randn(2, 4, 32)
+    with torch.no_grad():
+        want = plain(input_ids=ids, encoder_hidden_states=enc).logits
+    patch(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, encoder_hidden_states=enc).logits, want)
+    cross = model.transformer.h[0].crossattention
+    attn = cross.attn
+    assert (attn.n_heads, attn.config.n_kv_heads, attn.d_head) == (4, 4, 8)
+    for i in range(4):
+        head, cols = attn.head(i), slice(8 * i, 8 * i + 8)
+        torch.testing.assert_close(head.w_q, cross.q_attn.weight[:, cols])  # Conv1D: (in, out)
+        torch.testing.assert_close(head.w_k, cross.c_attn.weight[:, cols])
+        torch.testing.assert_close(head.w_v, cross.c_attn.weight[:, 32:][:, cols])
+        torch.testing.assert_close(head.b_q, cross.q_attn.bias[cols])
+    with pytest.raises(ValueError, match="cross-attention: its keys and values read the encoder's hidden states"):
+        from_hf(cross)
+
+    # Removing head 1 equals zeroing its context before c_proj in the unpatched model (a plain PyTorch hook).
+    def zero_head_1(module, args):
+        x = args[0].clone()
+        x[..., 8:16] = 0
+        return (x,)
+
+    plain.transformer.h[0].crossattention.c_proj.register_forward_pre_hook(zero_head_1)
+    headwise.surgery.prune_heads(model, {"transformer.h.0.crossattention": [1]})
+    assert model.transformer.h[0].crossattention.attn.n_heads == 3
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, encoder_hidden_states=enc).logits,
+                                   plain(input_ids=ids, encoder_hidden_states=enc).logits)

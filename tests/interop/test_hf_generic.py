@@ -156,8 +156,12 @@ def test_patch_after_peft_takes_over_reads_the_base_weights_and_refuses_surgery(
     name, attn = layers(model)[0]
     base = model.get_submodule(name).q_proj.base_layer.weight
     assert attn.head(1).w_q.data_ptr() == base[4:].data_ptr()  # head views read the base weight
-    with pytest.raises(TypeError, match=r"q_proj of this layer is a Linear \(an adapter wrapper\?\); merge"):
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"q_proj of this layer is wrapped by an adapter .*merge_and_unload\(\) first"):
         prune_heads(model, {0: [1]})
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()) and len(layers(model)) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, want)  # refused with nothing changed
     assert "wrapped by an adapter (PEFT): merge_and_unload() first" in attn.edit_refusal(2, 2)
 
 

@@ -14,7 +14,7 @@ peft = pytest.importorskip("peft")
 
 from headwise.interop import layers, patch, unpatch  # noqa: E402
 
-from tests.interop.tiny_models import FAMILIES, LORA_TARGETS, build, inputs  # noqa: E402
+from tests.interop.tiny_models import FAMILIES, LORA_TARGETS, build, inputs, output  # noqa: E402
 
 # PEFT asks transformers a deprecated question; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -84,3 +84,27 @@ def test_lora_on_a_patched_model_equals_lora_on_the_plain_one(family):
         torch.testing.assert_close(v, want_state[k], msg=k)
     with torch.no_grad():
         torch.testing.assert_close(loss_of(merged_ours, family, batch)[0], loss_of(merged_plain, family, batch)[0])
+
+
+def _left_padded() -> dict[str, torch.Tensor]:
+    batch = inputs(5)
+    batch["attention_mask"] = batch["attention_mask"].flip(1)  # eager and sdpa differ on rows that read nothing
+    return batch
+
+
+@pytest.mark.parametrize("order", ["patch_peft_model_unpatch_merged", "patch_then_peft_unpatch_peft_model"])
+def test_unpatch_restores_the_model_whichever_peft_wrapper_it_is_given(order):
+    base = build("llama", impl="eager")
+    plain = lora(copy.deepcopy(base), "llama")
+    batch = _left_padded()
+    if order == "patch_peft_model_unpatch_merged":
+        ours = patch(lora(copy.deepcopy(base), "llama"))
+        model, want = unpatch(ours.merge_and_unload()), plain.merge_and_unload()
+    else:
+        inner = patch(copy.deepcopy(base))
+        model, want = unpatch(lora(inner, "llama")), plain
+    assert layers(model) == []
+    assert {c._attn_implementation for c in (m.config for m in model.modules() if hasattr(m, "config"))} == {"eager"}
+    torch.testing.assert_close(output(model, batch), output(want, batch))
+    bad = torch.ones(3, 1)  # an unpatched model ignores head_mask; the patch's check must be gone with it
+    torch.testing.assert_close(output(model, {**batch, "head_mask": bad}), output(want, {**batch, "head_mask": bad}))

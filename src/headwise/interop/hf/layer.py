@@ -127,6 +127,9 @@ def view_of(module: nn.Module, parent: nn.Module | None = None, *, name: str = "
                      rule=rule)
     if qkv and q_in != found.d:
         object.__setattr__(view, "_hw_odd", f"its queries read width {q_in}, not the model width {found.d}")
+    elif found.layout == "kv_blocks":  # attn(x) would read keys and values off x
+        object.__setattr__(view, "_hw_odd", "it is cross-attention: its keys and values read the encoder's hidden "
+                                            "states, not its input")
     return view
 
 

@@ -26,7 +26,8 @@ from torch import nn
 from ..views import ProjectionView
 from .registry import Entry
 
-__all__ = ["Located", "Projection", "Whole", "Rows", "locate", "projection_size", "is_conv1d", "PROJECTIONS"]
+__all__ = ["Located", "Projection", "Whole", "Rows", "locate", "projection_size", "is_conv1d", "is_cross",
+           "PROJECTIONS"]
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
@@ -173,7 +174,8 @@ class Located:
     Attributes:
         d, h, h_kv, d_v: model width, query heads, key/value heads, value head width.
         where: ``{q_proj, k_proj, v_proj, out_proj: Projection or the reason it is not located}``.
-        layout: ``"split"``, ``"blocks"`` or ``"per_head"`` (how Q/K/V are held; ``"split"`` when not located).
+        layout: ``"split"``, ``"blocks"``, ``"per_head"`` or ``"kv_blocks"`` (Q in its own projection, K | V fused:
+            a cross-attention module, registry ``cross_q``) (how Q/K/V are held; ``"split"`` when not located).
         fused: the fused Q/K/V module's name, or None.
         entry: the family's registry entry.
     """
@@ -232,13 +234,19 @@ def _sizes(module: nn.Module, entry: Entry) -> tuple[int, int, int, int]:
     return d or h * d_v, h, h_kv, d_v
 
 
+def is_cross(module: nn.Module, entry: Entry) -> bool:
+    """Whether ``module`` is a cross-attention module whose queries live apart from its fused K | V
+    (:attr:`~headwise.interop.hf.registry.Entry.cross_q`)."""
+    return entry.cross_q is not None and entry.qkv is not None and getattr(module, "is_cross_attention", False) is True
+
+
 def _kv_from_weights(module: nn.Module, entry: Entry, h: int, d_v: int) -> int | None:
     """K/V heads from the key projection's width (configs may carry a num_key_value_heads a family ignores)."""
     if entry.unlocated:
         return None
     if entry.qkv is not None:
         size = projection_size(getattr(module, entry.qkv, None))
-        rest = size[0] - h * d_v if size else 0
+        rest = size[0] - (0 if is_cross(module, entry) else h * d_v) if size else 0
         return rest // (2 * d_v) if rest > 0 and rest % (2 * d_v) == 0 else None
     _, k = _find(module, entry.k)
     out = projection_size(k)[0] if k is not None else 0
@@ -249,6 +257,8 @@ def _locate_qkv(module: nn.Module, entry: Entry, h: int, h_kv: int, d_v: int) ->
     owner = type(module).__name__
     if entry.unlocated:
         return entry.unlocated
+    if is_cross(module, entry):
+        return _locate_cross(module, entry, h, h_kv, d_v)
     if entry.qkv is not None:
         name, want = entry.qkv, (h + 2 * h_kv) * d_v
         size = projection_size(getattr(module, name, None))
@@ -274,6 +284,24 @@ def _locate_qkv(module: nn.Module, entry: Entry, h: int, h_kv: int, d_v: int) ->
     if len({m.bias is None for _, m in found.values()}) != 1:
         return f"{owner}: some of {', '.join(n for n, _ in found.values())} have a bias and some do not"
     return {hw: Whole(module, name) for hw, (name, _) in found.items()}
+
+
+def _locate_cross(module: nn.Module, entry: Entry, h: int, h_kv: int, d_v: int) -> dict[str, Projection] | str:
+    """Q from ``entry.cross_q``, K | V as blocks of ``entry.qkv`` (GPT-2's cross-attention)."""
+    owner, name, kv = type(module).__name__, entry.qkv, h_kv * d_v
+    q_name, q = _find(module, (entry.cross_q,))
+    fused = getattr(module, name, None)
+    size = projection_size(fused)
+    if q is None or projection_size(q)[0] != h * d_v:
+        got = projection_size(q)[0] if q is not None else "none"
+        return f"{owner}.{entry.cross_q} is not a query projection with h d_h = {h * d_v} outputs (got {got})"
+    if size is None or size[0] != 2 * kv:
+        got = size[0] if size else type(fused).__name__
+        return f"{owner}.{name} is not a K | V projection with 2 h_kv d_h = {2 * kv} outputs (got {got})"
+    if (q.bias is None) != (fused.bias is None):
+        return f"{owner}: one of {entry.cross_q}, {name} has a bias and the other does not"
+    return {"q_proj": Whole(module, q_name), "k_proj": Rows(module, name, 0, kv),
+            "v_proj": Rows(module, name, kv, 2 * kv)}
 
 
 def _locate_o(module: nn.Module, parent: nn.Module | None, entry: Entry, d: int, inner: int) -> Projection | str:
@@ -306,4 +334,6 @@ def locate(module: nn.Module, parent: nn.Module | None, entry: Entry) -> Located
     o = _locate_o(module, parent, entry, d, h * d_v)
     where["out_proj"] = o if isinstance(o, Projection) else f"W_O is not located: {o}"
     layout = entry.layout if isinstance(qkv, dict) and entry.qkv is not None else "split"
+    if layout != "split" and is_cross(module, entry):
+        layout = "kv_blocks"  # Q apart, K | V fused
     return Located(d, h, h_kv, d_v, where, layout, entry.qkv if layout != "split" else None, entry)

@@ -205,10 +205,29 @@ def patch(model: nn.Module) -> nn.Module:
     for config in configs:  # a config whose every module ran sdpa keeps sdpa's skip of a causal mask
         if rules.get(id(config)) == {"sdpa"}:
             sdpa_rule(config, keep=True)
-    if "_hw_impls" not in model.__dict__:  # the first patch: what unpatch puts back
-        model.__dict__["_hw_impls"] = before
-        model.__dict__["_hw_hook"] = model.register_forward_pre_hook(check_head_mask, with_kwargs=True)
+    if not _records(model):  # the first patch: what unpatch puts back
+        anchor = _anchor(model)
+        anchor.__dict__["_hw_impls"] = before
+        anchor.__dict__["_hw_hook"] = anchor.register_forward_pre_hook(check_head_mask, with_kwargs=True)
     return model
+
+
+def _anchor(model: nn.Module) -> nn.Module:
+    """Where :func:`patch` keeps what :func:`unpatch` restores: the outermost transformers model in ``model``.
+
+    Wrappers come and go around it (PEFT's ``get_peft_model`` wraps it, ``merge_and_unload`` hands it back), so
+    kept there the record is found by ``unpatch`` whichever of them it is given. Its forward pre-hook also runs
+    when a wrapper calls it."""
+    for module in model.modules():
+        if hasattr(type(module), "set_attn_implementation"):  # the class's, not a wrapper's forwarding __getattr__
+            return module
+    return model
+
+
+def _records(model: nn.Module) -> list[nn.Module]:
+    """Every module of ``model`` holding a patch record, innermost first: a record is only added where no module
+    below holds one, so a deeper record is a later patch and is undone before the ones above it."""
+    return [m for m in model.modules() if "_hw_impls" in m.__dict__][::-1]
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -216,7 +235,9 @@ def unpatch(model: nn.Module) -> nn.Module:
     back; returns ``model``.
 
     The weights never moved, so nothing is copied; edits made through ``.attn`` or its heads while patched
-    are edits of the model's own weights. A model without patched modules is returned unchanged.
+    are edits of the model's own weights. A model without patched modules is returned unchanged. ``model`` may be
+    a wrapper of the patched model or the model a wrapper was patched through (a PEFT model, or its
+    ``merge_and_unload()``): the record of the first patch is kept on the transformers model inside.
 
     Shapes:
         no tensor is touched
@@ -228,10 +249,11 @@ def unpatch(model: nn.Module) -> nn.Module:
             del module.__dict__["attn"]
     for config in _configs(model):
         sdpa_rule(config, keep=False)
-    _restore(model.__dict__.pop("_hw_impls", []))
-    hook = model.__dict__.pop("_hw_hook", None)
-    if hook is not None:
-        hook.remove()
+    for holder in _records(model):  # wherever patch kept it: a wrapper's inner model, or the model itself
+        _restore(holder.__dict__.pop("_hw_impls"))
+        hook = holder.__dict__.pop("_hw_hook", None)
+        if hook is not None:
+            hook.remove()
     return model
 
 

@@ -82,6 +82,9 @@ class Entry:
         o: candidate names of W_O on the attention module itself.
         o_parent: candidate paths of W_O on the module's parent (BERT-style ``SelfOutput.dense``).
         qkv: the fused Q/K/V projection's name (then q, k, v are ignored), with its ``layout``.
+        cross_q: where a cross-attention module (its ``is_cross_attention`` true) keeps its queries instead: this
+            separate projection, ``qkv`` then holding only K | V as blocks (GPT-2's ``q_attn``; layout
+            ``"kv_blocks"``). Its keys and values read the encoder's states, so its layer does not run alone.
         heads, kv_heads: names of the module's (or its config's) query / key-value head counts.
         width: names of the model width d (on the module, then its config).
         d_v: names of the value head width (the width of each head's context).
@@ -141,6 +144,7 @@ class Entry:
     o_parent: tuple[str, ...] = ("output.dense",)
     qkv: str | None = None
     layout: str = "split"
+    cross_q: str | None = None
     heads: tuple[str, ...] = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads")
     kv_heads: tuple[str, ...] = ("num_key_value_heads", "kv_heads", "num_kv_heads", "n_kv_heads")
     width: tuple[str, ...] = ("hidden_size", "embed_dim", "d_model", "dim", "n_embd")
@@ -199,7 +203,8 @@ ENTRIES: dict[str, Entry | Callable[[Any], Entry]] = {
     **dict.fromkeys(("qwen3", "qwen3_moe"), _ROPE_QK_NORM),
     **dict.fromkeys(("bert", "roberta"), _PLAIN),
     # Conv1D c_attn (Q | K | V columns) and c_proj; its forward splits c_attn at split_size (the heads' width).
-    "gpt2": Entry(qkv="c_attn", layout="blocks", set_inner=("split_size",), standalone=True),
+    # Cross-attention (add_cross_attention: an EncoderDecoderModel's decoder) takes Q from q_attn, K | V from c_attn.
+    "gpt2": Entry(qkv="c_attn", layout="blocks", cross_q="q_attn", set_inner=("split_size",), standalone=True),
     "phi3": Entry(qkv="qkv_proj", layout="blocks", config_read=True),
     "gpt_neox": Entry(qkv="query_key_value", layout="per_head"),
     "persimmon": Entry(qkv="query_key_value", layout="per_head"),

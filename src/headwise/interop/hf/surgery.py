@@ -147,6 +147,10 @@ class SurgerySeam:
         new = {"out_proj": weights["out_proj"]}
         if found.layout == "split":
             new.update({"q_proj": (qw, qb), "k_proj": (kw, kb), "v_proj": (vw, vb)})
+        elif found.layout == "kv_blocks":  # Q in its own projection, K | V as the fused one's blocks
+            new["q_proj"] = (qw, qb)
+            setattr(host, found.fused, projection_like(torch.cat((kw, vw)), None if kb is None else torch.cat((kb, vb)),
+                                                       getattr(host, found.fused)))
         else:
             parts = (qw, kw, vw), (qb, kb, vb)
             if found.layout == "per_head":  # head-major [q_i, k_i, v_i] rows (edit_refusal: h == h_kv)
