@@ -386,6 +386,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         except BaseException:  # a hook, an edit of the results or W_O failed after the cache write
             if start is not None:
                 cache.crop(start)
+            if tracer is not None and hasattr(tracer, "discard"):  # the trace keeps completed calls only
+                tracer.discard(self)
             raise
         if not batched:
             y, weights = y.squeeze(0), None if weights is None else weights.squeeze(0)
@@ -466,6 +468,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                                                   context, None, None, mask, causal, cache, None, return_weights)
         if cache is not None and cache.owner is not None:
             cache.claim(self)  # only checks: explaining never binds a cache
+        if cache is not None:
+            cache.check_room(x.shape[1])  # forward refuses a call past max_len: so does its explanation
         plan = self._plan(x, key, mask, causal, cache, return_weights, statistics=check_statistics(statistics))
         return describe(plan, d_head=self.d_head, n_kv_heads=self.n_kv_heads, dtype=w.dtype, device=w.device,
                         mask=mask, grad=torch.is_grad_enabled(), causal_given=causal,

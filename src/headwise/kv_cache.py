@@ -63,7 +63,9 @@ class KVCache:
     the device, and as :attr:`position`, a 0-d tensor on the cache's device that compiled code reads
     (:meth:`write_static`), so a step traced by ``torch.compile`` has the same shapes and the same Python values
     at every position: one graph, and one CUDA graph under ``mode="reduce-overhead"``, serves them all. Eager
-    writes keep both; after compiled steps the next host-side use reads the position back once.
+    writes keep both. Once compiled or exported code has written the cache (:meth:`write_static`), every
+    host-side use reads the position back (a synchronisation on CUDA, even after :meth:`reset`): an exported
+    program advances it without any Python code running, so the host's own count can no longer be trusted.
     A plain object rather than an ``nn.Module`` on purpose: ``torch.compile`` treats integer attributes of
     modules as constants.
 
@@ -128,7 +130,7 @@ class KVCache:
         #: The next write's slot, on the cache's device (what compiled steps read and advance).
         self.position = torch.zeros((), dtype=torch.long, device=self.keys.device)
         self._refused = torch.zeros((), dtype=torch.long, device=self.keys.device)  # compiled steps with no room
-        self._device_ahead = False  # compiled steps ran since the host last read the position
+        self._device_ahead = False  # compiled/exported code has written the position: the host always reads it
         self._slots = torch.arange(max_len, device=self.keys.device)  # key index j, for the position mask
         self._next_slot = self.position.view(1)  # (1,): the next write's slot, as an index
         self._mark_static()
@@ -192,15 +194,18 @@ class KVCache:
     def length(self) -> int:
         """Number of positions written so far (the next write starts here).
 
-        After compiled steps (:meth:`write_static`) this reads the device's position once (a synchronisation),
+        Once compiled or exported steps (:meth:`write_static`) wrote the cache, this reads the device's position (a synchronisation),
         and raises the overflow ``ValueError`` if any of them found the cache full."""
         if self._device_ahead:
             self._read_position()
         return self._length
 
     def _read_position(self) -> None:
-        """Bring the host's length up to the device's position after compiled steps; report refused steps."""
-        self._device_ahead = False
+        """Bring the host's length up to the device's position after compiled steps; report refused steps.
+
+        The flag stays set: an exported program (``torch.export``) writes the position but never replays a
+        Python attribute write, so once compiled or exported code has written this cache, the host never
+        trusts its own length again (one read of the position per host use: a synchronisation on CUDA)."""
         self._length = int(self.position)
         refused = int(self._refused)
         if refused:
@@ -221,8 +226,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept; stale values are never read)."""
         self._length = 0
-        self._resets += 1
-        self._device_ahead = False
+        self._resets += 1  # _device_ahead stays: exported steps may write this cache again after the reset
         self.position.zero_()
         self._refused.zero_()
 
@@ -279,8 +283,12 @@ class KVCache:
     def check_update(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise, without writing, if ``k``/``v`` cannot be appended."""
         self._check_write(k, v)
-        if self.length + k.shape[-2] > self.max_len:
-            raise ValueError(_overflow_message(self._length, k.shape[-2], self.max_len))
+        self.check_room(k.shape[-2])
+
+    def check_room(self, n: int) -> None:
+        """Raise the overflow ``ValueError`` if ``n`` more positions do not fit."""
+        if self.length + n > self.max_len:
+            raise ValueError(_overflow_message(self._length, n, self.max_len))
 
     def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every check of :meth:`check_update` but the overflow."""
@@ -406,5 +414,8 @@ class KVCache:
                 torch.cat([self.values[:, :, :self._length], v], 2))
 
     def __repr__(self) -> str:
+        # The device's position after compiled steps (a synchronisation), read without touching the host state:
+        # printing a cache must neither raise nor swallow the overflow report that its next host use gives.
+        length = int(self.position) if self._device_ahead else self._length
         return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, n_kv_heads={self.n_kv_heads}, "
-                f"d_head={self.d_head}, length={self._length}, dtype={self.keys.dtype})")
+                f"d_head={self.d_head}, length={length}, dtype={self.keys.dtype})")

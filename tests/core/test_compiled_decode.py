@@ -102,3 +102,18 @@ def test_inductor_compiles_the_static_route_to_the_eager_answer():
         got = [attn(x[:, :4], cache=cache)] + [step(x[:, t:t + 1]) for t in range(4, 12)]
         want = attn(x, causal=True)
     torch.testing.assert_close(torch.cat(got, 1), want)
+
+
+def test_the_repr_of_a_cache_after_compiled_steps_shows_the_written_length():
+    from headwise import DecodeStep, MultiHeadAttention
+
+    attn = MultiHeadAttention(32, 4, 2).eval()
+    cache = attn.new_cache(1, 16)
+    step = torch.compile(DecodeStep(attn, cache), backend="eager", fullgraph=True, dynamic=False)
+    x = torch.randn(1, 12, 32)
+    with torch.no_grad():
+        attn(x[:, :4], cache=cache)
+        for t in range(4, 12):
+            step(x[:, t:t + 1])
+    assert "length=12," in repr(cache)
+    assert cache.length == 12

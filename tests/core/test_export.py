@@ -60,3 +60,57 @@ def test_export_of_the_eager_path_under_autograd_reads_no_mask_data():
 
     exported = export(Masked(), (x, mask), strict=False)
     torch.testing.assert_close(exported.module()(x, mask), attn(x, mask=mask))
+
+
+def _exported_step(attn, cache, x):
+    from torch.export import export
+
+    from headwise import DecodeStep
+
+    class Step(torch.nn.Module):
+        def __init__(self, step) -> None:
+            super().__init__()
+            self.step = step
+
+        def forward(self, x):
+            return self.step(x)
+
+    return export(Step(DecodeStep(attn, cache)), (x,)).module()
+
+
+def test_an_exported_step_keeps_the_host_length_true_for_the_next_eager_step():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 2).eval()
+    x = torch.randn(1, 10, 32)
+    cache = attn.new_cache(1, 16)
+    with torch.no_grad():
+        attn(x[:, :4], cache=cache)
+        prog = _exported_step(attn, cache, x[:, 4:5])
+        assert cache.length == 4  # a host read between export and the exported steps
+        ys = [prog(x[:, t:t + 1]) for t in range(4, 8)]
+        assert cache.length == 8
+        ys.append(attn(x[:, 8:9], cache=cache))  # eager, after exported steps
+        cache.reset()
+        attn(x[:, :2], cache=cache)
+        again = prog(x[:, 2:3])  # exported, after a reset
+        assert cache.length == 3
+    want = torch.cat([torch.cat(ys, 1), again], 1)
+    ref = attn(x[:, :9], causal=True).detach()
+    torch.testing.assert_close(want, torch.cat([ref[:, 4:9], attn(x[:, :3], causal=True).detach()[:, 2:3]], 1),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_an_exported_step_past_max_len_is_reported_at_the_next_host_use():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 2).eval()
+    x = torch.randn(1, 10, 32)
+    cache = attn.new_cache(1, 6)
+    with torch.no_grad():
+        attn(x[:, :4], cache=cache)
+        prog = _exported_step(attn, cache, x[:, 4:5])
+        assert cache.length == 4
+        for t in range(4, 7):  # two fit, the third is refused
+            prog(x[:, t:t + 1])
+        with pytest.raises(ValueError, match="cache overflow: 1 compiled step"):
+            cache.length
+        assert cache.length == 6

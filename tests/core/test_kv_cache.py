@@ -402,3 +402,19 @@ def test_a_cpu_cache_is_not_marked_for_graphs_and_costs_no_dynamo_import():
     # Marking a cache static for CUDA graphs imports torch._dynamo (about a second); the CPU replays no graphs.
     out = subprocess.run([sys.executable, "-c", DYNAMO_SCRIPT], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
+
+
+def test_explaining_a_call_past_max_len_raises_the_forwards_overflow_error():
+    from headwise import MultiHeadAttention
+
+    attn = MultiHeadAttention(32, 4, 2).eval()
+    cache = attn.new_cache(1, 4)
+    x = torch.randn(1, 6, 32)
+    with torch.no_grad():
+        attn(x[:, :4], cache=cache)
+        with pytest.raises(ValueError) as forward:
+            attn(x[:, 4:6], cache=cache)
+        with pytest.raises(ValueError) as explained:
+            attn.explain_dispatch(x[:, 4:6], cache=cache)
+    assert str(explained.value) == str(forward.value)
+    assert cache.length == 4
