@@ -337,3 +337,29 @@ def test_a_callable_edit_must_keep_the_slices_dtype(site, cast):
     assert attn.tracer is None
     with torch.no_grad():
         torch.testing.assert_close(attn(x), before, rtol=0, atol=0)  # the failed call changed nothing
+
+
+def test_a_decode_step_that_fails_after_attention_leaves_the_trace_as_it_was():
+    attn = headwise.MultiHeadAttention(16, 4, dtype=torch.float64).eval()
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    fail = [False]
+
+    def hook(module, args):  # W_O fails once, after the cache write and the capture
+        if fail[0]:
+            raise RuntimeError("transient")
+
+    attn.out_proj.register_forward_pre_hook(hook)
+    cache = attn.new_cache(1, 8)
+    capture = ("z", "entropy", "key_weight")
+    with torch.no_grad(), headwise.trace(attn, capture=capture) as t:
+        attn(x[:, :3], cache=cache)
+        fail[0] = True
+        with pytest.raises(RuntimeError, match="transient"):
+            attn(x[:, 3:], cache=cache)
+        assert len(t[0].calls) == 1 and cache.length == 3
+        fail[0] = False
+        attn(x[:, 3:], cache=cache)
+    with torch.no_grad(), headwise.trace(attn, capture=capture) as whole:
+        attn(x, causal=True)
+    for name in capture:
+        torch.testing.assert_close(getattr(t[0], name), getattr(whole[0], name))

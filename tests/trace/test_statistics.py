@@ -178,6 +178,33 @@ def test_key_weight_of_a_cache_that_drops_keys_is_refused_with_the_calls_named()
         concatenate("key_weight", [torch.ones(1, 1, 5), torch.ones(1, 1, 3)])
 
 
+def test_key_weight_of_a_rolling_window_that_stopped_growing_is_refused():
+    # keys 2, 3, 4 then 4 again for one new query: the window dropped its oldest key
+    calls = [torch.ones(1, 1, n) for n in (2, 3, 4, 4)]
+    with pytest.raises(ValueError, match=r"read \[2, 3, 4, 4\] keys.*\.calls\[i\]\['key_weight'\]"):
+        concatenate("key_weight", calls, [2, 1, 1, 1])
+
+
+def test_key_weight_of_keys_read_again_or_recomputed_sums_per_position():
+    a, b = torch.rand(1, 1, 3, dtype=torch.float64), torch.rand(1, 1, 3, dtype=torch.float64)
+    torch.testing.assert_close(concatenate("key_weight", [a, b], [2, 1]), a + b)  # cross-attention: same keys
+    c = torch.rand(1, 1, 4, dtype=torch.float64)  # a step, then a full recompute from position 0
+    want = torch.cat([a, a.new_zeros(1, 1, 1)], -1) + c
+    torch.testing.assert_close(concatenate("key_weight", [a, c], [3, 4]), want)
+
+
+def test_cross_attention_decoding_sums_key_weight_over_the_same_keys():
+    attn = headwise.MultiHeadAttention(24, 4, dtype=torch.float64).eval()
+    x, enc = torch.randn(1, 5, 24, dtype=torch.float64), torch.randn(1, 6, 24, dtype=torch.float64)
+    with torch.no_grad(), headwise.trace(attn, capture=("key_weight",)) as whole:
+        attn(x, context=enc)
+    with torch.no_grad(), headwise.trace(attn, capture=("key_weight",)) as steps:
+        attn(x[:, :3], context=enc)
+        attn(x[:, 3:4], context=enc)
+        attn(x[:, 4:], context=enc)
+    torch.testing.assert_close(steps[0].key_weight, whole[0].key_weight)
+
+
 def test_bad_statistic_names_are_refused_with_the_choices():
     attn = headwise.MultiHeadAttention(16, 4)
     with pytest.raises(ValueError, match="not capturable; choose from.*'entropy'"):
@@ -278,3 +305,18 @@ def test_generate_concatenates_like_z_and_key_weight_is_each_keys_total():
         close({n: getattr(t[i], n) for n in ALL}, {n: getattr(forced[i], n).double() for n in ALL},
               rtol=1e-6, atol=1e-8)
     assert t[0].lse.shape == (1, model.config.num_attention_heads, seen.shape[1])
+
+
+def test_generate_under_a_rolling_sliding_window_refuses_the_key_weight_sum():
+    cfg = transformers.MistralConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                     num_hidden_layers=1, intermediate_size=64, vocab_size=50, sliding_window=4,
+                                     pad_token_id=0)
+    torch.manual_seed(0)
+    model = headwise.interop.patch(transformers.MistralForCausalLM(cfg).eval())
+    with torch.no_grad(), headwise.trace(model, capture=("key_weight", "lse")) as t:
+        model.generate(input_ids=torch.tensor([[5, 9]]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    lengths = [c["key_weight"].shape[-1] for c in t[0].calls]
+    assert lengths[-1] == lengths[-2]  # the window rolled
+    with pytest.raises(ValueError, match="rolling sliding-window"):
+        t[0].key_weight
+    assert t[0].lse.shape[-1] == 2 + len(lengths) - 1  # the rows still concatenate

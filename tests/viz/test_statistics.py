@@ -69,3 +69,49 @@ def test_the_pictures_draw_the_planted_heads(tmp_path):
     assert path.stat().st_size > 20_000
     with pytest.raises(ValueError, match="writes a .png file"):
         save_statistics_png(st, tmp_path / "planted.jpg")
+
+
+def test_first_token_share_reads_the_first_real_token_under_left_padding():
+    model = planted()
+    x = ids(6)
+    plain = model_statistics(model, {"input_ids": x})
+    padded_ids = torch.cat([torch.full((1, 3), 7), x], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
+    padded = model_statistics(model, {"input_ids": padded_ids, "attention_mask": mask})
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        p = torch.stack([a[0].double() for a in eager(padded_ids, attention_mask=mask,
+                                                      output_attentions=True).attentions])  # (L, h, s, s)
+    want = p[:, :, 3:, 3].sum(-1) / 6  # real rows' weight on the first real token
+    torch.testing.assert_close(padded.grid()["first-token share"].double(), want, rtol=1e-4, atol=1e-5)
+    assert padded.kinds()["sink"][0] == plain.kinds()["sink"][0] == (0, 1)  # the planted sink, found again
+
+
+def test_model_statistics_refuses_wrong_tokens_rows_and_empty_inputs():
+    model = planted()
+    with pytest.raises(ValueError, match="got 2 tokens for a sequence of 5 positions"):
+        model_statistics(model, {"input_ids": ids(5)}, tokens=["a", "b"])
+    with pytest.raises(ValueError, match=r"row must be an int in \[-1, 1\)"):
+        model_statistics(model, {"input_ids": ids(5)}, row=1)
+    with pytest.raises(ValueError, match="0 tokens"):
+        model_statistics(model, {"input_ids": torch.zeros(1, 0, dtype=torch.long)})
+    with pytest.raises(ValueError, match="0 tokens"):
+        headwise.viz.head_maps(headwise.MultiHeadAttention(16, 4), torch.randn(0, 16))
+
+
+def test_a_failed_model_statistics_call_leaves_the_model_unpatched():
+    model = planted()
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(IndexError):
+        model_statistics(model, {"input_ids": torch.full((1, 4), 10_000)})  # past the vocabulary
+    assert [type(m) for m in model.modules()] == before
+    assert not any(isinstance(m, headwise.MultiHeadAttention) for m in model.modules())
+
+
+def test_statistics_png_draws_a_name_with_dollar_signs_as_text(tmp_path):
+    from headwise.viz import save_statistics_png
+
+    st = model_statistics(planted(), {"input_ids": ids(8)}, name=r"ckpt $\frac{1}$ v2")
+    path = save_statistics_png(st, tmp_path / "s.png")
+    assert path.stat().st_size > 0

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["call", "batch_size", "repeat", "check_inputs", "metric_of", "differentiable", "eval_mode", "token_ids"]
+__all__ = ["call", "batch_size", "tensors_of", "repeat", "check_inputs", "metric_of", "differentiable", "eval_mode", "token_ids"]
 
 
 def check_inputs(inputs: Any, what: str) -> None:
@@ -57,7 +57,8 @@ def call(model: Callable[..., Any], inputs: Any) -> Any:
     return model(inputs)
 
 
-def _tensors(inputs: Any) -> list[Any]:
+def tensors_of(inputs: Any) -> list[Any]:
+    """The values of a mapping, the items of a tuple or list, or ``[inputs]``: what a model call is given."""
     if isinstance(inputs, Mapping):
         return list(inputs.values())
     if isinstance(inputs, (tuple, list)):
@@ -68,9 +69,9 @@ def _tensors(inputs: Any) -> list[Any]:
 def batch_size(inputs: Any, what: str) -> int:
     """The one batch size on dim 0 of every tensor input (rank >= 1), else ``ValueError`` naming the sizes."""
     check_inputs(inputs, what)
-    sizes = {t.shape[0] for t in _tensors(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    sizes = {t.shape[0] for t in tensors_of(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
     if len(sizes) != 1:
-        kinds = sorted({type(t).__name__ for t in _tensors(inputs)})
+        kinds = sorted({type(t).__name__ for t in tensors_of(inputs)})
         raise ValueError(f"{what}: the input tensors must share one batch size on dim 0, got dim-0 sizes "
                          f"{sorted(sizes) if sizes else 'none (no tensor among ' + ', '.join(kinds) + ')'}")
     return sizes.pop()

@@ -49,6 +49,8 @@ class LayerRecord:
         self.index, self.name, self.layer, self.capture = index, name, layer, capture
         self.calls: list[dict[str, torch.Tensor]] = []
         self.paddings: list[torch.Tensor | None] = []
+        #: Each call's query count: key_weight sums over calls only where the keys line up (concatenate).
+        self.queries: list[int] = []
         #: A decoder layer of an encoder-decoder model: ``paddings`` are the decoder's (its queries' tokens),
         #: which its keys need not share (cross-attention reads the encoder's).
         self.decoder = False
@@ -65,7 +67,9 @@ class LayerRecord:
         if len(self.calls) == 1:
             return self.calls[0][what]
         if what in STATISTICS:
-            return concatenate(what, [c[what] for c in self.calls])
+            # the last entries: a cleared record (session) keeps appending after its earlier calls' counts
+            queries = self.queries[-len(self.calls):] if len(self.queries) >= len(self.calls) else None
+            return concatenate(what, [c[what] for c in self.calls], queries)
         if what not in _BY_POSITION:
             raise ValueError(f"layer {self.index} ran {len(self.calls)} times (e.g. decoding) and {what!r} of "
                              f"different calls differ in length: use .calls[i][{what!r}]")

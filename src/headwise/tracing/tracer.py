@@ -60,6 +60,7 @@ class LayerTracer:
         self.last_results: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] | None = None
+        self.recorded: list = []  # the records the last context step appended a call to (discard)
 
     # -- a copy of a traced layer is not traced ----------------------------------------------------------
     def __deepcopy__(self, memo: dict) -> None:
@@ -84,6 +85,7 @@ class LayerTracer:
 
     def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
         entries = self.entries
+        self.recorded = []  # a new call: an earlier one's records are never discarded by this one's failure
         if any(e.plans["k"] or e.plans["v"] for e in entries) and k.shape[1] != q.shape[1]:
             g = q.shape[1] // k.shape[1]  # each query head its own K/V copy: an edit touches that head's view
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (b, h, s_kv, d_h)
@@ -129,6 +131,7 @@ class LayerTracer:
         results = None
         if any("result" in e.record.capture for e in entries):
             results = head_results(z, layer.out_proj.weight)  # (b, s_q, h, d)
+        self.recorded = []
         for e in entries:
             call, e.pending = e.pending, {}
             capture = e.record.capture
@@ -143,8 +146,20 @@ class LayerTracer:
             if capture:
                 e.record.calls.append(call)
                 e.record.paddings.append(e.padding)
+                e.record.queries.append(z.shape[2])
+                self.recorded.append(e.record)
         self.last_results = results
         return z, weights
+
+    def discard(self, layer: MultiHeadAttention) -> None:
+        """Forget the call the context step just recorded: the layer failed after it (W_O, a hook) and rolled
+        its cache back, so the trace holds only the calls that completed, as the cache does."""
+        recorded, self.recorded = self.recorded, []
+        self.last_results = None
+        for record in recorded:
+            record.calls.pop()
+            record.paddings.pop()
+            record.queries.pop()
 
     def results(self, layer: MultiHeadAttention) -> torch.Tensor | None:
         """The head writes the context step just captured, handed over once (the layer sums them instead of

@@ -92,6 +92,8 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
     if x.dim() != 2 or x.shape[-1] != attn.d_model:
         raise ValueError(f"x must be (s, d_model={attn.d_model}) or (1, s, d_model), got {tuple(x.shape)}")
     s = x.shape[0]
+    if s == 0:
+        raise ValueError(f"head_maps: x has 0 tokens (shape {tuple(x.shape)}); give at least one position")
     if tokens is None:
         tokens = [str(i) for i in range(s)]
     if len(tokens) != s:
@@ -158,12 +160,12 @@ def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[
         >>> [m.weights.shape for m in model_layers_head_maps(attn, torch.randn(1, 3, 8), heads=[1])]
         [torch.Size([1, 3, 3])]
     """
-    with _patched_for_the_call(model) as hw_layers:
+    with patched_for_the_call(model) as hw_layers:
         return _capture(model, hw_layers, inputs, layers, tokens, tokenizer, row, heads)
 
 
 @contextlib.contextmanager
-def _patched_for_the_call(model: torch.nn.Module) -> Iterator[list[tuple[str, MultiHeadAttention]]]:
+def patched_for_the_call(model: torch.nn.Module) -> Iterator[list[tuple[str, MultiHeadAttention]]]:
     """The model's headwise layers (:func:`model_layers`); a Hugging Face model this patched is unpatched again
     when the call then fails, so a refused call leaves it as it was."""
     from ..tracing import find_layers
@@ -234,7 +236,7 @@ def head_gallery(model: torch.nn.Module, inputs: Any, pairs: Sequence[tuple[int,
         raise TypeError(f"pairs must be a list of (layer, head), got {type(pairs).__name__}")
     if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
         raise ValueError(f"pairs must be a non-empty list of (layer, head), got {pairs!r}")
-    with _patched_for_the_call(model) as found:
+    with patched_for_the_call(model) as found:
         wanted = [(_layer_index(layer, len(found)), head) for layer, head in pairs]
         if len(set(wanted)) != len(wanted):
             raise ValueError(f"pairs must name each (layer, head) once, got {list(pairs)!r}")

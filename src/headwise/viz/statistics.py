@@ -9,7 +9,9 @@ pattern in memory) and keeps, for one batch row, every layer x head's
 
 from which :meth:`HeadStatistics.grid` gives the three numbers per head drawn as a grid: the mean entropy, the
 mean max weight (both over the rows that read something) and the first-token share (the weight on the first
-position, averaged over those rows: a "sink" head puts most of its weight there). :meth:`HeadStatistics.kinds`
+real position, the first the ``attention_mask`` marks as a token, divided by the number of rows that read
+something: a "sink" head puts most of its weight there). Under right padding an encoder's padded rows read the
+real keys too and their weight counts in ``key_weight``, so there the share can exceed 1. :meth:`HeadStatistics.kinds`
 names the sink heads and the sharp ones.
 
 Shapes:
@@ -66,9 +68,11 @@ class HeadStatistics:
         read something."""
         rows = self.reading.to(self.entropy.dtype)
         n = max(float(rows.sum()), 1.0)
+        # the first real token: under left padding column 0 is padding, which no real row reads
+        first = int(self.reading.nonzero()[0]) if self.reading.any() else 0
         return {"mean entropy": (self.entropy * rows).sum(-1) / n,
                 "mean max weight": (self.max_weight * rows).sum(-1) / n,
-                "first-token share": self.key_weight[..., 0] / n}
+                "first-token share": self.key_weight[..., first] / n}
 
     def kinds(self) -> dict[str, list[tuple[int, int]]]:
         """``{"sink": [(layer, head), ...], "sharp": [...]}``: first-token share >= :data:`SINK_SHARE`; mean max
@@ -131,17 +135,27 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
     """
     from ..statistics import STATISTICS
     from ..tracing import trace
-    from ..tracing.inputs import call, eval_mode
-    from .maps import model_layers
+    from ..tracing.inputs import batch_size, call, eval_mode, tensors_of
+    from .maps import patched_for_the_call
+    from .numbers import plural
 
-    model_layers(model)  # a Hugging Face model is patched first
-    with torch.no_grad(), eval_mode(model), trace(model, capture=STATISTICS) as t:
+    b = batch_size(inputs, "model_statistics")
+    empty = [tuple(x.shape) for x in tensors_of(inputs) if isinstance(x, torch.Tensor) and x.dim() > 1 and x.shape[1] == 0]
+    if empty:  # refused here: the model would fail deep inside on a sequence of no position
+        raise ValueError(f"model_statistics: the inputs have 0 tokens (tensor of shape {empty[0]}); give at least "
+                         "one position")
+    if isinstance(row, bool) or not isinstance(row, int) or not -b <= row < b:
+        raise ValueError(f"row must be an int in [-{b}, {b}) for this batch of {b}, got {row!r}")
+    # a Hugging Face model is patched first, and unpatched again when the call fails
+    with patched_for_the_call(model), torch.no_grad(), eval_mode(model), trace(model, capture=STATISTICS) as t:
         call(model, inputs)
     records = [r for r in t if r.calls]
     if not records:
         raise ValueError("model_statistics: no attention layer of the model ran on these inputs")
     h = min(r.entropy.shape[1] for r in records)  # layers may differ after head surgery
     s = records[0].entropy.shape[-1]
+    if s == 0:
+        raise ValueError("model_statistics: the inputs have 0 tokens; give at least one position")
     if any(r.entropy.shape[-1] != s or r.key_weight.shape[-1] != s for r in records):
         raise ValueError("model_statistics draws self-attention: every layer's queries and keys must be the "
                          "same positions")
@@ -151,5 +165,7 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
 
     mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
     reading = torch.ones(s, dtype=torch.bool) if mask is None else mask[row].bool().cpu()
-    labels = tokens if tokens is not None else [str(i) for i in range(s)]
+    labels = [str(x) for x in tokens] if tokens is not None else [str(i) for i in range(s)]
+    if len(labels) != s:
+        raise ValueError(f"got {plural(len(labels), 'token')} for a sequence of {plural(s, 'position')}")
     return HeadStatistics(labels, stack("entropy"), stack("max_weight"), stack("key_weight"), reading, name)

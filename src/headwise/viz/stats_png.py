@@ -81,8 +81,9 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
             ax.grid(alpha=0.3)
             if c == 0:
                 ax.legend(fontsize=7, loc="best")
-        fig.suptitle(title or f"{stats.model}: every head, {s} tokens", fontsize=11)
-        fig.text(0.05, 0.25 / (grid_h + 4.6), _kinds_line(kinds), fontsize=8)
+        # parse_math=False: a model name or title such as "$x$" is text, never matplotlib mathtext
+        fig.suptitle(title or f"{stats.model}: every head, {s} tokens", fontsize=11, parse_math=False)
+        fig.text(0.05, 0.25 / (grid_h + 4.6), _kinds_line(kinds), fontsize=8, parse_math=False)
         fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)
