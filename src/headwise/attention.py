@@ -386,7 +386,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         except BaseException:  # a hook, an edit of the results or W_O failed after the cache write
             if start is not None:
                 cache.crop(start)
-            if tracer is not None and hasattr(tracer, "discard"):  # the trace keeps completed calls only
+            if tracer is not None:  # the trace keeps completed calls only, as the cache does
                 tracer.discard(self)
             raise
         if not batched:

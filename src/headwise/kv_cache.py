@@ -130,7 +130,7 @@ class KVCache:
         #: The next write's slot, on the cache's device (what compiled steps read and advance).
         self.position = torch.zeros((), dtype=torch.long, device=self.keys.device)
         self._refused = torch.zeros((), dtype=torch.long, device=self.keys.device)  # compiled steps with no room
-        self._device_ahead = False  # compiled/exported code has written the position: the host always reads it
+        self._device_writes = False  # compiled/exported code has written the position: the host always reads it
         self._slots = torch.arange(max_len, device=self.keys.device)  # key index j, for the position mask
         self._next_slot = self.position.view(1)  # (1,): the next write's slot, as an index
         self._mark_static()
@@ -196,7 +196,7 @@ class KVCache:
 
         Once compiled or exported steps (:meth:`write_static`) wrote the cache, this reads the device's position (a synchronisation),
         and raises the overflow ``ValueError`` if any of them found the cache full."""
-        if self._device_ahead:
+        if self._device_writes:
             self._read_position()
         return self._length
 
@@ -226,7 +226,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept; stale values are never read)."""
         self._length = 0
-        self._resets += 1  # _device_ahead stays: exported steps may write this cache again after the reset
+        self._resets += 1  # _device_writes stays: exported steps may write this cache again after the reset
         self.position.zero_()
         self._refused.zero_()
 
@@ -324,7 +324,7 @@ class KVCache:
                 and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
             self._check_write(k, v)  # a decode step's writes fit: only a misfit pays for the call and a message
         shape = k.shape
-        if self._device_ahead:
+        if self._device_writes:
             self._read_position()
         start = self._length
         n = shape[2]
@@ -381,7 +381,7 @@ class KVCache:
         mask = self._reads(pos, s)
         self.position.add_(room.long() * s)
         self._refused.add_((~room).long())
-        self._device_ahead = True
+        self._device_writes = True
         return keys, values, mask, room
 
     def read_mask(self, s: int) -> torch.Tensor:
@@ -416,6 +416,6 @@ class KVCache:
     def __repr__(self) -> str:
         # The device's position after compiled steps (a synchronisation), read without touching the host state:
         # printing a cache must neither raise nor swallow the overflow report that its next host use gives.
-        length = int(self.position) if self._device_ahead else self._length
+        length = int(self.position) if self._device_writes else self._length
         return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, n_kv_heads={self.n_kv_heads}, "
                 f"d_head={self.d_head}, length={length}, dtype={self.keys.dtype})")

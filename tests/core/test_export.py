@@ -78,14 +78,21 @@ def _exported_step(attn, cache, x):
     return export(Step(DecodeStep(attn, cache)), (x,)).module()
 
 
-def test_an_exported_step_keeps_the_host_length_true_for_the_next_eager_step():
+def _prefilled_export(max_len: int):
+    """A GQA layer, its inputs, a cache holding their first 4 positions, and a decode step exported on it."""
     torch.manual_seed(0)
     attn = MultiHeadAttention(32, 4, 2).eval()
     x = torch.randn(1, 10, 32)
-    cache = attn.new_cache(1, 16)
+    cache = attn.new_cache(1, max_len)
     with torch.no_grad():
         attn(x[:, :4], cache=cache)
         prog = _exported_step(attn, cache, x[:, 4:5])
+    return attn, x, cache, prog
+
+
+def test_an_exported_step_keeps_the_host_length_true_for_the_next_eager_step():
+    attn, x, cache, prog = _prefilled_export(16)
+    with torch.no_grad():
         assert cache.length == 4  # a host read between export and the exported steps
         ys = [prog(x[:, t:t + 1]) for t in range(4, 8)]
         assert cache.length == 8
@@ -101,13 +108,8 @@ def test_an_exported_step_keeps_the_host_length_true_for_the_next_eager_step():
 
 
 def test_an_exported_step_past_max_len_is_reported_at_the_next_host_use():
-    torch.manual_seed(0)
-    attn = MultiHeadAttention(32, 4, 2).eval()
-    x = torch.randn(1, 10, 32)
-    cache = attn.new_cache(1, 6)
+    attn, x, cache, prog = _prefilled_export(6)
     with torch.no_grad():
-        attn(x[:, :4], cache=cache)
-        prog = _exported_step(attn, cache, x[:, 4:5])
         assert cache.length == 4
         for t in range(4, 7):  # two fit, the third is refused
             prog(x[:, t:t + 1])

@@ -131,7 +131,6 @@ class LayerTracer:
         results = None
         if any("result" in e.record.capture for e in entries):
             results = head_results(z, layer.out_proj.weight)  # (b, s_q, h, d)
-        self.recorded = []
         for e in entries:
             call, e.pending = e.pending, {}
             capture = e.record.capture
