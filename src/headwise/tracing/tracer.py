@@ -131,6 +131,7 @@ class LayerTracer:
         results = None
         if any("result" in e.record.capture for e in entries):
             results = head_results(z, layer.out_proj.weight)  # (b, s_q, h, d)
+        self.recorded = []  # as in qkv: only this call's records are ever discarded
         for e in entries:
             call, e.pending = e.pending, {}
             capture = e.record.capture
