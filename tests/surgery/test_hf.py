@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import headwise  # noqa: E402
 from headwise.interop import layers, patch, unpatch  # noqa: E402
-from headwise.surgery import load_pretrained, prune_heads, save_pretrained, to_gqa, to_mha  # noqa: E402
+from headwise.surgery import load_pretrained, original_heads, prune_heads, save_pretrained, to_gqa, to_mha  # noqa: E402
 from tests.interop.tiny_models import FAMILIES, build, inputs, output  # noqa: E402
 
 W_O = {"bert": "output.dense", "gpt2": "c_proj"}  # else o_proj
@@ -223,3 +223,90 @@ def test_loader_sets_the_attention_implementation(tmp_path):
     loaded = load_pretrained(tmp_path, transformers.Qwen2ForCausalLM, attn_implementation="eager")
     assert loaded.config._attn_implementation == "eager"
     torch.testing.assert_close(output(loaded, batch), output(model, batch))
+
+
+# -- the model as users hold it: inside a wrapper, under PEFT; views fetched before; an emptied layer ------------
+class Wrapper(torch.nn.Module):
+    """A training module holding the patched model (as a LightningModule does)."""
+
+    def __init__(self, *models):
+        super().__init__()
+        self.models = torch.nn.ModuleList(models)
+
+    def forward(self, **kw):
+        return self.models[0](**kw)
+
+
+def test_surgery_through_a_plain_wrapper_changes_the_transformers_model_inside():
+    model = build("llama")
+    batch = inputs()
+    drop = {0: [0, 1, 2], 1: [3, 4, 5]}  # whole groups: 3 heads, 1 K/V head in every layer
+    want = output(zero_ablated(model, "llama", drop), batch)
+    wrapper = Wrapper(patch(model))
+    assert prune_heads(wrapper, drop) is wrapper
+    assert [(a.n_heads, a.n_kv_heads) for _, a in layers(model)] == [(3, 1), (3, 1)]  # patched again
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (3, 1)
+    assert original_heads(model) == [(3, 4, 5), (0, 1, 2)]
+    torch.testing.assert_close(output(model, batch), want)
+    assert to_mha(wrapper) is wrapper and model.config.num_key_value_heads == 3
+    torch.testing.assert_close(output(model, batch), want)  # to_mha is exact
+
+
+def test_a_wrapper_of_two_patched_models_is_refused_before_anything_changes():
+    one, two = patch(build("llama")), patch(build("llama", seed=1))
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (one, two)]
+    with pytest.raises(TypeError, match=r"expected a patched transformers model, or a module holding exactly "
+                                        r"one.*got Wrapper.*\['LlamaForCausalLM', 'LlamaForCausalLM'\]"):
+        prune_heads(Wrapper(one, two), {0: [1]})
+    for m, state in zip((one, two), before):
+        assert [a.n_heads for _, a in layers(m)] == [6, 6]  # still patched, nothing resized
+        assert all(torch.equal(state[k], v) for k, v in m.state_dict().items())
+
+
+def test_uniform_pruning_under_peft_keeps_the_config_in_step_with_the_weights(tmp_path):
+    peft = pytest.importorskip("peft")
+    drop = {0: [0, 1, 2], 1: [3, 4, 5]}
+    wrapped = peft.get_peft_model(build("llama"), peft.LoraConfig(target_modules=["gate_proj"], r=2,
+                                                                  init_lora_weights=False))
+    batch = inputs()
+    want = output(zero_ablated(copy.deepcopy(wrapped).merge_and_unload(), "llama", drop), batch)
+    prune_heads(patch(wrapped), drop)
+    cfg = wrapped.get_base_model().config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (3, 1)
+    merged = unpatch(wrapped.merge_and_unload())
+    torch.testing.assert_close(output(merged, batch), want)
+    assert save_pretrained(merged, tmp_path) is True
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert (plain.config.num_attention_heads, plain.config.num_key_value_heads) == (3, 1)
+    torch.testing.assert_close(output(plain, batch), want)
+
+
+def test_a_view_fetched_before_surgery_refuses_every_use():
+    model = patch(build("llama"))
+    q = model.model.layers[0].self_attn.q_proj.weight.detach().clone()  # (6 * 4, 24): head i is rows 4i..4i+4
+    old, kept = layers(model)[0][1], layers(model)[1][1]
+    head = old.head(2)
+    prune_heads(model, {0: [0]})
+    x = torch.randn(1, 3, 24)
+    for use in (lambda: old.n_heads, lambda: old.head(2), lambda: old(x), lambda: head.w_q, lambda: head(x)):
+        with pytest.raises(TypeError, match="stale view of model.layers.0.self_attn: prune_heads resized its module"):
+            use()
+    assert "stale view of model.layers.0.self_attn" in repr(old)
+    fresh = layers(model)[0][1]
+    torch.testing.assert_close(fresh.head(1).w_q, q[8:12].T)  # now head 1 is the original head 2
+    assert kept.head(2).w_q.data_ptr() == layers(model)[1][1].head(2).w_q.data_ptr()  # unchanged layer: still good
+
+
+def test_to_gqa_on_a_patched_model_with_an_emptied_layer():
+    model = build("llama")
+    with torch.no_grad():  # layer 1: both K/V heads alike, so pooling them into one is exact
+        for name in ("k_proj", "v_proj"):
+            w = getattr(model.model.layers[1].self_attn, name).weight
+            w[4:] = w[:4]
+    batch = inputs()
+    want = output(zero_ablated(model, "llama", {0: list(range(6))}), batch)
+    prune_heads(patch(model), {0: list(range(6))})
+    to_gqa(model, 1)
+    assert [(a.n_heads, a.n_kv_heads) for _, a in layers(model)] == [(1, 1), (6, 1)]
+    assert original_heads(model) == [(), (0, 1, 2, 3, 4, 5)]
+    torch.testing.assert_close(output(model, batch), want)

@@ -246,3 +246,124 @@ def test_a_sharded_layer_is_refused():
             prune_heads(tp, [0])
     finally:
         dist.destroy_process_group()
+
+
+# -- layers in a module: shared layers, hooks; index types; an emptied layer ------------------------------------
+class Shared(torch.nn.Module):
+    """One attention layer applied three times (weights shared, as a universal transformer does)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([attn] * 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def zero_heads_before_w_o(attn, heads, d_h):
+    """A plain forward pre-hook on W_O zeroing the heads' slices of its input: the zero-ablated layer."""
+    def hook(module, args):
+        z = args[0].clone()
+        for i in heads:
+            z[..., i * d_h:(i + 1) * d_h] = 0
+        return (z,)
+    attn.out_proj.register_forward_pre_hook(hook)
+
+
+def test_a_layer_registered_under_several_names_is_replaced_under_every_name():
+    torch.manual_seed(0)
+    model = Shared(layer())
+    ablated = Shared(layer())
+    ablated.load_state_dict(model.state_dict())
+    zero_heads_before_w_o(ablated.blocks[0], [1, 4], 4)  # the one shared W_O: every application
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    assert prune_heads(model, {"blocks.2": [1, 4]}) is model  # any of its names addresses it
+    assert model.blocks[0] is model.blocks[1] is model.blocks[2]
+    assert model.blocks[2].n_heads == 4
+    torch.testing.assert_close(model(x), ablated(x))
+    to_gqa(model, 1)
+    assert model.blocks[0] is model.blocks[1] is model.blocks[2] and model.blocks[1].n_kv_heads == 1
+
+
+def test_hooks_of_a_replaced_layer_go_with_its_replacement_and_their_handles_remove_them():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(layer(), layer())
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    seen = []
+    post = model[0].register_forward_hook(lambda mod, args, out: seen.append((mod, out)))
+    pre = model[0].register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    prune_heads(model, {0: [0]})
+    new = model[0]
+    model(x)
+    assert len(seen) == 1 and seen[0][0] is new  # the hook runs on the new layer, its pre-hook too
+    w = weights(new)
+    torch.testing.assert_close(seen[0][1], attention(w, 2 * x, 5, new.n_kv_heads, 4))
+    post.remove()
+    pre.remove()  # the handles the user holds reach the new layer's hooks
+    model(x)
+    assert len(seen) == 1 and not new._forward_hooks and not new._forward_pre_hooks
+    torch.testing.assert_close(new(x), attention(w, x, 5, new.n_kv_heads, 4))
+
+
+@pytest.mark.parametrize("make", [lambda np: torch.tensor([3, 1]), lambda np: np.array([3, 1]),
+                                  lambda np: torch.tensor(1), lambda np: np.int64(1),
+                                  lambda np: [np.int32(3), torch.tensor(1)]],
+                         ids=["tensor", "numpy array", "0-d tensor", "np.int64", "mixed list"])
+def test_head_indices_may_be_integer_tensors_and_numpy_integers(make):
+    heads = make(pytest.importorskip("numpy"))  # what argsort of an importance score gives
+    drop = [3, 1] if isinstance(heads, list) or getattr(heads, "ndim", 0) == 1 else [1]
+    attn = layer()
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    gate = torch.ones(6, dtype=torch.float64)
+    gate[drop] = 0
+    small = prune_heads(attn, heads)
+    assert small.n_heads == 6 - len(drop)
+    torch.testing.assert_close(small(x), attention(weights(attn), x, 6, 2, 4, gate=gate))
+
+
+@pytest.mark.parametrize("heads, match", [
+    (torch.tensor([1.0, 2.0]), "head indices must be ints, got Tensor"),
+    (torch.tensor([True, False, True, False, False, False]), "got a bool .*mask.nonzero"),
+    (torch.tensor(True), "got a bool"),
+    ([torch.tensor([1])], r"got a tensor of shape \(1,\)"),
+    (torch.tensor([[1, 2]]), r"1-d list of indices, got a 2-d Tensor of shape \(1, 2\)"),
+])
+def test_float_bool_and_2d_head_indices_are_refused(heads, match):
+    attn = layer()
+    before = {k: v.clone() for k, v in attn.state_dict().items()}
+    model = torch.nn.Sequential(attn)
+    with pytest.raises(TypeError, match=match):
+        prune_heads(model, {0: heads})
+    assert model[0] is attn and all(torch.equal(before[k], v) for k, v in attn.state_dict().items())
+
+
+@pytest.mark.parametrize("normalize", ["no", 1, None])
+def test_gradient_importance_takes_only_a_bool_normalize(normalize):
+    with pytest.raises(TypeError, match=f"normalize must be True or False, got {type(normalize).__name__}"):
+        gradient_importance(layer(), torch.randn(2, 3, 24, dtype=torch.float64), lambda y: y.square().mean(),
+                            normalize=normalize, progress=False)
+
+
+def test_to_gqa_on_a_module_with_an_emptied_layer_keeps_its_placeholder():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(layer(h=6, h_kv=6), layer(h=6, h_kv=6))
+    prune_heads(model, {0: list(range(6))})  # layer 0: one zero placeholder head
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    w = weights(model[1])
+    for name in ("k_proj", "v_proj"):  # by hand: K/V heads {0, 1, 2} and {3, 4, 5} mean-pooled
+        w[name + ".w"] = w[name + ".w"].reshape(2, 3, 4, 24).mean(1).reshape(8, 24)
+        w[name + ".b"] = w[name + ".b"].reshape(2, 3, 4).mean(1).reshape(8)
+    to_gqa(model, 1, layers=0)
+    to_gqa(model, 1, layers=0, groups="similarity")
+    with pytest.raises(ValueError, match=r"layer 0 .*must divide n_heads=1; valid: \[1\], got 2"):
+        to_gqa(model, 2)  # every layer: the placeholder has 1 head, so 2 K/V heads is refused there
+    assert model[1].n_kv_heads == 6  # refused before anything changed
+    to_gqa(model, 2, layers=1)
+    assert headwise.surgery.original_heads(model) == [(), (0, 1, 2, 3, 4, 5)]
+    assert (model[0].n_heads, model[0].n_kv_heads) == (1, 1)
+    torch.testing.assert_close(model[0](x), model[0].out_proj.bias.detach().expand(2, 5, 24))
+    torch.testing.assert_close(model[1](x), attention(w, x, 6, 2, 4))
+    to_gqa(model, 1)
+    assert [m.n_kv_heads for m in model] == [1, 1] and headwise.surgery.original_heads(model)[0] == ()

@@ -7,7 +7,10 @@ surgery seam (:mod:`headwise.interop.hf.surgery`), with no knowledge of families
    counts are updated when every layer agrees and the model class then rebuilds exactly these weight shapes
    from the config (checked by building it on the meta device: :func:`rebuilds`); plain ``from_pretrained``
    then loads a saved copy.
-3. The model is patched again, so its views describe the new shapes.
+3. The model is patched again, so its views describe the new shapes; the old views of the changed modules
+   refuse every use (:class:`StaleView`). A plain module wrapping the patched model (a training module) is
+   changed through the transformers model inside (:func:`patch_root`), and a PEFT wrapper's config is
+   checked on the transformers model it wraps, adapters looked through.
 
 Shapes:
     per layer: (n_heads, n_kv_heads, d_head)
@@ -24,7 +27,8 @@ from torch import nn
 
 from .weights import HeadWeights, as_projections
 
-__all__ = ["is_view", "has_seam", "apply", "refusal", "rebuilds", "config_update", "quiet"]
+__all__ = ["is_view", "has_seam", "apply", "refusal", "rebuilds", "config_update", "quiet", "patch_root",
+           "transformers_model", "StaleView", "retire"]
 
 
 def is_view(layer: Any) -> bool:
@@ -83,14 +87,33 @@ def quiet(*, messages: bool = True):
         logging.set_verbosity(level)
 
 
-def _shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+def _shapes(module: nn.Module, adapters: bool = False) -> dict[str, tuple[int, ...]]:
+    """Weight name -> shape; with ``adapters``, as the model without its adapter wrappers (PEFT LoRA) names them:
+    ``x.base_layer.weight`` is ``x.weight`` and the adapter's own weights are left out, since they are not
+    the class's weights and merging them keeps the base layer's shapes."""
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    if not adapters:
+        return shapes
+    wrappers = [n for n, m in module.named_modules() if isinstance(getattr(m, "base_layer", None), nn.Module)]
+    for name in sorted(wrappers, key=len, reverse=True):  # innermost first: a wrapper may wrap a wrapper
+        pre = f"{name}." if name else ""
+        base = pre + "base_layer."
+        shapes = {(pre + k[len(base):] if k.startswith(base) else k): v for k, v in shapes.items()
+                  if k.startswith(base) or not k.startswith(pre)}
+    return shapes
 
 
-def rebuilds(model: nn.Module, fields: Mapping[str, int] | None = None) -> bool:
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """The outermost transformers model in ``model`` (``model`` itself, or the one a wrapper such as PEFT's
+    ``PeftModel`` holds): whose class, not a forwarding ``__getattr__``, has ``set_attn_implementation``."""
+    return next((m for m in model.modules() if hasattr(type(m), "set_attn_implementation")), None)
+
+
+def rebuilds(model: nn.Module, fields: Mapping[str, int] | None = None, *, adapters: bool = False) -> bool:
     """Whether ``type(model)`` built from ``model.config`` (with ``fields`` set on a copy) has exactly the
     weight shapes of ``model``: what plain ``from_pretrained`` of a saved copy needs. Built on the meta
-    device, so nothing is allocated."""
+    device, so nothing is allocated. With ``adapters``, ``model``'s adapter wrappers are looked through
+    (the shapes it has once they are merged)."""
     cfg = getattr(model, "config", None)
     if cfg is None:
         return False
@@ -104,7 +127,7 @@ def rebuilds(model: nn.Module, fields: Mapping[str, int] | None = None) -> bool:
             fresh = type(model)(cand)
     except Exception:  # noqa: BLE001 - a config these counts make invalid does not rebuild the model
         return False
-    return _shapes(fresh) == _shapes(model)
+    return _shapes(fresh) == _shapes(model, adapters)
 
 
 def _is_count(value: Any) -> bool:
@@ -127,7 +150,7 @@ def config_update(model: nn.Module, views: Sequence[Any], counts: Sequence[tuple
         base.update({n: d_h for n in d if _is_count(getattr(cfg, n, None))})
         d_names += [n for n in d if n not in d_names]
     tries = [base] + [{**base, n: d_h} for n in d_names if n not in base]  # a config that derives d_h: say it
-    return next((fields for fields in tries if rebuilds(model, fields)), {})
+    return next((fields for fields in tries if rebuilds(model, fields, adapters=True)), {})
 
 
 def _set(configs: Sequence[Any], fields: Mapping[str, int]) -> None:
@@ -136,9 +159,59 @@ def _set(configs: Sequence[Any], fields: Mapping[str, int]) -> None:
             setattr(cfg, name, value)
 
 
+def patch_root(model: nn.Module, layers: Sequence[tuple[str, Any]], what: str) -> nn.Module:
+    """What surgery patches again after resizing: ``model`` where ``patch`` takes it (a transformers model, or a
+    wrapper forwarding to one, as PEFT's), else the one transformers model inside a plain wrapper (a training
+    module holding it) that holds every patched module. ``TypeError`` otherwise, before anything changes."""
+    if hasattr(model, "set_attn_implementation"):
+        return model
+    outer: list[tuple[nn.Module, set[int]]] = []
+    for m in model.modules():  # pre-order: an enclosing transformers model comes before the ones it holds
+        if hasattr(type(m), "set_attn_implementation") and not any(id(m) in ids for _, ids in outer):
+            outer.append((m, {id(x) for x in m.modules()}))
+    hosts = {id(view.host) for _, view in layers}
+    holding = [(m, ids) for m, ids in outer if hosts & ids]
+    if len(holding) == 1 and hosts <= holding[0][1]:
+        return holding[0][0]
+    found = [type(m).__name__ for m, _ in holding] or "none"
+    raise TypeError(f"{what}: expected a patched transformers model, or a module holding exactly one that holds "
+                    f"every patched module; got {type(model).__name__}, whose patched modules are in these "
+                    f"transformers models: {found}. Pass the patched transformers model itself")
+
+
+class StaleView:
+    """Mixed into a view whose module surgery resized: the view still holds the old head counts but would
+    read the new weights (another head's slice, or past the end), so every use is refused instead."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("host", "host_name"):  # Python's and torch's own machinery
+            return object.__getattribute__(self, name)
+        where = object.__getattribute__(self, "_hw_name") or type(object.__getattribute__(self, "_hw_host")).__name__
+        raise TypeError(f"this layer is a stale view of {where}: {object.__getattribute__(self, '_hw_stale')} "
+                        "resized its module since the view was fetched, so its head counts and head slices no "
+                        "longer match the weights (heads fetched from it too); expected a current view: fetch "
+                        "it again with headwise.interop.layers(model) or module.attn")
+
+    def __repr__(self) -> str:
+        where = object.__getattribute__(self, "_hw_name") or type(object.__getattribute__(self, "_hw_host")).__name__
+        return f"<stale view of {where}, resized by {object.__getattribute__(self, '_hw_stale')}>"
+
+
+_STALE: dict[type, type] = {}
+
+
+def retire(view: Any, what: str) -> None:
+    """Make ``view``, an old view of a module surgery resized, refuse every use (:class:`StaleView`)."""
+    cls = type(view)
+    if not issubclass(cls, StaleView):
+        stale = _STALE.setdefault(cls, type(f"Stale{cls.__name__}", (StaleView, cls), {}))
+        object.__setattr__(view, "_hw_stale", what)
+        view.__class__ = stale
+
+
 def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int, HeadWeights], what: str) -> nn.Module:
     """Write ``new[i]`` into the module of layer ``i`` of the patched ``model`` (everything checked first);
-    returns ``model``, patched again."""
+    returns ``model``, patched again. The old views of the changed layers are retired (:func:`retire`)."""
     from ..interop import patch, unpatch
 
     plain = [layers[i][0] for i in new if not is_view(layers[i][1])]
@@ -152,18 +225,23 @@ def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int,
     why = refusal(layers, new, what)
     if why:
         raise ValueError(why)
+    root = patch_root(model, layers, what)
+    inner = transformers_model(root) or root  # the class that from_pretrained rebuilds, inside a PEFT wrapper
     views = [view for _, view in layers]
     counts = [_counts(new[i]) if i in new else view.head_params() for i, view in enumerate(views)]
-    configs = list({id(c): c for c in [getattr(model, "config", None)] + [v.hf_config() for v in views]
+    configs = list({id(c): c for c in [getattr(inner, "config", None)] + [v.hf_config() for v in views]
                     if c is not None}.values())
-    unpatch(model)
+    unpatch(root)
     for i, hw in new.items():
         views[i].write_heads(as_projections(hw), hw.n_heads, hw.n_kv_heads, heads_from=hw.heads_from)
-    fields = config_update(model, views, counts)
+    fields = config_update(inner, views, counts)
     if not fields and any(v.reads_config_heads() for v in views):  # their forward needs the counts regardless
         h, h_kv, _ = counts[0]
         heads, kv, _ = views[0].config_fields()
         fields = {n: h for n in heads if _is_count(getattr(views[0].hf_config(), n, None))}
         fields.update({n: h_kv for n in kv if _is_count(getattr(views[0].hf_config(), n, None))})
     _set(configs, fields)
-    return patch(model)
+    patch(root)
+    for i in new:
+        retire(views[i], what)
+    return model

@@ -79,6 +79,9 @@ def gradient_importance(model: nn.Module, data: Any, metric: Callable[..., Any],
         >>> gradient_importance(attn, torch.randn(3, 4, 8), lambda y: y.square().mean()).shape
         torch.Size([1, 2])
     """
+    if not isinstance(normalize, bool):  # a truthy "no" would silently normalize
+        raise TypeError(f"gradient_importance: normalize must be True or False, got {type(normalize).__name__} "
+                        f"({normalize!r})")
     measure = metric_of(metric, "gradient_importance")
     check_progress(progress, "gradient_importance")
     heads, scores, device = _grid(model)

@@ -25,7 +25,7 @@ from ..tracing import find_layers
 from . import hosts, origin
 from .weights import HeadWeights
 
-__all__ = ["Target", "read", "new_layer"]
+__all__ = ["Target", "read", "new_layer", "take_hooks"]
 
 
 def read(layer: MultiHeadAttention) -> HeadWeights:
@@ -68,6 +68,27 @@ def new_layer(layer: MultiHeadAttention, hw: HeadWeights) -> MultiHeadAttention:
     return new
 
 
+# Read off a fresh module, so every kind of hook this torch version has (forward, backward, state-dict, ...) goes.
+_HOOK_DICTS = tuple(k for k, v in vars(nn.Module()).items() if "hooks" in k and isinstance(v, dict))
+
+
+def take_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` (a deep copy of ``old`` with new projections) the very hook dicts of ``old`` and of each of
+    its modules the copy kept (rotary, norms), not the copies ``deepcopy`` made: the handles the user holds
+    refer to those dicts, so ``handle.remove()`` still reaches the hooks of the layer that replaced ``old``."""
+    copies = dict(new.named_modules())
+    own = {id(m) for m in old.modules()}
+    for name, module in old.named_modules():
+        twin = copies.get(name)
+        if twin is None or name in ("q_proj", "k_proj", "v_proj", "out_proj"):  # new modules: no hooks
+            continue
+        for key in _HOOK_DICTS:
+            hooks = module.__dict__.get(key)
+            # a module's hook on itself (a bound method) was rebound to the copy by deepcopy: keep the copy's
+            if isinstance(hooks, dict) and not any(id(getattr(h, "__self__", None)) in own for h in hooks.values()):
+                twin.__dict__[key] = hooks
+
+
 # -- one surgery over a layer or a model ---------------------------------------------------------------------
 class Target:
     """The layers of ``target`` that surgery addresses, by position (as :func:`headwise.trace` numbers them)
@@ -84,6 +105,14 @@ class Target:
             raise TypeError(f"{what}: expected a MultiHeadAttention, a module containing them or a model patched "
                             f"by headwise.interop.patch; got {type(target).__name__} ({e})") from None
         self.hf = any(hosts.is_view(layer) for _, layer in self.layers)
+        # every name of each layer: a layer registered twice (nn.ModuleList([attn] * 3)) is listed once
+        self.names: dict[int, list[str]] = {i: [name] for i, (name, _) in enumerate(self.layers)}
+        if not self.hf and not isinstance(target, MultiHeadAttention):
+            at = {id(layer): i for i, (_, layer) in enumerate(self.layers)}
+            for name, module in target.named_modules(remove_duplicate=False):
+                i = at.get(id(module))
+                if i is not None and name not in self.names[i]:
+                    self.names[i].append(name)
         sharded = [n or type(m).__name__ for n, m in self.layers if type(m).__name__ == "TensorParallelAttention"]
         if sharded:
             raise TypeError(f"{what}: {sharded} already hold only this rank's heads (tensor_parallel); change the "
@@ -93,9 +122,10 @@ class Target:
         names = [n for n, _ in self.layers]
         n = len(self.layers)
         if isinstance(ref, str):
-            if ref not in names:
+            found = [i for i, aliases in self.names.items() if ref in aliases]
+            if not found:
                 raise ValueError(f"{self.what}: no layer is named {ref!r}; expected one of {names}")
-            return names.index(ref)
+            return found[0]
         if isinstance(ref, bool) or not isinstance(ref, int):
             raise TypeError(f"{self.what}: a layer is given by position (int) or module name (str), got "
                             f"{type(ref).__name__}")
@@ -131,11 +161,13 @@ class Target:
                 origin.record(module, kept[i])
             return model
         for i, hw in new.items():
-            name, layer = self.layers[i]
-            parent, _, child = name.rpartition(".")
+            layer = self.layers[i][1]
             replacement = new_layer(layer, hw)
             origin.record(replacement, kept[i])
-            setattr(self.target.get_submodule(parent), child, replacement)
+            take_hooks(layer, replacement)
+            for name in self.names[i]:  # under every name, so a shared layer stays one shared layer
+                parent, _, child = name.rpartition(".")
+                setattr(self.target.get_submodule(parent), child, replacement)
         return self.target
 
 

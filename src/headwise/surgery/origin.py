@@ -51,7 +51,7 @@ def record(module: nn.Module, heads: tuple[int, ...] | None) -> None:
 def compose(layer: Any, hw: HeadWeights) -> tuple[int, ...]:
     """The record of ``layer`` after it takes ``hw`` (whose ``heads_from`` are indices into its current heads)."""
     now = of_layer(layer)
-    if hw.placeholder:
+    if hw.placeholder or not now:  # an emptied layer's placeholder is no original head, however it is regrouped
         return ()
     if hw.heads_from is None:
         return now

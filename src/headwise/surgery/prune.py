@@ -17,7 +17,10 @@ Shapes:
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Iterable, Mapping
+
+import torch
 
 from ..attention import MultiHeadAttention
 from .layers import Target, read
@@ -26,14 +29,33 @@ from .weights import HeadWeights, empty_like, take_heads
 __all__ = ["prune_heads"]
 
 
+def _index(i: Any, where: str) -> int:
+    """One head index: an int or an integer numpy / torch scalar (what ``argsort`` of a score gives)."""
+    is_bool = isinstance(i, bool) or type(i).__name__ in ("bool_", "bool") or (
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool) or str(getattr(i, "dtype", "")) == "bool"
+    if is_bool:
+        raise TypeError(f"{where}: head indices must be ints, got a bool ({i!r}); for a boolean mask pass "
+                        "its indices (mask.nonzero().flatten())")
+    if isinstance(i, torch.Tensor) and i.dim() != 0:
+        raise TypeError(f"{where}: head indices must be ints, got a tensor of shape {tuple(i.shape)}")
+    try:
+        return operator.index(i)
+    except TypeError:
+        raise TypeError(f"{where}: head indices must be ints, got {type(i).__name__} ({i!r}); integer numpy / "
+                        "torch scalars and 1-d integer tensors / arrays are accepted") from None
+
+
 def _heads(value: Any, h: int, where: str) -> list[int]:
-    items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    ndim = getattr(value, "ndim", None) if isinstance(getattr(value, "ndim", None), int) else None
+    if ndim is not None and ndim > 1:  # iterating it would give rows, refused one by one with a vaguer message
+        raise TypeError(f"{where}: heads are given as one index or a 1-d list of indices, got a {ndim}-d "
+                        f"{type(value).__name__} of shape {tuple(value.shape)}")
+    scalar = ndim == 0 or (ndim is None and hasattr(type(value), "__index__"))
+    items = [value] if scalar else value
     if not isinstance(items, Iterable) or isinstance(items, (str, bytes)):
         raise TypeError(f"{where}: heads are given as a list of ints, got {type(value).__name__}")
-    items = list(items)
+    items = [_index(i, where) for i in items]
     for i in items:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"{where}: head indices must be ints, got {type(i).__name__} ({i!r})")
         if not 0 <= i < h:
             raise ValueError(f"{where}: head indices must be in [0, {h}) (the layer has {h} heads), got {i}")
     if len(set(items)) != len(items):
