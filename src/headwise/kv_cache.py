@@ -41,6 +41,15 @@ if not hasattr(torch.ops.headwise, "kv_cache_overflow"):
     def _(new: torch.Tensor, cached: int, max_len: int) -> torch.Tensor:
         return torch.empty_like(new)
 
+    # AOTAutograd (aot_eager, inductor) traces the backward of a step that autograd records while compiling it,
+    # and refuses an op without a formula: the overflow would fail compilation instead of raising at run time.
+    # The kernel never returns, so the formula never runs; the identity is the simplest traceable one.
+    def _overflow_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+    torch.library.register_autograd("headwise::kv_cache_overflow", _overflow_backward,
+                                    setup_context=lambda ctx, inputs, output: None)
+
 
 class KVCheckpoint:
     """What :meth:`KVCache.checkpoint` saved: the length and the slots the next write may overwrite."""
@@ -303,7 +312,12 @@ class KVCache:
                     f"d_h={self.d_head}), got {tuple(t.shape)}"
                 )
             if t.dtype != self.keys.dtype:
-                raise TypeError(f"cache holds {self.keys.dtype}, got {name} of dtype {t.dtype}")
+                hint = ""
+                if torch.is_autocast_enabled(t.device.type) and t.dtype == torch.get_autocast_dtype(t.device.type):
+                    # A layer's checks pass a cache of its parameters' dtype; autocast changes what it writes.
+                    hint = (f" (under torch.autocast the projections write {t.dtype}: make the cache with "
+                            f"dtype={t.dtype})")
+                raise TypeError(f"cache holds {self.keys.dtype}, got {name} of dtype {t.dtype}{hint}")
             if t.device != self.keys.device:
                 raise ValueError(f"cache is on {self.keys.device}, got {name} on {t.device}")
         if k.shape[-2] != v.shape[-2]:

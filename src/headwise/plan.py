@@ -33,13 +33,15 @@ nothing else decides. The rules:
    layer's ``chunk_queries`` can turn this off (False) or fix the chunk length (an int). Causal chunks without
    a mask, in float32/float64, run as a fully read key prefix plus the square diagonal block with the kernel's
    ``is_causal``, merged by log-sum-exp; elsewhere a chunk gets an explicit bottom-right mask.
-8. **Cache reads** (a :class:`~headwise.KVCache` without a user mask, on the fused path): under
-   ``torch.compile`` the call writes at the cache's device position and reads its whole ``max_len`` buffer under
-   a position mask built on the device, so every shape and Python value is the same at every position and one
-   graph (one CUDA graph) serves them all (:attr:`CacheRead.POSITION`). Eagerly on CUDA in half precision, a
-   call that reads cached keys reads the whole buffer too, under a mask of the filled positions
-   (:attr:`CacheRead.BUFFER`): cuDNN, the fastest kernel there, then builds one plan per cache instead of one
-   per position. Elsewhere the call reads the filled prefix, no mask (:attr:`CacheRead.PREFIX`).
+8. **Cache reads** (a :class:`~headwise.KVCache` without a user mask): under ``torch.compile``, on every path
+   and with or without autograd, the call writes at the cache's device position and reads its whole ``max_len``
+   buffer under a position mask built on the device, so every shape and Python value is the same at every
+   position and one graph (one CUDA graph) serves them all (:attr:`CacheRead.POSITION`); the new keys keep their
+   autograd history there as in a prefix read, and weights returned span the ``max_len`` buffer (zero past the
+   written positions). Eagerly on CUDA in half precision, a fused-path call that reads cached keys reads the
+   whole buffer too, under a mask of the filled positions (:attr:`CacheRead.BUFFER`): cuDNN, the fastest kernel
+   there, then builds one plan per cache instead of one per position. Elsewhere the call reads the filled
+   prefix, no mask (:attr:`CacheRead.PREFIX`).
 9. **Warning**: the eager path warns above :data:`FORWARD_WARN_BYTES` of probabilities, before any work.
 10. **Statistics** (a trace capturing ``lse``, ``entropy``, ``max_weight`` or ``key_weight``;
     :mod:`headwise.statistics`): a call that also returns its probabilities, runs dropout or is recorded by
@@ -243,7 +245,8 @@ def causal_mode(backend: str, causal: bool, has_mask: bool, s_q: int, s_kv: int)
 def cache_read(device_type: str, dtype: torch.dtype, s_q: int, has_mask: bool, eager: bool,
                cached_length: Callable[[], int]) -> CacheRead:
     """How a cached call of ``s_q`` new positions reads its cache (rule 8). ``eager``: the call takes the eager
-    path or autograd records it (it reads the prefix, where the new keys keep their history). ``cached_length``
+    path or autograd records it (outside compilation it reads the prefix, where the new keys keep their history;
+    compiled, it reads at the device position all the same). ``cached_length``
     is asked only in eager code, and only for several new positions (compiled code must not read the host's
     length: it changes at every position); a first prefill (nothing cached yet) keeps the kernel's own causal path.
 
@@ -255,10 +258,15 @@ def cache_read(device_type: str, dtype: torch.dtype, s_q: int, has_mask: bool, e
         >>> cache_read("cpu", torch.float32, 1, False, False, lambda: 1024).name
         'PREFIX'
     """
-    if has_mask or eager:
+    if has_mask:
         return CacheRead.PREFIX
     if torch.compiler.is_compiling():
+        # Before ``eager``: a prefix read under compilation guards on the host's length, a new graph per position
+        # (and a hard failure past the recompile limit under fullgraph), whatever path attends over it. The
+        # position route keeps the new keys' history (KVCache.write_static), so autograd gets the eager gradients.
         return CacheRead.POSITION
+    if eager:
+        return CacheRead.PREFIX
     if device_type == "cuda" and dtype in _LOW_PRECISION and (s_q == 1 or cached_length() > 0):
         return CacheRead.BUFFER
     return CacheRead.PREFIX

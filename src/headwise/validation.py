@@ -191,8 +191,8 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
             raise ValueError(f"the cache does not fit this call: it holds (b, h_kv, d_h) = {held}, this layer "
                              f"writes {(b, config.n_kv_heads, config.d_head)}; make one with "
                              f"layer.new_cache(batch_size={b}, max_len=...)")
-        if cache.keys.dtype != dtype:
-            raise TypeError(f"the cache holds {cache.keys.dtype}, this layer writes {dtype} keys")
+        if cache.keys.dtype != dtype and cache.keys.dtype != autocast_dtype(dtype, device):
+            raise TypeError(cache_dtype_message(cache.keys.dtype, dtype, device))
         if cache.keys.device != device:
             raise ValueError(f"the cache is on {cache.keys.device}, this call runs on {device}")
     if mask is not None:
@@ -206,6 +206,23 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
     elif positions is not None:
         positions = check_positions(positions, b, s_q)
     return ForwardInputs(x, key, value, mask, positions, batched)
+
+
+def autocast_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype the projections of a layer with parameters of ``dtype`` write on ``device`` under the
+    ``torch.autocast`` now active there (it casts every floating dtype but float64), or None outside one."""
+    if dtype == torch.float64 or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def cache_dtype_message(held: torch.dtype, dtype: torch.dtype, device: torch.device) -> str:
+    """Why a cache of dtype ``held`` does not fit a layer with parameters of ``dtype`` on ``device``."""
+    writes = autocast_dtype(dtype, device)
+    if writes is None:
+        return f"the cache holds {held}, this layer writes {dtype} keys"
+    return (f"the cache holds {held}, this layer writes {writes} keys under torch.autocast({device.type!r}, "
+            f"dtype={writes}); make the cache with layer.new_cache(..., dtype={writes})")
 
 
 def check_device(name: str, device: object) -> None:

@@ -11,6 +11,8 @@ Shapes:
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -117,3 +119,76 @@ def test_the_repr_of_a_cache_after_compiled_steps_shows_the_written_length():
             step(x[:, t:t + 1])
     assert "length=12," in repr(cache)
     assert cache.length == 12
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rotary", [False, True])
+def test_a_compiled_step_recorded_by_autograd_compiles_once_and_has_the_eager_gradients(rotary):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    attn = _layer(2, rotary)  # parameters require grad: autograd records every step
+    twin = copy.deepcopy(attn)
+    x = torch.randn(2, 16, 32)
+    cache, twin_cache = attn.new_cache(2, 20), twin.new_cache(2, 20)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(DecodeStep(attn, cache), backend=counter, fullgraph=True, dynamic=False)
+    eager = DecodeStep(twin, twin_cache)
+    with torch.no_grad():
+        attn(x[:, :4], cache=cache)
+        twin(x[:, :4], cache=twin_cache)
+    tokens = [x[:, t:t + 1].clone().requires_grad_() for t in range(4, 16)]  # 12 positions
+    twin_tokens = [t.detach().clone().requires_grad_() for t in tokens]
+    got = [step(t) for t in tokens]
+    want = [eager(t) for t in twin_tokens]
+    assert counter.frame_count == 1
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1))
+    with torch.no_grad():  # the eager steps themselves: one causal pass over the whole sequence
+        torch.testing.assert_close(torch.cat(want, 1), twin(x, causal=True)[:, 4:])
+    weights = torch.randn(2, 12, 32)
+    (torch.cat(got, 1) * weights).sum().backward()
+    (torch.cat(want, 1) * weights).sum().backward()
+    for a, b in zip(tokens, twin_tokens):
+        torch.testing.assert_close(a.grad, b.grad)
+    for (name, p), q in zip(attn.named_parameters(), twin.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert not cache.keys.requires_grad and cache.length == 16
+
+
+def test_compiled_cached_calls_returning_weights_get_them_over_the_whole_buffer():
+    torch._dynamo.reset()
+    attn = _layer(2, False)
+    cache = attn.new_cache(2, 16)
+    counter = CompileCounter()
+    compiled = torch.compile(lambda t: attn(t, cache=cache, return_weights=True), backend=counter, fullgraph=True,
+                             dynamic=False)
+    x = torch.randn(2, 14, 32)
+    with torch.no_grad():
+        attn(x[:, :4], cache=cache)
+        got = [compiled(x[:, t:t + 1]) for t in range(4, 14)]
+        y, weights = attn(x, causal=True, return_weights=True)  # (b, h, s, s)
+    assert counter.frame_count == 1
+    for t, (y_t, w_t) in zip(range(4, 14), got):
+        torch.testing.assert_close(y_t, y[:, t:t + 1])
+        assert w_t.shape == (2, 4, 1, 16)
+        torch.testing.assert_close(w_t[..., :14], weights[:, :, t:t + 1])  # zero past the written positions
+        assert not w_t[..., 14:].any()
+
+
+def test_a_compiled_step_recorded_by_autograd_past_max_len_is_refused_and_reported():
+    torch._dynamo.reset()
+    attn = _layer(2, False)  # parameters require grad
+    cache = attn.new_cache(1, 5)
+    step = torch.compile(DecodeStep(attn, cache), backend="aot_eager", fullgraph=True, dynamic=False)
+    x = torch.randn(1, 7, 32)
+    attn(x[:, :4], cache=cache)
+    step(x[:, 4:5]).sum().backward()
+    keys = cache.keys.clone()
+    refused = step(x[:, 5:6])
+    refused.sum().backward()  # the refused step's graph has a backward too
+    torch.testing.assert_close(refused, attn.out_proj.bias.detach().expand_as(refused), rtol=0, atol=0)
+    assert torch.equal(cache.keys, keys)
+    with pytest.raises(ValueError, match=r"1 compiled step\(s\) found all max_len=5 positions written"):
+        cache.length
+    assert cache.length == 5

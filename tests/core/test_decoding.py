@@ -306,3 +306,40 @@ def test_backend_is_checked_whenever_it_is_set():
     with torch.no_grad():
         _, w = attn(torch.randn(2, 2, attn.d_model), cache=cache, return_weights=True)
     assert w.shape == (2, 4, 2, 2)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_under_autocast_a_cache_of_the_autocast_dtype_decodes_like_one_causal_pass(rotary):
+    attn = _layer(4, 2, rotary)  # float32 parameters; autocast makes the projections write bfloat16
+    x = torch.randn(2, 7, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = attn.new_cache(2, 8, dtype=torch.bfloat16)
+        step = DecodeStep(attn, cache)
+        with torch.no_grad():
+            got = torch.cat([attn(x[:, :4], cache=cache)] + [step(x[:, t:t + 1]) for t in range(4, 7)], 1)
+            want = attn(x, causal=True)  # the same autocast computation without a cache
+        # With autograd too: the decode step's gradient reaches its own token, as in the causal pass.
+        token = x[:, 6:7].clone().requires_grad_()
+        cache.crop(6)
+        grad_step, = torch.autograd.grad(step(token).float().square().sum(), token)
+        whole = x.clone().requires_grad_()
+        grad_whole, = torch.autograd.grad(attn(whole, causal=True)[:, 6:].float().square().sum(), whole)
+    assert got.dtype == want.dtype == torch.bfloat16 and cache.length == 7
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad_step, grad_whole[:, 6:7], rtol=1.6e-2, atol=1e-3)  # bfloat16 products
+
+
+def test_under_autocast_a_cache_of_another_dtype_is_refused_and_left_unchanged():
+    attn = _layer(4, 2)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for dtype, message in ((torch.float16, r"the cache holds torch.float16, this layer writes torch.bfloat16 "
+                                               r"keys under torch.autocast\('cpu', dtype=torch.bfloat16\)"),
+                               (torch.float32, r"cache holds torch.float32, got keys of dtype torch.bfloat16 \(under "
+                                               r"torch.autocast the projections write torch.bfloat16")):
+            cache = attn.new_cache(2, 8, dtype=dtype)
+            keys = cache.keys.clone()
+            for call in (lambda: attn(x[:, :2], cache=cache), lambda: DecodeStep(attn, cache)(x[:, 2:3])):
+                with pytest.raises(TypeError, match=message):
+                    call()
+                assert cache.length == 0 and torch.equal(cache.keys, keys)

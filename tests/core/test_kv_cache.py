@@ -356,6 +356,40 @@ def test_overflow_under_fullgraph_compile_raises_the_eager_value_error(backend):
     torch.testing.assert_close(compiled(kv[:, :, :1], kv[:, :, :1]), 2 * kv[:, :, :1].sum())  # still usable
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_overflow_of_a_compiled_call_recorded_by_autograd_raises_the_eager_value_error_at_run_time(backend):
+    # A user mask keeps the prefix read (KVCache.update) in compiled code; the parameters require grad, so the
+    # compiler traces the backward of the overflow branch too.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    twin = copy.deepcopy(attn)
+    cache, twin_cache = attn.new_cache(1, 5), twin.new_cache(1, 5)
+    x = torch.randn(1, 7, 16)
+    compiled = torch.compile(lambda t, m: attn(t, cache=cache, mask=m), backend=backend, fullgraph=True,
+                             dynamic=False)
+    with torch.no_grad():
+        attn(x[:, :3], cache=cache)
+        twin(x[:, :3], cache=twin_cache)
+    for t in (3, 4):  # compiled decoding with autograd: the eager outputs and gradients
+        mask = torch.rand(1, 1, 1, t + 1) > 0.3
+        mask[..., -1] = True
+        got, want = compiled(x[:, t:t + 1], mask), twin(x[:, t:t + 1], cache=twin_cache, mask=mask)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+    for p, q in zip(attn.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    snap = snapshot(cache)
+    mask = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"cache overflow: 5 cached \+ 1 new > max_len=5"):
+        compiled(x[:, 5:6], mask)
+    assert_same(cache, snap)
+    with pytest.raises(ValueError, match=r"cache overflow: 5 cached \+ 1 new > max_len=5"):
+        twin(x[:, 5:6], cache=twin_cache, mask=mask)  # eager: the same error
+
+
 def test_a_compiled_step_past_max_len_writes_nothing_and_is_reported():
     torch._dynamo.reset()
     attn = MultiHeadAttention(16, 4, 2).eval()
