@@ -108,3 +108,90 @@ def test_the_table_names_sink_and_sharp_heads(capsys):
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, "some text", *argv)
     assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def pruned_reference(path, plain, layers: int = 2) -> tuple[list[list[int]], list[torch.Tensor], torch.Tensor]:
+    """(each layer's original head numbers from the sidecar, the pruned model's own eager patterns per layer in
+    its heads' order now (h_l, s, s), float64, and the unpruned twin's patterns (L, h, s, s))."""
+    from headwise.surgery import load_pretrained
+    from tests.cli.test_heads_models import TEXT as WORDS_TEXT, WORDS
+
+    side = json.loads((path / "headwise_surgery.json").read_text())["modules"]
+    numbers = [m["original_heads"] for m in side.values()]
+    ids = torch.tensor([[WORDS.index(w) for w in WORDS_TEXT.split()]])
+    ref = load_pretrained(path, type(plain), attn_implementation="eager")
+    plain.set_attn_implementation("eager")
+    with torch.no_grad():
+        own = [a[0].double() for a in ref(input_ids=ids, output_attentions=True).attentions]
+        twin = torch.stack([a[0].double() for a in plain(input_ids=ids, output_attentions=True).attentions])
+    return numbers, own[:layers], twin
+
+
+def test_a_pruned_checkpoint_shows_every_kept_head_under_its_number_before_surgery(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # the table's lines unwrapped
+    from tests.cli.test_heads_models import TEXT as WORDS_TEXT
+    from tests.cli.test_heads_summary import checkpoint
+
+    path, plain, _ = checkpoint(tmp_path, {0: [0, 2], 1: [3]})  # GPT-2 of 4 heads: layer 0 keeps 2, layer 1 keeps 3
+    numbers, own, twin = pruned_reference(path, plain)
+    assert numbers == [[1, 3], [0, 1, 2]]
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--stats", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["original_heads"] == numbers and [len(x) for x in r["entropy"]] == [2, 3]
+    for layer, p in enumerate(own):  # every kept head of every layer, in the layer's order now
+        want = grid_from_attentions((p[None],))
+        for name, ref in want.items():
+            torch.testing.assert_close(torch.tensor([r["grid"][name][layer]], dtype=torch.float64), ref,
+                                       rtol=1e-4, atol=1e-5)
+    # layer 0 reads the unpruned layer 0's input: its heads are the twin's heads of the same original numbers
+    torch.testing.assert_close(torch.tensor(r["max_weight"][0], dtype=torch.float64),
+                               twin[0, [1, 3]].amax(-1), rtol=1e-4, atol=1e-5)
+    assert all(h in numbers[a] for a, h in r["kinds"]["sink"] + r["kinds"]["sharp"])
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--all-layers", "--json")
+    assert [m["original_heads"] for m in json.loads(out)["layers"]] == numbers  # the pattern table's numbers
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--stats")
+    rows = [ln.split()[0] for ln in out.splitlines() if re.match(r"\s*\d\.\d+ +\d+\.\d{3} +\d\.\d{3}", ln)]
+    assert code == 0 and rows == ["0.1", "0.3", "1.0", "1.1", "1.2"], out
+    assert "numbered as in the model before head surgery" in out
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--stats", "--curves", "0.3,1.2",
+                         "--out", str(tmp_path / "s.html"))
+    assert code == 0 and "L0 H3" in (tmp_path / "s.html").read_text(), err
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--stats", "--curves", "0.0")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--curves: layer 0 has no head 0: head surgery left its heads 1, 3 (numbered as before surgery)" in err
+
+
+def test_a_layer_whose_every_head_was_removed_is_drawn_empty(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # the table's lines unwrapped
+    from tests.cli.test_heads_models import TEXT as WORDS_TEXT
+    from tests.cli.test_heads_summary import checkpoint
+
+    path, plain, _ = checkpoint(tmp_path, {0: [1], 1: [0, 1, 2, 3]})  # layer 1 keeps a placeholder only
+    numbers, own, twin = pruned_reference(path, plain, layers=1)
+    assert numbers == [[0, 2, 3], []]
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--layer", "0", "--heads", "2", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["original_heads"] == [2] and r["heads"] == [1]  # selected by its number before surgery
+    torch.testing.assert_close(torch.tensor(r["weights"], dtype=torch.float64), twin[0, [2]], rtol=1e-5, atol=1e-6)
+    for argv, message in ((["--layer", "0", "--heads", "1"],
+                           "--heads: layer 0 has no head 1: head surgery left its heads 0, 2-3"),
+                          (["--layer", "1", "--heads", "0"],
+                           "--heads: layer 1 has no head 0: head surgery removed every head of it"),
+                          (["--layer", "1", "--out", str(tmp_path / "p.png")],
+                           "head surgery removed every head of layer 1"),
+                          (["--stats", "--curves", "1.0"],
+                           "--curves: layer 1 has no head 0: head surgery removed every head of it")):
+        code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), *argv)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--layer", "1", "--json")
+    r = json.loads(out)
+    assert code == 0 and (r["heads"], r["original_heads"], r["weights"]) == ([], [], [])
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--all-layers")
+    assert code == 0 and "Head surgery removed every head of layer 1 (the placeholder" in out, out
+    code, out, err = run(capsys, WORDS_TEXT, "--model", str(path), "--stats", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["original_heads"] == numbers and [len(x) for x in r["entropy"]] == [3, 0]
+    torch.testing.assert_close(torch.tensor(r["grid"]["mean max weight"][0], dtype=torch.float64),
+                               own[0].amax(-1).mean(-1), rtol=1e-4, atol=1e-5)

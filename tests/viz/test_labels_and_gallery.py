@@ -170,3 +170,23 @@ def test_chromium_opens_a_gallery_head_by_its_name(minilm, chromium, tmp_path):
     assert page.js("document.getElementById('which').textContent") == "layer 1, head 8"
     assert page.js("location.hash") == "#L1H8"
     assert page.js("document.title") == "headwise: Heads L0 H2, L1 H8"
+
+
+def test_a_layer_whose_every_head_was_removed_holds_no_head():
+    """Head surgery leaves an emptied layer one placeholder head, which is no head of the model: the layer is
+    drawn with none (its record is ``()``), the other layers keep their numbers, and a gallery pair of it is
+    refused in words."""
+    model = ref.BUILDERS["bert"]("sdpa")
+    plain = ref.twin(model)
+    plain.set_attn_implementation("eager")
+    kw = ref.inputs(model)
+    with torch.no_grad():
+        want = plain(**kw, output_attentions=True).attentions[0][0]  # layer 0, row 0: (h, s, s)
+    prune_heads(patch(model), {0: [1], 1: [0, 1, 2, 3]})
+    first, emptied = model_layers_head_maps(model, kw)
+    assert first.head_labels == [0, 2, 3]
+    torch.testing.assert_close(first.weights, want[[0, 2, 3]])
+    assert emptied.n_heads == 0 and emptied.head_labels == [] and emptied.summary() == []
+    assert emptied.to_dict()["original_heads"] == [] and emptied.to_dict()["weights"] == []
+    with pytest.raises(ValueError, match="layer 1 has no head 0: head surgery removed every head of it"):
+        head_gallery(model, kw, [(0, 1), (1, 0)])

@@ -115,3 +115,35 @@ def test_statistics_png_draws_a_name_with_dollar_signs_as_text(tmp_path):
     st = model_statistics(planted(), {"input_ids": ids(8)}, name=r"ckpt $\frac{1}$ v2")
     path = save_statistics_png(st, tmp_path / "s.png")
     assert path.stat().st_size > 0
+
+
+def test_every_head_kept_by_surgery_is_shown_under_its_number_before_it(tmp_path):
+    """Layers of different head counts: every head each layer kept, in the column of its original number (NaN
+    where the layer has no such head); an emptied layer holds none. Layer 0 reads the unpruned model's layer 0
+    input, so its heads equal the unpruned, unpatched eager model's heads of the same numbers, in float64."""
+    pytest.importorskip("matplotlib")
+    from headwise.surgery import prune_heads
+    from headwise.viz import save_statistics_png
+
+    model = planted()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    x = ids(12)
+    with torch.no_grad():
+        p = eager(x, output_attentions=True).attentions[0][0].double()  # layer 0: (4, s, s)
+    prune_heads(headwise.interop.patch(model), {0: [0, 2], 1: [0, 1, 2, 3]})
+    st = model_statistics(model, {"input_ids": x})
+    assert st.heads == ((1, 3), ()) and st.pairs() == [(0, 1), (0, 3)] and st.n_heads == 4
+    torch.testing.assert_close(st.entropy[0, [1, 3]].double(), -(p[[1, 3]] * p[[1, 3]].clamp_min(1e-300).log()).sum(-1),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.max_weight[0, [1, 3]].double(), p[[1, 3]].amax(-1), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(st.key_weight[0, [1, 3]].double(), p[[1, 3]].sum(-2), rtol=1e-4, atol=1e-4)
+    assert bool(st.entropy[0, [0, 2]].isnan().all()) and bool(st.key_weight[1].isnan().all())
+    assert st.kinds()["sink"] == [(0, 1)]  # the planted sink, original head 1, now the layer's head 0
+    assert set(st.chosen()) <= {(0, 1), (0, 3)}
+    d = st.to_dict()
+    assert d["original_heads"] == [[1, 3], []] and [len(x) for x in d["entropy"]] == [2, 0]
+    assert "L0 H3" in render_statistics_html(st, heads=[(0, 3)])
+    assert save_statistics_png(st, tmp_path / "s.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="layer 1 has no head 0: its heads are none"):
+        render_statistics_html(st, heads=[(1, 0)])

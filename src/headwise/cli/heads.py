@@ -127,6 +127,9 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
         return info, stats_out
     if args.out is None:
         return info, None
+    emptied = [layer for layer in _layers(args, info) if info.labels_of(layer) == ()]
+    if emptied:  # a picture of no head
+        raise CliError(_emptied(emptied) + ": draw another --layer, or the table or --json")
     fewest, most = info.heads_of(None if args.all_layers else args.layer)
     if fewest != most and args.heads is None:  # chosen heads are the same number in every layer
         raise CliError(_uneven(info.layer_heads))
@@ -153,8 +156,14 @@ def _check_heads(args: argparse.Namespace, info: Any) -> None:
             continue
         gone = [h for h in args.heads if h not in labels]
         if gone:
-            raise CliError(f"--heads: layer {layer} has no head {gone[0]}: head surgery left its heads "
-                           f"{span(sorted(labels)) or 'none (a placeholder)'} (numbered as before surgery)")
+            raise CliError(f"--heads: layer {layer} has no head {gone[0]}: " + (
+                f"head surgery left its heads {span(sorted(labels))} (numbered as before surgery)" if labels
+                else "head surgery removed every head of it"))
+
+
+def _emptied(layers: list[int]) -> str:
+    return (f"head surgery removed every head of layer{'s' if len(layers) > 1 else ''} "
+            f"{', '.join(map(str, layers))} (the placeholder head it keeps is not drawn)")
 
 
 def _uneven(counts: Any) -> str:
@@ -309,6 +318,10 @@ def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, note
     step(f"running {'every layer' if args.all_layers else f'layer {args.layer}'} head by head")
     maps = vmaps.model_layers_head_maps(model, inputs, layers=layers, tokens=tokens)
     if args.heads is not None:  # by the numbers shown: the original ones after head surgery
+        gone = next(((m.layer, h, m.head_labels) for m in maps for h in args.heads if h not in m.head_labels), None)
+        if gone:  # the model's own record, where the sidecar read before loading did not say
+            raise CliError(f"--heads: layer {gone[0]} has no head {gone[1]}: its heads are "
+                           f"{', '.join(map(str, gone[2])) or 'none (head surgery removed every one)'}")
         maps = [m.subset([m.head_labels.index(h) for h in args.heads]) for m in maps]
     missing = next((m.writes_missing for m in maps if m.writes is None), "")
     if missing:
@@ -378,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
               [(f"{m.layer}.{s['head']}" if many else s["head"], _position(s),
                 f"{s['reads_most']} ({s['reads_most_weight']:.2f})", *_writes(s)) for m in maps for s in m.summary()],
               optional=["||v W_O|| min..max", "share of writes from the most-read token"])
+    if any(not m.n_heads for m in maps):
+        fmt.line(_emptied([m.layer for m in maps if not m.n_heads]).capitalize() + ".")
     if any(m.original_heads is not None for m in maps):
         fmt.line("Heads are numbered as in the model before head surgery (--json: \"heads\" are their indices now, "
                  "\"original_heads\" these numbers).")

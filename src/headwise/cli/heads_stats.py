@@ -38,13 +38,20 @@ def check_stats_args(args: argparse.Namespace, info: Any) -> Path | None:
     if args.layer is not None or args.all_layers or args.heads is not None:
         raise CliError("--stats draws every layer and head; choose heads for the per-position curves with --curves "
                        "LAYER.HEAD,... (not --layer, --all-layers or --heads)")
+    from ..viz.numbers import span
+
     for layer, head in args.curves or ():
         if layer >= info.n_layers:
             raise CliError(f"--curves: layer must be in [0, {info.n_layers}) for this {info.n_layers}-layer model, "
                            f"got {layer}.{head}")
-        fewest = info.heads_of(layer)[0]
-        if head >= fewest:
-            raise CliError(f"--curves: layer {layer} has {fmt.plural(fewest, 'head')}, got {layer}.{head}")
+        labels = info.labels_of(layer)  # after head surgery: the heads' numbers before it, as the table shows
+        if labels is None and head >= info.heads_of(layer)[0]:
+            raise CliError(f"--curves: layer {layer} has {fmt.plural(info.heads_of(layer)[0], 'head')}, got "
+                           f"{layer}.{head}")
+        if labels is not None and head not in labels:
+            raise CliError(f"--curves: layer {layer} has no head {head}: head surgery " + (
+                f"left its heads {span(sorted(labels))} (numbered as before surgery)" if labels
+                else "removed every head of it"))
     if args.out is None:
         return None
     out = check_out(args.out, (".png", ".html", ".htm"))
@@ -65,8 +72,10 @@ def run_stats(args: argparse.Namespace, info: Any, out: Path | None, load: Any) 
             enc, tokens, model = load(step)
             step(f"running every layer ({len(tokens)} tokens): per-head statistics, no pattern")
             stats = model_statistics(model, enc, tokens=tokens, name=info.name)
-        if args.curves and max(h for _, h in args.curves) >= stats.n_heads:  # heads the sidecar did not give
-            raise CliError(f"--curves: the layers have {stats.n_heads} heads, got {args.curves}")
+        try:  # heads the sidecar did not give
+            stats.check_pairs(args.curves or [])
+        except ValueError as exc:
+            raise CliError(f"--curves: {exc}") from None
         if out is not None:
             step(f"drawing {out}")
             title = f"headwise: {info.name}, every head, {fmt.plural(len(tokens), 'token')} (statistics, no pattern)"
@@ -78,8 +87,10 @@ def run_stats(args: argparse.Namespace, info: Any, out: Path | None, load: Any) 
                 from ..viz.stats_html import save_statistics_html
 
                 save(out, lambda tmp: save_statistics_html(stats, tmp, heads=args.curves, title=title))
-    what = f"{info.name}, {fmt.plural(stats.n_layers, 'layer')} x {fmt.plural(stats.n_heads, 'head')}, " \
-           f"{fmt.plural(len(tokens), 'token')}"
+    pairs = stats.pairs()
+    heads = f" x {fmt.plural(stats.n_heads, 'head')}" if stats.heads is None else \
+        f", {fmt.plural(len(pairs), 'head')} (after head surgery)"
+    what = f"{info.name}, {fmt.plural(stats.n_layers, 'layer')}{heads}, {fmt.plural(len(tokens), 'token')}"
     if args.json:
         fmt.emit_json({"model": info.name, "family": info.family, "out": None if out is None else str(out),
                        **stats.to_dict()})
@@ -94,8 +105,14 @@ def run_stats(args: argparse.Namespace, info: Any, out: Path | None, load: Any) 
               "first token", ["layer.head", "mean entropy", "mean max weight", "first-token share", "kind"],
               [(f"{a}.{b}", f"{float(grid['mean entropy'][a, b]):.3f}", f"{float(grid['mean max weight'][a, b]):.3f}",
                 f"{float(grid['first-token share'][a, b]):.3f}", label.get((a, b), ""))
-               for a in range(stats.n_layers) for b in range(stats.n_heads)])
+               for a, b in pairs])
     fmt.line(f"Sink heads: {_names(kinds['sink'])}. Sharp heads: {_names(kinds['sharp'])}.")
+    emptied = [str(a) for a in range(stats.n_layers) if not stats.held(a)]
+    if emptied:
+        fmt.line(f"Head surgery removed every head of layer{'s' if len(emptied) > 1 else ''} {', '.join(emptied)} "
+                 "(the placeholder head it keeps is not shown).")
+    if stats.heads is not None:
+        fmt.line("Heads are numbered as in the model before head surgery (--json: \"original_heads\").")
     return 0
 
 

@@ -39,10 +39,11 @@ def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int]
     "pattern" and "v"."""
     attn = record.layer
     h, d_h = attn.n_heads, attn.d_head
-    chosen = list(range(h)) if heads is None else list(heads)
+    origin = _origin(attn)
+    # a layer whose every head was removed keeps one placeholder head, which is no head of the model: none drawn
+    chosen = [] if origin == () else list(range(h)) if heads is None else list(heads)
     w = record.pattern[row].detach()[chosen]  # (h, s_q, s_kv): the weights the model's own forward used
     v = record.v[row].detach()  # (h_kv, s_kv, d_h)
-    origin = _origin(attn)
     original = None if origin is None else tuple(origin[i] for i in chosen)
     common = dict(tokens=list(tokens), layer=layer, heads=None if heads is None else tuple(chosen),
                   original_heads=original)
@@ -52,16 +53,17 @@ def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int]
         return HeadMaps(weights=w, writes=None, value_norms=None, writes_missing=str(exc), **common)
     g = h // attn.n_kv_heads
     norms = torch.stack([(v[i // g] @ w_o[:, i * d_h:(i + 1) * d_h].T.to(v.dtype)).norm(dim=-1)
-                         for i in chosen])  # (h, s_kv): ||v_j W_O^h||
+                         for i in chosen]) if chosen else w.new_zeros(0, w.shape[-1])  # (h, s_kv): ||v_j W_O^h||
     return HeadMaps(weights=w, writes=w * norms[:, None, :], value_norms=norms, **common)
 
 
 def _origin(attn: MultiHeadAttention) -> tuple[int, ...] | None:
-    """The layer's original head indices where head surgery changed it (None where it did not)."""
+    """The layer's original head indices where head surgery changed it (None where it did not; ``()`` where it
+    removed every head)."""
     from ..surgery import origin
 
     heads = origin.of_layer(attn)
-    return None if heads == tuple(range(attn.n_heads)) or len(heads) != attn.n_heads else heads
+    return None if heads == tuple(range(attn.n_heads)) or (heads and len(heads) != attn.n_heads) else heads
 
 
 def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | None = None, layer: int = 0,
@@ -242,6 +244,9 @@ def head_gallery(model: torch.nn.Module, inputs: Any, pairs: Sequence[tuple[int,
             raise ValueError(f"pairs must name each (layer, head) once, got {list(pairs)!r}")
         for layer, head in wanted:
             h = found[layer][1].n_heads
+            if _origin(found[layer][1]) == ():
+                raise ValueError(f"layer {layer} has no head {head!r}: head surgery removed every head of it (the "
+                                 "placeholder it keeps is not drawn)")
             if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < h:
                 raise ValueError(f"head must be an int in [0, {h}) for layer {layer}, got {head!r}")
         layers = sorted({layer for layer, _ in wanted})

@@ -88,7 +88,8 @@ class ModelInfo:
         return min(chosen), max(chosen)
 
     def labels_of(self, layer: int) -> tuple[int, ...] | None:
-        """The original numbers of layer ``layer``'s heads, where the sidecar records them (else None)."""
+        """The original numbers of layer ``layer``'s heads, where the sidecar records them (else None); ``()``
+        where head surgery removed every one (the layer keeps a placeholder head, which is not drawn)."""
         return None if self.original_heads is None else self.original_heads[layer]
 
 
@@ -153,8 +154,10 @@ def _sidecar_heads(path: Path) -> tuple[tuple[int, ...] | None, bool, tuple[tupl
     if not (heads and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in heads)):
         return None, surgery, None
     originals = [m.get("original_heads", list(range(h))) if h <= 1 << 16 else None for m, h in zip(entries, heads)]
-    ok = all(isinstance(o, list) and len(o) == h and all(type(i) is int and i >= 0 for i in o)
-             for o, h in zip(originals, heads))
+    # [] is the record of a layer whose every head was removed (one placeholder head is left): a valid label
+    # list like any other, so it must not drop the other layers' numbers
+    ok = all(isinstance(o, list) and (len(o) == h or (o == [] and h == 1))
+             and all(type(i) is int and i >= 0 for i in o) and len(set(o)) == len(o) for o, h in zip(originals, heads))
     return tuple(heads), surgery, tuple(tuple(o) for o in originals) if ok else None
 
 

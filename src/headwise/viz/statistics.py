@@ -14,8 +14,15 @@ something: a "sink" head puts most of its weight there). Under right padding an 
 real keys too and their weight counts in ``key_weight``, so there the share can exceed 1. :meth:`HeadStatistics.kinds`
 names the sink heads and the sharp ones.
 
+After head surgery (:mod:`headwise.surgery`) every head a layer kept is there, under its number before surgery,
+as the pattern drawings number it: head ``k`` of the arrays is original head ``k`` in every layer, and the cells
+of heads a layer does not hold (removed, or never there: layers of different head counts) are NaN.
+:attr:`HeadStatistics.heads` lists each layer's heads; a layer whose every head was removed holds none (the
+placeholder head surgery leaves in it is not a head of the model and is left out).
+
 Shapes:
-    L: layers, h: heads (the fewest of any layer), s: positions (queries and keys: self-attention).
+    L: layers, h: head numbers (the most of any layer; after surgery, the largest original number + 1),
+    s: positions (queries and keys: self-attention).
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ class HeadStatistics:
         key_weight: (L, h, s) per key position, summed over the query positions.
         reading: (s,) bool: query positions that read something (not padding).
         model: the model's name, for titles.
+        heads: per layer, the number of each head it holds, in the layer's order now (after head surgery the
+            numbers before it; ``()`` for a layer whose every head was removed). None: every layer holds heads
+            0 .. h - 1. The arrays' cells of heads a layer does not hold are NaN.
 
     Shapes:
         entropy, max_weight, key_weight: (L, h, s); reading: (s,)
@@ -54,6 +64,7 @@ class HeadStatistics:
     key_weight: torch.Tensor
     reading: torch.Tensor
     model: str = ""
+    heads: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -61,7 +72,28 @@ class HeadStatistics:
 
     @property
     def n_heads(self) -> int:
+        """The head numbers (the arrays' h): after head surgery, the largest original number + 1."""
         return self.entropy.shape[1]
+
+    def held(self, layer: int) -> tuple[int, ...]:
+        """The numbers of the heads layer ``layer`` holds, in its order now."""
+        return tuple(range(self.n_heads)) if self.heads is None else tuple(self.heads[layer])
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every (layer, head) held, layer by layer (each layer's heads in its order now)."""
+        return [(layer, head) for layer in range(self.n_layers) for head in self.held(layer)]
+
+    def check_pairs(self, pairs: list[tuple[int, int]]) -> None:
+        """``ValueError`` naming the first of ``pairs`` that is not a (layer, head) these statistics hold."""
+        for pair in pairs:
+            layer, head = pair
+            if not 0 <= layer < self.n_layers:
+                raise ValueError(f"layer must be in [0, {self.n_layers}), got ({layer}, {head})")
+            if head not in self.held(layer):
+                from .numbers import span
+
+                held = span(sorted(self.held(layer))) or "none (head surgery removed every one)"
+                raise ValueError(f"layer {layer} has no head {head}: its heads are {held}")
 
     def grid(self) -> dict[str, torch.Tensor]:
         """``{"mean entropy", "mean max weight", "first-token share"}``, each (L, h): means over the rows that
@@ -79,7 +111,7 @@ class HeadStatistics:
         weight >= :data:`SHARP_WEIGHT` (and not a sink), each sorted by that number, largest first."""
         g = self.grid()
         share, top = g["first-token share"], g["mean max weight"]
-        pairs = [(layer, head) for layer in range(self.n_layers) for head in range(self.n_heads)]
+        pairs = self.pairs()
         sinks = sorted((p for p in pairs if share[p] >= SINK_SHARE), key=lambda p: -float(share[p]))
         sharp = sorted((p for p in pairs if top[p] >= SHARP_WEIGHT and p not in sinks), key=lambda p: -float(top[p]))
         return {"sink": sinks, "sharp": sharp}
@@ -89,11 +121,14 @@ class HeadStatistics:
         spread head (distinct, at most ``count``; the largest of each number where no head is of that kind)."""
         g, kinds = self.grid(), self.kinds()
         out: list[tuple[int, int]] = []
+        held = self.pairs()
+        if not held:
+            return out
 
         def best(values: torch.Tensor) -> tuple[int, int]:
-            order = values.flatten().argsort(descending=True).tolist()
-            free = [i for i in order if (i // self.n_heads, i % self.n_heads) not in out] or order
-            return free[0] // self.n_heads, free[0] % self.n_heads
+            # among the heads held only: the cells of the others are NaN
+            order = sorted(held, key=lambda p: -float(values[p]))
+            return next((p for p in order if p not in out), order[0])
 
         for kind, values in (("sink", g["first-token share"]), ("sharp", g["mean max weight"]),
                              (None, g["mean entropy"])):
@@ -103,13 +138,20 @@ class HeadStatistics:
         return out[:count]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the grid (L x h lists), the kinds and the per-position arrays (rounded to 6 digits)."""
+        """JSON-ready: the grid, the kinds and the per-position arrays (rounded to 6 digits), each layer's list
+        holding the heads it holds in the order of ``original_heads`` (their numbers: the kinds' pairs are
+        [layer, number]); ``heads`` is the count of head numbers (h)."""
+        held = [list(self.held(layer)) for layer in range(self.n_layers)]
+
         def rounded(t: torch.Tensor) -> Any:
-            return [[[round(float(v), 6) for v in row] for row in layer] for layer in t]
+            return [[[round(float(v), 6) for v in t[layer, head]] for head in heads]
+                    for layer, heads in enumerate(held)]
 
         g = self.grid()
         return {"model": self.model, "tokens": self.tokens, "layers": self.n_layers, "heads": self.n_heads,
-                "grid": {k: [[round(float(v), 6) for v in row] for row in t] for k, t in g.items()},
+                "original_heads": held,
+                "grid": {k: [[round(float(t[layer, head]), 6) for head in heads] for layer, heads in enumerate(held)]
+                         for k, t in g.items()},
                 "kinds": {k: [list(p) for p in v] for k, v in self.kinds().items()},
                 "entropy": rounded(self.entropy), "max_weight": rounded(self.max_weight),
                 "key_weight": rounded(self.key_weight)}
@@ -146,13 +188,14 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
                          "one position")
     if isinstance(row, bool) or not isinstance(row, int) or not -b <= row < b:
         raise ValueError(f"row must be an int in [-{b}, {b}) for this batch of {b}, got {row!r}")
-    # a Hugging Face model is patched first, and unpatched again when the call fails
+    # a Hugging Face model is patched first, and unpatched again when the call fails (a refusal below included)
     with patched_for_the_call(model), torch.no_grad(), eval_mode(model), trace(model, capture=STATISTICS) as t:
         call(model, inputs)
-    records = [r for r in t if r.calls]
+        records = [r for r in t if r.calls]
+        numbers = [_numbers(r.layer, i) for i, r in enumerate(records)]
     if not records:
         raise ValueError("model_statistics: no attention layer of the model ran on these inputs")
-    h = min(r.entropy.shape[1] for r in records)  # layers may differ after head surgery
+    h = max((max(n) + 1 for n in numbers if n), default=0)
     s = records[0].entropy.shape[-1]
     if s == 0:
         raise ValueError("model_statistics: the inputs have 0 tokens; give at least one position")
@@ -161,11 +204,29 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
                          "same positions")
 
     def stack(name: str) -> torch.Tensor:
-        return torch.stack([getattr(r, name)[row, :h].float().cpu() for r in records])  # (L, h, s)
+        out = torch.full((len(records), h, s), float("nan"))  # (L, h, s): NaN where a layer has no such head
+        for i, (r, heads) in enumerate(zip(records, numbers)):
+            if heads:  # () after every head was removed: the placeholder row is no head of the model
+                out[i, list(heads)] = getattr(r, name)[row, :len(heads)].float().cpu()
+        return out
 
     mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
     reading = torch.ones(s, dtype=torch.bool) if mask is None else mask[row].bool().cpu()
     labels = [str(x) for x in tokens] if tokens is not None else [str(i) for i in range(s)]
     if len(labels) != s:
         raise ValueError(f"got {plural(len(labels), 'token')} for a sequence of {plural(s, 'position')}")
-    return HeadStatistics(labels, stack("entropy"), stack("max_weight"), stack("key_weight"), reading, name)
+    uniform = all(n == tuple(range(h)) for n in numbers)
+    return HeadStatistics(labels, stack("entropy"), stack("max_weight"), stack("key_weight"), reading, name,
+                          None if uniform else tuple(numbers))
+
+
+def _numbers(layer: Any, index: int) -> tuple[int, ...]:
+    """The number each head of ``layer`` is shown under: its index before head surgery (``()``: every head was
+    removed), as the pattern drawings number it."""
+    from ..surgery import origin
+
+    heads = origin.of_layer(layer)
+    if len(set(heads)) != len(heads) or (heads and len(heads) != layer.n_heads):
+        raise ValueError(f"model_statistics: layer {index}'s head surgery record {heads!r} does not give one "
+                         f"distinct number to each of its {layer.n_heads} heads")
+    return heads

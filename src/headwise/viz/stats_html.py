@@ -32,13 +32,16 @@ def _cell(value: float, top: float) -> str:
 
 
 def _grid(name: str, values: torch.Tensor, chosen: set[tuple[int, int]]) -> str:
-    top = max(float(values.max()), 1e-9) if name == "mean entropy" else 1.0
+    top = max(float(values.nan_to_num(0.0).max()) if values.numel() else 0.0, 1e-9) if name == "mean entropy" else 1.0
     head = "".join(f"<th>H{j}</th>" for j in range(values.shape[1]))
     rows = []
     for layer in range(values.shape[0]):
         cells = []
         for j in range(values.shape[1]):
             v = float(values[layer, j])
+            if v != v:  # NaN: a head this layer does not hold (removed by head surgery)
+                cells.append(f"<td title='layer {layer} head {j}: not in this layer'></td>")
+                continue
             mark = " class='chosen'" if (layer, j) in chosen else ""
             cells.append(f"<td{mark} style='{_cell(v, top)}' title='layer {layer} head {j}: {name} {v:.4f}'>"
                          f"{v:.2f}</td>")
@@ -99,6 +102,7 @@ def render_statistics_html(stats: HeadStatistics, *, heads: Sequence[tuple[int, 
         True
     """
     heads = list(heads) if heads is not None else stats.chosen()
+    stats.check_pairs(heads)
     grid, kinds = stats.grid(), stats.kinds()
     title = title or f"{stats.model}: every head, {len(stats.tokens)} tokens"
     legend = " ".join(f"<span style='color:{_COLORS[c % len(_COLORS)]}'>&#9632; L{a} H{b}</span>"

@@ -38,6 +38,7 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
     if path.suffix.lower() != ".png":
         raise ValueError(f"save_statistics_png writes a .png file, got {str(path)!r}")
     heads = list(heads) if heads is not None else stats.chosen()
+    stats.check_pairs(heads)  # before the figure: a head the layer does not hold has no curve
     grid, kinds = stats.grid(), stats.kinds()
     L, h, s = stats.n_layers, stats.n_heads, len(stats.tokens)
     cell = min(0.5, 4.2 / max(h, 1))
@@ -49,8 +50,9 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
                                 top=1 - 0.75 / (grid_h + 4.6), bottom=0.9 / (grid_h + 4.6), left=0.05, right=0.96)
         for c, (name, cmap, unit) in enumerate(_GRIDS):
             ax = fig.add_subplot(spec[0, c])
-            values = grid[name].numpy()
-            top = max(float(values.max()), 1e-9) if name == "mean entropy" else 1.0
+            values = grid[name].numpy()  # NaN (drawn blank): a head the layer does not hold after head surgery
+            top = max(float(grid[name].nan_to_num(0.0).max()) if values.size else 0.0, 1e-9) \
+                if name == "mean entropy" else 1.0
             im = ax.imshow(values, cmap=cmap, vmin=0.0, vmax=top, aspect="auto", interpolation="nearest")
             ax.set_title(name, fontsize=10)
             ax.set_xlabel("head", fontsize=8)
@@ -64,6 +66,8 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
                 for layer in range(L):
                     for head in range(h):
                         v = float(values[layer, head])
+                        if v != v:
+                            continue
                         ax.text(head, layer, f"{v:.2f}" if v < 10 else f"{v:.1f}", ha="center", va="center",
                                 fontsize=6, color="white" if v < 0.6 * top else "black")
             fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02).set_label(unit, fontsize=7)
