@@ -259,7 +259,7 @@ def test_shared_layer_is_a_view_gradients_and_steps_reach_both(kw):
     k, v = torch.randn(3, 4, m.kdim), torch.randn(3, 4, m.vdim)
     kpm = torch.zeros(3, 4, dtype=torch.bool)
     kpm[1, 3:] = True
-    mask = torch_masks_to_headwise(key_padding_mask=kpm, query=x)
+    mask = torch_masks_to_headwise(key_padding_mask=kpm, query=x, key=k)
 
     def ours() -> torch.Tensor:
         return view(x, key=k, value=v, mask=mask)
@@ -308,10 +308,45 @@ def test_key_padding_mask_is_checked_against_the_query():
         m(batched, batched[:, :3], batched[:, :3], key_padding_mask=kpm)
     with pytest.raises(ValueError, match=r"key_padding_mask \(3,\) is 1-D .* the query \(2, 4, 16\) is batched"):
         torch_masks_to_headwise(key_padding_mask=kpm, query=batched)
-    with pytest.raises(ValueError, match=r"key_padding_mask \(2, 3\) must be 1-D \(s_kv,\) for the unbatched "
-                                         r"query \(4, 16\)"):
+    with pytest.raises(ValueError, match=r"key_padding_mask \(2, 3\) must be 1-D \(s_kv,\) for an unbatched "
+                                         r"query, got the query \(4, 16\)"):
         torch_masks_to_headwise(key_padding_mask=kpm.expand(2, 3), query=single)
     with pytest.raises(ValueError, match=r"key_padding_mask \(3, 3\) has b=3 but the query \(2, 4, 16\) has b=2"):
         torch_masks_to_headwise(key_padding_mask=kpm.expand(3, 3), query=batched)
-    ok = torch_masks_to_headwise(key_padding_mask=kpm, query=single)
+    ok = torch_masks_to_headwise(key_padding_mask=kpm, query=single, key=single[:3])  # 3 keys: cross-attention
     assert ok.shape == (1, 1, 1, 3) and ok[0, 0, 0].tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+def test_masks_are_checked_against_the_query_and_key_lengths_as_torch_checks_them(batched):
+    m = nn.MultiheadAttention(16, 4, kdim=10, vdim=10, batch_first=True, dtype=torch.float64).eval()
+    attn = from_torch(m)
+    q, k = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 10, dtype=torch.float64)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[1, 5:] = True
+    blocked = torch.zeros(5, 7, dtype=torch.bool)
+    blocked[0, 3] = True
+    per_head = torch.randn(8, 5, 7, dtype=torch.float64)  # (b * h, s_q, s_kv)
+    if not batched:
+        q, k, kpm, per_head = q[1], k[1], kpm[1], per_head[:4]
+    # Masks of the right shapes convert to what torch computes with them.
+    for attn_mask, key_padding_mask in ((blocked, kpm), (per_head, None), (None, kpm)):
+        want, _ = m(q, k, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=False)
+        mask = torch_masks_to_headwise(attn_mask, key_padding_mask, n_heads=4, query=q, key=k)
+        torch.testing.assert_close(attn(q, key=k, value=k, mask=mask), want)
+    # A size-1 axis where torch expects s_q, s_kv or b * h: torch refuses it, and so does the conversion,
+    # instead of broadcasting it over every query, key or head.
+    refused = [dict(key_padding_mask=kpm[..., :1]), dict(attn_mask=blocked[:1]), dict(attn_mask=blocked[:, :1]),
+               dict(attn_mask=per_head[:1], n_heads=4)]
+    for bad in refused:
+        with pytest.raises((RuntimeError, AssertionError)):
+            m(q, k, k, attn_mask=bad.get("attn_mask"), key_padding_mask=bad.get("key_padding_mask"))
+        with pytest.raises(ValueError, match=r"must be \(.*\) = \(.*\) for the key .* got \("):
+            torch_masks_to_headwise(**bad, query=q, key=k)
+    # Self-attention: without key= the query is the key.
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \(.*\) = \((2, )?5,?\) for the query .* got "
+                                         r"\((2, )?1,?\)"):
+        torch_masks_to_headwise(key_padding_mask=kpm[..., :1], query=q)
+    with pytest.raises(ValueError, match="same key axis"):
+        torch_masks_to_headwise(blocked, kpm[..., :6])
+

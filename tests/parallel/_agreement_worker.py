@@ -11,6 +11,7 @@ hanging.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 
@@ -51,7 +52,8 @@ def _attempt(call) -> dict:
 
 # Sequence parallel: (case name, what rank 1 passes instead of rank 0's call). Rank 0's call is always
 # sp(x_slice, mask=window, causal=True).
-SP_CASES = ["bad_width", "bad_mask_heads", "mask_shape_differs", "causal_differs", "not_a_tensor"]
+SP_CASES = ["bad_width", "bad_mask_heads", "mask_shape_differs", "causal_differs", "not_a_tensor",
+            "unknown_option", "trainable_differs"]
 
 
 def _sp_refused_call(case: str, rank: int, x: torch.Tensor, window: torch.Tensor) -> tuple[tuple, dict]:
@@ -68,6 +70,8 @@ def _sp_refused_call(case: str, rank: int, x: torch.Tensor, window: torch.Tensor
         kw["causal"] = False
     elif case == "not_a_tensor":
         args = (x.tolist(),)
+    elif case == "unknown_option":  # refused by Python's own argument binding, had nothing caught it
+        kw["casual"] = kw.pop("causal")
     return args, kw
 
 
@@ -88,7 +92,12 @@ def sp_cases(rank: int, world: int) -> dict:
         sp = sequence_parallel(attn, _short_group())
         mine = lambda t: torch.tensor_split(t, world, dim=1)[rank]  # noqa: E731
         args, kw = _sp_refused_call(case, rank, mine(inp["x_refused"]), inp["window"])
+        frozen = case == "trainable_differs" and rank == 1  # the gradient all-reduces would not pair up
+        sp.layer.q_proj.weight.requires_grad_(not frozen)
+        start = time.monotonic()
         res = _attempt(lambda: sp(*args, **kw))
+        res["seconds"] = time.monotonic() - start
+        sp.layer.q_proj.weight.requires_grad_(True)
         res["state"] = _state(sp)
         res["grads"] = [n for n, p in sp.named_parameters() if p.grad is not None]
         res["good"] = _attempt(lambda: sp(mine(inp["x_good"]), mask=inp["window"], causal=True))

@@ -8,6 +8,7 @@ runs the single-process layer on the whole sequence, and does all the comparing.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import time
 
@@ -216,6 +217,30 @@ def _refusals(world: int, rank: int) -> dict:
     return out
 
 
+# Parameters made trainable, or replaced, after sequence_parallel() built the layer.
+LATE = dict(name="late_trainable", d_model=16, n_heads=4, n_kv_heads=2, s=7, phases=[CAUSAL])
+
+
+def _late_trainable(world: int, rank: int) -> dict:
+    """Parameter gradients after a layer built frozen and unfrozen later, and after weights loaded with
+    ``load_state_dict(assign=True)`` (new Parameter objects)."""
+    from headwise.parallel import sequence_parallel
+
+    attn, inp = build(LATE)
+    x = torch.tensor_split(inp["x"], world, dim=1)[rank]
+    grad_y = torch.tensor_split(inp["grad_y"], world, dim=1)[rank]
+    frozen = copy.deepcopy(attn).requires_grad_(False)
+    unfrozen = sequence_parallel(frozen)
+    unfrozen.layer.requires_grad_(True)
+    loaded = sequence_parallel(MultiHeadAttention(LATE["d_model"], LATE["n_heads"], LATE["n_kv_heads"], dtype=DTYPE))
+    loaded.layer.load_state_dict({n: t.clone() for n, t in attn.state_dict().items()}, assign=True)
+    out = {}
+    for name, sp in (("unfrozen", unfrozen), ("assigned", loaded)):
+        (sp(x, causal=True) * grad_y).sum().backward()
+        out[name] = _grads(sp)
+    return out
+
+
 def _timeout(rank: int) -> dict:
     """Rank 1 never joins rank 0's call on a group with a 2 s timeout: rank 0 gets a clear error."""
     import torch.distributed as dist
@@ -255,5 +280,6 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         results["refusals"] = _refusals(world, rank)
         if world == 2:
             results["timeout"] = _timeout(rank)
+            results["late_trainable"] = _late_trainable(world, rank)
 
     rank_session(rank, world, port, out_dir, 30, cases)

@@ -161,6 +161,44 @@ def _run_submesh(rank: int) -> dict:
     return out
 
 
+# headwise.trace on a sharded layer: edits keyed by global heads spread over the ranks, a z capture.
+TRACE = dict(name="trace_gqa", d_model=32, n_heads=8, n_kv_heads=2)
+
+
+def trace_edits(seen: list[int]) -> dict:
+    """Edits on heads of every rank of 2 or 4 (and a callable on heads 2 and 7 that logs the heads it gets)."""
+    def halve(x_h: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+        seen.append(head)
+        return x_h * 0.5
+
+    return {(0, 1): "zero", (0, 6, "k"): 0.5, (0, (3, 5), "pattern"): "zero", (0, (2, 7), "q"): halve}
+
+
+def _trace(rank: int) -> dict:
+    import headwise
+    from headwise.parallel import tensor_parallel
+
+    attn, inp = build(TRACE)
+    tp = tensor_parallel(attn)
+    seen: list[int] = []
+    with torch.no_grad(), headwise.trace(tp, capture=("z",), edit=trace_edits(seen)) as t:
+        y = tp(inp["x"], causal=True)
+    out = {"y": y, "z": t[0].z, "seen": seen, "q_heads": tp.partition.q_heads}
+    # ("mean", reference): a trace of the unsharded layer, and one of this rank's shard, on other data.
+    with torch.no_grad(), headwise.trace(attn, capture=("z", "v")) as whole:
+        attn(inp["x"].flip(1))
+    with torch.no_grad(), headwise.trace(tp, capture=("z", "v")) as shard:
+        tp(inp["x"].flip(1))
+    means = {(0, 5, "v"): ("mean", whole), (0, 2, "z"): ("mean", shard), (0, 6, "z"): ("mean", shard)}
+    with torch.no_grad(), headwise.trace(tp, edit=means):
+        out["y_means"] = tp(inp["x"], causal=True)
+    try:
+        headwise.trace(tp, edit={(0, TRACE["n_heads"]): "zero"})
+    except (IndexError, ValueError) as err:
+        out["out_of_range"] = (type(err).__name__, str(err))
+    return out
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
 
@@ -172,6 +210,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         group = dist.group.WORLD
         for spec in SCENARIOS[world]:
             results[spec["name"]] = _run_scenario(spec, group, mesh)
+        results["trace"] = _trace(rank)
         if world == 4:
             results["submesh"] = _run_submesh(rank)
             # Only rank 0 tries the impossible split: had it entered any collective, it would wait for the

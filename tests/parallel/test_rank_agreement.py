@@ -18,6 +18,9 @@ SP_MESSAGES = {
     "mask_shape_differs": "masks differ by rank: [(6, 6) bool, (2, 1, 1, 6) bool] (rank 1 differs from rank 0)",
     "causal_differs": "causal flags (0: False, 1: True, 2: not a bool) differ by rank: [1, 0] (rank 1 differs from rank 0)",
     "not_a_tensor": "refused on rank 1, so every rank of the 2 refuses the call: x must be a torch.Tensor",
+    "unknown_option": "refused on rank 1, so every rank of the 2 refuses the call: forward() got unexpected "
+                      "keyword arguments ['casual']",
+    "trainable_differs": "layer states (grad mode, trainable parameters as bits) differ by rank",
 }
 
 
@@ -45,8 +48,10 @@ def test_sequence_parallel_ranks_refuse_together_and_stay_in_step(ranks, case):
     errors = [res["sp"][case]["error"] for res in ranks]
     assert errors[0] is not None and errors[0] == errors[1], errors
     kind, message = errors[0]
-    assert kind == ("TypeError" if case == "not_a_tensor" else "ValueError")
+    assert kind == ("TypeError" if case in ("not_a_tensor", "unknown_option") else "ValueError")
     assert message.startswith("sequence_parallel: ") and SP_MESSAGES[case] in message, message
+    # Refused in the call check, not by the group's timeout (worker.TIMEOUT_S) on the ranks left waiting.
+    assert all(res["sp"][case]["seconds"] < worker.TIMEOUT_S / 2 for res in ranks), case
     for res in ranks:
         got = res["sp"][case]
         assert got["grads"] == []

@@ -112,6 +112,19 @@ def test_slices_and_every_gradient_equal_one_process_on_the_whole_sequence(world
     assert checked >= 13
 
 
+def test_parameters_made_trainable_or_replaced_after_building_get_the_single_process_gradient(ranks2):
+    spec = worker.LATE
+    attn, _, _, _ = _reference(spec, worker.CAUSAL)
+    want = {n: p.grad for n, p in attn.named_parameters()}
+    for r, res in enumerate(ranks2):
+        assert "traceback" not in res, res["traceback"]
+        for workflow in ("unfrozen", "assigned"):
+            grads = res["late_trainable"][workflow]
+            assert set(grads) == set(want), workflow
+            for name, g in grads.items():
+                torch.testing.assert_close(g, want[name], msg=lambda m: f"{workflow} rank {r} {name}: {m}")
+
+
 def test_the_plan_names_each_ranks_heads(world):
     world_size, ranks = world
     for spec in worker.SCENARIOS[world_size]:

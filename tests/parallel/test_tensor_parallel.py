@@ -220,3 +220,31 @@ def test_needs_an_initialised_group_and_a_headwise_layer():
         tensor_parallel(MultiHeadAttention(16, 4))
     with pytest.raises(TypeError, match="MultiHeadAttention"):
         tensor_parallel(torch.nn.Linear(4, 4))
+
+
+def test_trace_edits_take_global_heads_and_equal_the_same_edits_on_the_unsharded_layer(world):
+    import headwise
+
+    world_size, ranks = world
+    attn, inp = worker.build(worker.TRACE)
+    seen: list[int] = []
+    with torch.no_grad(), headwise.trace(attn, capture=("z",), edit=worker.trace_edits(seen)) as t:
+        want = attn(inp["x"], causal=True)
+    with torch.no_grad(), headwise.trace(attn, capture=("z", "v")) as whole:
+        attn(inp["x"].flip(1))
+    means = {(0, 5, "v"): ("mean", whole), (0, 2, "z"): ("mean", whole), (0, 6, "z"): ("mean", whole)}
+    with torch.no_grad(), headwise.trace(attn, edit=means):
+        want_means = attn(inp["x"], causal=True)
+    h = worker.TRACE["n_heads"]
+    for rank, res in enumerate(ranks):
+        got = res["trace"]
+        q, _ = _owned(worker.TRACE, world_size, rank)
+        assert list(got["q_heads"]) == q
+        torch.testing.assert_close(got["y"], want, msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(got["y_means"], want_means, msg=lambda m: f"rank {rank} means: {m}")
+        # Captures are this rank's heads, in global order.
+        torch.testing.assert_close(got["z"], t[0].z[:, :, q], msg=lambda m: f"rank {rank} z: {m}")
+        assert sorted(set(got["seen"])) == [i for i in (2, 7) if i in q]
+        assert got["out_of_range"] == ranks[0]["trace"]["out_of_range"]
+        assert f"head must be in [0, {h}), got {h}" in got["out_of_range"][1]
+

@@ -209,7 +209,7 @@ class TorchMHAView(LayerView):
 
 def torch_masks_to_headwise(
     attn_mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None, *,
-    n_heads: int | None = None, query: torch.Tensor | None = None,
+    n_heads: int | None = None, query: torch.Tensor | None = None, key: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Turn ``nn.MultiheadAttention``'s ``attn_mask`` and ``key_padding_mask`` into one headwise mask.
 
@@ -219,13 +219,17 @@ def torch_masks_to_headwise(
     needs ``n_heads``. ``is_causal`` needs no conversion: pass ``causal=True`` to headwise instead of the
     causal ``attn_mask`` (identical when ``s_q == s_kv``).
 
-    Pass ``query`` (the batch-first query the mask is for) to have ``key_padding_mask`` checked as torch
-    checks it: ``(b, s_kv)`` for a batched query, ``(s_kv,)`` for an unbatched one; a 1-D mask with a batched
-    query (which would silently apply to every sample) raises ``ValueError``.
+    Pass ``query`` (the batch-first query the mask is for) and, for cross-attention, ``key`` (without it the
+    query is the key, as in ``m(x, x, x)``) to have both masks checked as torch checks them, so that none is
+    broadcast where torch refuses it: ``key_padding_mask`` ``(b, s_kv)`` for a batched query, ``(s_kv,)`` for
+    an unbatched one; ``attn_mask`` ``(s_q, s_kv)``, or ``(b * h, s_q, s_kv)`` (``(h, s_q, s_kv)`` unbatched).
+    Anything else raises ``ValueError`` naming the expected and the received shapes. Without them, the two
+    masks' key axes must still agree.
 
     Shapes:
         attn_mask: (s_q, s_kv) or (b * h, s_q, s_kv); key_padding_mask: (b, s_kv) or (s_kv,) (unbatched)
-        query: (b, s_q, d) or (s_q, d) -> broadcastable to (b, h, s_q, s_kv), or None when both are None
+        query: (b, s_q, d) or (s_q, d); key: (b, s_kv, kdim) or (s_kv, kdim)
+        -> broadcastable to (b, h, s_q, s_kv), or None when both masks are None
 
     Example:
         >>> kpm = torch.tensor([[False, False, True]])            # torch: ignore key 2
@@ -236,6 +240,10 @@ def torch_masks_to_headwise(
     masks = []
     if attn_mask is not None:
         _check_mask("attn_mask", attn_mask)
+    if key_padding_mask is not None:
+        _check_mask("key_padding_mask", key_padding_mask)
+    _check_shapes(attn_mask, key_padding_mask, n_heads, query, key)
+    if attn_mask is not None:
         if attn_mask.dim() == 3:
             if n_heads is None:
                 raise ValueError(f"a 3-D attn_mask {tuple(attn_mask.shape)} is (b * h, s_q, s_kv): pass n_heads=")
@@ -247,9 +255,6 @@ def torch_masks_to_headwise(
             raise ValueError(f"attn_mask must be (s_q, s_kv) or (b * h, s_q, s_kv), got {tuple(attn_mask.shape)}")
         masks.append(~attn_mask if attn_mask.dtype == torch.bool else attn_mask)
     if key_padding_mask is not None:
-        _check_mask("key_padding_mask", key_padding_mask)
-        if query is not None:
-            _check_against_query(key_padding_mask, query)
         if key_padding_mask.dim() == 1:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # unbatched: (1, s_kv)
         if key_padding_mask.dim() != 2:
@@ -261,19 +266,52 @@ def torch_masks_to_headwise(
     return combine_masks(*masks)
 
 
-def _check_against_query(key_padding_mask: torch.Tensor, query: object) -> None:
-    if not isinstance(query, torch.Tensor) or query.dim() not in (2, 3):
-        got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-        raise ValueError(f"query must be (b, s_q, d) or (s_q, d) (batch-first, as the headwise layer takes it), "
-                         f"got {got}")
-    kpm, q = tuple(key_padding_mask.shape), tuple(query.shape)
-    if query.dim() == 3 and key_padding_mask.dim() == 1:
-        raise ValueError(f"key_padding_mask {kpm} is 1-D (s_kv,), for an unbatched query, but the query {q} is "
-                         f"batched (b, s_q, d): pass a (b={q[0]}, s_kv) mask (torch rejects this pair too)")
-    if query.dim() == 2 and key_padding_mask.dim() != 1:
-        raise ValueError(f"key_padding_mask {kpm} must be 1-D (s_kv,) for the unbatched query {q} (s_q, d)")
-    if query.dim() == 3 and key_padding_mask.dim() == 2 and kpm[0] != q[0]:
-        raise ValueError(f"key_padding_mask {kpm} has b={kpm[0]} but the query {q} has b={q[0]}")
+def _check_shapes(attn_mask: torch.Tensor | None, kpm: torch.Tensor | None, n_heads: int | None,
+                  query: object, key: object) -> None:
+    """The masks' shapes as ``nn.MultiheadAttention`` checks them: torch never broadcasts either mask, so a
+    size-1 axis where it expects s_q, s_kv or b is refused here too rather than applied to every row."""
+    if kpm is not None and attn_mask is not None and kpm.dim() >= 1 and attn_mask.dim() >= 1 \
+            and kpm.shape[-1] != attn_mask.shape[-1]:
+        raise ValueError(f"key_padding_mask {tuple(kpm.shape)} and attn_mask {tuple(attn_mask.shape)} must have "
+                         f"the same key axis (s_kv, their last), got {kpm.shape[-1]} and {attn_mask.shape[-1]}")
+    if query is None and key is None:
+        return
+    for name, t in (("query", query), ("key", key)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() not in (2, 3)):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be (b, s, d) or (s, d) (batch-first, as the headwise layer takes it), "
+                             f"got {got}")
+    q, k = query, key if key is not None else query
+    if q is not None and (q.dim() != k.dim() or q.dim() == 3 and q.shape[0] != k.shape[0]):
+        raise ValueError(f"query {tuple(q.shape)} and key {tuple(k.shape)} must both be batched with the same b, "
+                         f"or both unbatched")
+    batched, s_kv = k.dim() == 3, k.shape[-2]
+    b, s_q = (k.shape[0] if batched else None), (q.shape[-2] if q is not None else None)
+    shown = f"the key {tuple(k.shape)}" if key is not None else f"the query {tuple(q.shape)}"
+    hint = "" if key is not None else " (without key=, the query is the key: pass key= for cross-attention)"
+    if kpm is not None:
+        want = (b, s_kv) if batched else (s_kv,)
+        if not batched and kpm.dim() != 1:
+            raise ValueError(f"key_padding_mask {tuple(kpm.shape)} must be 1-D (s_kv,) for an unbatched query, "
+                             f"got {shown}")
+        if batched and kpm.dim() == 1:
+            raise ValueError(f"key_padding_mask {tuple(kpm.shape)} is 1-D (s_kv,), for an unbatched query, but "
+                             f"{shown} is batched: pass a (b={b}, s_kv={s_kv}) mask (torch rejects this pair too)")
+        if batched and kpm.dim() == 2 and kpm.shape[0] != b:
+            raise ValueError(f"key_padding_mask {tuple(kpm.shape)} has b={kpm.shape[0]} but {shown} has b={b}")
+        if tuple(kpm.shape) != want:
+            raise ValueError(f"key_padding_mask must be {'(b, s_kv)' if batched else '(s_kv,)'} = {want} for "
+                             f"{shown}{hint}, got {tuple(kpm.shape)} (torch does not broadcast it either)")
+    if attn_mask is not None and attn_mask.dim() in (2, 3):
+        rows = s_q if s_q is not None else attn_mask.shape[-2]  # s_q is unknown without the query
+        want = (rows, s_kv)
+        if attn_mask.dim() == 3:
+            lead = None if n_heads is None else n_heads * (b if batched else 1)
+            want = (attn_mask.shape[0] if lead is None else lead, rows, s_kv)
+        if tuple(attn_mask.shape) != want:
+            what = "(s_q, s_kv)" if attn_mask.dim() == 2 else "(b * h, s_q, s_kv)"
+            raise ValueError(f"attn_mask must be {what} = {want} for {shown}{hint}, got {tuple(attn_mask.shape)} "
+                             f"(torch does not broadcast it either)")
 
 
 def _check_mask(name: str, mask: object) -> None:

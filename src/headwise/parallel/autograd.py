@@ -3,7 +3,8 @@
 Every rank holds the same input and computes the same loss from the same (replicated) output, so the
 all-reduce after W_O has an identity backward, the input passes an identity whose backward sums the gradient
 over the group, and replicated K/V weights pass an identity whose backward sums over their replicas
-(:mod:`headwise.parallel.tensor`).
+(:mod:`headwise.parallel.tensor`). Sequence parallelism's all-to-all and its sum of the replicated weights'
+gradients are here too (:mod:`headwise.parallel.sequence`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CopyToHeads", "ReduceFromHeads", "SumOverReplicas"]
+from .agreement import collective
+
+__all__ = ["AllToAll", "CopyToHeads", "ReduceFromHeads", "SumOverGroup", "SumOverReplicas"]
 
 
 class CopyToHeads(torch.autograd.Function):
@@ -72,3 +75,54 @@ class SumOverReplicas(torch.autograd.Function):
             out.append(buf[ctx.slot, start:start + n].view(shape))
             start += n
         return (None, None, None, *out)
+
+
+class SumOverGroup(torch.autograd.Function):
+    """Identity on replicated parameters; backward sums their gradients over the group (one all-reduce of
+    every gradient, flattened), so that each rank's copy receives the gradient of every rank's tokens.
+
+    Applied in each forward to the parameters that require grad *then*, so that parameters unfrozen or
+    replaced (``load_state_dict(assign=True)``) after the layer was built are summed too.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, reduce: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.reduce = group, reduce
+        ctx.shapes = [t.shape for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        ctx.reduce(flat)
+        out, start = [], 0
+        for shape in ctx.shapes:
+            n = shape.numel()
+            out.append(flat[start:start + n].view(shape))
+            start += n
+        return (None, None, *out)
+
+
+def _exchange(send: torch.Tensor, group: Any, size: int, send_splits: list[int], recv_splits: list[int],
+              what: str) -> torch.Tensor:
+    send = send.contiguous()
+    out = send.new_empty((sum(recv_splits), *send.shape[1:]))
+    collective(f"sequence_parallel: {what}", size,
+               lambda: dist.all_to_all_single(out, send, recv_splits, send_splits, group=group))
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single on dim 0 (block i of ``send``, ``send_splits[i]`` rows, goes to rank i); its backward
+    is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, send: torch.Tensor, group: Any, size: int, send_splits: list[int],
+                recv_splits: list[int], what: str) -> torch.Tensor:
+        ctx.args = (group, size, send_splits, recv_splits, what)
+        return _exchange(send, group, size, send_splits, recv_splits, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        group, size, send_splits, recv_splits, what = ctx.args
+        return _exchange(grad, group, size, recv_splits, send_splits, f"backward of {what}"), *(None,) * 5

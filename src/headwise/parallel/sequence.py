@@ -20,9 +20,9 @@ Conventions (the same on every rank):
   Each rank keeps the rows of its heads. ``causal`` is over global positions, as in one process.
 * ``positions`` (rotary layers) are global: ``(S_q,)`` or ``(b, S_q)``, default ``arange(S_q)``.
 * The weights are replicated, so every rank's gradient holds only its tokens' part. With
-  ``grad_reduction="sum"`` (default) a hook on every parameter sums its gradient over the group during
-  backward (as DDP does, without averaging): after ``loss.backward()`` with ``loss`` the sum of the ranks'
-  losses, every rank holds the single-process gradient. ``"none"`` leaves the per-rank parts, for a
+  ``grad_reduction="sum"`` (default) each call passes the parameters that require grad through an identity
+  whose backward sums their gradients over the group (as DDP does, without averaging): after
+  ``loss.backward()`` with ``loss`` the sum of the ranks' losses, every rank holds the single-process gradient. ``"none"`` leaves the per-rank parts, for a
   data-parallel wrapper whose group already spans the sequence-parallel ranks.
 * With a 2-D ``DeviceMesh`` named ``("sp", "tp")`` the layer is first split by heads over ``tp``
   (:func:`~headwise.parallel.tensor.tensor_parallel`), then each shard's heads over ``sp``.
@@ -52,6 +52,7 @@ from ..config import AttentionConfig
 from ..masks import validate_mask
 from ..validation import check_forward, check_positions
 from .agreement import agree, collective, flag, signature
+from .autograd import AllToAll, SumOverGroup
 from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel
 from .tensor import TensorParallelAttention, tensor_parallel
 
@@ -60,36 +61,21 @@ __all__ = ["SequenceParallelAttention", "sequence_parallel", "GRAD_REDUCTIONS"]
 GRAD_REDUCTIONS = ("sum", "none")
 
 
-def _exchange(send: torch.Tensor, group: Any, size: int, send_splits: list[int], recv_splits: list[int],
-              what: str) -> torch.Tensor:
-    send = send.contiguous()
-    out = send.new_empty((sum(recv_splits), *send.shape[1:]))
-    collective(f"sequence_parallel: {what}", size,
-               lambda: dist.all_to_all_single(out, send, recv_splits, send_splits, group=group))
-    return out
+def _sum_grads(group: Any, size: int, flat: torch.Tensor) -> None:
+    collective("sequence_parallel: the gradient all-reduce of the replicated weights", size,
+               lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group))
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single on dim 0 (block i of ``send``, ``send_splits[i]`` rows, goes to rank i); its backward
-    is the all-to-all with the splits swapped."""
+class _Run(nn.Module):
+    """Runs ``fn()``: :func:`torch.func.functional_call` on it swaps ``layer``'s parameters for the summed
+    views for the duration of one call, whatever methods of the layer ``fn`` calls."""
 
-    @staticmethod
-    def forward(ctx: Any, send: torch.Tensor, group: Any, size: int, send_splits: list[int],
-                recv_splits: list[int], what: str) -> torch.Tensor:
-        ctx.args = (group, size, send_splits, recv_splits, what)
-        return _exchange(send, group, size, send_splits, recv_splits, what)
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        group, size, send_splits, recv_splits, what = ctx.args
-        return _exchange(grad, group, size, recv_splits, send_splits, f"backward of {what}"), *(None,) * 5
-
-
-def _sum_grad(group: Any, size: int, grad: torch.Tensor) -> torch.Tensor:
-    grad = grad.contiguous().clone()
-    collective("sequence_parallel: the gradient all-reduce of a replicated weight", size,
-               lambda: dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group))
-    return grad
+    def forward(self, fn: Any) -> Any:
+        return fn()
 
 
 class SequenceParallelAttention(nn.Module):
@@ -120,14 +106,10 @@ class SequenceParallelAttention(nn.Module):
         self.global_config, self.grad_reduction, self.tp_rank = global_config, grad_reduction, tp_rank
         self.part: SequenceRank = plan.rank(rank)
         self.heads = plan.global_q_heads(rank, tp_rank)
-        self._hooks = []
-        if grad_reduction == "sum" and plan.sp > 1:
-            hook = functools.partial(_sum_grad, group, plan.sp)
-            self._hooks = [p.register_hook(hook) for p in layer.parameters() if p.requires_grad]
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None, mask: torch.Tensor | None = None, causal: bool = False,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
         """This rank's slice of the layer's output on the whole sequence. A collective: every rank calls it.
 
         Args:
@@ -137,22 +119,51 @@ class SequenceParallelAttention(nn.Module):
             mask: the global mask (bool, True = may attend, or floating, added), the same on every rank.
             causal: bottom-right causal masking over the global positions.
             positions: global rotary positions (S_q,) or (b, S_q); default ``arange(S_q)``.
+            options: none is taken; a misspelt keyword is refused on every rank (``TypeError``) in the
+                call check, instead of by Python on one rank while the others wait in the exchange.
 
         Shapes:
             x: (b, s_r, d) or (s_r, d); context: (b, s_kv_r, kdim); mask: broadcastable to (b, h, S_q, S_kv)
             -> (b, s_r, d) or (s_r, d)
         """
-        layer = self.layer
-        w = layer.q_proj.weight
         # Refusing alone would leave the other ranks inside a collective that pairs with this rank's next
         # call: every check runs here, and the outcome travels with the slice lengths (one all-gather).
         error, checked = None, None
         try:
+            if options:
+                raise TypeError(f"forward() got unexpected keyword arguments {sorted(options)}; it takes "
+                                f"['key', 'value', 'mask', 'causal', 'positions']")
             checked = self._check(x, context, key, value, mask, causal, positions)
         except (ValueError, TypeError) as err:
             error = err
         lq, lkv = self._lengths(x, context, key, value, mask, causal, positions, error)
         x, key, value, batched = checked
+        summed = self._summed_parameters()
+        if not summed:
+            return self._attend(x, key, value, mask, causal, positions, lq, lkv, batched)
+        # The weights are replicated, so each rank's backward holds only its tokens' part: the parameters
+        # pass, in this call, an identity whose backward sums over the group. Chosen per call, not once at
+        # construction, so that parameters unfrozen or replaced since (load_state_dict(assign=True)) are
+        # summed as well.
+        names = list(summed)
+        views = SumOverGroup.apply(self.group, functools.partial(_sum_grads, self.group, self.world_size),
+                                   *summed.values())
+        return torch.func.functional_call(
+            _Run(self.layer), {f"layer.{n}": t for n, t in zip(names, views)},
+            (lambda: self._attend(x, key, value, mask, causal, positions, lq, lkv, batched),), strict=False)
+
+    def _summed_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters whose gradient this call sums over the group: none unless ``grad_reduction`` is
+        ``"sum"``, over more than one rank, with grad enabled."""
+        if self.grad_reduction != "sum" or self.world_size == 1 or not torch.is_grad_enabled():
+            return {}
+        return {n: p for n, p in self.layer.named_parameters() if p.requires_grad}
+
+    def _attend(self, x: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, mask: Any,
+                causal: bool, positions: Any, lq: list[int], lkv: list[int], batched: bool) -> torch.Tensor:
+        """The forward once every rank has agreed on the call (the lengths of every rank's slices known)."""
+        layer = self.layer
+        w = layer.q_proj.weight
         s_q, s_kv = sum(lq), sum(lkv)
         b, h = x.shape[0], self.global_config.n_heads
         # What is left depends only on the mask's and positions' shapes and the global lengths, all the same
@@ -227,6 +238,10 @@ class SequenceParallelAttention(nn.Module):
             "masks": signature(mask, device),
             "positions": signature(positions, device),
             "causal flags (0: False, 1: True, 2: not a bool)": flag(causal),
+            # The gradient all-reduce in backward pairs only if every rank sums the same parameters.
+            "layer states (grad mode, trainable parameters as bits)": (
+                int(torch.is_grad_enabled()),
+                sum(1 << i for i, p in enumerate(self.layer.parameters()) if p.requires_grad)),
         }
         if self.check_group is None:
             got = agree(self.group, self.world_size, device, "sequence_parallel", error, same,
@@ -254,7 +269,7 @@ class SequenceParallelAttention(nn.Module):
         if s < s_max:
             t = F.pad(t, (0, 0, 0, s_max - s))  # (b, n, s_max, d_h): equal blocks for the all-to-all
         n = counts[self.rank]
-        got = _AllToAll.apply(t.transpose(0, 1), self.group, P, counts, [n] * P, what)  # (P * n, b, s_max, d_h)
+        got = AllToAll.apply(t.transpose(0, 1), self.group, P, counts, [n] * P, what)  # (P * n, b, s_max, d_h)
         got = got.view(P, n, b, s_max, d).permute(2, 1, 0, 3, 4)  # (b, n, P, s_max, d_h)
         if min(lengths) == s_max:
             return got.reshape(b, n, P * s_max, d)  # (b, n, S, d_h)
@@ -273,7 +288,7 @@ class SequenceParallelAttention(nn.Module):
                              for part in z.split(lengths, dim=2)], dim=2)  # (b, n, P, s_max, d_h)
         counts = [len(r.q_heads) for r in self.plan.ranks]
         send = z.permute(2, 1, 0, 3, 4).reshape(P * n, b, s_max, d)  # block p: this rank's heads, p's slice
-        got = _AllToAll.apply(send, self.group, P, [n] * P, counts, "the all-to-all of the attention output")
+        got = AllToAll.apply(send, self.group, P, [n] * P, counts, "the all-to-all of the attention output")
         return got.transpose(0, 1)[:, :, :lengths[self.rank]]  # (b, h', s_r, d_h)
 
     def _kv_send_index(self, device: torch.device) -> torch.Tensor | None:
