@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["SITES", "SitePlan", "parse_value", "apply", "masked_mean"]
+__all__ = ["SITES", "SitePlan", "parse_value", "apply", "masked_mean", "real_positions", "UnknownPadding"]
 
 SITES = ("q", "k", "v", "pattern", "z")
 _REAL_AXIS = {"q": "query", "z": "query", "k": "key", "v": "key"}  # which positions "mean" averages over
@@ -69,15 +69,40 @@ def masked_mean(x_h: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     return (x_h * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp(min=1)
 
 
-def _real_positions(padding: torch.Tensor | None, x_h: torch.Tensor, where: str) -> torch.Tensor | None:
-    """The (b, s) real-token mask for ``x_h``'s positions: the last s columns of the model's (b, s_total)
-    ``attention_mask`` (the query positions of a decoding step are the newest)."""
+class UnknownPadding:
+    """A model call's padding that its attention_mask does not show exactly (e.g. a 4-D mask that is not a
+    causal or bidirectional padding mask, or a dict of masks). Whatever averages over real tokens ("mean",
+    :meth:`LayerRecord.mean`) refuses it instead of averaging over padding."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def refuse(self) -> ValueError:
+        return ValueError(f"'mean' averages over each row's real tokens, but {self.why}, so which positions "
+                          "are real is unknown; use ('mean', reference) (a trace's mean taken on a call with a "
+                          "2-D attention_mask) or a tensor of the means instead")
+
+    def __repr__(self) -> str:
+        return f"UnknownPadding({self.why!r})"
+
+
+def real_positions(padding: torch.Tensor | UnknownPadding | None, x_h: torch.Tensor, where: str,
+                    site: str = "z") -> torch.Tensor | None:
+    """The (b, s) real-token mask for ``x_h``'s positions from the model call's (b, s_total) one, whose column
+    j is position j: queries are its last s columns (a decoding step's queries are the newest); keys too, and
+    key slots past its end (a pre-allocated static cache's empty ones) are not real, as Hugging Face pads a
+    2-D mask with zeros up to the keys' length."""
     if padding is None:
         return None
+    if isinstance(padding, UnknownPadding):
+        raise ValueError(f"{where}: {padding.refuse()}")
     b, s = x_h.shape[:2]
-    if padding.shape[0] != b or padding.shape[1] < s:
+    short = padding.shape[1] < s
+    if padding.shape[0] != b or (short and _REAL_AXIS[site] != "key"):
         raise ValueError(f"{where}: 'mean' reads the model's attention_mask (b, s) = {tuple(padding.shape)}, "
                          f"which does not cover this call's batch {b} and {s} positions")
+    if short:
+        return torch.nn.functional.pad(padding, (0, s - padding.shape[1]), value=False)
     return padding[:, padding.shape[1] - s:]
 
 
@@ -103,7 +128,8 @@ def parse_value(value: Any, site: str, where: str, width: int | None, li: int, h
         if value == "mean":
             if site not in _REAL_AXIS:
                 raise ValueError(f"{where}: 'mean' averages over positions: it applies to q, k, v and z, not {site}")
-            return None, lambda x_h, padding: masked_mean(x_h, _real_positions(padding, x_h, where)).expand_as(x_h)
+            return None, lambda x_h, padding: masked_mean(
+                x_h, real_positions(padding, x_h, where, site)).expand_as(x_h)
         raise ValueError(f"{where}: unknown edit {value!r}; use 'zero', 'mean', ('mean', reference_trace), a "
                          "number, a tensor or a callable (x_h, layer, head) -> x_h")
     if isinstance(value, tuple) and len(value) == 2 and value[0] == "mean":

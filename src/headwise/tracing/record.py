@@ -11,7 +11,7 @@ import torch
 
 from ..attention import MultiHeadAttention
 from ..statistics import STATISTICS, concatenate
-from .edits import masked_mean
+from .edits import UnknownPadding, masked_mean, real_positions
 
 __all__ = ["LayerRecord", "CAPTURABLE", "TraceLookupError"]
 
@@ -48,7 +48,7 @@ class LayerRecord:
     def __init__(self, index: int, name: str, layer: MultiHeadAttention, capture: frozenset[str]) -> None:
         self.index, self.name, self.layer, self.capture = index, name, layer, capture
         self.calls: list[dict[str, torch.Tensor]] = []
-        self.paddings: list[torch.Tensor | None] = []
+        self.paddings: list[torch.Tensor | UnknownPadding | None] = []
         #: Each call's query count: key_weight sums over calls only where the keys line up (concatenate).
         self.queries: list[int] = []
         #: A decoder layer of an encoder-decoder model: ``paddings`` are the decoder's (its queries' tokens),
@@ -109,8 +109,8 @@ class LayerRecord:
         for call, padding in zip(self.calls, self.paddings):
             x = call[site] if site == "z" else call[site].transpose(1, 2)  # (b, s, heads, d_h)
             b, s = x.shape[:2]
-            real = None if padding is None else padding[:, padding.shape[1] - s:]
             flat = x.detach().double().reshape(b, s, -1)  # (b, s, heads * d_h)
+            real = real_positions(padding, flat, f"mean of layer {self.index} {site}", site)
             part = masked_mean(flat, real).squeeze(1)  # (b, heads * d_h) per row
             weight = torch.full((b,), float(s), dtype=torch.float64) if real is None else real.sum(1).double().cpu()
             weight = weight.to(part.device)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
-from .edits import SITES, SitePlan, parse_value
+from .edits import SITES, SitePlan, UnknownPadding, parse_value
 from .layers import find_layers
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
@@ -56,16 +56,83 @@ def _decoder_layers(module: nn.Module, layers: list) -> tuple[frozenset[int], bo
     return frozenset(i for i, (name, _) in enumerate(layers) if name.startswith(prefix + ".")), True
 
 
-def _mask_of(args: tuple, kwargs: dict, name: str, at: int | None) -> torch.Tensor | None:
-    """A call's (b, s) real-token mask passed as ``name`` (by keyword, or by position ``at``), or None."""
+def _reads(mask: torch.Tensor) -> torch.Tensor | None:
+    """Which keys each query row may read, (b, s_q, s_kv) bool, from a (b, 1 or h, s_q, s_kv) or (b, s_q, s_kv)
+    mask: bool True = read, floating 0 = read and large negative = masked, integer nonzero = read. None where a
+    floating mask holds other values (a bias, not a mask)."""
+    if mask.is_floating_point():
+        read, masked = mask == 0, mask < -1e3  # -inf, finfo.min (Hugging Face) and the older -1e4 all mask
+        if not (read | masked).all():
+            return None
+    else:
+        read = mask != 0
+    return read.any(1) if read.dim() == 4 else read  # any head: the positions are shared by every head
+
+
+def _padding_of_4d(mask: torch.Tensor, name: str) -> torch.Tensor | UnknownPadding:
+    """The (b, S) real-token mask equivalent to a 2-D ``attention_mask`` (column j is position j, this call's
+    queries its last s_q columns) for a call given a (b, [h,] s_q, s_kv) mask, as ``generate`` passes with a
+    static cache; or :class:`UnknownPadding` where the mask does not show it exactly.
+
+    A key is real when some query row may read it. A query's position is found from the causal structure (each
+    real row reads its own key last; padded rows read nothing, as transformers' masks leave them fully masked:
+    an unmasked padded row reads past its own position, which the causal check catches unless it is the call's
+    last row); without a cache (s_q == s_kv) a bidirectional mask, where every row that reads reads the same
+    keys, gives the keys' positions."""
+    read = _reads(mask)
+    if read is None:
+        return UnknownPadding(f"the model's {name} holds values other than 0 and large negative ones")
+    _, s_q, s_kv = read.shape
+    keys, rows = read.any(1), read.any(2)  # (b, s_kv), (b, s_q)
+    if s_kv == 0 or s_q == 0:  # nothing to locate (and no row to take a maximum over)
+        return keys if s_q == s_kv else UnknownPadding(f"the model's {name} is {tuple(mask.shape)}")
+    cols = torch.arange(s_kv, device=read.device)
+    last = torch.where(read, cols, -1).amax(2) - torch.arange(s_q, device=read.device)  # (b, s_q): position - i
+    offsets = last[rows].unique()
+    if offsets.numel() <= 1:
+        base = int(offsets[0]) if offsets.numel() else s_kv - s_q  # no real row: every position is padding
+        positions = base + torch.arange(s_q, device=read.device)
+        causal = 0 <= base <= s_kv - s_q and not (read & (cols > positions[:, None])).any()
+        if causal and torch.equal(keys[:, base:base + s_q], rows):  # a query is real as its own key is
+            return keys[:, :base + s_q]
+    if s_q == s_kv and ((read == keys[:, None, :]) | ~rows[:, :, None]).all():
+        return keys
+    return UnknownPadding(f"the model's {name} {tuple(mask.shape)} is neither a causal nor a "
+                          "bidirectional padding mask")
+
+
+def _mask_of(args: tuple, kwargs: dict, name: str, at: int | None) -> torch.Tensor | UnknownPadding | None:
+    """A call's (b, s) real-token mask passed as ``name`` (by keyword, or by position ``at``), or None.
+
+    A 4-D (or 3-D) mask gives the 2-D one it stands for, so "mean" never silently averages over padding or a
+    static cache's empty slots; a mask that does not show the real tokens exactly gives
+    :class:`UnknownPadding`, which "mean" refuses."""
     mask = kwargs.get(name)
     if mask is None and at is not None and len(args) > at:
         mask = args[at]  # passed by position
-    return mask != 0 if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    if isinstance(mask, Mapping):  # a mask per layer type (sliding, full): each layer's keys differ
+        return UnknownPadding(f"the model's {name} is a dict of masks per layer type ({sorted(map(str, mask))})")
+    if not isinstance(mask, torch.Tensor):
+        return None
+    if mask.dim() == 2:
+        return mask != 0
+    if mask.dim() in (3, 4):
+        return _padding_of_4d(mask, name)
+    return UnknownPadding(f"the model's {name} has {mask.dim()} dimensions, not 2 (b, s) or 4 (b, h, s_q, s_kv)")
 
 
 def _inert() -> Any:
     return inert
+
+
+def _global_heads(layer: MultiHeadAttention) -> tuple[int, tuple[int, ...] | None]:
+    """(the unsharded layer's query heads, the global indices of this rank's heads in local order) for a
+    layer split by heads (:func:`headwise.parallel.tensor_parallel`); (n_heads, None) for any other layer."""
+    from ..parallel.tensor import TensorParallelAttention  # torch.distributed loads only for a sharded layer
+
+    if isinstance(layer, TensorParallelAttention):
+        return layer.global_config.n_heads, tuple(layer.partition.q_heads)
+    return layer.n_heads, None
 
 
 class _BeforeCall:
@@ -112,8 +179,9 @@ class Trace:
         self._hook: Any = None
         self._mask_at: int | None = None
         self._decoder_mask_at: int | None = None
-        #: The real-token mask ((b, s) bool) of the model call running now: its ``attention_mask``, or None.
-        self.padding: torch.Tensor | None = None
+        #: The real-token mask ((b, s) bool) of the model call running now, from its ``attention_mask`` (None
+        #: without one; :class:`UnknownPadding` where the mask does not show it exactly).
+        self.padding: torch.Tensor | UnknownPadding | None = None
         #: The decoder's real-token mask of an encoder-decoder call: its ``decoder_attention_mask``, or None.
         self.decoder_padding: torch.Tensor | None = None
 
@@ -238,17 +306,20 @@ class Trace:
             edit = {}
         if not isinstance(edit, Mapping):
             raise TypeError(f"edit must be a dict {{(layer, head): edit}}, got {type(edit).__name__}")
+        # Heads are global: on a layer split by heads every rank parses and checks every edit alike (so a
+        # bad one is refused on every rank), and keeps the heads it holds, at their local place.
         chosen: dict[tuple[int, int, str], Any] = {}
         for key, value in edit.items():
             ref, heads, site = self._key(key)
             li = self.index(ref)
-            for head in self._heads(heads, self.layers[li][1].n_heads, key):
+            for head in self._heads(heads, _global_heads(self.layers[li][1])[0], key):
                 if (li, head, site) in chosen:
                     raise ValueError(f"edit: {site} of head {head} of layer {li} is edited twice (key {key!r})")
                 chosen[(li, head, site)] = value
         plans = [{s: SitePlan(layer.n_heads) for s in SITES} for _, layer in self.layers]
         for (li, head, site), value in sorted(chosen.items()):
             layer = self.layers[li][1]
+            local = _global_heads(layer)[1]
             where = f"edit of layer {li} head {head} {site}"
             if isinstance(value, str) and value == "mean" and site in ("k", "v") and li in self._decoder:
                 raise ValueError(f"{where}: 'mean' of k or v in a decoder layer of an encoder-decoder model is not "
@@ -261,7 +332,10 @@ class Trace:
                 reference = (lambda value=value, li=li, head=head, site=site:  # noqa: E731
                              self._reference_mean(value[1], li, head, site))
             factor, fn = parse_value(value, site, where, width, li, head, reference)
-            plans[li][site].add(head, factor, fn)
+            if local is None:
+                plans[li][site].add(head, factor, fn)
+            elif head in local:  # a head held by another rank is that rank's edit
+                plans[li][site].add(local.index(head), factor, fn)
         return plans
 
     def _reference_mean(self, ref: Any, li: int, head: int, site: str) -> torch.Tensor:
@@ -269,8 +343,22 @@ class Trace:
             raise TypeError(f"edit ('mean', reference): reference must be a finished headwise.trace of the same "
                             f"{len(self)} layers that captured {site!r}, got {type(ref).__name__}")
         means = ref[li].mean(site)  # (heads, d_h): over the reference's rows and real tokens
-        layer = self.layers[li][1]
-        return means[head if means.shape[0] == layer.n_heads else head // (layer.n_heads // layer.n_kv_heads)]
+        h, _ = _global_heads(self.layers[li][1])
+        ref_layer = ref[li].layer
+        ref_h, ref_local = _global_heads(ref_layer)
+        if ref_h != h:
+            raise ValueError(f"edit ('mean', reference): layer {li} of the reference has {ref_h} heads, this "
+                             f"layer {h}")
+        if ref_local is None:  # a trace of a whole layer: its rows are global heads (or K/V heads)
+            group = ref_layer.n_heads // ref_layer.n_kv_heads
+            return means[head if means.shape[0] == ref_layer.n_heads else head // group]
+        if head not in ref_local:
+            # A trace of a shard that does not hold this head: the edit is the holding rank's, never applied
+            # here; zeros of the right width pass the same checks on every rank.
+            return means.new_zeros(means.shape[-1])
+        j = ref_local.index(head)  # its rows are the shard's heads (or the shard's K/V heads)
+        group = ref_layer.n_heads // ref_layer.n_kv_heads
+        return means[j if means.shape[0] == ref_layer.n_heads else j // group]
 
     @staticmethod
     def _key(key: Any) -> tuple[Any, Any, str]:

@@ -1,0 +1,150 @@
+""""mean" edits when the model is given a 4-D attention mask (``generate`` with a static cache passes
+(b, 1, s_q, s_kv) masks) or a static cache with a 2-D one: the mean is over the real tokens as with a 2-D mask
+and a dynamic cache, never over padding or a static cache's empty slots; a 4-D mask that does not show which
+tokens are real is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import headwise
+
+transformers = pytest.importorskip("transformers")
+
+from headwise.interop import patch  # noqa: E402
+from tests import hf_reference as ref  # noqa: E402
+
+IDS = torch.tensor([[0, 0, 0, 5, 7, 3, 9, 11], [5, 7, 3, 9, 11, 12, 8, 4]])  # row 0 left-padded
+MASK = (IDS != 0).long()
+NEW = 4
+GEN = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+           pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+
+
+def models():
+    plain = ref.llama("sdpa")  # 6 query heads on 2 key/value heads, d_h = 4
+    return plain, patch(copy.deepcopy(plain))
+
+
+def masked_mean64(x, real):
+    """Each row's mean over its real positions in float64. Shapes: (b, s, n), (b, s) bool -> (b, 1, n)."""
+    w = real.double().unsqueeze(-1)
+    return (x.double() * w).sum(1, keepdim=True) / w.sum(1, keepdim=True)
+
+
+def assert_same_generation(got, want):
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.scores, want.scores):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_z_mean_in_generate_averages_each_call_over_its_real_query_tokens(cache):
+    plain, model = models()
+    head, d_h = 2, 4
+    seen = {}
+
+    def track(module, args, kwargs):  # generate's 2-D mask of each call (a dynamic cache: always 2-D)
+        seen["mask"] = kwargs["attention_mask"].bool()
+
+    def mean_over_real(module, args):  # W_O's input: head 2's slice, each row's mean over its real queries
+        x = args[0].clone()
+        cols = slice(head * d_h, (head + 1) * d_h)
+        real = seen["mask"][:, -x.shape[1]:]
+        x[..., cols] = masked_mean64(x[..., cols], real).to(x.dtype).expand_as(x[..., cols])
+        return (x,)
+
+    handles = [plain.register_forward_pre_hook(track, with_kwargs=True),
+               plain.model.layers[1].self_attn.o_proj.register_forward_pre_hook(mean_over_real)]
+    try:
+        with torch.no_grad():
+            want = plain.generate(**GEN)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad(), headwise.trace(model, edit={(1, head): "mean"}):
+        got = model.generate(**GEN, cache_implementation=cache)
+    assert_same_generation(got, want)
+
+
+@pytest.mark.parametrize("site", ["k", "v"])
+def test_k_and_v_mean_in_generate_with_a_static_cache_average_over_the_real_keys(site):
+    _, model = models()
+    with torch.no_grad(), headwise.trace(model, edit={(1, 1, site): "mean"}):
+        want = model.generate(**GEN)  # a dynamic cache: 2-D masks, every key slot a token
+    with torch.no_grad(), headwise.trace(model, edit={(1, 1, site): "mean"}, capture={1: (site,)}) as t:
+        got = model.generate(**GEN, cache_implementation="static")
+    assert_same_generation(got, want)
+    for step, call in enumerate(t[1].calls):
+        x = call[site]  # (b, 6, slots, d_h): each query head's copy; heads 0-2 share key/value head 0
+        length = IDS.shape[1] + step  # the tokens written so far; the static cache's later slots are empty
+        assert x.shape[2] > length or step == NEW - 1
+        real = torch.nn.functional.pad(torch.cat([MASK, torch.ones(2, step, dtype=torch.long)], 1).bool(),
+                                       (0, x.shape[2] - length), value=False)
+        mean = masked_mean64(x[:, 0], real).float()  # head 0 is unedited: the values head 1 averaged
+        torch.testing.assert_close(x[:, 1], mean.expand_as(x[:, 1]))
+
+
+def test_k_mean_in_a_decode_step_with_a_static_cache_and_a_2d_mask():
+    _, model = models()
+    ids, nxt = IDS[1:, :6], IDS[1:, 6:7]
+    logits = {}
+    for name in ("dynamic", "static"):
+        cache = transformers.DynamicCache(config=model.config) if name == "dynamic" else \
+            transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+            with headwise.trace(model, edit={(1, 4, "k"): "mean"}, capture={1: ("k",)}) as t:
+                out = model(input_ids=nxt, attention_mask=torch.ones(1, 7, dtype=torch.long),
+                            cache=cache, use_cache=True, position_ids=torch.tensor([[6]]))
+        k = t[1].k  # (1, 6, slots, d_h); heads 3-5 share key/value head 1
+        real = torch.arange(k.shape[2]) < 7
+        torch.testing.assert_close(k[:, 4], masked_mean64(k[:, 3], real[None]).float().expand_as(k[:, 4]))
+        logits[name] = out.logits
+    torch.testing.assert_close(logits["static"], logits["dynamic"])
+
+
+def test_mean_refuses_a_4d_mask_that_does_not_show_the_real_tokens():
+    _, model = models()
+    s = IDS.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    mask = (causal & MASK.bool()[:, None, :])[:, None]  # (b, 1, s, s): left padding, padded rows read nothing
+    mask[0, 0, :3] = True  # ... except row 0's padded queries, which may read every key: not a padding mask
+    with torch.no_grad(), headwise.trace(model, capture={1: ("z",)}) as t:
+        want = model(input_ids=IDS, attention_mask=mask).logits  # capturing alone needs no real tokens
+    for site in ("z", "k"):
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad(), headwise.trace(model, edit={(1, 2, site): "mean"}):
+            with pytest.raises(ValueError, match=r"\('mean', reference\)"):
+                model(input_ids=IDS, attention_mask=mask, cache=cache, use_cache=True)
+        # transformers writes its own cache before the attention function runs, as under a raising hook
+        assert cache.get_seq_length() == s
+    with pytest.raises(ValueError, match="real"):
+        t[1].mean("z")
+    with torch.no_grad(), headwise.trace(model, capture={1: ("z",)}) as t2:  # a 4-D padding mask is read exactly
+        model(input_ids=IDS, attention_mask=(causal & MASK.bool()[:, None, :])[:, None])
+    with torch.no_grad(), headwise.trace(model, capture={1: ("z",)}) as t3:
+        model(input_ids=IDS, attention_mask=MASK)
+    torch.testing.assert_close(t2[1].mean("z"), t3[1].mean("z"))
+    assert want.shape == (2, s, model.config.vocab_size)
+
+
+def test_a_records_k_mean_over_a_static_cache_counts_its_real_keys_only():
+    _, model = models()
+    means = {}
+    for name in ("dynamic", "static"):
+        cache = transformers.DynamicCache(config=model.config) if name == "dynamic" else \
+            transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad(), headwise.trace(model, capture={1: ("k",)}) as t:
+            model(input_ids=IDS, attention_mask=MASK, cache=cache, use_cache=True)
+        means[name] = t[1].mean("k")
+        if name == "static":  # its empty slots are captured too: the mean must leave them out with the padding
+            assert t[1].k.shape[2] == 16
+            real = torch.nn.functional.pad(MASK.bool(), (0, 16 - IDS.shape[1]), value=False)
+            k = t[1].k.transpose(1, 2).reshape(2, 16, -1)  # (b, slots, h_kv * d_h)
+            want = (k.double() * real[..., None]).sum((0, 1)) / real.sum()
+            torch.testing.assert_close(means[name], want.view(2, -1).float())
+    torch.testing.assert_close(means["static"], means["dynamic"])
