@@ -208,7 +208,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             q, k, v: the split heads (after rotary).
             mask: bool (True = may attend) or floating (added to the scores), broadcastable to (b, h, s_q, s_kv).
             causal: bottom-right causal masking.
-            return_weights: also return every head's probabilities (the eager path).
+            return_weights: also return every head's probabilities (the eager path; after dropout in training).
             scale: score scale (None: the layer's).
             softcap: bound the scores with ``softcap * tanh(score / softcap)`` (Gemma 2).
             sinks: an extra logit per query row that takes probability and carries no value (``(h,)`` or
@@ -339,7 +339,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                 fails, the cache's length and every position it reads are as before.
             positions: rotary positions (rotary layers only); default ``cache.length + arange(s_q)`` (from 0
                 without a cache).
-            return_weights: also return every head's probabilities (the eager path).
+            return_weights: also return every head's probabilities (the eager path; after dropout in training).
 
         Shapes:
             x: (b, s_q, d) or (s_q, d); context: (b, s_kv, d); key: (b, s_kv, kdim); value: (b, s_kv, vdim)

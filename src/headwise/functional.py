@@ -112,7 +112,9 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     the input). It takes part in the softmax and is dropped after it. A row that may
     read nothing gets zero weights and a zero context (softmax of a finite row, then zeroed), so neither
     the forward nor the backward sees 0/0. ``causal`` adds bottom-right causal masking (query i sits at
-    position ``s_kv - s_q + i``). Half precision runs in float32. Inputs are trusted.
+    position ``s_kv - s_q + i``). With ``dropout_p`` the weights returned are those after dropout, the ones the
+    context is made of (as ``nn.MultiheadAttention`` and transformers' eager attention return them). Half
+    precision runs in float32. Inputs are trusted.
 
     Shapes:
         q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h); v: (b, h_kv, s_kv, d_v); mask: 4-D, broadcastable
@@ -162,7 +164,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     else:  # the same batched product without einsum's per-call cost
         z = probs.unflatten(1, (h_kv, g)).flatten(2, 3) @ v  # (b, h_kv, g * s_q, d_v): a group's rows share V
         z = z.unflatten(2, (g, s_q)).flatten(1, 2)  # (b, h, s_q, d_v)
-    return z.to(dtype), weights.to(dtype)
+    return z.to(dtype), probs.to(dtype)  # after dropout: the weights z is made of (as torch's and HF's)
 
 
 def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

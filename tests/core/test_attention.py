@@ -235,6 +235,19 @@ def test_dropout_only_in_training():
     torch.testing.assert_close(attn_no(x), y_eval)
 
 
+def test_weights_returned_in_training_are_those_after_dropout_the_output_is_made_of():
+    attn = MultiHeadAttention(16, 4, 2, dropout=0.5).train()
+    x = torch.randn(2, 6, 16)
+    torch.manual_seed(3)
+    y, w = attn(x, causal=True, return_weights=True)  # (b, s, d), (b, h, s, s)
+    assert (w == 0).sum() > (~torch.ones(6, 6, dtype=torch.bool).tril()).sum() * 8  # more zeros than causality's
+    p = {n: t.double() for n, t in attn.state_dict().items()}
+    v = (x.double() @ p["v_proj.weight"].T + p["v_proj.bias"]).view(2, 6, 2, 4).transpose(1, 2)  # (b, h_kv, s, d_h)
+    z = w.double() @ v.repeat_interleave(2, dim=1)  # (b, h, s, d_h): query head i reads K/V head i // 2
+    want = z.transpose(1, 2).reshape(2, 6, 16) @ p["out_proj.weight"].T + p["out_proj.bias"]
+    torch.testing.assert_close(y, want.float())
+
+
 def test_works_under_no_grad_and_autograd_and_bfloat16():
     attn = MultiHeadAttention(16, 4, 2)
     x = torch.randn(2, 5, 16, requires_grad=True)

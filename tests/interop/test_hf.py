@@ -532,3 +532,29 @@ def test_gpt2_cross_attention_heads_take_q_from_q_attn_and_k_v_from_c_attn(impl)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, encoder_hidden_states=enc).logits,
                                    plain(input_ids=ids, encoder_hidden_states=enc).logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_attentions_in_training_with_dropout_are_eagers_weights_after_dropout(family):
+    """transformers' eager attention returns the weights after dropout, the ones its context is made of; under
+    the same seed the patched model draws the same dropout and returns the same weights."""
+    if family == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.3)
+        build = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_head=4, n_layer=1, attn_pdrop=0.3,
+                                      resid_pdrop=0.0, embd_pdrop=0.0)
+        build = transformers.GPT2LMHeadModel
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    plain = build(cfg).train()
+    model = patch(copy.deepcopy(plain))
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    want = plain(input_ids=ids, output_attentions=True)
+    torch.manual_seed(5)
+    got = model(input_ids=ids, output_attentions=True)
+    torch.testing.assert_close(got.logits, want.logits)
+    assert (want.attentions[0] == 0).any()  # dropout ran: some weights were dropped
+    torch.testing.assert_close(got.attentions[0], want.attentions[0])

@@ -167,6 +167,8 @@ def test_hf_attention_module_scan_and_switching_implementation(family, impl):
     patch(model)
     assert [a.rule for _, a in layers(model)] == [other, other]
     torch.testing.assert_close(output(model, batch), output(twin, batch))
+    unmasked = {"input_ids": batch["input_ids"]}  # no mask: causality is the rule's (sdpa may skip the mask)
+    torch.testing.assert_close(output(model, unmasked), output(twin, unmasked))
     assert unpatch(model).config._attn_implementation == impl  # what the first patch found
 
 

@@ -202,9 +202,9 @@ def patch(model: nn.Module) -> nn.Module:
     rules: dict[int, set[str]] = {}
     for module, view in views:
         rules.setdefault(id(module.config), set()).add(view.rule)
-    for config in configs:  # a config whose every module ran sdpa keeps sdpa's skip of a causal mask
-        if rules.get(id(config)) == {"sdpa"}:
-            sdpa_rule(config, keep=True)
+    for config in configs:  # a config whose every module ran sdpa keeps sdpa's skip of a causal mask; a record
+        # left by an earlier patch goes when the model ran something else since (set_attn_implementation)
+        sdpa_rule(config, keep=rules.get(id(config)) == {"sdpa"})
     if not _records(model):  # the first patch: what unpatch puts back
         anchor = _anchor(model)
         anchor.__dict__["_hw_impls"] = before
