@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from headwise.interop import layers, patch, unpatch  # noqa: E402
-from headwise.surgery import load_pretrained, prune_heads, save_pretrained, to_gqa  # noqa: E402
+from headwise.surgery import load_pretrained, prune_heads, save_pretrained, to_gqa, to_mha  # noqa: E402
 
 D, H, KV = 16, 4, 2
 D_H = D // H
@@ -258,3 +258,90 @@ def test_a_refused_change_raises_and_leaves_every_weight_and_attribute_as_it_was
         call(model)
     assert_same(before, model)
     assert len(layers(model)) > 0
+
+
+# Families with per-head Q/K norms outside the projections: StableLM's one LayerNorm(d_h) per head in a ModuleList,
+# Cohere's norm weights (h, d_h) / (h_kv, d_h). Surgery carries them with their heads.
+QK_HEADS = {"stablelm": ("StableLmForCausalLM", dict(qk_layernorm=True)),
+            "cohere": ("CohereForCausalLM", dict(use_qk_norm=True))}
+
+
+def build_qk(model_type: str, n_kv: int = KV):
+    cls, kw = QK_HEADS[model_type]
+    cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **kw}, hidden_size=D, num_attention_heads=H,
+                                            num_key_value_heads=n_kv)
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)._from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm.norms" in name or "q_norm" in name or "k_norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)  # every head's norm its own
+    return model
+
+
+def ablated_qk(model, drop: dict[int, list[int]]):
+    ref = copy.deepcopy(model)
+    for i, heads in drop.items():
+        def hook(module, args, heads=heads):
+            return (args[0].index_fill(-1, torch.tensor([h * D_H + r for h in heads for r in range(D_H)]), 0.0),)
+        ref.model.layers[i].self_attn.o_proj.register_forward_pre_hook(hook)
+    return ref
+
+
+@pytest.mark.parametrize("model_type", list(QK_HEADS))
+@pytest.mark.parametrize("drop", [{0: [0, 1], 1: [0, 1]}, {0: [1], 1: [2, 3]}], ids=["kv-group", "split-groups"])
+def test_per_head_qk_norms_follow_their_heads_when_pruned(model_type, drop):
+    model = build_qk(model_type)
+    batch = batch_for(model)
+    want = output(ablated_qk(model, drop), batch)
+    prune_heads(patch(model), drop)
+    torch.testing.assert_close(output(model, batch), want)
+    torch.testing.assert_close(output(unpatch(model), batch), want)
+
+
+@pytest.mark.parametrize("model_type", list(QK_HEADS))
+def test_to_mha_keeps_a_model_with_per_head_qk_norms_exact(model_type, tmp_path):
+    model = build_qk(model_type)
+    batch = batch_for(model)
+    want = output(model, batch)
+    to_mha(patch(model))
+    assert counts(model) == [(H, H, D_H)] * 2
+    torch.testing.assert_close(output(model, batch), want)
+    save_pretrained(model, tmp_path)  # the config now says H K/V heads: the norms must be rebuilt to match
+    torch.testing.assert_close(output(type(model).from_pretrained(tmp_path).eval(), batch), want)
+
+
+@pytest.mark.parametrize("model_type", list(QK_HEADS))
+def test_to_gqa_pools_per_head_k_norms_with_their_k_v_heads(model_type):
+    model = build_qk(model_type, n_kv=H)
+    batch = batch_for(model)
+    ref = build_qk(model_type, n_kv=KV)  # the unpatched GQA model holding the means of consecutive pairs
+    state = model.state_dict()
+
+    def pooled(key: str) -> torch.Tensor:
+        if ".k_layernorm.norms." in key:
+            j = int(key.split(".norms.")[1].split(".")[0])
+            return (state[key.replace(f".norms.{j}.", f".norms.{2 * j}.")]
+                    + state[key.replace(f".norms.{j}.", f".norms.{2 * j + 1}.")]) / 2
+        if key.endswith(("k_proj.weight", "v_proj.weight")):
+            return state[key].reshape(KV, 2, D_H, D).mean(1).reshape(KV * D_H, D)
+        if key.endswith("k_norm.weight"):
+            return state[key].reshape(KV, 2, D_H).mean(1)
+        return state[key]
+
+    ref.load_state_dict({k: pooled(k) for k in ref.state_dict()})
+    to_gqa(patch(model), KV)
+    assert counts(model) == [(H, KV, D_H)] * 2
+    torch.testing.assert_close(output(model, batch), output(ref, batch))
+
+
+def test_per_head_state_of_an_unknown_side_is_refused_when_the_counts_would_differ():
+    model = patch(build_qk("cohere", n_kv=H))  # h == h_kv: only a name can say which heads it follows
+    for layer in model.model.layers:
+        layer.self_attn.head_gain = torch.nn.Parameter(torch.ones(H, D_H))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"per-head state outside its projections \(head_gain"):
+        to_gqa(model, KV)
+    assert_same(before, model)
+    prune_heads(model, {0: [1]})  # counts stay equal: query and K/V heads are the same heads
+    assert tuple(model.model.layers[0].self_attn.head_gain.shape) == (H - 1, D_H)

@@ -132,6 +132,10 @@ class Entry:
         config_read: the module's forward reads h / h_kv from the model's shared config (Phi-3 splits
             ``qkv_proj`` at ``config.num_attention_heads``): every layer must keep the same head counts.
         per_head: the module's parameters with one entry per query head (gpt-oss ``sinks``), taken along.
+            Per-head state over d_h is found without names (Cohere's ``q_norm.weight`` (h, d_h), StableLM's
+            ``q_layernorm.norms``: :meth:`~headwise.interop.hf.surgery.SurgerySeam.head_state`) and carried.
+        q_side, kv_side: names (the first attribute of the path) of per-head state that follows the query /
+            the K/V heads, read only where h == h_kv and a change makes them differ (refused for other names).
         after_o: the module's submodules that act on the model width after W_O (ALBERT's ``LayerNorm``), not on
             the heads' width (which would stop surgery).
         refuse: why surgery cannot resize this family although its projections are located ("" when it can).
@@ -173,6 +177,8 @@ class Entry:
     config_d_head: tuple[str, ...] = ("head_dim",)
     config_read: bool = False
     per_head: tuple[str, ...] = ("sinks",)
+    q_side: tuple[str, ...] = ("q_norm", "q_layernorm")
+    kv_side: tuple[str, ...] = ("k_norm", "k_layernorm")
     after_o: tuple[str, ...] = ("LayerNorm", "layer_norm")
     refuse: str = ""
 

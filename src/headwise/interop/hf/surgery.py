@@ -8,7 +8,9 @@ never asks which family it is:
 * :meth:`SurgerySeam.edit_refusal`: why the module cannot take given head counts (``""`` when it can); checked
   for every layer before anything is written.
 * ``write_heads(weights, n_heads, n_kv_heads, heads_from)``: new projections under the module's own names (a
-  fused Q/K/V in its own layout) and the head-count attributes its forward reads. Patch again afterwards.
+  fused Q/K/V in its own layout), the per-head state outside them carried with its heads
+  (:meth:`SurgerySeam.head_state`: per-head Q/K norms) and the head-count attributes its forward reads. Patch
+  again afterwards.
 
 What a family's config and attributes call the head counts is in :mod:`~headwise.interop.hf.registry`; a new
 projection has the kind of the one it replaces (``nn.Linear``, or transformers' ``Conv1D`` for GPT-2).
@@ -31,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import torch
@@ -39,7 +42,7 @@ from torch import nn
 from .locate import PROJECTIONS, is_conv1d
 from .registry import Entry, entry_for
 
-__all__ = ["SurgerySeam", "projection_like", "set_counts", "take_per_head"]
+__all__ = ["SurgerySeam", "projection_like", "set_counts", "take_per_head", "carry_head_state"]
 
 
 class SurgerySeam:
@@ -100,6 +103,13 @@ class SurgerySeam:
             return (f"{where}: {cls} has one K/V head per query head (no num_key_value_groups); this change needs "
                     f"n_heads={n_heads} with n_kv_heads={n_kv_heads} (regroup a standalone copy instead: "
                     "headwise.interop.from_hf, then to_gqa)")
+        _, unsided = self.head_state_sides(n_heads, n_kv_heads)
+        if unsided:
+            h_now = self.config.n_heads  # type: ignore[attr-defined]
+            return (f"{where}: {cls} has per-head state outside its projections ({', '.join(unsided)}: one entry "
+                    f"per head of its {h_now} query and {h_now} K/V heads) that cannot be told to follow the query "
+                    f"or the K/V heads, and n_heads={n_heads} with n_kv_heads={n_kv_heads} makes their counts "
+                    "differ (the registry's q_side / kv_side name the ones it knows)")
         spanning = self.spanning_params()
         if spanning:
             return (f"{where}: {cls} has parameters over the width of all its heads ({', '.join(spanning)}: a norm or "
@@ -122,8 +132,54 @@ class SurgerySeam:
         own = {id(p) for _, m in self.sources() for p in m.parameters()}  # type: ignore[attr-defined]
         widths = {c.n_heads * c.d_head} | ({c.n_kv_heads * c.d_head} if c.n_kv_heads > 1 else set())
         entry = self.surgery_entry()
+        carried = {n for n, _ in self.head_state()}
         return [n for n, p in host.named_parameters() if id(p) not in own and n not in entry.per_head
-                and n.split(".")[0] not in entry.after_o and widths & set(p.shape)]
+                and n.split(".")[0] not in entry.after_o and n not in carried
+                and not any(n.startswith(c + ".") for c in carried) and widths & set(p.shape)]
+
+    def head_state(self) -> list[tuple[str, int]]:
+        """``(path, heads)`` of the host's per-head state that its projections do not hold, which surgery carries
+        along head by head: every ``nn.ModuleList`` of h or h_kv modules over d_h (StableLM's
+        ``q_layernorm.norms``, one LayerNorm per head) and every other parameter whose first axis has h or h_kv
+        entries, with a d_h axis after it (Cohere's ``q_norm.weight`` (h, d_h)). Any of them left alone would
+        give the surviving heads other heads' entries, or a count the forward cannot broadcast."""
+        host, c = self.host, self.config  # type: ignore[attr-defined]
+        own = {id(p) for _, m in self.sources() for p in m.parameters()}  # type: ignore[attr-defined]
+        entry, counts = self.surgery_entry(), {c.n_heads, c.n_kv_heads}
+        found: list[tuple[str, int]] = []
+        inside: set[int] = set()
+        for name, m in host.named_modules():
+            if (isinstance(m, nn.ModuleList) and len(m) in counts and name.split(".")[0] not in entry.after_o
+                    and not any(id(p) in own for p in m.parameters())
+                    and any(c.d_head in p.shape for p in m.parameters())):
+                found.append((name, len(m)))
+                inside |= {id(p) for p in m.parameters()}
+        for name, p in host.named_parameters():
+            if (id(p) in own or id(p) in inside or name in entry.per_head or name.split(".")[0] in entry.after_o
+                    or p.dim() < 2):
+                continue
+            if p.shape[0] in counts and c.d_head in p.shape[1:]:
+                found.append((name, p.shape[0]))
+        return found
+
+    def head_state_sides(self, n_heads: int, n_kv_heads: int) -> tuple[dict[str, str], list[str]]:
+        """Which heads each :meth:`head_state` entry follows: ``{path: "q" | "kv"}``, and the paths that cannot be
+        told. Its count says which where h != h_kv; with h == h_kv the registry's ``q_side`` / ``kv_side`` names
+        do, needed only when the change makes the counts differ (otherwise both give the same heads)."""
+        c, entry = self.config, self.surgery_entry()  # type: ignore[attr-defined]
+        sides: dict[str, str] = {}
+        unsided: list[str] = []
+        for path, n in self.head_state():
+            top = path.split(".")[0]
+            if c.n_heads != c.n_kv_heads:
+                sides[path] = "q" if n == c.n_heads else "kv"
+            elif top in entry.kv_side or top in entry.q_side:
+                sides[path] = "kv" if top in entry.kv_side else "q"
+            elif n_heads == n_kv_heads:
+                sides[path] = "q"
+            else:
+                unsided.append(path)
+        return sides, unsided
 
     def write_heads(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], n_heads: int,
                     n_kv_heads: int, heads_from: Sequence[int] | None = None) -> None:
@@ -140,6 +196,8 @@ class SurgerySeam:
         if why:
             raise ValueError(f"write_heads: {why}")
         d_h, host, entry, found = self.d_head, self.host, self.surgery_entry(), self._hw_found  # type: ignore[attr-defined]
+        sides, _ = self.head_state_sides(n_heads, n_kv_heads)  # read before any of the host changes
+        g_old = self.config.n_heads // self.config.n_kv_heads  # type: ignore[attr-defined]
         (qw, qb), (kw, kb), (vw, vb) = (weights[p] for p in ("q_proj", "k_proj", "v_proj"))
         if (qw.shape[0], kw.shape[0], vw.shape[0]) != (n_heads * d_h, n_kv_heads * d_h, n_kv_heads * d_h):
             raise ValueError(f"write_heads: Q/K/V rows {qw.shape[0]}, {kw.shape[0]}, {vw.shape[0]} do not hold "
@@ -163,6 +221,7 @@ class SurgerySeam:
             where = found.where[p]
             where.replace(projection_like(w, b, where.module()))
         take_per_head(host, entry, heads_from, n_heads)
+        carry_head_state(host, entry, sides, heads_from, g_old, n_heads, n_kv_heads)
         set_counts(host, entry, n_heads, n_kv_heads, d_h)
         if not any(isinstance(getattr(o, n, None), int) for o in (host, host.config) for n in entry.d_v):
             host.head_dim = d_h  # the next patch would otherwise derive it from d / h
@@ -215,3 +274,44 @@ def take_per_head(host: nn.Module, entry: Entry, heads_from: Sequence[int] | Non
             index = torch.tensor(list(heads_from), dtype=torch.long, device=p.device)
             value = p.detach().index_select(0, index).clone()
         setattr(host, name, nn.Parameter(value, requires_grad=p.requires_grad))
+
+
+def carry_head_state(host: nn.Module, entry: Entry, sides: dict[str, str], heads_from: Sequence[int] | None,
+                     g_old: int, n_heads: int, n_kv_heads: int) -> None:
+    """Resize ``host``'s per-head state (``sides``: :meth:`SurgerySeam.head_state_sides`) as the projections
+    were: a query head's entry goes with it (``heads_from[i]``: the old index of new head i); new K/V head j
+    gets the mean of the entries of the old K/V heads its query heads read (a copy when they read one, as the
+    K/V weights are). Without ``heads_from`` (a model rebuilt before its weights load) every entry is head 0's.
+    A ``ModuleList``'s owner has its int head count (StableLM's ``num_heads``) set to the new length."""
+    g_new = n_heads // n_kv_heads
+    for path, side in sides.items():
+        n = n_heads if side == "q" else n_kv_heads
+        if heads_from is None:
+            sources = [[0]] * n
+        elif side == "q":
+            sources = [[i] for i in heads_from]
+        else:  # the K/V heads the new group's members read (as surgery.weights pooled / copied W_K, W_V)
+            sources = [[heads_from[i] // g_old for i in range(j * g_new, (j + 1) * g_new)] for j in range(n)]
+        owner_path, _, attr = path.rpartition(".")
+        owner = host.get_submodule(owner_path)
+        old = getattr(owner, attr)
+        if isinstance(old, nn.ModuleList):
+            setattr(owner, attr, nn.ModuleList([_mean_module([old[i] for i in src]) for src in sources]))
+            if owner is not host:
+                for name in entry.set_heads + entry.set_kv_heads:
+                    if getattr(owner, name, None) == len(old) and not isinstance(getattr(owner, name), bool):
+                        setattr(owner, name, n)
+        else:
+            p = old.detach()
+            value = torch.stack([p[list(src)].mean(0) if len(set(src)) > 1 else p[src[0]] for src in sources]).clone()
+            setattr(owner, attr, nn.Parameter(value, requires_grad=old.requires_grad))
+
+
+def _mean_module(modules: list[nn.Module]) -> nn.Module:
+    """A copy of ``modules[0]`` whose parameters are the mean of theirs (a plain copy when all are one)."""
+    new = copy.deepcopy(modules[0])
+    if len({id(m) for m in modules}) > 1:
+        with torch.no_grad():
+            for name, p in new.named_parameters():
+                p.copy_(torch.stack([m.get_parameter(name).detach() for m in modules]).mean(0))
+    return new
