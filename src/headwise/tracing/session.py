@@ -16,6 +16,7 @@ from torch import nn
 from ..attention import MultiHeadAttention
 from .edits import SITES, SitePlan, UnknownPadding, parse_value
 from .layers import find_layers
+from .padding import padding_of
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
 
@@ -54,71 +55,6 @@ def _decoder_layers(module: nn.Module, layers: list) -> tuple[frozenset[int], bo
     if prefix is None:
         return frozenset(), False
     return frozenset(i for i, (name, _) in enumerate(layers) if name.startswith(prefix + ".")), True
-
-
-def _reads(mask: torch.Tensor) -> torch.Tensor | None:
-    """Which keys each query row may read, (b, s_q, s_kv) bool, from a (b, 1 or h, s_q, s_kv) or (b, s_q, s_kv)
-    mask: bool True = read, floating 0 = read and large negative = masked, integer nonzero = read. None where a
-    floating mask holds other values (a bias, not a mask)."""
-    if mask.is_floating_point():
-        read, masked = mask == 0, mask < -1e3  # -inf, finfo.min (Hugging Face) and the older -1e4 all mask
-        if not (read | masked).all():
-            return None
-    else:
-        read = mask != 0
-    return read.any(1) if read.dim() == 4 else read  # any head: the positions are shared by every head
-
-
-def _padding_of_4d(mask: torch.Tensor, name: str) -> torch.Tensor | UnknownPadding:
-    """The (b, S) real-token mask equivalent to a 2-D ``attention_mask`` (column j is position j, this call's
-    queries its last s_q columns) for a call given a (b, [h,] s_q, s_kv) mask, as ``generate`` passes with a
-    static cache; or :class:`UnknownPadding` where the mask does not show it exactly.
-
-    A key is real when some query row may read it. A query's position is found from the causal structure (each
-    real row reads its own key last; padded rows read nothing, as transformers' masks leave them fully masked:
-    an unmasked padded row reads past its own position, which the causal check catches unless it is the call's
-    last row); without a cache (s_q == s_kv) a bidirectional mask, where every row that reads reads the same
-    keys, gives the keys' positions."""
-    read = _reads(mask)
-    if read is None:
-        return UnknownPadding(f"the model's {name} holds values other than 0 and large negative ones")
-    _, s_q, s_kv = read.shape
-    keys, rows = read.any(1), read.any(2)  # (b, s_kv), (b, s_q)
-    if s_kv == 0 or s_q == 0:  # nothing to locate (and no row to take a maximum over)
-        return keys if s_q == s_kv else UnknownPadding(f"the model's {name} is {tuple(mask.shape)}")
-    cols = torch.arange(s_kv, device=read.device)
-    last = torch.where(read, cols, -1).amax(2) - torch.arange(s_q, device=read.device)  # (b, s_q): position - i
-    offsets = last[rows].unique()
-    if offsets.numel() <= 1:
-        base = int(offsets[0]) if offsets.numel() else s_kv - s_q  # no real row: every position is padding
-        positions = base + torch.arange(s_q, device=read.device)
-        causal = 0 <= base <= s_kv - s_q and not (read & (cols > positions[:, None])).any()
-        if causal and torch.equal(keys[:, base:base + s_q], rows):  # a query is real as its own key is
-            return keys[:, :base + s_q]
-    if s_q == s_kv and ((read == keys[:, None, :]) | ~rows[:, :, None]).all():
-        return keys
-    return UnknownPadding(f"the model's {name} {tuple(mask.shape)} is neither a causal nor a "
-                          "bidirectional padding mask")
-
-
-def _mask_of(args: tuple, kwargs: dict, name: str, at: int | None) -> torch.Tensor | UnknownPadding | None:
-    """A call's (b, s) real-token mask passed as ``name`` (by keyword, or by position ``at``), or None.
-
-    A 4-D (or 3-D) mask gives the 2-D one it stands for, so "mean" never silently averages over padding or a
-    static cache's empty slots; a mask that does not show the real tokens exactly gives
-    :class:`UnknownPadding`, which "mean" refuses."""
-    mask = kwargs.get(name)
-    if mask is None and at is not None and len(args) > at:
-        mask = args[at]  # passed by position
-    if isinstance(mask, Mapping):  # a mask per layer type (sliding, full): each layer's keys differ
-        return UnknownPadding(f"the model's {name} is a dict of masks per layer type ({sorted(map(str, mask))})")
-    if not isinstance(mask, torch.Tensor):
-        return None
-    if mask.dim() == 2:
-        return mask != 0
-    if mask.dim() in (3, 4):
-        return _padding_of_4d(mask, name)
-    return UnknownPadding(f"the model's {name} has {mask.dim()} dimensions, not 2 (b, s) or 4 (b, h, s_q, s_kv)")
 
 
 def _inert() -> Any:
@@ -281,8 +217,8 @@ class Trace:
                 raise RuntimeError("trace: the model's attention layers were replaced inside the trace (e.g. by "
                                    "headwise.surgery, which re-patches them); the trace would miss them: close it "
                                    "and open a new trace on the changed model")
-        self.padding = _mask_of(args, kwargs, "attention_mask", self._mask_at)
-        self.decoder_padding = _mask_of(args, kwargs, "decoder_attention_mask", self._decoder_mask_at) \
+        self.padding = padding_of(args, kwargs, "attention_mask", self._mask_at)
+        self.decoder_padding = padding_of(args, kwargs, "decoder_attention_mask", self._decoder_mask_at) \
             if self._reads_decoder_mask else self.padding
 
     # -- arguments ---------------------------------------------------------------------------------------
