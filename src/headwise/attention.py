@@ -31,8 +31,8 @@ from .plan import CacheRead, Plan, cache_read, forward_warning, plan_attention
 from .rotary import RotaryEmbedding, apply_rotary
 from .statistics import attend_with_statistics, check_statistics
 from .token_step import PLAN_KEY, QUERY_PLAN_KEY, one_query_plan, one_token
-from .validation import (check_bool, check_causal, check_device, check_dtype, check_forward, check_layer_size,
-                         check_qkv, check_sinks, has_dead_rows)
+from .validation import (check_bool, check_causal, check_device, check_dtype, check_first_write, check_forward,
+                         check_layer_size, check_qkv, check_sinks, has_dead_rows)
 
 __all__ = ["MultiHeadAttention", "calls_forward_only", "has_forward_hooks"]
 
@@ -270,12 +270,15 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         start, room = 0, None
         if cache is not None:  # the plan says which keys the call reads (headwise.plan, rule 8)
             if plan.cache_read is CacheRead.POSITION:  # compiled: written at the device position
-                k, v, mask, room = cache.write_static(k, v)  # (b, h_kv, max_len, d_h), (1, 1, s_q, max_len)
+                k, v, mask, room = cache.write_static(k, v, q.requires_grad)  # (.., max_len, ..), (1, 1, s_q, max_len)
             else:
                 start = cache.length
                 k, v = cache.update(k, v)  # (b, h_kv, length, d_h): everything cached so far
                 if plan.cache_read is CacheRead.BUFFER:  # the whole buffer: one shape at every position
                     k, v, mask = cache.keys, cache.values, cache.read_mask(q.shape[2])  # (.., max_len, ..)
+                elif q.requires_grad and not (k.requires_grad or v.requires_grad):
+                    # Autograd saves what it reads; views of the buffers would change under the next write.
+                    k, v = k.clone(), v.clone()
         try:
             if plan.statistics:  # a trace asked for per-head statistics (headwise.plan, rule 10)
                 z, weights, values = attend_with_statistics(plan, q, k, v, mask, sinks)  # (b, h, s_q, d_h)
@@ -356,8 +359,10 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         x, key, value, mask, positions, batched = check_forward(
             self.config, w.dtype, w.device, self.rotary is not None, x, context, key, value, mask, causal, cache,
             positions, return_weights)
-        if cache is not None:
-            cache.claim(self)  # after every check: a refused call never binds a cache
+        if cache is not None and cache.owner is not self:  # after every check: a refused call never binds a cache
+            if cache.owner is None:
+                check_first_write(cache, x.shape[1], w.dtype, w.device)  # what the write would refuse
+            cache.claim(self)
         tracer = self.tracer  # headwise.trace: capture and edit (None outside a trace)
         wants_weights = return_weights or (tracer is not None and tracer.wants_weights(self))
         plan = self._plan(x, key, mask, causal, cache, wants_weights, chunk=tracer is None,

@@ -21,6 +21,7 @@ import torch
 from .attention import MultiHeadAttention, calls_forward_only
 from .kv_cache import KVCache
 from .token_step import one_token
+from .validation import check_step_cache
 
 __all__ = ["DecodeStep"]
 
@@ -58,6 +59,8 @@ class DecodeStep:
         if (cache.n_kv_heads, cache.d_head) != (cfg.n_kv_heads, cfg.d_head):
             raise ValueError(f"the cache holds n_kv_heads={cache.n_kv_heads}, d_head={cache.d_head}; the layer has "
                              f"n_kv_heads={cfg.n_kv_heads}, d_head={cfg.d_head}")
+        w = attn.q_proj.weight
+        check_step_cache(cache, w.dtype, w.device)
         cache.claim(attn)  # raises, binding nothing, if the cache is another layer's
         self.layer, self.cache = attn, cache
         self._plain_class = type(attn) is MultiHeadAttention  # a subclass may override any step of the forward

@@ -15,52 +15,9 @@ from typing import Any
 
 import torch
 
+from .kv_support import KVCheckpoint, check_count, check_write, overflow_message, short_name
+
 __all__ = ["KVCache", "KVCheckpoint"]
-
-
-def _overflow_message(cached: int, new: int, max_len: int) -> str:
-    return (f"cache overflow: {cached} cached + {new} new > max_len={max_len}; "
-            f"allocate a larger cache or reset() it")
-
-
-def _short(obj: object) -> str:
-    return f"<{type(obj).__qualname__} at {id(obj):#x}>"
-
-
-# Under torch.compile(fullgraph=True) a Python ``raise`` cannot leave the graph (dynamo reports
-# "Observed exception"), and an f-string of the symbolic cache length does not even trace ("BUILD_STRING").
-# So the compiled overflow branch calls this op instead: its kernel runs when the graph runs, with the
-# concrete lengths, and raises the same ValueError as eager code. The normal path never calls it (that
-# branch is only traced after the length guard fails), so it costs nothing per decoding step.
-if not hasattr(torch.ops.headwise, "kv_cache_overflow"):
-    @torch.library.custom_op("headwise::kv_cache_overflow", mutates_args=())
-    def _overflow_op(new: torch.Tensor, cached: int, max_len: int) -> torch.Tensor:
-        raise ValueError(_overflow_message(cached, new.shape[-2], max_len))
-
-    @_overflow_op.register_fake
-    def _(new: torch.Tensor, cached: int, max_len: int) -> torch.Tensor:
-        return torch.empty_like(new)
-
-    # AOTAutograd (aot_eager, inductor) traces the backward of a step that autograd records while compiling it,
-    # and refuses an op without a formula: the overflow would fail compilation instead of raising at run time.
-    # The kernel never returns, so the formula never runs; the identity is the simplest traceable one.
-    def _overflow_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad, None, None
-
-    torch.library.register_autograd("headwise::kv_cache_overflow", _overflow_backward,
-                                    setup_context=lambda ctx, inputs, output: None)
-
-
-class KVCheckpoint:
-    """What :meth:`KVCache.checkpoint` saved: the length and the slots the next write may overwrite."""
-
-    __slots__ = ("cache", "length", "resets", "keys", "values")
-
-    def __init__(self, cache: "KVCache", length: int, resets: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.cache, self.length, self.resets, self.keys, self.values = cache, length, resets, keys, values
-
-    def __repr__(self) -> str:
-        return f"KVCheckpoint(length={self.length}, saved={self.keys.shape[-2]})"
 
 
 class KVCache:
@@ -145,6 +102,7 @@ class KVCache:
         self._mark_static()
         self._owner: Any = None
         self._resets = 0
+        self._cuts: list[int] = []  # the length each crop (or restore) since the last reset cut the cache to
 
     def _mark_static(self) -> None:
         if self.keys.device.type != "cpu" and not torch.compiler.is_compiling():
@@ -169,6 +127,11 @@ class KVCache:
         new._mark_static()
         return new
 
+    def __copy__(self) -> "KVCache":
+        """``copy.copy(cache)`` is a branch too, as :func:`copy.deepcopy` makes it: sharing the buffers or the
+        position would let two branches overwrite each other's slots."""
+        return self.__deepcopy__({})
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_owner"] = None  # a pickle carries the cached positions, not the layer: the first user claims it
@@ -177,6 +140,7 @@ class KVCache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_cuts", [])  # a pickle of an older version
         self._next_slot = self.position.view(1)
         self._mark_static()
 
@@ -196,7 +160,7 @@ class KVCache:
         if self._owner is None:
             self._owner = owner
             return
-        raise ValueError(f"this KVCache belongs to {_short(self._owner)}, not {_short(owner)}: one cache per "
+        raise ValueError(f"this KVCache belongs to {short_name(self._owner)}, not {short_name(owner)}: one cache per "
                          f"layer; make another with layer.new_cache(...)")
 
     @property
@@ -233,21 +197,37 @@ class KVCache:
         return self.keys.dtype
 
     def reset(self) -> None:
-        """Forget every cached position (the buffers are kept; stale values are never read)."""
+        """Forget every cached position. The buffers are kept and zeroed, as a new cache's: a whole-buffer read
+        (compiled steps, half precision on CUDA) masks them out, and a masked NaN or inf would still poison it."""
         self._length = 0
         self._resets += 1  # _device_writes stays: exported steps may write this cache again after the reset
+        self._cuts = []
+        with torch.no_grad():
+            self.keys.zero_()
+            self.values.zero_()
         self.position.zero_()
         self._refused.zero_()
 
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on (no-op if fewer are cached). Like :meth:`reset`, the buffers
-        are kept and the forgotten positions are never read again; a layer whose forward fails after its write
-        crops back to the length it started with. Use :meth:`checkpoint` to restore the slots bit for bit too.
+        are kept and the forgotten slots zeroed; a layer whose forward fails after its write crops back to the
+        length it started with. Use :meth:`checkpoint` to restore the slots bit for bit too; a crop below a
+        checkpoint's length makes it unusable.
         """
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
             raise ValueError(f"crop needs a non-negative int length, got {length!r}")
-        self._length = min(self.length, length)
-        self.position.fill_(self._length)
+        held = self.length
+        if length < held:
+            self._cut(length, held)
+
+    def _cut(self, length: int, held: int) -> None:
+        """Drop positions ``length .. held - 1``: zero their slots, set the length, record the cut."""
+        with torch.no_grad():
+            self.keys.narrow(2, length, held - length).zero_()
+            self.values.narrow(2, length, held - length).zero_()
+        self._length = length
+        self.position.fill_(length)
+        self._cuts.append(length)
 
     def checkpoint(self, n: int) -> KVCheckpoint:
         """Save what a write of ``n`` new positions would change: the length and those ``n`` slots.
@@ -265,19 +245,24 @@ class KVCache:
         with torch.no_grad():
             keys = self.keys[:, :, start:end].clone()  # (b, h_kv, n, d_h)
             values = self.values[:, :, start:end].clone()
-        return KVCheckpoint(self, start, self._resets, keys, values)
+        return KVCheckpoint(self, start, self._resets, keys, values, len(self._cuts))
 
     def restore(self, checkpoint: KVCheckpoint) -> None:
         """Undo every write since ``checkpoint`` (taken by :meth:`checkpoint` on this cache).
 
         Refused, with the cache unchanged, if the checkpoint is another cache's, if the cache was reset
-        since, or if more positions were written than the checkpoint saved.
+        since, cropped (or restored) below the checkpoint's length since, or if more positions were written
+        than the checkpoint saved.
         """
         if not isinstance(checkpoint, KVCheckpoint):
             raise TypeError(f"restore needs a KVCheckpoint from cache.checkpoint(n), got {type(checkpoint).__name__}")
         if checkpoint.cache is not self:
             raise ValueError("this checkpoint was taken on another KVCache")
         start, saved = checkpoint.length, checkpoint.keys.shape[-2]
+        if checkpoint.resets == self._resets and any(cut < start for cut in self._cuts[checkpoint.cuts:]):
+            raise ValueError(f"cannot restore: the cache was cropped to {min(self._cuts[checkpoint.cuts:])} "
+                             f"positions after this checkpoint was taken at length {start}, and the slots "
+                             f"from there on may have been rewritten")
         if checkpoint.resets != self._resets or not start <= self.length <= start + saved:
             raise ValueError(
                 f"cannot restore: the checkpoint saved {saved} positions after length {start}, but the cache "
@@ -286,48 +271,28 @@ class KVCache:
         with torch.no_grad():
             self.keys[:, :, start:start + saved].copy_(checkpoint.keys)
             self.values[:, :, start:start + saved].copy_(checkpoint.values)
+        if start < self._length:
+            self._cuts.append(start)  # a later checkpoint past ``start`` saved slots this one just rewrote
         self._length = start
         self.position.fill_(start)
 
     def check_update(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise, without writing, if ``k``/``v`` cannot be appended."""
-        self._check_write(k, v)
+        check_write(self.keys, k, v)
         self.check_room(k.shape[-2])
 
     def check_room(self, n: int) -> None:
-        """Raise the overflow ``ValueError`` if ``n`` more positions do not fit."""
+        """Raise the overflow ``ValueError`` if ``n`` more positions do not fit (``n``: a non-negative int)."""
+        check_count("check_room", "n", n, None)
         if self.length + n > self.max_len:
-            raise ValueError(_overflow_message(self._length, n, self.max_len))
-
-    def _check_write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Every check of :meth:`check_update` but the overflow."""
-        for name, t in (("keys", k), ("values", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"cache {name} must be a torch.Tensor, got {type(t).__name__}")
-        expected = (self.batch_size, self.n_kv_heads, k.shape[-2] if k.dim() == 4 else -1, self.d_head)
-        for name, t in (("keys", k), ("values", v)):
-            if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (expected[0], expected[1], expected[3]):
-                raise ValueError(
-                    f"cache {name} must have shape (b={self.batch_size}, h_kv={self.n_kv_heads}, s, "
-                    f"d_h={self.d_head}), got {tuple(t.shape)}"
-                )
-            if t.dtype != self.keys.dtype:
-                hint = ""
-                if torch.is_autocast_enabled(t.device.type) and t.dtype == torch.get_autocast_dtype(t.device.type):
-                    # A layer's checks pass a cache of its parameters' dtype; autocast changes what it writes.
-                    hint = (f" (under torch.autocast the projections write {t.dtype}: make the cache with "
-                            f"dtype={t.dtype})")
-                raise TypeError(f"cache holds {self.keys.dtype}, got {name} of dtype {t.dtype}{hint}")
-            if t.device != self.keys.device:
-                raise ValueError(f"cache is on {self.keys.device}, got {name} on {t.device}")
-        if k.shape[-2] != v.shape[-2]:
-            raise ValueError(f"keys and values must have the same length, got {k.shape[-2]} and {v.shape[-2]}")
+            raise ValueError(overflow_message(self._length, n, self.max_len))
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values; return views of everything cached so far (no copy).
 
         The buffers keep no autograd history. New keys or values that have one are returned joined to the cached
-        prefix instead (a copy), so gradients reach them as in one pass; earlier positions are constants.
+        prefix instead (a copy), so gradients reach them as in one pass; earlier positions are constants. A caller
+        that lets autograd save the views (queries with a gradient) must copy them: the next write changes them.
 
         Shapes:
             k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each
@@ -336,7 +301,7 @@ class KVCache:
         if not (type(k) is torch.Tensor and type(v) is torch.Tensor and k.shape == v.shape and k.dim() == 4
                 and k.shape[0] == self.batch_size and k.shape[1] == self.n_kv_heads and k.shape[3] == self.d_head
                 and k.dtype == v.dtype == keys.dtype and k.device == v.device == keys.device):
-            self._check_write(k, v)  # a decode step's writes fit: only a misfit pays for the call and a message
+            check_write(self.keys, k, v)  # a decode step's writes fit: only a misfit pays for the call and a message
         shape = k.shape
         if self._device_writes:
             self._read_position()
@@ -346,7 +311,7 @@ class KVCache:
         if end > self.max_len:
             if torch.compiler.is_compiling():
                 return self._overflow_in_graph(k, v)
-            raise ValueError(_overflow_message(start, n, self.max_len))
+            raise ValueError(overflow_message(start, n, self.max_len))
         # Cached keys carry no autograd history (detached, as under no_grad), at no context-manager cost; the
         # call's own keys keep theirs in what it reads, so a prefill's gradients are those of one causal pass.
         own = k.requires_grad or v.requires_grad
@@ -363,13 +328,14 @@ class KVCache:
             return torch.cat((keys.narrow(2, 0, start), k), 2), torch.cat((values.narrow(2, 0, start), v), 2)
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)  # (b, h_kv, length, d_h)
 
-    def write_static(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                        torch.Tensor]:
+    def write_static(self, k: torch.Tensor, v: torch.Tensor, grad: bool = False) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` at :attr:`position` with device-side indexing: what a compiled step calls.
 
         Every shape and every Python value is the same at every position (the position is a tensor), so a
         step traced once serves them all. Returns the whole buffers (a copy holding the new keys' autograd
-        history, where they have one), the mask of the keys each new query may
+        history, where they have one; a copy too when ``grad``, autograd recording the call, which saves what it
+        reads and must not see a later write change it), the mask of the keys each new query may
         read (query i sits at ``position + i`` and reads keys ``j <= position + i``), and ``room``: whether the
         write fitted. A write that does not fit changes nothing (the slots are rewritten with their own values,
         the position stays); the caller gives that step a zero context, and the cache's next host-side use raises the
@@ -392,6 +358,8 @@ class KVCache:
         keys, values = self.keys, self.values
         if own:  # what the call reads: the buffers with its own keys, history kept
             keys, values = keys.index_copy(2, idx, new_k), values.index_copy(2, idx, new_v)
+        elif grad:
+            keys, values = keys.clone(), values.clone()
         mask = self._reads(pos, s)
         self.position.add_(room.long() * s)
         self._refused.add_((~room).long())
@@ -412,9 +380,11 @@ class KVCache:
             >>> cache.read_mask(1).int().flatten().tolist()
             [1, 1, 0, 0]
         """
-        if s == 1:  # one query at the last position reads every filled one: a single comparison
+        if s == 1 and type(s) is int:  # one query at the last position reads every filled one: one comparison
             return (self._slots < self.length).view(1, 1, 1, self.max_len)
-        return self._reads(self.length - s, s)
+        length = self.length
+        check_count("read_mask", "s", s, length)
+        return self._reads(length - s, s)
 
     def _reads(self, start: int | torch.Tensor, s: int) -> torch.Tensor:
         """(1, 1, s, max_len) bool: query i at position ``start + i`` reads keys ``j <= start + i``."""

@@ -78,12 +78,13 @@ def one_token(layer: Any, x: Any, cache: Any) -> torch.Tensor | None:
     if x.shape != (b, 1, d) or x.dtype is not dtype or w_q.dtype is not dtype or x.device != device \
             or w_q.device != device:
         return None
-    x2 = x.view(b, d)  # one token: (b, d), the projections' plain matrix product
-    q = F.linear(x2, w_q, q_proj._parameters["bias"]).view(b, h, 1, d_h)  # (b, h, 1, d_h): a view
-    k = F.linear(x2, k_proj._parameters["weight"], k_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
-    v = F.linear(x2, v_proj._parameters["weight"], v_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
-    if plan.cache_read is CacheRead.BUFFER and k.requires_grad:
-        return None  # autograd records the step: the general forward reads the prefix, the new key's history kept
+    # The products take x as nn.Linear gets it in the general forward, (b, 1, d) with its own strides: a (b, d)
+    # view may take another kernel (a sliced x[:, t:t + 1], half precision) and round otherwise.
+    q = F.linear(x, w_q, q_proj._parameters["bias"]).view(b, h, 1, d_h)  # (b, h, 1, d_h): a view
+    k = F.linear(x, k_proj._parameters["weight"], k_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
+    v = F.linear(x, v_proj._parameters["weight"], v_proj._parameters["bias"]).view(b, h_kv, 1, d_h)
+    if q.requires_grad or k.requires_grad:
+        return None  # autograd records the step: the general forward reads copies, the new key's history kept
     start = cache.length
     k, v = cache.update(k, v)  # (b, h_kv, length, d_h); an overflow raises before anything is written
     try:
@@ -91,11 +92,12 @@ def one_token(layer: Any, x: Any, cache: Any) -> torch.Tensor | None:
         if plan.cache_read is CacheRead.BUFFER:  # the whole buffer: one shape at every position (plan rule 8)
             k, v, mask = cache.keys, cache.values, cache.read_mask(1)  # (b, h_kv, max_len, d_h), (1, 1, 1, max_len)
         z, _ = hwf.attend(plan, q, k, v, mask)  # (b, h, 1, d_h)
-        y = F.linear(z.reshape(b, h * d_h), out_proj._parameters["weight"], out_proj._parameters["bias"])
+        # Merged as merge_heads merges (one token: the transpose moves nothing), then W_O as nn.Linear applies it.
+        y = F.linear(z.reshape(b, 1, h * d_h), out_proj._parameters["weight"], out_proj._parameters["bias"])
     except BaseException:
         cache.crop(start)  # as the general forward does: a failed call leaves the cache's length as it was
         raise
-    return y.view(b, 1, d)  # (b, 1, d): merged, then W_O
+    return y  # (b, 1, d): merged, then W_O
 
 
 def _plan(layer: Any, cache: Any) -> tuple | None:

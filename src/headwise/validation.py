@@ -183,6 +183,10 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
             raise ValueError("cache= is for self-attention decoding; cross-attention keys need no cache")
         if rotary:
             raise ValueError("rotary embeddings apply to self-attention only; got context/key inputs")
+    elif config.kdim != config.d_model or config.vdim != config.d_model:
+        raise ValueError(f"this layer projects keys from kdim={config.kdim} and values from vdim={config.vdim} "
+                         f"features, but self-attention (no context=, key= or value=) gives it x of "
+                         f"d_model={config.d_model}: pass context= (or key= and value=)")
     if cache is not None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache (see new_cache), got {type(cache).__name__}")
@@ -214,6 +218,30 @@ def autocast_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | No
     if dtype == torch.float64 or not torch.is_autocast_enabled(device.type):
         return None
     return torch.get_autocast_dtype(device.type)
+
+
+def check_first_write(cache: KVCache, s: int, dtype: torch.dtype, device: torch.device) -> None:
+    """What a cache's first write by a layer (with parameters of ``dtype`` on ``device``) would refuse, checked
+    before the layer claims the cache, so that a refused call binds nothing: the dtype the projections write
+    (the autocast dtype under ``torch.autocast``) and room for ``s`` new positions. A layer's later calls
+    need not ask: the write itself refuses them, and the cache is theirs already."""
+    writes = autocast_dtype(dtype, device) or dtype
+    if cache.keys.dtype != writes:
+        raise TypeError(cache_dtype_message(cache.keys.dtype, dtype, device))
+    if not torch.compiler.is_compiling():  # compiled, an overflow raises when the graph runs (KVCache.write_static)
+        cache.check_room(s)
+
+
+def check_step_cache(cache: KVCache, dtype: torch.dtype, device: torch.device) -> None:
+    """A cache that a decoding loop over a layer with parameters of ``dtype`` on ``device`` can write: on that
+    device, and of that dtype, of the autocast dtype now active, or half precision (for decoding under an
+    autocast entered later; float64 layers are never autocast)."""
+    if cache.keys.device != device:
+        raise ValueError(f"the cache is on {cache.keys.device}, this layer's parameters on {device}")
+    held = cache.keys.dtype
+    half = held in (torch.float16, torch.bfloat16) and dtype != torch.float64
+    if held != dtype and held != autocast_dtype(dtype, device) and not half:
+        raise TypeError(cache_dtype_message(held, dtype, device))
 
 
 def cache_dtype_message(held: torch.dtype, dtype: torch.dtype, device: torch.device) -> str:

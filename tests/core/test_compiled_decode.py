@@ -192,3 +192,47 @@ def test_a_compiled_step_recorded_by_autograd_past_max_len_is_refused_and_report
     with pytest.raises(ValueError, match=r"1 compiled step\(s\) found all max_len=5 positions written"):
         cache.length
     assert cache.length == 5
+
+
+@pytest.mark.parametrize("drop", ["reset", "crop"])
+def test_compiled_steps_after_dropping_nan_poisoned_slots_equal_a_fresh_cache_bitwise(drop):
+    # The position route reads the whole buffer under a mask: a NaN left in a dropped slot would poison every
+    # output (0 * NaN), so reset and crop zero what they drop.
+    torch._dynamo.reset()
+    attn = _layer(2, False)
+    x_old, x_new = torch.randn(1, 6, 32), torch.randn(1, 4, 32)
+    x_old[0, 5] = float("nan")  # an earlier sequence with a bad last token
+    cache, fresh = attn.new_cache(1, 8), attn.new_cache(1, 8)
+    step = torch.compile(DecodeStep(attn, cache), backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for t in range(6):
+            step(x_old[:, t:t + 1])
+        assert cache.keys.isnan().any()
+        cache.reset() if drop == "reset" else cache.crop(1)
+        start = 0 if drop == "reset" else 1
+        if start:
+            attn(x_old[:, :1], cache=fresh)
+        got = torch.cat([step(x_new[:, t:t + 1]) for t in range(4)], 1)
+        fresh_step = torch.compile(DecodeStep(attn, fresh), backend="eager", fullgraph=True, dynamic=False)
+        want = torch.cat([fresh_step(x_new[:, t:t + 1]) for t in range(4)], 1)
+    assert not got.isnan().any()
+    assert torch.equal(got, want)
+    assert torch.equal(cache.keys, fresh.keys) and torch.equal(cache.values, fresh.values)
+
+
+def test_a_compiled_step_with_frozen_keys_and_values_has_the_gradients_of_one_causal_pass():
+    # Only the queries carry a gradient: autograd saves the buffers the step reads, so the step hands it a copy
+    # (the next write would change the buffers under it).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 2, dtype=torch.float64)
+    for p in (*attn.k_proj.parameters(), *attn.v_proj.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    want = torch.autograd.grad(attn(x, causal=True)[:, 2:].pow(2).sum(), attn.q_proj.weight)[0]
+    cache = attn.new_cache(1, 8)
+    step = torch.compile(DecodeStep(attn, cache), backend="eager", fullgraph=True)
+    ys = [step(x[:, :2])] + [step(x[:, t:t + 1]) for t in range(2, 5)]
+    got = torch.autograd.grad(torch.cat(ys, 1)[:, 2:].pow(2).sum(), attn.q_proj.weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not cache.keys.requires_grad and cache.length == 5

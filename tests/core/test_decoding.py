@@ -54,6 +54,25 @@ def test_one_token_calls_and_steps_equal_the_general_forward_bit_for_bit(h, h_kv
     assert (PLAN_KEY in attn.__dict__) is not rotary  # the short route ran exactly where it serves
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.float32])
+@pytest.mark.parametrize("b, sliced", [(3, True), (5, False), (1, True)])
+def test_the_one_token_route_equals_the_general_forward_bit_for_bit_in_every_dtype(dtype, b, sliced):
+    # In half precision a (b, d) product may round otherwise than nn.Linear's (b, 1, d) one: the route takes x
+    # as the general forward does.
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 2, dtype=dtype).eval()
+    general = _general_twin(attn)
+    x = torch.randn(b, 8, 32, dtype=dtype)
+    by_general, by_forward = general.new_cache(b, 8), attn.new_cache(b, 8)
+    tokens = [x[:, t:t + 1] if sliced else x[:, t:t + 1].contiguous() for t in range(4, 8)]
+    with torch.no_grad():
+        want = [general(x[:, :4], cache=by_general)] + [general(t, cache=by_general) for t in tokens]
+        got = [attn(x[:, :4], cache=by_forward)] + [attn(t, cache=by_forward) for t in tokens]
+    assert PLAN_KEY in attn.__dict__  # the short route ran
+    assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
+    assert torch.equal(by_forward.keys, by_general.keys) and torch.equal(by_forward.values, by_general.values)
+
+
 def test_the_one_token_route_serves_plain_calls_only():
     """It answers a plain one-token call and leaves everything it does not reproduce to the general forward."""
     attn = _layer(4, 2)
@@ -343,3 +362,34 @@ def test_under_autocast_a_cache_of_another_dtype_is_refused_and_left_unchanged()
                 with pytest.raises(TypeError, match=message):
                     call()
                 assert cache.length == 0 and torch.equal(cache.keys, keys)
+
+
+def test_decode_step_refuses_a_cache_of_another_dtype_where_the_loop_is_set_up():
+    attn = MultiHeadAttention(16, 2, dtype=torch.float64).eval()
+    cache = headwise.KVCache(1, 4, 2, 8)  # float32: this layer writes float64 keys
+    with pytest.raises(TypeError, match="the cache holds torch.float32, this layer writes torch.float64 keys"):
+        DecodeStep(attn, cache)
+    assert cache.owner is None
+    with pytest.raises(TypeError, match="float64"):
+        DecodeStep(attn, headwise.KVCache(1, 4, 2, 8, dtype=torch.bfloat16))  # float64 layers are never autocast
+    # A float32 layer may decode under an autocast entered later: a half-precision cache is its autocast's.
+    attn = _layer(2, 2)
+    with pytest.raises(ValueError, match="the cache is on meta, this layer's parameters on cpu"):
+        DecodeStep(attn, headwise.KVCache(1, 4, 2, 8, device="meta"))
+    DecodeStep(attn, attn.new_cache(1, 4, dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        DecodeStep(attn, attn.new_cache(1, 4, dtype=torch.bfloat16))
+
+
+def test_self_attention_on_a_layer_with_other_key_widths_is_a_value_error_everywhere():
+    attn = MultiHeadAttention(32, 4, kdim=16, vdim=16).eval()
+    cache = attn.new_cache(1, 4)
+    message = r"projects keys from kdim=16 and values from vdim=16 features, but self-attention .* d_model=32"
+    with torch.no_grad():
+        for call in (lambda: attn(torch.randn(1, 1, 32), cache=cache), lambda: attn(torch.randn(1, 2, 32)),
+                     lambda: attn.explain_dispatch(torch.randn(1, 1, 32), cache=cache)):
+            with pytest.raises(ValueError, match=message):
+                call()
+        assert cache.length == 0
+        y = attn(torch.randn(1, 2, 32), torch.randn(1, 3, 16))  # cross-attention is what it is for
+    assert y.shape == (1, 2, 32)

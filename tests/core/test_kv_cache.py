@@ -452,3 +452,142 @@ def test_explaining_a_call_past_max_len_raises_the_forwards_overflow_error():
             attn.explain_dispatch(x[:, 4:6], cache=cache)
     assert str(explained.value) == str(forward.value)
     assert cache.length == 4
+
+
+def _frozen_kv_layer() -> MultiHeadAttention:
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 2, dtype=torch.float64)
+    for p in (*attn.k_proj.parameters(), *attn.v_proj.parameters()):
+        p.requires_grad_(False)  # only W_Q (and W_O) train: the keys and values a step reads carry no history
+    return attn
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_backward_through_cached_steps_with_frozen_keys_equals_one_causal_pass(backend):
+    # Autograd saves what a step reads; views of the buffers would be changed by the next write.
+    attn = _frozen_kv_layer()
+    attn.backend = backend
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    want = torch.autograd.grad(attn(x, causal=True)[:, 2:].pow(2).sum(), attn.q_proj.weight)[0]
+    cache = attn.new_cache(1, 8)
+    ys = [attn(x[:, :2], cache=cache)] + [attn(x[:, t:t + 1], cache=cache) for t in range(2, 5)]
+    got = torch.autograd.grad(torch.cat(ys, 1)[:, 2:].pow(2).sum(), attn.q_proj.weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not cache.keys.requires_grad
+    # A prefill's backward after a later step (not recorded) wrote the cache.
+    cache = attn.new_cache(1, 8)
+    y = attn(x[:, :4], cache=cache)
+    with torch.no_grad():
+        attn(x[:, 4:], cache=cache)
+    got = torch.autograd.grad(y.pow(2).sum(), attn.q_proj.weight)[0]
+    want = torch.autograd.grad(attn(x[:, :4], causal=True).pow(2).sum(), attn.q_proj.weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_reset_crop_and_a_rolled_back_write_zero_the_slots_they_drop():
+    # A whole-buffer read (compiled steps, half precision on CUDA) masks stale slots out; a NaN there would still
+    # poison it (0 * NaN), so dropped slots hold what a new cache holds: zeros.
+    cache = filled(KVCache(1, 8, 2, 4), 5)
+    cache.crop(2)
+    assert cache.length == 2 and not cache.keys[:, :, 2:].any() and not cache.values[:, :, 2:].any()
+    snap = snapshot(cache)
+    cache.crop(4)  # nothing to drop: no-op
+    assert_same(cache, snap)
+    cache.keys[:, :, 2:].fill_(float("nan"))  # stale slots, as a write rolled back another way would leave
+    cache.reset()
+    assert cache.length == 0 and not cache.keys.isnan().any()
+    assert torch.equal(cache.keys, torch.zeros_like(cache.keys)) and not cache.values.any()
+    # A forward that fails after its write rolls back through crop: its slots are zeroed too.
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    cache = _filled(attn, 3)
+    attn.out_proj.register_forward_hook(lambda *a: 1 / 0)
+    with torch.no_grad(), pytest.raises(ZeroDivisionError):
+        attn(torch.randn(2, 2, 16), cache=cache)
+    assert cache.length == 3 and not cache.keys[:, :, 3:].any()
+
+
+def test_restore_refuses_a_checkpoint_that_a_crop_or_restore_went_below():
+    cache = filled(KVCache(1, 8, 1, 2), 3)
+    saved = cache.checkpoint(2)  # at length 3
+    filled(cache, 2)
+    cache.crop(2)  # below the checkpoint: slot 2 may now be rewritten
+    filled(cache, 3)
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"cropped to 2 positions after this checkpoint was taken at length 3"):
+        cache.restore(saved)
+    assert_same(cache, snap)
+    # A crop down to the checkpoint's own length (a failed forward's rollback) keeps it usable.
+    cache = filled(KVCache(1, 8, 1, 2), 3)
+    snap = snapshot(cache)
+    saved = cache.checkpoint(2)
+    filled(cache, 2)
+    cache.crop(3)
+    filled(cache, 1)
+    cache.restore(saved)
+    assert_same(cache, snap)
+    # Restoring an earlier checkpoint goes below a later one.
+    first = cache.checkpoint(3)
+    filled(cache, 1)
+    second = cache.checkpoint(1)
+    cache.restore(first)
+    filled(cache, 2)
+    with pytest.raises(ValueError, match="cropped to 3 positions"):
+        cache.restore(second)
+    cache.reset()  # a reset forgets the cuts: a checkpoint taken after it restores
+    saved = cache.checkpoint(1)
+    filled(cache, 1)
+    cache.restore(saved)
+    assert cache.length == 0
+
+
+def test_a_shallow_copy_is_a_branch_as_a_deep_copy_is():
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    x = torch.randn(1, 6, 16)
+    cache = attn.new_cache(1, 8)
+    with torch.no_grad():
+        attn(x[:, :3], cache=cache)
+        snap = snapshot(cache)
+        branch = copy.copy(cache)
+        assert branch.owner is attn
+        for name in ("keys", "values", "position"):
+            assert getattr(branch, name).data_ptr() != getattr(cache, name).data_ptr(), name
+        torch.testing.assert_close(attn(x[:, 3:], cache=branch), attn(x, causal=True)[:, 3:])
+        assert_same(cache, snap)
+        with pytest.raises(ValueError, match="one cache per layer"):
+            MultiHeadAttention(16, 4, 2)(x[:, 3:4], cache=copy.copy(cache))
+
+
+@pytest.mark.parametrize("refusal", ["overflow", "autocast dtype"])
+def test_a_refused_first_call_binds_nothing(refusal):
+    a, b = MultiHeadAttention(16, 4, 2).eval(), MultiHeadAttention(16, 4, 2).eval()
+    cache = KVCache(1, 2, 2, 4)
+    with torch.no_grad():
+        if refusal == "overflow":
+            with pytest.raises(ValueError, match=r"cache overflow: 0 cached \+ 3 new > max_len=2"):
+                a(torch.randn(1, 3, 16), cache=cache)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="bfloat16"):
+                a(torch.randn(1, 1, 16), cache=cache)
+        assert cache.owner is None and cache.length == 0
+        b(torch.randn(1, 1, 16), cache=cache)
+    assert cache.owner is b
+
+
+def test_read_mask_and_check_room_name_what_they_expect():
+    cache = filled(KVCache(1, 4, 1, 2), 2)
+    assert cache.read_mask(2).int().flatten().tolist() == [1, 0, 0, 0, 1, 1, 0, 0]
+    assert cache.read_mask(0).shape == (1, 1, 0, 4)
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match=rf"read_mask: s must be an int from 0 to 2 .*got {bad}"):
+            cache.read_mask(bad)
+    for bad in (1.0, True, "1"):
+        with pytest.raises(TypeError, match=r"read_mask: s must be an int, got"):
+            cache.read_mask(bad)
+    cache.check_room(2)
+    with pytest.raises(ValueError, match=r"cache overflow: 2 cached \+ 3 new > max_len=4"):
+        cache.check_room(3)
+    with pytest.raises(ValueError, match=r"check_room: n must be a non-negative int, got -9"):
+        cache.check_room(-9)
+    for bad in ("a", 1.5, None):
+        with pytest.raises(TypeError, match=r"check_room: n must be an int, got"):
+            cache.check_room(bad)
