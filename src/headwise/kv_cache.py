@@ -292,7 +292,8 @@ class KVCache:
 
         The buffers keep no autograd history. New keys or values that have one are returned joined to the cached
         prefix instead (a copy), so gradients reach them as in one pass; earlier positions are constants. A caller
-        that lets autograd save the views (queries with a gradient) must copy them: the next write changes them.
+        that lets autograd save the views (queries with a gradient) must copy them: the next write, crop or reset
+        changes them.
 
         Shapes:
             k, v: (b, h_kv, s, d_h) -> (b, h_kv, length + s, d_h) each

@@ -343,9 +343,13 @@ def test_masks_are_checked_against_the_query_and_key_lengths_as_torch_checks_the
             m(q, k, k, attn_mask=bad.get("attn_mask"), key_padding_mask=bad.get("key_padding_mask"))
         with pytest.raises(ValueError, match=r"must be \(.*\) = \(.*\) for the key .* got \("):
             torch_masks_to_headwise(**bad, query=q, key=k)
-    # Self-attention: without key= the query is the key.
-    with pytest.raises(ValueError, match=r"key_padding_mask must be \(.*\) = \((2, )?5,?\) for the query .* got "
-                                         r"\((2, )?1,?\)"):
+    # Without key= the masks give the key length (cross-attention keys may differ from the queries), except a
+    # size-1 key axis under several queries: torch would refuse the broadcast, so it is refused, naming key=.
+    for attn_mask, key_padding_mask in ((blocked, kpm), (None, kpm)):
+        want, _ = m(q, k, k, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=False)
+        mask = torch_masks_to_headwise(attn_mask, key_padding_mask, query=q)
+        torch.testing.assert_close(attn(q, key=k, value=k, mask=mask), want)
+    with pytest.raises(ValueError, match="key axis 1 .* pass key="):
         torch_masks_to_headwise(key_padding_mask=kpm[..., :1], query=q)
     with pytest.raises(ValueError, match="same key axis"):
         torch_masks_to_headwise(blocked, kpm[..., :6])

@@ -196,6 +196,14 @@ def _trace(rank: int) -> dict:
         headwise.trace(tp, edit={(0, TRACE["n_heads"]): "zero"})
     except (IndexError, ValueError) as err:
         out["out_of_range"] = (type(err).__name__, str(err))
+    # The unsharded layer edited with this shard's means: every head the shard does not hold has none to give.
+    out["whole_from_shard"] = {}
+    for head in range(TRACE["n_heads"]):
+        try:
+            with torch.no_grad(), headwise.trace(attn, edit={(0, head, "z"): ("mean", shard)}):
+                out["whole_from_shard"][head] = attn(inp["x"], causal=True)
+        except ValueError as err:
+            out["whole_from_shard"][head] = str(err)
     return out
 
 

@@ -245,6 +245,12 @@ def test_trace_edits_take_global_heads_and_equal_the_same_edits_on_the_unsharded
         # Captures are this rank's heads, in global order.
         torch.testing.assert_close(got["z"], t[0].z[:, :, q], msg=lambda m: f"rank {rank} z: {m}")
         assert sorted(set(got["seen"])) == [i for i in (2, 7) if i in q]
+        for head, res_head in got["whole_from_shard"].items():
+            if head in q:  # the shard's mean of a head it holds: the same edit as with the whole layer's
+                with torch.no_grad(), headwise.trace(attn, edit={(0, head, "z"): ("mean", whole)}):
+                    torch.testing.assert_close(res_head, attn(inp["x"], causal=True))
+            else:
+                assert f"not head {head}" in res_head
         assert got["out_of_range"] == ranks[0]["trace"]["out_of_range"]
         assert f"head must be in [0, {h}), got {h}" in got["out_of_range"][1]
 

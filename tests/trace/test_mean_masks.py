@@ -88,23 +88,43 @@ def test_k_and_v_mean_in_generate_with_a_static_cache_average_over_the_real_keys
         torch.testing.assert_close(x[:, 1], mean.expand_as(x[:, 1]))
 
 
-def test_k_mean_in_a_decode_step_with_a_static_cache_and_a_2d_mask():
+def test_k_mean_over_keys_past_a_2d_mask_is_refused():
+    """Keys past a 2-D mask may be a static cache's empty slots or cross-attention keys from another sequence:
+    a 2-D mask does not tell them apart, so k "mean" refuses them (a 4-D mask is read exactly, above)."""
     _, model = models()
     ids, nxt = IDS[1:, :6], IDS[1:, 6:7]
-    logits = {}
-    for name in ("dynamic", "static"):
-        cache = transformers.DynamicCache(config=model.config) if name == "dynamic" else \
-            transformers.StaticCache(config=model.config, max_cache_len=16)
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
-            with headwise.trace(model, edit={(1, 4, "k"): "mean"}, capture={1: ("k",)}) as t:
-                out = model(input_ids=nxt, attention_mask=torch.ones(1, 7, dtype=torch.long),
-                            cache=cache, use_cache=True, position_ids=torch.tensor([[6]]))
-        k = t[1].k  # (1, 6, slots, d_h); heads 3-5 share key/value head 1
-        real = torch.arange(k.shape[2]) < 7
-        torch.testing.assert_close(k[:, 4], masked_mean64(k[:, 3], real[None]).float().expand_as(k[:, 4]))
-        logits[name] = out.logits
-    torch.testing.assert_close(logits["static"], logits["dynamic"])
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+        with headwise.trace(model, edit={(1, 4, "k"): "mean"}):
+            with pytest.raises(ValueError, match="keys beyond the mask"):
+                model(input_ids=nxt, attention_mask=torch.ones(1, 7, dtype=torch.long), cache=cache,
+                      use_cache=True, position_ids=torch.tensor([[6]]))
+    with torch.no_grad(), headwise.trace(model, capture={1: ("k",)}) as t:  # capturing alone needs no real keys
+        model(input_ids=IDS, attention_mask=MASK, cache=transformers.StaticCache(config=model.config,
+                                                                                max_cache_len=16), use_cache=True)
+    assert t[1].k.shape[2] == 16
+    with pytest.raises(ValueError, match="keys beyond the mask"):
+        t[1].mean("k")
+
+
+def test_cross_attention_k_mean_past_the_mask_is_refused():
+    class Decoder(torch.nn.Module):  # self-attention masks its tokens; cross-attention reads a longer memory
+        def __init__(self):
+            super().__init__()
+            self.cross = headwise.MultiHeadAttention(8, 2)
+
+        def forward(self, x, memory, attention_mask=None):
+            return self.cross(x, memory)
+
+    model, x, memory = Decoder(), torch.randn(2, 4, 8), torch.randn(2, 9, 8)
+    with headwise.trace(model, edit={(0, 0, "k"): "mean"}):
+        with pytest.raises(ValueError, match="keys beyond the mask"):
+            model(x, memory, attention_mask=torch.ones(2, 4))
+    with headwise.trace(model, capture=("v",)) as t:
+        model(x, memory, attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="keys beyond the mask"):
+        t[0].mean("v")
 
 
 def test_mean_refuses_a_4d_mask_that_does_not_show_the_real_tokens():
@@ -130,21 +150,3 @@ def test_mean_refuses_a_4d_mask_that_does_not_show_the_real_tokens():
         model(input_ids=IDS, attention_mask=MASK)
     torch.testing.assert_close(t2[1].mean("z"), t3[1].mean("z"))
     assert want.shape == (2, s, model.config.vocab_size)
-
-
-def test_a_records_k_mean_over_a_static_cache_counts_its_real_keys_only():
-    _, model = models()
-    means = {}
-    for name in ("dynamic", "static"):
-        cache = transformers.DynamicCache(config=model.config) if name == "dynamic" else \
-            transformers.StaticCache(config=model.config, max_cache_len=16)
-        with torch.no_grad(), headwise.trace(model, capture={1: ("k",)}) as t:
-            model(input_ids=IDS, attention_mask=MASK, cache=cache, use_cache=True)
-        means[name] = t[1].mean("k")
-        if name == "static":  # its empty slots are captured too: the mean must leave them out with the padding
-            assert t[1].k.shape[2] == 16
-            real = torch.nn.functional.pad(MASK.bool(), (0, 16 - IDS.shape[1]), value=False)
-            k = t[1].k.transpose(1, 2).reshape(2, 16, -1)  # (b, slots, h_kv * d_h)
-            want = (k.double() * real[..., None]).sum((0, 1)) / real.sum()
-            torch.testing.assert_close(means[name], want.view(2, -1).float())
-    torch.testing.assert_close(means["static"], means["dynamic"])

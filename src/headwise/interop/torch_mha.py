@@ -219,8 +219,8 @@ def torch_masks_to_headwise(
     needs ``n_heads``. ``is_causal`` needs no conversion: pass ``causal=True`` to headwise instead of the
     causal ``attn_mask`` (identical when ``s_q == s_kv``).
 
-    Pass ``query`` (the batch-first query the mask is for) and, for cross-attention, ``key`` (without it the
-    query is the key, as in ``m(x, x, x)``) to have both masks checked as torch checks them, so that none is
+    Pass ``query`` (the batch-first query the mask is for) and ``key`` (without it the masks' own key axis is the
+    key length, and a size-1 key axis under several queries is refused as a broadcast) to have both masks checked as torch checks them, so that none is
     broadcast where torch refuses it: ``key_padding_mask`` ``(b, s_kv)`` for a batched query, ``(s_kv,)`` for
     an unbatched one; ``attn_mask`` ``(s_q, s_kv)``, or ``(b * h, s_q, s_kv)`` (``(h, s_q, s_kv)`` unbatched).
     Anything else raises ``ValueError`` naming the expected and the received shapes. Without them, the two
@@ -285,10 +285,11 @@ def _check_shapes(attn_mask: torch.Tensor | None, kpm: torch.Tensor | None, n_he
     if q is not None and (q.dim() != k.dim() or q.dim() == 3 and q.shape[0] != k.shape[0]):
         raise ValueError(f"query {tuple(q.shape)} and key {tuple(k.shape)} must both be batched with the same b, "
                          f"or both unbatched")
-    batched, s_kv = k.dim() == 3, k.shape[-2]
+    batched = k.dim() == 3
     b, s_q = (k.shape[0] if batched else None), (q.shape[-2] if q is not None else None)
     shown = f"the key {tuple(k.shape)}" if key is not None else f"the query {tuple(q.shape)}"
-    hint = "" if key is not None else " (without key=, the query is the key: pass key= for cross-attention)"
+    hint = "" if key is not None else " (pass key= to check the key axis)"
+    s_kv = k.shape[-2] if key is not None else _key_axis(kpm, attn_mask, s_q)  # cross-attention keys may differ
     if kpm is not None:
         want = (b, s_kv) if batched else (s_kv,)
         if not batched and kpm.dim() != 1:
@@ -312,6 +313,18 @@ def _check_shapes(attn_mask: torch.Tensor | None, kpm: torch.Tensor | None, n_he
             what = "(s_q, s_kv)" if attn_mask.dim() == 2 else "(b * h, s_q, s_kv)"
             raise ValueError(f"attn_mask must be {what} = {want} for {shown}{hint}, got {tuple(attn_mask.shape)} "
                              f"(torch does not broadcast it either)")
+
+
+def _key_axis(kpm: torch.Tensor | None, attn_mask: torch.Tensor | None, s_q: int | None) -> int | None:
+    """The key length the masks give when no key says it: their own last axis, except a size-1 axis under
+    several queries, which is a broadcast as often as one key (torch refuses the broadcast: pass ``key=``)."""
+    given = next((m for m in (kpm, attn_mask) if m is not None and m.dim() >= 1), None)
+    if given is None:
+        return None
+    if given.shape[-1] == 1 and s_q is not None and s_q > 1:
+        raise ValueError(f"a mask of key axis 1 {tuple(given.shape)} with {s_q} queries: torch never broadcasts "
+                         "a mask, so pass key= (the keys really have 1 position) or a mask over every key")
+    return given.shape[-1]
 
 
 def _check_mask(name: str, mask: object) -> None:

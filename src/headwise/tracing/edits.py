@@ -12,11 +12,12 @@ Shapes (one head's slice ``x_h`` at each site):
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["SITES", "SitePlan", "parse_value", "apply", "masked_mean", "real_positions", "UnknownPadding"]
+__all__ = ["SITES", "SitePlan", "parse_value", "apply", "masked_mean", "real_positions", "CachePadding",
+           "UnknownPadding"]
 
 SITES = ("q", "k", "v", "pattern", "z")
 _REAL_AXIS = {"q": "query", "z": "query", "k": "key", "v": "key"}  # which positions "mean" averages over
@@ -86,23 +87,34 @@ class UnknownPadding:
         return f"UnknownPadding({self.why!r})"
 
 
-def real_positions(padding: torch.Tensor | UnknownPadding | None, x_h: torch.Tensor, where: str,
-                    site: str = "z") -> torch.Tensor | None:
+class CachePadding(NamedTuple):
+    """The real tokens of a call read off a 4-D mask: ``tokens`` (b, S) as a 2-D mask holds them (column j is
+    position j, the call's queries its last columns); the mask let no row read a key slot past S (a
+    pre-allocated cache's empty ones), so those are not real."""
+
+    tokens: torch.Tensor
+
+
+def real_positions(padding: torch.Tensor | CachePadding | UnknownPadding | None, x_h: torch.Tensor, where: str,
+                   site: str = "z") -> torch.Tensor | None:
     """The (b, s) real-token mask for ``x_h``'s positions from the model call's (b, s_total) one, whose column
-    j is position j: queries are its last s columns (a decoding step's queries are the newest); keys too, and
-    key slots past its end (a pre-allocated static cache's empty ones) are not real, as Hugging Face pads a
-    2-D mask with zeros up to the keys' length."""
+    j is position j: queries and keys are its last s columns (a decoding step's queries are the newest). Keys
+    past a 2-D mask (a static cache's empty slots, or cross-attention keys from another sequence) cannot be
+    told apart, so they are refused; past a 4-D mask's tokens (:class:`CachePadding`) they are not real."""
     if padding is None:
         return None
     if isinstance(padding, UnknownPadding):
         raise ValueError(f"{where}: {padding.refuse()}")
     b, s = x_h.shape[:2]
-    short = padding.shape[1] < s
-    if padding.shape[0] != b or (short and _REAL_AXIS[site] != "key"):
+    if isinstance(padding, CachePadding):
+        padding = padding.tokens
+        if _REAL_AXIS[site] == "key" and padding.shape[0] == b and padding.shape[1] < s:
+            return torch.nn.functional.pad(padding, (0, s - padding.shape[1]), value=False)
+    if padding.shape[0] != b or padding.shape[1] < s:
+        more = " (keys beyond the mask: a static cache's empty slots, or cross-attention keys, are not told " \
+            "apart by a 2-D mask; pass the 4-D mask, or use ('mean', reference))" if _REAL_AXIS[site] == "key" else ""
         raise ValueError(f"{where}: 'mean' reads the model's attention_mask (b, s) = {tuple(padding.shape)}, "
-                         f"which does not cover this call's batch {b} and {s} positions")
-    if short:
-        return torch.nn.functional.pad(padding, (0, s - padding.shape[1]), value=False)
+                         f"which does not cover this call's batch {b} and {s} positions{more}")
     return padding[:, padding.shape[1] - s:]
 
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .edits import UnknownPadding
+from .edits import CachePadding, UnknownPadding
 
 __all__ = ["padding_of", "padding_of_4d", "reads"]
 
@@ -33,7 +33,7 @@ def reads(mask: torch.Tensor) -> torch.Tensor | None:
     return read.any(1) if read.dim() == 4 else read  # any head: the positions are shared by every head
 
 
-def padding_of_4d(mask: torch.Tensor, name: str) -> torch.Tensor | UnknownPadding:
+def padding_of_4d(mask: torch.Tensor, name: str) -> torch.Tensor | CachePadding | UnknownPadding:
     """The (b, S) real-token mask equivalent to a 2-D ``attention_mask`` (column j is position j, this call's
     queries its last s_q columns) for a call given a (b, [h,] s_q, s_kv) mask, as ``generate`` passes with a
     static cache; or :class:`UnknownPadding` where the mask does not show it exactly.
@@ -58,14 +58,15 @@ def padding_of_4d(mask: torch.Tensor, name: str) -> torch.Tensor | UnknownPaddin
         positions = base + torch.arange(s_q, device=read.device)
         causal = 0 <= base <= s_kv - s_q and not (read & (cols > positions[:, None])).any()
         if causal and torch.equal(keys[:, base:base + s_q], rows):  # a query is real as its own key is
-            return keys[:, :base + s_q]
+            return CachePadding(keys[:, :base + s_q])
     if s_q == s_kv and ((read == keys[:, None, :]) | ~rows[:, :, None]).all():
         return keys
     return UnknownPadding(f"the model's {name} {tuple(mask.shape)} is neither a causal nor a "
                           "bidirectional padding mask")
 
 
-def padding_of(args: tuple, kwargs: dict, name: str, at: int | None) -> torch.Tensor | UnknownPadding | None:
+def padding_of(args: tuple, kwargs: dict, name: str,
+               at: int | None) -> torch.Tensor | CachePadding | UnknownPadding | None:
     """A call's (b, s) real-token mask passed as ``name`` (by keyword, or by position ``at``), or None.
 
     A 4-D (or 3-D) mask gives the 2-D one it stands for, so "mean" never silently averages over padding or a

@@ -289,8 +289,12 @@ class Trace:
             group = ref_layer.n_heads // ref_layer.n_kv_heads
             return means[head if means.shape[0] == ref_layer.n_heads else head // group]
         if head not in ref_local:
-            # A trace of a shard that does not hold this head: the edit is the holding rank's, never applied
-            # here; zeros of the right width pass the same checks on every rank.
+            if _global_heads(self.layers[li][1])[1] is None:  # a whole layer would apply it: no mean to give
+                raise ValueError(f"edit ('mean', reference): the reference traced a shard holding heads "
+                                 f"{list(ref_local)} of layer {li}, not head {head}; take the reference on the "
+                                 "rank holding it, or on the unsharded layer")
+            # A trace of a shard that does not hold this head, for a shard that does not either: the edit is the
+            # holding rank's, never applied here; zeros of the right width pass the same checks on every rank.
             return means.new_zeros(means.shape[-1])
         j = ref_local.index(head)  # its rows are the shard's heads (or the shard's K/V heads)
         group = ref_layer.n_heads // ref_layer.n_kv_heads
