@@ -211,16 +211,20 @@ def test_attend_refuses_a_cache_without_forwards_plan():
     assert_same(cache, snap)
 
 
-def test_a_copied_cache_is_a_branch_for_the_same_layer():
-    # Beam search and speculative decoding branch a decoding state by copying it.
+@pytest.mark.parametrize("copier", [copy.deepcopy, copy.copy], ids=["deepcopy", "copy"])
+def test_a_copied_cache_is_a_branch_for_the_same_layer(copier):
+    # Beam search and speculative decoding branch a decoding state by copying it; a shallow copy too, since
+    # sharing the buffers or the position would let two branches overwrite each other's slots.
     attn = MultiHeadAttention(16, 4, 2).eval()
     x = torch.randn(1, 6, 16)
     cache = attn.new_cache(1, 8)
     with torch.no_grad():
         attn(x[:, :3], cache=cache)
         snap = snapshot(cache)
-        branch = copy.deepcopy(cache)
+        branch = copier(cache)
         assert branch.owner is attn and branch.keys.data_ptr() != cache.keys.data_ptr()
+        for name in ("keys", "values", "position"):
+            assert getattr(branch, name).data_ptr() != getattr(cache, name).data_ptr(), name
         torch.testing.assert_close(attn(x[:, 3:], cache=branch), attn(x, causal=True)[:, 3:])
         assert_same(cache, snap)  # the original is untouched by the branch
         assert branch.length == 6
@@ -235,6 +239,8 @@ def test_a_copied_cache_is_a_branch_for_the_same_layer():
         loaded.reset()
         attn(x[:, :2], cache=loaded)
         assert loaded.owner is attn and loaded.length == 2
+        with pytest.raises(ValueError, match="one cache per layer"):  # a copy is still the first layer's
+            MultiHeadAttention(16, 4, 2)(x[:, 3:4], cache=copier(cache))
 
 
 def test_claim_checkpoint_update_compile_into_one_graph_for_every_decode_position():
@@ -538,23 +544,6 @@ def test_restore_refuses_a_checkpoint_that_a_crop_or_restore_went_below():
     filled(cache, 1)
     cache.restore(saved)
     assert cache.length == 0
-
-
-def test_a_shallow_copy_is_a_branch_as_a_deep_copy_is():
-    attn = MultiHeadAttention(16, 4, 2).eval()
-    x = torch.randn(1, 6, 16)
-    cache = attn.new_cache(1, 8)
-    with torch.no_grad():
-        attn(x[:, :3], cache=cache)
-        snap = snapshot(cache)
-        branch = copy.copy(cache)
-        assert branch.owner is attn
-        for name in ("keys", "values", "position"):
-            assert getattr(branch, name).data_ptr() != getattr(cache, name).data_ptr(), name
-        torch.testing.assert_close(attn(x[:, 3:], cache=branch), attn(x, causal=True)[:, 3:])
-        assert_same(cache, snap)
-        with pytest.raises(ValueError, match="one cache per layer"):
-            MultiHeadAttention(16, 4, 2)(x[:, 3:4], cache=copy.copy(cache))
 
 
 @pytest.mark.parametrize("refusal", ["overflow", "autocast dtype"])

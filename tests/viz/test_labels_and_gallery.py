@@ -110,15 +110,22 @@ def test_a_gallery_is_the_chosen_rows_of_one_forward_under_a_true_title(minilm, 
         save_png([gallery, layers[0]], tmp_path / "x.png")
 
 
-def test_pruned_heads_are_shown_by_their_original_numbers():
-    """After pruning, the rows are labelled with the heads' numbers before surgery, and row k shows what
-    original head k did (Hugging Face's own output_attentions of the unpruned, unpatched model)."""
+def bert_and_its_first_attentions():
+    """A tiny BERT (sdpa), its inputs, and layer 0's row-0 weights (h, s, s) from Hugging Face's own
+    output_attentions of an eager, unpatched twin: the reference of pruned-head drawings."""
     model = ref.BUILDERS["bert"]("sdpa")
     plain = ref.twin(model)
     plain.set_attn_implementation("eager")
     kw = ref.inputs(model)
     with torch.no_grad():
         want = plain(**kw, output_attentions=True).attentions[0][0]  # layer 0, row 0: (h, s, s)
+    return model, kw, want
+
+
+def test_pruned_heads_are_shown_by_their_original_numbers():
+    """After pruning, the rows are labelled with the heads' numbers before surgery, and row k shows what
+    original head k did (Hugging Face's own output_attentions of the unpruned, unpatched model)."""
+    model, kw, want = bert_and_its_first_attentions()
     prune_heads(patch(model), {0: [0, 2]})
     prune_heads(model, {0: [1]})  # the second round: original head 3 goes
     m = model_layers_head_maps(model, kw, layers=[0])[0]
@@ -176,12 +183,7 @@ def test_a_layer_whose_every_head_was_removed_holds_no_head():
     """Head surgery leaves an emptied layer one placeholder head, which is no head of the model: the layer is
     drawn with none (its record is ``()``), the other layers keep their numbers, and a gallery pair of it is
     refused in words."""
-    model = ref.BUILDERS["bert"]("sdpa")
-    plain = ref.twin(model)
-    plain.set_attn_implementation("eager")
-    kw = ref.inputs(model)
-    with torch.no_grad():
-        want = plain(**kw, output_attentions=True).attentions[0][0]  # layer 0, row 0: (h, s, s)
+    model, kw, want = bert_and_its_first_attentions()
     prune_heads(patch(model), {0: [1], 1: [0, 1, 2, 3]})
     first, emptied = model_layers_head_maps(model, kw)
     assert first.head_labels == [0, 2, 3]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .agreement import collective
 
-__all__ = ["AllToAll", "CopyToHeads", "ReduceFromHeads", "SumOverGroup", "SumOverReplicas"]
+__all__ = ["AllToAll", "CopyToHeads", "ReduceFromHeads", "SumOverReplicas"]
 
 
 class CopyToHeads(torch.autograd.Function):
@@ -49,12 +49,14 @@ class ReduceFromHeads(torch.autograd.Function):
 
 
 class SumOverReplicas(torch.autograd.Function):
-    """Identity on replicated K/V parameters; backward sums their gradients over the ranks holding the same
-    K/V head.
+    """Identity on replicated parameters; backward sums their gradients over the ranks holding the same
+    replica (slot): the ranks holding the same K/V head under tensor parallelism (``n_slots`` = h_kv), every
+    rank under sequence parallelism (``n_slots`` = 1, applied per call to the parameters that require grad
+    then, so that ones unfrozen or replaced after the layer was built are summed too).
 
-    One all-reduce over the whole group of an ``(h_kv, numel)`` buffer in which each rank fills the row of
-    its K/V head: rows of other K/V heads are zero on this rank, so the sum of a row is exactly the sum over
-    that head's replicas, without creating a sub-group per K/V head.
+    One all-reduce over the whole group of an ``(n_slots, numel)`` buffer in which each rank fills the row of
+    its slot: rows of other slots are zero on this rank, so the sum of a row is exactly the sum over that
+    slot's replicas, without creating a sub-group per slot.
     """
 
     @staticmethod
@@ -68,39 +70,14 @@ class SumOverReplicas(torch.autograd.Function):
         flat = torch.cat([g.reshape(-1) for g in grads])
         buf = flat.new_zeros(ctx.n_slots, flat.numel())
         buf[ctx.slot] = flat
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group)
+        collective("the gradient all-reduce of replicated weights", dist.get_world_size(ctx.group),
+                   lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group))
         out, start = [], 0
         for shape in ctx.shapes:
             n = shape.numel()
             out.append(buf[ctx.slot, start:start + n].view(shape))
             start += n
         return (None, None, None, *out)
-
-
-class SumOverGroup(torch.autograd.Function):
-    """Identity on replicated parameters; backward sums their gradients over the group (one all-reduce of
-    every gradient, flattened), so that each rank's copy receives the gradient of every rank's tokens.
-
-    Applied in each forward to the parameters that require grad *then*, so that parameters unfrozen or
-    replaced (``load_state_dict(assign=True)``) after the layer was built are summed too.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, group: Any, reduce: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.reduce = group, reduce
-        ctx.shapes = [t.shape for t in tensors]
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        ctx.reduce(flat)
-        out, start = [], 0
-        for shape in ctx.shapes:
-            n = shape.numel()
-            out.append(flat[start:start + n].view(shape))
-            start += n
-        return (None, None, *out)
 
 
 def _exchange(send: torch.Tensor, group: Any, size: int, send_splits: list[int], recv_splits: list[int],

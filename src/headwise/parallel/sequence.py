@@ -39,7 +39,6 @@ Shapes:
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any
 
 import torch
@@ -51,19 +50,14 @@ from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import validate_mask
 from ..validation import check_forward, check_positions
-from .agreement import agree, collective, flag, signature
-from .autograd import AllToAll, SumOverGroup
+from .agreement import agree, flag, signature
+from .autograd import AllToAll, SumOverReplicas
 from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel
 from .tensor import TensorParallelAttention, tensor_parallel
 
 __all__ = ["SequenceParallelAttention", "sequence_parallel", "GRAD_REDUCTIONS"]
 
 GRAD_REDUCTIONS = ("sum", "none")
-
-
-def _sum_grads(group: Any, size: int, flat: torch.Tensor) -> None:
-    collective("sequence_parallel: the gradient all-reduce of the replicated weights", size,
-               lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group))
 
 
 class _Run(nn.Module):
@@ -146,8 +140,7 @@ class SequenceParallelAttention(nn.Module):
         # construction, so that parameters unfrozen or replaced since (load_state_dict(assign=True)) are
         # summed as well.
         names = list(summed)
-        views = SumOverGroup.apply(self.group, functools.partial(_sum_grads, self.group, self.world_size),
-                                   *summed.values())
+        views = SumOverReplicas.apply(self.group, 1, 0, *summed.values())  # one slot: every rank a replica
         return torch.func.functional_call(
             _Run(self.layer), {f"layer.{n}": t for n, t in zip(names, views)},
             (lambda: self._attend(x, key, value, mask, causal, positions, lq, lkv, batched),), strict=False)
