@@ -13,7 +13,6 @@ Shapes:
 from __future__ import annotations
 
 import warnings
-from functools import partial
 from typing import Any
 
 import torch
@@ -21,20 +20,20 @@ from torch import nn
 
 from . import checkpoint
 from . import functional as hwf
-from .chunking import attend_in_chunks
-from .config import AttentionConfig, check_dropout, check_scale
-from .dispatch import DispatchInfo, describe
+from .call_plan import explain_forward, plan_attend, plan_forward
+from .chunking import forward_in_chunks
+from .config import AttentionConfig
+from .dispatch import DispatchInfo
 from .head import ORIGINAL_HEADS, LayerHeads
 from .kv_cache import KVCache
-from .masks import validate_mask
-from .plan import CacheRead, Plan, cache_read, forward_warning, plan_attention
-from .rotary import RotaryEmbedding, apply_rotary
-from .statistics import attend_with_statistics, check_statistics
+from .module_calls import bare_linear
+from .plan import CacheRead, Plan, forward_warning
+from .rotary import RotaryEmbedding
+from .statistics import attend_with_statistics
 from .token_step import PLAN_KEY, QUERY_PLAN_KEY, one_query_plan, one_token
-from .validation import (check_bool, check_causal, check_device, check_dtype, check_first_write, check_forward,
-                         check_layer_size, check_qkv, check_sinks, has_dead_rows)
+from .validation import check_device, check_dtype, check_first_write, check_forward, check_layer_size, check_qkv
 
-__all__ = ["MultiHeadAttention", "calls_forward_only", "has_forward_hooks"]
+__all__ = ["MultiHeadAttention"]
 
 
 class MultiHeadAttention(LayerHeads, nn.Module):
@@ -233,38 +232,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                     and head_scale is None:
                 plan = one_query_plan(self, q, k, v, causal, scale, dropout)  # a decoding loop's step, planned once
         if plan is None:
-            cfg = self.config
-            if not (isinstance(causal, bool) and isinstance(return_weights, bool)):
-                check_causal(causal)
-                check_bool("return_weights", return_weights)
-            b, h, s_q, _ = q.shape
-            if scale is not None:
-                check_scale(scale)
-            if softcap is not None:
-                check_scale(softcap, "softcap")
-            if dropout is None:
-                dropout = cfg.dropout if self.training else 0.0
-            elif dropout:
-                check_dropout(dropout)
-            if sinks is not None:
-                check_sinks(sinks, b, h, s_q, q.device)
-            if head_scale is not None and (not isinstance(head_scale, torch.Tensor) or head_scale.shape != (h,)):
-                raise ValueError(f"attend: head_scale must be a tensor of one factor per head, shape ({h},), got "
-                                 f"{tuple(head_scale.shape) if isinstance(head_scale, torch.Tensor) else head_scale}")
-            if mask is not None:
-                mask = validate_mask(mask, (b, h, s_q, k.shape[2]), q.dtype, q.device)
-            wants = return_weights or (tracer is not None and tracer.wants_weights(self))
-            stats = () if tracer is None else tracer.wants_statistics(self)
-            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                                or (sinks is not None and sinks.requires_grad))
-            plan = plan_attention(
-                h=h, h_kv=k.shape[1], d_h=q.shape[-1], scale=cfg.scale if scale is None else float(scale), b=b,
-                s_q=s_q, s_kv=k.shape[2], dtype=q.dtype, device=q.device,
-                backend="eager" if wants else self._backend, causal=causal, has_mask=mask is not None,
-                return_weights=wants, dropout_p=float(dropout), chunk_queries=False, records_grad=grad,
-                softcap=softcap, sinks=sinks is not None,
-                dead_rows=False if mask is None else partial(has_dead_rows, mask),
-                mask_per_head=mask is not None and mask.shape[1] != 1, statistics=stats)
+            plan, mask = plan_attend(self, q, k, v, mask=mask, causal=causal, return_weights=return_weights,
+                                     scale=scale, softcap=softcap, sinks=sinks, dropout=dropout,
+                                     head_scale=head_scale, tracer=tracer, backend=self._backend)
         if tracer is not None:
             q, k, v = tracer.qkv(self, q, k, v)
         start, room = 0, None
@@ -311,7 +281,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         Shapes: z (b, h, s_q, d_h); results (b, s_q, h, d) -> (b, s_q, d)
         """
         out = self.out_proj
-        if results is not None and _bare_linear(out):
+        if results is not None and bare_linear(out):
             # Accumulated in float32, as W_O's own product accumulates: a half-precision sum of h rounded writes
             # would drift from the untraced output.
             y = results.sum(2, dtype=torch.float32).to(results.dtype)  # (b, s_q, d)
@@ -365,8 +335,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             cache.claim(self)
         tracer = self.tracer  # headwise.trace: capture and edit (None outside a trace)
         wants_weights = return_weights or (tracer is not None and tracer.wants_weights(self))
-        plan = self._plan(x, key, mask, causal, cache, wants_weights, chunk=tracer is None,
-                          statistics=() if tracer is None else tracer.wants_statistics(self))
+        chunk, stats = (self._chunk_queries, ()) if tracer is None else (False, tracer.wants_statistics(self))
+        plan = plan_forward(self, x, key, mask, causal, cache, wants_weights, backend=self._backend,
+                           chunk_queries=chunk, statistics=stats)
         if plan.warn:
             warnings.warn(forward_warning(plan), stacklevel=2)
         if self.rotary is not None and positions is None:  # the next positions: after the cache's, or from 0
@@ -374,7 +345,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             positions = start + torch.arange(x.shape[1], device=x.device)  # (s_q,)
         if plan.chunk is not None:
             with torch.no_grad():
-                y = self._forward_in_chunks(plan, x, key, value, mask, positions)
+                y = forward_in_chunks(self, plan, x, key, value, mask, positions)
             return y if batched else y.squeeze(0)
         # Project and split: (b, h, s_q, d_h) queries; (b, h_kv, s_kv, d_h) keys and values.
         q, k, v = self.project_qkv(x) if key is None else (self.project_q(x), *self.project_kv(key, value))
@@ -397,53 +368,6 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         if not batched:
             y, weights = y.squeeze(0), None if weights is None else weights.squeeze(0)
         return (y, weights) if return_weights else y
-
-    def _forward_in_chunks(self, plan: Plan, x, key, value, mask, positions):  # type: ignore[no-untyped-def]
-        k, v = self.project_kv(x) if key is None else self.project_kv(key, value)  # (b, h_kv, s_kv, d_h)
-        cos = sin = None
-        if self.rotary is not None:  # self-attention only, so s_kv == s_q
-            cos, sin = (t.to(x.dtype) for t in self.rotary(positions, x.dtype))  # (b or 1, 1, s, r)
-            k = apply_rotary(k, cos, sin)
-        y = x.new_empty(x.shape[0], x.shape[1], self.config.d_model)
-
-        def queries(i0: int, i1: int) -> torch.Tensor:
-            q = self.project_q(x[:, i0:i1])  # (b, h, c, d_h)
-            return q if cos is None else apply_rotary(q, cos[:, :, i0:i1], sin[:, :, i0:i1])
-
-        def write(i0: int, i1: int, z: torch.Tensor) -> None:
-            y[:, i0:i1] = self.project_out(z)  # (b, c, d)
-
-        attend_in_chunks(plan, queries, k, v, mask, write)
-        return y
-
-    def _plan(self, x, key, mask, causal, cache, return_weights, chunk=True, statistics=()) -> Plan:  # type: ignore[no-untyped-def]
-        """The plan of one call on checked inputs: the one place its decisions are made."""
-        cfg = self.config
-        # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
-        grad = False
-        if torch.is_grad_enabled():
-            grad = x.requires_grad or (key is not None and key.requires_grad)
-            for p in self.parameters():  # a plain loop: no generator frame on every call
-                if grad:
-                    break
-                grad = p.requires_grad
-        read = CacheRead.NONE
-        if cache is None:
-            s_kv = x.shape[1] if key is None else key.shape[1]
-        else:
-            read = cache_read(x.device.type, x.dtype, x.shape[1], mask is not None,
-                              return_weights or self._backend == "eager" or grad, lambda: cache.length)
-            whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
-            s_kv = cache.max_len if whole else cache.length + x.shape[1]
-        return plan_attention(
-            h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
-            s_kv=s_kv, dtype=x.dtype, device=x.device, backend=self._backend, causal=causal,
-            has_mask=mask is not None or read is CacheRead.BUFFER or read is CacheRead.POSITION,
-            cached=cache is not None, return_weights=return_weights,
-            dropout_p=cfg.dropout if self.training else 0.0,
-            chunk_queries=self._chunk_queries if chunk else False, records_grad=grad,
-            dead_rows=False if mask is None else partial(has_dead_rows, mask),
-            mask_per_head=mask is not None and mask.shape[1] != 1, read=read, statistics=statistics)
 
     def explain_dispatch(
         self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -468,17 +392,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             >>> attn.explain_dispatch(torch.randn(2, 6, 32), return_weights=True).probability_bytes
             1152
         """
-        w = self.q_proj.weight
-        x, key, value, mask, _, _ = check_forward(self.config, w.dtype, w.device, self.rotary is not None, x,
-                                                  context, None, None, mask, causal, cache, None, return_weights)
-        if cache is not None and cache.owner is not None:
-            cache.claim(self)  # only checks: explaining never binds a cache
-        if cache is not None:
-            cache.check_room(x.shape[1])  # forward refuses a call past max_len: so does its explanation
-        plan = self._plan(x, key, mask, causal, cache, return_weights, statistics=check_statistics(statistics))
-        return describe(plan, d_head=self.d_head, n_kv_heads=self.n_kv_heads, dtype=w.dtype, device=w.device,
-                        mask=mask, grad=torch.is_grad_enabled(), causal_given=causal,
-                        cache_length=0 if cache is None else cache.length, warn_bytes=warn_bytes)
+        return explain_forward(self, x, context=context, mask=mask, causal=causal, cache=cache,
+                               return_weights=return_weights, warn_bytes=warn_bytes, statistics=statistics)
 
     # -- copies: a trace's tracer belongs to the layer it was put on, never to a copy ------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -523,25 +438,3 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         return (f"d_model={c.d_model}, n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads}, d_head={c.d_head}, "
                 f"kind={c.kind}, backend={self.backend!r}"
                 + ("" if origin is None else f", original heads {list(origin)}"))
-
-
-def calls_forward_only(module: nn.Module) -> bool:
-    """Whether ``module(...)`` is exactly ``module.forward(...)``: no hook of any kind, its own or global (the
-    condition of ``nn.Module``'s own shortcut)."""
-    m = nn.modules.module
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
-                or m._global_backward_hooks or m._global_backward_pre_hooks)
-
-
-def has_forward_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs forward hooks (its own or global ones): then its output may not be
-    replaced by a sum computed elsewhere."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
-                or nn.modules.module._global_forward_pre_hooks)
-
-
-def _bare_linear(module: Any) -> bool:
-    """Whether calling ``module`` is exactly ``F.linear`` with its weight and bias: an ``nn.Linear`` (not a
-    subclass such as a LoRA wrapper) without forward hooks."""
-    return type(module) is nn.Linear and not has_forward_hooks(module)

@@ -22,14 +22,15 @@ Shapes:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from .functional import attend
 from .plan import Plan
+from .rotary import apply_rotary
 
-__all__ = ["attend_in_chunks"]
+__all__ = ["attend_in_chunks", "forward_in_chunks"]
 
 
 def attend_in_chunks(
@@ -65,6 +66,39 @@ def attend_in_chunks(
             z, _ = attend(plan.for_chunk(i1 - i0, end), q, k[:, :, :end], v[:, :, :end], rows)
         del q
         write(i0, i1, z)
+
+
+def forward_in_chunks(layer: Any, plan: Plan, x: torch.Tensor, key: torch.Tensor | None,
+                      value: torch.Tensor | None, mask: torch.Tensor | None,
+                      positions: torch.Tensor | None) -> torch.Tensor:
+    """A layer's forward on checked inputs, its queries in ``plan``'s chunks: keys and values projected once,
+    then per chunk the queries projected (and rotated), attended and projected out into the output's rows.
+
+    Args:
+        layer: the ``MultiHeadAttention`` (its ``project_q``, ``project_kv``, ``project_out`` and ``rotary``).
+        plan: the call's plan (with a ``chunk``).
+        x: the queries' inputs (b, s_q, d); key, value: separate key/value inputs or None (self-attention).
+        mask: the checked 4-D mask or None; positions: rotary positions (rotary layers only).
+
+    Shapes:
+        x: (b, s_q, d) -> (b, s_q, d)
+    """
+    k, v = layer.project_kv(x) if key is None else layer.project_kv(key, value)  # (b, h_kv, s_kv, d_h)
+    cos = sin = None
+    if layer.rotary is not None:  # self-attention only, so s_kv == s_q
+        cos, sin = (t.to(x.dtype) for t in layer.rotary(positions, x.dtype))  # (b or 1, 1, s, r)
+        k = apply_rotary(k, cos, sin)
+    y = x.new_empty(x.shape[0], x.shape[1], layer.config.d_model)
+
+    def queries(i0: int, i1: int) -> torch.Tensor:
+        q = layer.project_q(x[:, i0:i1])  # (b, h, c, d_h)
+        return q if cos is None else apply_rotary(q, cos[:, :, i0:i1], sin[:, :, i0:i1])
+
+    def write(i0: int, i1: int, z: torch.Tensor) -> None:
+        y[:, i0:i1] = layer.project_out(z)  # (b, c, d)
+
+    attend_in_chunks(plan, queries, k, v, mask, write)
+    return y
 
 
 def _causal_chunk_by_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int,

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import MultiHeadAttention, calls_forward_only
+from .attention import MultiHeadAttention
 from .kv_cache import KVCache
+from .module_calls import calls_forward_only
 from .token_step import one_token
 from .validation import check_step_cache
 

@@ -20,7 +20,8 @@ from tests.core.test_attention import build, cases
 
 # The plan module as the layer sees it: collecting doctests with --import-mode=importlib can put a second copy
 # of a headwise module in sys.modules, so module constants are patched through the function's own globals.
-PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
 
 
 @contextmanager

@@ -159,7 +159,7 @@ def test_the_whole_buffer_route_equals_the_prefix_route(monkeypatch, h_kv, rotar
     cache = attn.new_cache(2, 20)
     whole = lambda device_type, dtype, s_q, has_mask, eager, length: (  # noqa: E731
         CacheRead.PREFIX if has_mask or eager or (s_q > 1 and length() == 0) else CacheRead.BUFFER)
-    monkeypatch.setattr(headwise.attention, "cache_read", whole)
+    monkeypatch.setattr(headwise.call_plan, "cache_read", whole)
     monkeypatch.setattr(headwise.token_step, "cache_read", whole)
     step = DecodeStep(attn, cache)
     with torch.no_grad():

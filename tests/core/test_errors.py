@@ -65,7 +65,8 @@ def test_layer_constructor_validates_through_the_config():
         MultiHeadAttention(16, 4, dropout=1.5)
 
 
-PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
 
 
 @pytest.mark.parametrize("name, call, exc, message", [

@@ -14,7 +14,8 @@ from headwise import RotaryEmbedding
 from headwise import functional as hwf
 from headwise import masks as hwm
 
-PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])

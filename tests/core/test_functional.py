@@ -97,7 +97,8 @@ def test_split_qkv_refuses_widths_that_are_not_whole_heads():
             split_qkv(torch.randn(1, 2, 24), bad, 2)
 
 
-PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
 
 
 def test_functional_attention_refuses_int_masks_and_string_causal():

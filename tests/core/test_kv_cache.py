@@ -100,7 +100,8 @@ def _filled(attn: MultiHeadAttention, n: int = 3) -> KVCache:
     return cache
 
 
-PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
 
 
 

@@ -15,7 +15,8 @@ from headwise import functional as hwf
 from headwise import masks as hwm
 from tests.reference import reference_heads
 
-PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
 
 
 

@@ -28,14 +28,15 @@ def llama_attention(impl: str):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_a_patched_llama_module_runs_at_most_ten_headwise_functions(impl):
+def test_a_patched_llama_module_runs_at_most_eleven_headwise_functions(impl):
     model, module, x, pe = llama_attention(impl)
     # the mask the model hands its layers: headwise's mask function, materialised for a prefill (bool)
     mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
     with torch.no_grad():
         module(x, position_embeddings=pe, attention_mask=mask)  # the first call may import lazily
         called = headwise_functions(lambda: module(x, position_embeddings=pe, attention_mask=mask))
-    assert len(called) <= 10, called
+    # the seam, attend, its checks (q/k/v, the call's other arguments, the mask), the plan, the kernel call
+    assert len(called) <= 11, called
     assert called[0] == "attention_function.attention_forward", called
     assert "attention.MultiHeadAttention.attend" in called and "functional.attend" in called, called
 

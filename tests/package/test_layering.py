@@ -16,11 +16,11 @@ ROOT = Path(headwise.__file__).parent
 
 # The README's layer order (Architecture), lowest first, by top-level unit (a module or a subpackage).
 LAYERS = [
-    {"config", "masks", "kv_cache", "kv_support", "rotary"},    # leaves
+    {"config", "masks", "kv_cache", "kv_support", "module_calls", "rotary"},  # leaves
     {"validation", "checkpoint"},                               # checks on the leaves
     {"plan"},                                                   # every decision, from sizes and flags
     {"functional", "dispatch"},                                 # the math; the plan in words
-    {"chunking", "statistics", "token_step"},                   # long forwards; statistics; one decode token
+    {"call_plan", "chunking", "statistics", "token_step"},      # a call's plan; long forwards; statistics; one token
     {"head"},                                                   # one head
     {"attention"},                                              # the layer
     {"decoding", "presets", "walkthrough"},                     # built on the layer

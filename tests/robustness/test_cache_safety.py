@@ -140,7 +140,8 @@ def test_cache_bad_device_strings():
             KVCache(1, 4, 2, 4, device="cuda:0")
 
 
-PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
 
 
 def _cache_state(cache: KVCache):

@@ -16,8 +16,9 @@ from headwise import masks as hwm
 
 # headwise.dispatch as the layer sees it: collecting doctests with --import-mode=importlib can put a second copy
 # of the module in sys.modules, so thresholds are patched through the functions' own globals.
-DISPATCH = MultiHeadAttention.explain_dispatch.__globals__["describe"].__globals__
-PLAN = MultiHeadAttention.forward.__globals__["plan_attention"].__globals__
+DISPATCH = MultiHeadAttention.explain_dispatch.__globals__["explain_forward"].__globals__["describe"].__globals__
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
 
 D, H, H_KV = 16, 4, 2
 KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}

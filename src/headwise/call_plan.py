@@ -1,0 +1,142 @@
+"""The plan of one call of a layer: its inputs checked, then every decision made by :func:`~headwise.plan.plan_attention`.
+
+:class:`~headwise.MultiHeadAttention` plans each call here, from the layer's settings (config, mode, backend,
+chunking) and the call's checked inputs: :func:`plan_forward` for ``forward`` and ``explain_dispatch`` (the same
+plan, so the explanation is of what runs), :func:`plan_attend` for ``attend`` called on split heads. The
+functions read the layer through its public attributes only.
+
+Shapes:
+    b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
+    d: model width (d_model), d_h: head width (d_head).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from .config import check_dropout, check_scale
+from .dispatch import DispatchInfo, describe
+from .masks import validate_mask
+from .plan import CacheRead, Plan, cache_read, plan_attention
+from .statistics import check_statistics
+from .validation import check_bool, check_causal, check_forward, check_sinks, has_dead_rows
+
+__all__ = ["plan_forward", "plan_attend", "explain_forward"]
+
+
+def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: torch.Tensor | None, causal: bool,
+                 cache: Any, return_weights: bool, *, backend: str, chunk_queries: bool | int,
+                 statistics: tuple[str, ...] = ()) -> Plan:
+    """The plan of ``layer.forward`` on inputs ``check_forward`` returned.
+
+    Args:
+        layer: the ``MultiHeadAttention``.
+        x: the queries' inputs (b, s_q, d); key: the keys' inputs (b, s_kv, kdim), None for self-attention.
+        mask: the checked 4-D mask or None; causal: as given.
+        cache: the layer's ``KVCache`` or None.
+        return_weights: weights wanted (by the caller or a trace).
+        backend: the layer's backend; chunk_queries: its chunking setting, False where chunking is not allowed
+            (inside a trace).
+        statistics: what a trace asks for.
+    """
+    cfg = layer.config
+    # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
+    grad = False
+    if torch.is_grad_enabled():
+        grad = x.requires_grad or (key is not None and key.requires_grad)
+        for p in layer.parameters():  # a plain loop: no generator frame on every call
+            if grad:
+                break
+            grad = p.requires_grad
+    read = CacheRead.NONE
+    if cache is None:
+        s_kv = x.shape[1] if key is None else key.shape[1]
+    else:
+        read = cache_read(x.device.type, x.dtype, x.shape[1], mask is not None,
+                          return_weights or backend == "eager" or grad, lambda: cache.length)
+        whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
+        s_kv = cache.max_len if whole else cache.length + x.shape[1]
+    return plan_attention(
+        h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
+        s_kv=s_kv, dtype=x.dtype, device=x.device, backend=backend, causal=causal,
+        has_mask=mask is not None or read is CacheRead.BUFFER or read is CacheRead.POSITION,
+        cached=cache is not None, return_weights=return_weights,
+        dropout_p=cfg.dropout if layer.training else 0.0,
+        chunk_queries=chunk_queries, records_grad=grad,
+        dead_rows=False if mask is None else partial(has_dead_rows, mask),
+        mask_per_head=mask is not None and mask.shape[1] != 1, read=read, statistics=statistics)
+
+
+def plan_attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None,
+                causal: Any, return_weights: Any, scale: Any, softcap: Any, sinks: Any, dropout: Any,
+                head_scale: Any, tracer: Any, backend: str) -> tuple[Plan, torch.Tensor | None]:
+    """Check the arguments of ``layer.attend`` beside q, k, v (which the caller checked) and plan the call;
+    returns the plan and the mask as a validated 4-D mask (or None).
+
+    Args:
+        layer: the ``MultiHeadAttention``; tracer: its active trace or None; backend: its backend.
+        q, k, v, mask, causal, return_weights, scale, softcap, sinks, dropout, head_scale: as given to ``attend``.
+    """
+    cfg = layer.config
+    if not (isinstance(causal, bool) and isinstance(return_weights, bool)):
+        check_causal(causal)
+        check_bool("return_weights", return_weights)
+    b, h, s_q, _ = q.shape
+    if scale is not None:
+        check_scale(scale)
+    if softcap is not None:
+        check_scale(softcap, "softcap")
+    if dropout is None:
+        dropout = cfg.dropout if layer.training else 0.0
+    elif dropout:
+        check_dropout(dropout)
+    if sinks is not None:
+        check_sinks(sinks, b, h, s_q, q.device)
+    if head_scale is not None and (not isinstance(head_scale, torch.Tensor) or head_scale.shape != (h,)):
+        raise ValueError(f"attend: head_scale must be a tensor of one factor per head, shape ({h},), got "
+                         f"{tuple(head_scale.shape) if isinstance(head_scale, torch.Tensor) else head_scale}")
+    if mask is not None:
+        mask = validate_mask(mask, (b, h, s_q, k.shape[2]), q.dtype, q.device)
+    wants = return_weights or (tracer is not None and tracer.wants_weights(layer))
+    stats = () if tracer is None else tracer.wants_statistics(layer)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
+    plan = plan_attention(
+        h=h, h_kv=k.shape[1], d_h=q.shape[-1], scale=cfg.scale if scale is None else float(scale), b=b,
+        s_q=s_q, s_kv=k.shape[2], dtype=q.dtype, device=q.device,
+        backend="eager" if wants else backend, causal=causal, has_mask=mask is not None,
+        return_weights=wants, dropout_p=float(dropout), chunk_queries=False, records_grad=grad,
+        softcap=softcap, sinks=sinks is not None,
+        dead_rows=False if mask is None else partial(has_dead_rows, mask),
+        mask_per_head=mask is not None and mask.shape[1] != 1, statistics=stats)
+    return plan, mask
+
+
+def explain_forward(layer: Any, x: torch.Tensor, *, context: torch.Tensor | None, mask: torch.Tensor | None,
+                    causal: bool, cache: Any, return_weights: bool, warn_bytes: int | None,
+                    statistics: tuple[str, ...]) -> DispatchInfo:
+    """``layer.explain_dispatch(...)``: the forward's checks and plan on these inputs, formatted; nothing is
+    computed and no cache is bound.
+
+    Args:
+        layer: the ``MultiHeadAttention``.
+        x, context, mask, causal, cache, return_weights: as given to its forward.
+        warn_bytes: warn above this many bytes of probabilities (None: ``headwise.dispatch.WARN_BYTES``).
+        statistics: per-head statistics a trace would capture.
+    """
+    w = layer.q_proj.weight
+    x, key, _, mask, _, _ = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None, x,
+                                          context, None, None, mask, causal, cache, None, return_weights)
+    if cache is not None and cache.owner is not None:
+        cache.claim(layer)  # only checks: explaining never binds a cache
+    if cache is not None:
+        cache.check_room(x.shape[1])  # forward refuses a call past max_len: so does its explanation
+    plan = plan_forward(layer, x, key, mask, causal, cache, return_weights, backend=layer.backend,
+                        chunk_queries=layer.chunk_queries, statistics=check_statistics(statistics))
+    cfg = layer.config
+    return describe(plan, d_head=cfg.d_head, n_kv_heads=cfg.n_kv_heads, dtype=w.dtype, device=w.device,
+                    mask=mask, grad=torch.is_grad_enabled(), causal_given=causal,
+                    cache_length=0 if cache is None else cache.length, warn_bytes=warn_bytes)
