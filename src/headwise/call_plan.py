@@ -1,4 +1,5 @@
-"""The plan of one call of a layer: its inputs checked, then every decision made by :func:`~headwise.plan.plan_attention`.
+"""The plan of one call of a layer: its inputs checked, then every decision made by
+:func:`~headwise.plan.plan_attention`.
 
 :class:`~headwise.MultiHeadAttention` plans each call here, from the layer's settings (config, mode, backend,
 chunking) and the call's checked inputs: :func:`plan_forward` for ``forward`` and ``explain_dispatch`` (the same

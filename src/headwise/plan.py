@@ -66,8 +66,9 @@ from typing import Callable, NamedTuple
 import torch
 
 
-__all__ = ["Plan", "Causal", "Grouping", "CacheRead", "Statistics", "STATISTICS", "statistics_rows", "plan_attention", "cache_read", "MaterializationWarning", "forward_warning",
-           "CHUNK_ABOVE_BYTES", "CHUNK_BYTES", "FORWARD_WARN_BYTES", "lse_merge_available"]
+__all__ = ["Plan", "Causal", "Grouping", "CacheRead", "Statistics", "STATISTICS", "statistics_rows", "plan_attention",
+           "cache_read", "MaterializationWarning", "forward_warning", "CHUNK_ABOVE_BYTES", "CHUNK_BYTES",
+           "FORWARD_WARN_BYTES", "lse_merge_available"]
 
 #: Chunk a forward whose unchunked Q, K, V and context together would take more than this (512 MiB).
 CHUNK_ABOVE_BYTES = 512 * 2**20

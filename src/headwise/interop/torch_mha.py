@@ -219,12 +219,13 @@ def torch_masks_to_headwise(
     needs ``n_heads``. ``is_causal`` needs no conversion: pass ``causal=True`` to headwise instead of the
     causal ``attn_mask`` (identical when ``s_q == s_kv``).
 
-    Pass ``query`` (the batch-first query the mask is for) and ``key`` (without it the masks' own key axis is the
-    key length, and a size-1 key axis under several queries is refused as a broadcast) to have both masks checked as torch checks them, so that none is
-    broadcast where torch refuses it: ``key_padding_mask`` ``(b, s_kv)`` for a batched query, ``(s_kv,)`` for
-    an unbatched one; ``attn_mask`` ``(s_q, s_kv)``, or ``(b * h, s_q, s_kv)`` (``(h, s_q, s_kv)`` unbatched).
-    Anything else raises ``ValueError`` naming the expected and the received shapes. Without them, the two
-    masks' key axes must still agree.
+    Pass ``query`` (the batch-first query the mask is for) and ``key`` (without it the masks' own key axis is
+    the key length, and a size-1 key axis under several queries is refused as a broadcast) to have both masks
+    checked as torch checks them, so that none is broadcast where torch refuses it: ``key_padding_mask``
+    ``(b, s_kv)`` for a batched query, ``(s_kv,)`` for an unbatched one; ``attn_mask`` ``(s_q, s_kv)``, or
+    ``(b * h, s_q, s_kv)`` (``(h, s_q, s_kv)`` unbatched). Anything else raises ``ValueError`` naming the
+    expected and the received shapes. Without ``query`` the query length cannot be checked (a size-1 query
+    axis would broadcast over every query); the two masks' key axes must still agree.
 
     Shapes:
         attn_mask: (s_q, s_kv) or (b * h, s_q, s_kv); key_padding_mask: (b, s_kv) or (s_kv,) (unbatched)
