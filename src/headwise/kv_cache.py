@@ -167,8 +167,8 @@ class KVCache:
     def length(self) -> int:
         """Number of positions written so far (the next write starts here).
 
-        Once compiled or exported steps (:meth:`write_static`) wrote the cache, this reads the device's position (a synchronisation),
-        and raises the overflow ``ValueError`` if any of them found the cache full."""
+        Once compiled or exported steps (:meth:`write_static`) wrote the cache, this reads the device's position
+        (a synchronisation), and raises the overflow ``ValueError`` if any of them found the cache full."""
         if self._device_writes:
             self._read_position()
         return self._length

@@ -5,8 +5,8 @@ context) on a plain layer is what a decoding loop calls at every position, and o
 the Python around three products and one SDPA call. :func:`one_token`, which the forward (and
 :class:`~headwise.DecodeStep`) calls first, takes that call with only the checks that can change between calls
 (the token's shape, dtype and device; the layer's trace, backend, mode and projections) and with the plan of a
-one-query step over that cache made once, not per token: a one-query step depends on the position only through the key length, which it never
-needs (one query reads every cached key, so no causal mask). Every other call, and every call this route
+one-query step over that cache made once, not per token: a one-query step depends on the position only
+through the key length, which it never needs (one query reads every cached key, so no causal mask). Every other call, and every call this route
 does not recognise as plain, takes the general forward, which also refuses bad input with its messages. The
 route computes what the general forward computes, with the same kernels, in the same order.
 

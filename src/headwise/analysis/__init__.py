@@ -3,7 +3,8 @@
 Every function takes an :class:`~headwise.AttentionConfig` plus sizes (sequence length, batch, dtype)
 and returns plain numbers (exact Python ints from closed forms: no loop over the sequence, no overflow);
 nothing is allocated and torch is not imported (give dtypes by name, e.g. ``"bf16"``). The figures are
-checked in ``tests/analysis`` against real modules (``sum(p.numel())``, ``KVCache.nbytes``) and PyTorch's ``FlopCounterMode``.
+checked in ``tests/analysis`` against real modules (``sum(p.numel())``, ``KVCache.nbytes``) and PyTorch's
+``FlopCounterMode``.
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,

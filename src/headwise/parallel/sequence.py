@@ -22,8 +22,9 @@ Conventions (the same on every rank):
 * The weights are replicated, so every rank's gradient holds only its tokens' part. With
   ``grad_reduction="sum"`` (default) each call passes the parameters that require grad through an identity
   whose backward sums their gradients over the group (as DDP does, without averaging): after
-  ``loss.backward()`` with ``loss`` the sum of the ranks' losses, every rank holds the single-process gradient. ``"none"`` leaves the per-rank parts, for a
-  data-parallel wrapper whose group already spans the sequence-parallel ranks.
+  ``loss.backward()`` with ``loss`` the sum of the ranks' losses, every rank holds the single-process gradient.
+  ``"none"`` leaves the per-rank parts, for a data-parallel wrapper whose group already spans the
+  sequence-parallel ranks.
 * With a 2-D ``DeviceMesh`` named ``("sp", "tp")`` the layer is first split by heads over ``tp``
   (:func:`~headwise.parallel.tensor.tensor_parallel`), then each shard's heads over ``sp``.
 

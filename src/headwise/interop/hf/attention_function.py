@@ -30,9 +30,9 @@ The mask function is transformers' ``sdpa_mask`` (bool, True = may attend: headw
 for more than one query: a missing mask would leave causality to the module's ``is_causal`` flag, which families
 that only ever ran eager do not keep, and to code that looks for the name ``"sdpa"`` before dropping queries
 (Gemma 4). So a mask is missing only where the model builds none (ViT), for one query, or for a family whose
-registry entry keeps sdpa's skip (``causal_skip``: Dory). T5's ``position_bias`` is added to the scores; ``softcap`` (Gemma 2), ``s_aux`` (a sink logit per head,
-gpt-oss) and ``sinks`` (a sink logit per query row, Inkling 2) are applied; ``head_mask`` scales each head's
-probabilities and context (:func:`head_factors`).
+registry entry keeps sdpa's skip (``causal_skip``: Dory). T5's ``position_bias`` is added to the scores;
+``softcap`` (Gemma 2), ``s_aux`` (a sink logit per head, gpt-oss) and ``sinks`` (a sink logit per query row,
+Inkling 2) are applied; ``head_mask`` scales each head's probabilities and context (:func:`head_factors`).
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,

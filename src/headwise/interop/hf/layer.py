@@ -41,7 +41,8 @@ from .registry import Entry, entry_for
 from .rope import rotary_from_hf
 from .surgery import SurgerySeam
 
-__all__ = ["calls_interface", "family_entry", "is_target", "view_of", "HFView", "QKNormHFView", "InterleavedHead", "RULES"]
+__all__ = ["calls_interface", "family_entry", "is_target", "view_of", "HFView", "QKNormHFView", "InterleavedHead",
+           "RULES"]
 
 #: How a patched module attends: the rule of the implementation its model had before :func:`patch` (padded rows,
 #: missing masks and returned weights follow it; see :mod:`~headwise.interop.hf.attention_function`).
