@@ -186,3 +186,16 @@ def test_a_sequence_whose_probabilities_are_too_large_is_refused_before_the_laye
     err = capsys.readouterr().err
     assert f"(1, 4, 3000, 3000) in float64 would take {_probability_bytes(1, 4, 3000):.1e} bytes" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_seed_out_of_range_exits_2_before_importing_anything(capsys):
+    for seed in (str(2 ** 64 - 2), "-1"):
+        assert main(["check", f"{GALLERY}:reference", "--seed", seed]) == 2
+        err = capsys.readouterr().err
+        assert f"--seed must be an int in [0, 2**63 - 1], got {seed}" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_a_causal_layer_at_the_shortest_sequence_exits_0(capsys):
+    assert main(["check", f"{GALLERY}:reference", "--seq", "2", "--causal"]) == 0
+    assert "fitted on every head" in capsys.readouterr().out

@@ -76,3 +76,31 @@ def test_a_module_on_the_meta_device_is_refused_in_one_line():
         with pytest.raises(ValueError, match=r"^headwise.check: (LlamaAttention|HFView) has its weights on the meta "
                                              r"device \(q_proj.weight holds no data\); load or materialise them first"):
             check(layer)
+
+
+def test_gpt2_scaled_by_inverse_layer_index_passes_and_a_layer_ignoring_it_fails():
+    cfg = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=3, vocab_size=32, bos_token_id=0, eos_token_id=0,
+                                  scale_attn_by_inverse_layer_idx=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").eval()
+    attn64 = model.transformer.h[2].attn.double()
+    x = torch.randn(1, 5, 32, dtype=torch.float64)
+    future = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    mask = torch.zeros(1, 1, 5, 5, dtype=torch.float64).masked_fill(future, torch.finfo(torch.float64).min)
+    with torch.no_grad():  # layer 2 computes softmax(q . k / sqrt(8) / 3): the scale its config declares
+        w = attn64(x, attention_mask=mask, output_attentions=True)[1]
+        q, k, _ = attn64.c_attn(x).split(32, dim=-1)
+        q, k = (t.view(1, 5, 4, 8).transpose(1, 2) for t in (q, k))
+        ref = (q @ k.transpose(-2, -1) / (8 ** 0.5 * 3)).masked_fill(future, -torch.inf).softmax(-1)
+    torch.testing.assert_close(w, ref)
+    model.float()
+    for i in range(3):
+        report = check(model.transformer.h[i].attn)
+        assert report.ok, str(report)
+        assert "scale_attn_by_inverse_layer_idx" in report["softmax_sanity"].detail
+    attn = model.transformer.h[2].attn
+    attn.scaling = 8 ** -0.5  # layer 2 ignoring its config: 1/sqrt(d_head), not 1/(3 sqrt(d_head))
+    report = check(attn)
+    assert report.failed == ["softmax_sanity"]
+    cex = report["softmax_sanity"].counterexample
+    assert abs(cex["expected_scale"] - 8 ** -0.5 / 3) < 1e-12 and "1/sqrt(d_head)" in cex["summary"]

@@ -69,7 +69,8 @@ def test_plain_callable_is_enough_for_properties_1_to_3():
     assert rep.failed == ["permutation_equivariance"] and rep["dtype_stability"].passed and rep.dtype == "float64"
     rep = check(lambda x: peek(x, causal=True), d_model=32, causal=True)
     assert rep.failed == ["causality"]
-    assert rep["permutation_equivariance"].verdict == "skipped"  # causal only: order is its function
+    # causal only: its causal form runs (permuting the tokens before the last output leaves that output alone)
+    assert rep["permutation_equivariance"].passed and rep["permutation_equivariance"].detail.startswith("causal:")
     rep = check(lambda x: ref(x, causal=True), d_model=32, causal=True)
     assert rep["causality"].passed and "no cache path" in rep["causality"].detail
     # nothing failed, but a plain function exposes no weights and no heads: not verified, never OK
@@ -160,9 +161,136 @@ def test_property_names_are_the_properties():
     assert PROPERTY_NAMES == tuple(PROPERTIES) and set(CORE_PROPERTIES) <= set(PROPERTIES)
 
 
-def test_a_causal_layer_is_verified_by_causality_instead_of_permutation():
+def test_a_causal_only_layer_is_verified_by_permuting_a_prefix():
     ref = _make(RefAttention)
     rep = check(lambda x, **kw: ref(x, causal=True, **kw), d_model=32, causal=True,
                 properties=["permutation_equivariance", "causality", "batch_independence"])
-    assert rep["permutation_equivariance"].verdict == "skipped" and rep["causality"].passed
+    assert rep["permutation_equivariance"].passed and rep["causality"].passed
+    assert rep["permutation_equivariance"].detail.startswith("causal: permuting tokens 0..6")
     assert rep.not_verified == [] and rep.ok
+    # at seq_len=2 there is no prefix to permute: not verified, and causality does not stand in for it
+    rep = check(lambda x, **kw: ref(x, causal=True, **kw), d_model=32, causal=True, seq_len=2,
+                properties=["permutation_equivariance", "causality", "batch_independence"])
+    assert rep["permutation_equivariance"].verdict == "skipped" and rep["causality"].passed
+    assert rep.not_verified == ["permutation_equivariance"] and not rep.ok
+
+
+# -- the weights judged are the ones the output uses; a causal layer reads its prefix as a set -------------
+class FastPathOverDHead(RefAttention):
+    """Correct when asked for weights; its usual (fused) path scales by 1/d_head."""
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        if return_weights:
+            return super().forward(x, mask=mask, causal=causal, return_weights=True)
+        q, k, v = (self.split(p(x), self.n_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        allowed = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
+        if causal:
+            allowed = allowed.tril()
+        if mask is not None:
+            allowed = allowed & mask
+        z = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=1 / self.d_head)
+        return self.out_proj(self.merge(z))
+
+
+class CausalOnlyShiftedValues(RefAttention):
+    """Causal only (no causal= keyword), and each value is v_t + v_(t-1): the output depends on token order."""
+
+    def forward(self, x, *, return_weights=False):
+        q, k, v = (self.split(p(x), self.n_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        v = v + torch.cat([torch.zeros_like(v[:, :, :1]), v[:, :, :-1]], 2)
+        scores = (q @ k.transpose(-2, -1) * self.scale()).masked_fill(self.causal_blocked(x.shape[1], x.device),
+                                                                      float("-inf"))
+        w = scores.softmax(-1)
+        y = self.out_proj(self.merge(w @ v))
+        return (y, w) if return_weights else y
+
+
+class CausalOnlyRef(RefAttention):
+    """The reference, causal only."""
+
+    def forward(self, x, *, return_weights=False):
+        return super().forward(x, causal=True, return_weights=return_weights)
+
+
+def test_a_fast_path_with_a_wrong_scale_fails_softmax_sanity():
+    layer = _make(FastPathOverDHead).double().eval()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with torch.no_grad():  # the two paths really differ (and the weights path is the reference)
+        assert not torch.allclose(layer(x), layer(x, return_weights=True)[0])
+        torch.testing.assert_close(layer(x, return_weights=True)[0], RefAttention.forward(layer, x))
+    for causal in (False, True):
+        report = check(_make(FastPathOverDHead), causal=causal)
+        assert report.failed == ["softmax_sanity"], str(report)
+        cex = report["softmax_sanity"].counterexample
+        assert "return-weights call" in cex["summary"] and cex["deviation"] > report["softmax_sanity"].tolerance
+    assert "outputs match the weights path" in check(_make(RefAttention))["softmax_sanity"].detail
+
+
+def test_a_causal_only_layer_that_shifts_its_values_fails_permutation_equivariance():
+    layer = _make(CausalOnlyShiftedValues).double().eval()
+    x, perm = torch.randn(1, 8, 32, dtype=torch.float64), torch.tensor([3, 0, 6, 1, 5, 2, 4, 7])
+    with torch.no_grad():  # its last output does change when the tokens before it are permuted
+        assert not torch.allclose(layer(x)[0, -1], layer(x[:, perm])[0, -1])
+    report = check(_make(CausalOnlyShiftedValues), causal=True)
+    assert report.failed == ["permutation_equivariance"], str(report)
+    assert "changed the output at token 7" in report["permutation_equivariance"].counterexample["summary"]
+    report = check(_make(CausalOnlyRef), causal=True)  # the correct causal-only layer passes that form
+    assert report.ok and report["permutation_equivariance"].detail.startswith("causal: permuting tokens 0..6")
+
+
+class Float32Softmax(RefAttention):
+    """Correct, with its softmax in float32 whatever the input dtype (softmax(dtype=torch.float32))."""
+
+    def softmax(self, scores):
+        return scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+
+
+class Float32SoftmaxOverDHead(Float32Softmax):
+    def scale(self):
+        return 1 / self.d_head
+
+
+class Float16Softmax(RefAttention):
+    def softmax(self, scores):
+        return scores.half().softmax(-1).to(scores.dtype)
+
+
+def test_a_float32_softmax_is_judged_with_float32_tolerances():
+    layer = _make(Float32Softmax).double()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    with torch.no_grad():  # float32 numbers: the rows miss 1 by float32 rounding, more than float64's
+        w = layer(x, return_weights=True)[1]
+        torch.testing.assert_close(w, w.float().double(), rtol=0, atol=0)
+        q, k = layer.split(layer.q_proj(x), 4), layer.split(layer.k_proj(x), 4)
+        ref = (q @ k.transpose(-2, -1) / math.sqrt(8)).softmax(-1)  # the float64 formula
+        torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)
+        assert float((w.sum(-1) - 1).abs().max()) > 1e-12
+    for causal in (False, True):
+        assert check(_make(Float32Softmax), causal=causal).ok
+        report = check(_make(Float32SoftmaxOverDHead), causal=causal)  # a wrong scale is still caught
+        assert report.failed == ["softmax_sanity"] and "1/d_head" in report["softmax_sanity"].counterexample["summary"]
+    report = check(_make(Float16Softmax))  # float16 rounding is more than the check forgives; it says by how much
+    summary = report["softmax_sanity"].counterexample["summary"]
+    assert report.failed == ["softmax_sanity"] and "sum to 1, not 1" not in summary and "off by" in summary
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    ({"seed": 1.5}, TypeError, r"seed must be an int, got 1.5 \(float\)"),
+    ({"seed": "0"}, TypeError, r"seed must be an int, got '0' \(str\)"),
+    ({"seed": True}, TypeError, "seed must be an int"),
+    ({"seed": 2 ** 64 - 2}, ValueError, r"seed must be an int in \[0, 2\*\*63 - 1\], got 18446744073709551614"),
+    ({"seed": -1}, ValueError, r"seed must be an int in \[0, 2\*\*63 - 1\], got -1"),
+    ({"causal": "no"}, TypeError, r"causal must be True, False or None, got 'no' \(str\)"),
+    ({"causal": 1}, TypeError, "causal must be True, False or None, got 1"),
+    ({"properties": "causality"}, TypeError, r"properties must be a list of property names .* got the str"),
+    ({"properties": 3}, TypeError, "properties must be a list of property names, got int"),
+    ({"properties": [None]}, ValueError, r"unknown properties \[None\]"),
+])
+def test_arguments_of_the_wrong_kind_are_refused_naming_them(kw, error, match):
+    with pytest.raises(error, match=match):
+        check(_make(RefAttention), **kw)
+
+
+def test_the_largest_seed_runs():
+    report = check(_make(RefAttention), seed=2 ** 63 - 1, properties=["batch_independence"])
+    assert report.ok and report.seed == 2 ** 63 - 1

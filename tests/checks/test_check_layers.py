@@ -4,6 +4,8 @@ property; a real mis-scaled Hugging Face layer is caught."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -43,6 +45,45 @@ def test_torch_multihead_attention_passes(batch_first, causal):
     report = check(m, causal=causal)
     assert report.ok, str(report)
     assert _ran(report) == (ALL if causal else ALL - {"causality"})
+
+
+def _torch_contexts(m: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    """Each head's softmax(q k^T / sqrt(d_h)) v from the module's in_proj, in plain PyTorch: (b, h, s, d_h)."""
+    b, s, d = x.shape
+    q, k, v = (x @ w.T + bias for w, bias in zip(m.in_proj_weight.chunk(3), m.in_proj_bias.chunk(3)))
+    q, k, v = (t.view(b, s, m.num_heads, m.head_dim).transpose(1, 2) for t in (q, k, v))
+    return (q @ k.transpose(-2, -1) / math.sqrt(m.head_dim)).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("factor", [0.0, 1e-7])
+def test_torch_multihead_attention_with_a_zeroed_or_tiny_head_in_w_o_passes(factor):
+    from headwise.checks import adapt
+
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(32, 4, batch_first=True)
+    with torch.no_grad():
+        m.out_proj.weight[:, :8] *= factor  # head 0's columns of W_O
+    report = check(m)
+    assert report.ok, str(report)
+    m64 = m.double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    w_o = m64.out_proj.weight.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(adapt(m64).contexts(x), _torch_contexts(m64, x))
+    assert torch.equal(m64.out_proj.weight, w_o)  # W_O is put back
+
+
+def test_headwise_layer_is_held_to_its_declared_scale():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, scale=0.1).double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    q, k = (t.view(2, 5, 4, 8).transpose(1, 2) for t in (layer.q_proj(x), layer.k_proj(x)))
+    with torch.no_grad():  # the layer computes what it declares: softmax(0.1 q . k)
+        torch.testing.assert_close(layer(x, return_weights=True)[1], (0.1 * q @ k.transpose(-2, -1)).softmax(-1))
+    for causal in (False, True):
+        report = check(MultiHeadAttention(32, 4, scale=0.1), causal=causal)
+        assert report.ok, str(report)
+        assert "config.scale = 0.1 (the layer's)" in report["softmax_sanity"].detail
 
 
 # -- Hugging Face -------------------------------------------------------------------------------------------
@@ -173,3 +214,38 @@ def test_a_non_finite_rotary_attention_scaling_is_refused():
     patched.config.rope_parameters = {**patched.config.rope_parameters, "rope_type": "yarn", "factor": float("inf")}
     with pytest.raises(ValueError, match="attention_scaling must be a finite number, got"):
         check(patched)
+
+
+# -- the shortest sequence, W_O that cannot be inverted, heads pruned, a declared scale ---------------------
+def test_causal_layers_pass_at_the_shortest_sequence_and_a_wrong_scale_still_fails():
+    torch.manual_seed(0)
+    for layer, causal in [(MultiHeadAttention(32, 4), True), (MultiHeadAttention(32, 4, 2), True),
+                          (nn.MultiheadAttention(32, 4, batch_first=True), True), (_llama(), None)]:
+        report = check(layer, causal=causal, seq_len=2)
+        assert report.ok, str(report)
+        assert "fitted on every head" in report["softmax_sanity"].detail
+    layer = _llama()
+    layer.scaling = 1.0 / layer.head_dim  # one row of two keys cannot tell scales apart: more inputs are drawn
+    report = check(layer, seq_len=2)
+    assert report.failed == ["softmax_sanity"]
+    cex = report["softmax_sanity"].counterexample
+    assert "1/d_head" in cex["summary"] and math.isclose(cex["fitted_scale"], 1 / layer.head_dim, rel_tol=1e-3)
+
+
+def test_head_pruned_bert_self_attention_is_checked():
+    from transformers import BertConfig, BertModel
+
+    from headwise.interop import layers, patch
+    from headwise.surgery import prune_heads
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=128,
+                     vocab_size=100)
+    model = prune_heads(patch(BertModel(cfg).eval()), {0: [1, 2]})
+    attn = model.encoder.layer[0].attention
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():  # without its W_O the module returns the 2 heads left: 32 wide, not d_model
+        assert attn.self(x)[0].shape == (2, 5, 32)
+    for layer in (attn.self, layers(model)[0][1], attn):
+        report = check(layer)
+        assert report.ok and _ran(report) == ALL - {"causality"}, str(report)

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 from .report import CORE_PROPERTIES, FAIL, PASS, PROPERTY_NAMES, SKIPPED, PropertyResult, Report
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .adapters import Adapter, CallableAdapter, ModuleAdapter, TorchMHAAdapter
+    from .adapters import Adapter, CallableAdapter, ModuleAdapter
     from .choose import adapt
     from .run import check
+    from .torch_mha import TorchMHAAdapter
 
 __all__ = ["check", "Report", "PropertyResult", "Adapter", "CallableAdapter", "ModuleAdapter",
            "TorchMHAAdapter", "adapt", "PROPERTY_NAMES", "CORE_PROPERTIES"]
@@ -33,7 +34,7 @@ __all__ = ["check", "Report", "PropertyResult", "Adapter", "CallableAdapter", "M
 # The names that need torch load on first use, so that the CLI can check its arguments (property names)
 # before importing torch.
 _LAZY = {"check": "run", "Adapter": "adapters", "CallableAdapter": "adapters", "ModuleAdapter": "adapters",
-         "TorchMHAAdapter": "adapters", "adapt": "choose"}
+         "TorchMHAAdapter": "torch_mha", "adapt": "choose"}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ and skip the rest. Shipped adapters:
   ``q_proj``/``k_proj``/``v_proj``/``out_proj`` ``nn.Linear`` submodules and an ``n_heads`` attribute
   (``n_kv_heads`` optional), head ``i`` owning output rows ``i * d_head .. (i + 1) * d_head - 1``.
   headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV cache and rotary positions.
-* :class:`TorchMHAAdapter`: ``torch.nn.MultiheadAttention``.
+* ``torch.nn.MultiheadAttention``: :class:`~headwise.checks.torch_mha.TorchMHAAdapter` (built on these).
 * Hugging Face attention modules: :mod:`headwise.checks.hf_adapter` (built on these).
 
 :func:`headwise.checks.choose.adapt` picks the adapter for a layer.
@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "TorchMHAAdapter", "check_rotary_scaling"]
+__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "check_rotary_scaling", "causal_keep", "copy_adapter",
+           "split", "capture_input"]
 
 # (tensor, dim, start, stop): one head's slice of a projection weight or bias
 Slice = tuple[torch.Tensor, int, int, int]
@@ -68,6 +69,7 @@ class Adapter:
     n_kv_heads: int | None = None
     d_head: int | None = None
     no_heads_reason: str = ""     # why heads are not exposed, where the adapter knows (head_independence says it)
+    d_out: int | None = None      # the output's width when not d_model (W_O outside the layer: h * d_h)
 
     def run(self, x: torch.Tensor, *, keep: torch.Tensor | None = None, causal: bool | None = None,
             positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,6 +225,17 @@ class ModuleAdapter(CallableAdapter):
             self.n_heads = n_heads
             self.n_kv_heads = int(getattr(module, "n_kv_heads", None) or n_heads)
             self.d_head = projs[0].out_features // n_heads
+        self._declared_scale(module)
+
+    def _declared_scale(self, module: nn.Module) -> None:
+        """headwise's layer declares its score scale (the ``scale=`` option) in its config: that is the scale
+        expected, as a Hugging Face family's declared scale is."""
+        from ..config import AttentionConfig
+
+        cfg = getattr(module, "config", None)
+        scale = getattr(cfg, "scale", None) if isinstance(cfg, AttentionConfig) else None
+        if isinstance(scale, float) and scale > 0 and not math.isclose(scale, cfg.d_head ** -0.5, rel_tol=1e-12):
+            self.scale, self.scale_source = scale, f"config.scale = {scale:g} (the layer's)"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -276,85 +289,6 @@ class ModuleAdapter(CallableAdapter):
         steps = [self.module(x[:, :prefill], cache=cache)]
         steps += [self.module(x[:, t:t + 1], cache=cache) for t in range(prefill, x.shape[1])]
         return torch.cat(steps, dim=1)
-
-    def converted(self, dtype):
-        return copy_adapter(self, dtype)
-
-
-class TorchMHAAdapter(Adapter):
-    """``torch.nn.MultiheadAttention`` as self-attention (``m(x, x, x)``), either batch layout.
-
-    Per-head contexts are recovered from the output through the (square) W_O:
-    ``context = W_O^{-1} (y - b_O)``, since torch applies W_O inside one fused function.
-
-    Shapes:
-        x (b, s, d) -> (b, s, d); weights (b, h, s, s) with ``average_attn_weights=False``
-
-    Example:
-        >>> ad = TorchMHAAdapter(nn.MultiheadAttention(16, 4))
-        >>> ad.run(torch.randn(2, 3, 16)).shape
-        torch.Size([2, 3, 16])
-    """
-
-    accepts_causal = accepts_mask = exposes_weights = exposes_heads = True
-
-    def __init__(self, module: nn.MultiheadAttention, *, causal: bool = False, name: str | None = None) -> None:
-        if module.bias_k is not None or module.add_zero_attn or not module._qkv_same_embed_dim:
-            raise ValueError("TorchMHAAdapter checks self-attention without add_bias_kv/add_zero_attn/kdim/vdim")
-        self.module = module
-        self.name = name or "nn.MultiheadAttention"
-        self.d_model = module.embed_dim
-        self.claims_causal = causal
-        self.n_heads = self.n_kv_heads = module.num_heads
-        self.d_head = module.head_dim
-
-    @property
-    def dtype(self):
-        return self.module.out_proj.weight.dtype
-
-    @property
-    def device(self):
-        return self.module.out_proj.weight.device
-
-    def _call(self, x, keep, causal, need_weights):
-        m = self.module
-        causal = self.causal_flag(causal)
-        xt = x if m.batch_first else x.transpose(0, 1)
-        attn_mask = ~causal_keep(x.shape[1], x.device) if causal else None  # torch: True = blocked
-        kpm = None if keep is None else ~keep  # torch: True = ignore
-        y, w = m(xt, xt, xt, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=need_weights,
-                 average_attn_weights=False)
-        return (y if m.batch_first else y.transpose(0, 1)), w
-
-    def run(self, x, *, keep=None, causal=None, positions=None):
-        if positions is not None:
-            raise ValueError("nn.MultiheadAttention takes no positions")
-        return self._call(x, keep, causal, False)[0]
-
-    def run_weights(self, x, *, keep=None, causal=None):
-        return self._call(x, keep, causal, True)
-
-    def qk(self, x):
-        m, d = self.module, self.d_model
-        b = m.in_proj_bias
-        q = x @ m.in_proj_weight[:d].T + (0 if b is None else b[:d])
-        k = x @ m.in_proj_weight[d:2 * d].T + (0 if b is None else b[d:2 * d])
-        return split(q, self.n_heads), split(k, self.n_heads)  # (b, h, s, d_h) each
-
-    def contexts(self, x, *, causal=None):
-        y = self.run(x, causal=causal)
-        w_o, b_o = self.module.out_proj.weight, self.module.out_proj.bias
-        rhs = (y if b_o is None else y - b_o).reshape(-1, self.d_model).T  # (d, b * s)
-        ctx = torch.linalg.solve(w_o, rhs).T.reshape(y.shape)  # (b, s, h * d_h)
-        return split(ctx, self.n_heads)
-
-    def head_slices(self, which, index):
-        m, d = self.module, self.d_model
-        lo = {"q": 0, "k": d, "v": 2 * d}[which] + index * self.d_head
-        out = [(m.in_proj_weight, 0, lo, lo + self.d_head)]
-        if m.in_proj_bias is not None:
-            out.append((m.in_proj_bias, 0, lo, lo + self.d_head))
-        return out
 
     def converted(self, dtype):
         return copy_adapter(self, dtype)

@@ -1,6 +1,6 @@
 """Which adapter :func:`headwise.check` uses for a layer (:func:`adapt`).
 
-The adapters themselves live in :mod:`.adapters` (generic, headwise, ``nn.MultiheadAttention``) and
+The adapters themselves live in :mod:`.adapters` (generic, headwise), :mod:`.torch_mha` (``nn.MultiheadAttention``) and
 :mod:`.hf_adapter` (every Hugging Face attention module on transformers' attention interface, imported only when
 one is checked); this module depends on them, none on it.
 
@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from .adapters import Adapter, CallableAdapter, ModuleAdapter, TorchMHAAdapter
+from .adapters import Adapter, CallableAdapter, ModuleAdapter
+from .torch_mha import TorchMHAAdapter
 from .hf_module import hf_class
 
 __all__ = ["adapt"]

@@ -146,6 +146,9 @@ class HFAdapter(Adapter):
             if inside:  # an output projection the registry could not match: its input is not known to be heads
                 why = f"W_O is not located ({located['out_proj']})"
         self.exposes_heads = not why
+        # Without its W_O (BERT's self-attention) the module returns the merged heads: h * d_h wide, which head
+        # pruning makes narrower than d_model
+        self.d_out = cfg.n_heads * cfg.d_head if not why and self.out is None else None
         self.no_heads_reason = f"{self.name} exposes no heads: {why}" if why else ""
 
     @property

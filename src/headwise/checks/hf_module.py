@@ -113,11 +113,24 @@ def _positive(value: Any) -> float | None:
     return float(value) if ok else None
 
 
+def _gpt2_scale(module: nn.Module, config: Any) -> tuple[float | None, str]:
+    """GPT-2's ``scale_attn_by_inverse_layer_idx=True`` (GPT-2, ImageGPT, Decision Transformer): layer i scales its
+    scores by 1/sqrt(d_qk) / (i + 1); (None, "") otherwise. ``scale_attn_weights=False`` (no scale at all) is not
+    honoured: an unscaled layer is what the scale check is there to catch."""
+    index, d_qk = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
+    if getattr(config, "scale_attn_by_inverse_layer_idx", None) is not True or not isinstance(index, int) \
+            or not isinstance(d_qk, int) or d_qk <= 0:
+        return None, ""
+    scale = d_qk ** -0.5 / (index + 1)
+    return scale, f"1/sqrt({d_qk}) / (layer_idx + 1) (scale_attn_by_inverse_layer_idx, layer {index})"
+
+
 def declared(module: nn.Module, config: Any) -> tuple[float | None, str, float | None]:
     """``(scale, where it is declared, softcap)`` as the family declares them in its config (the registry's
     ``scale_fields``: ``query_pre_attn_scalar ** -0.5`` for Gemma 2 and 3; ``multiplier_fields``: Granite's
-    ``attention_multiplier``; ``softcap_fields``: Gemma 2's ``attn_logit_softcapping``), or ``(None, "", None)``:
-    the check then expects ``1/sqrt(d_qk)`` and no softcap. The module's own ``scaling`` is what is checked, never
+    ``attention_multiplier``; GPT-2's ``scale_attn_by_inverse_layer_idx``;
+    ``softcap_fields``: Gemma 2's ``attn_logit_softcapping``), or ``(None, "", None)``: the check then expects
+    ``1/sqrt(d_qk)`` and no softcap. The module's own ``scaling`` is what is checked, never
     what it is checked against."""
     from ..interop.hf.layer import family_entry
 
@@ -133,5 +146,7 @@ def declared(module: nn.Module, config: Any) -> tuple[float | None, str, float |
         if value is not None:
             scale, where = value, f"{name} = {value:g} (the config's)"
             break
+    if scale is None:
+        scale, where = _gpt2_scale(module, config)
     softcap = next((v for n in entry.softcap_fields if (v := _positive(getattr(config, n, None))) is not None), None)
     return scale, where, softcap

@@ -23,6 +23,8 @@ __all__ = ["check"]
 # What a layer may raise on the check's inputs and still be reported, not crash the check: any error,
 # and SystemExit (user code calling sys.exit must not end the caller's process with a success code).
 _LAYER_ERRORS = (Exception, SystemExit)
+# Each property seeds its generator with seed + 1 + its index: the largest seed keeps that within torch's range.
+MAX_SEED = 2 ** 63 - 1
 
 
 def _keep_mask(b: int, s: int, device: torch.device) -> torch.Tensor:
@@ -58,13 +60,59 @@ def _working_adapter(adapter: Adapter, x64: torch.Tensor) -> tuple[Adapter, torc
         except _LAYER_ERRORS as exc:  # the layer's own error: try the next dtype, report all if none works
             errors.append(f"{dt}: {type(exc).__name__}: {exc}")
             continue
-        if not isinstance(y, torch.Tensor) or tuple(y.shape) != tuple(x.shape):
+        # A layer whose W_O sits outside it (BERT's self-attention) returns the merged heads, h * d_h wide
+        want, what = (tuple(x.shape), "d_model") if not work.d_out else ((*x.shape[:2], work.d_out), "h * d_h")
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != want:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-            raise ValueError(f"{adapter.name}: expected an output of shape (b, s, d_model) = {tuple(x.shape)}, "
-                             f"got {got}")
+            raise ValueError(f"{adapter.name}: expected an output of shape (b, s, {what}) = {want}, got {got}")
         return work, x
     raise ValueError(f"{adapter.name} fails on x of shape (b, s, d_model) = {tuple(x64.shape)}: "
                      + " | ".join(errors))
+
+
+def _computed_precision(adapter: Adapter, x: torch.Tensor, keep: torch.Tensor) -> torch.dtype | None:
+    """float32 when a layer checked in float64 returns weights that are all float32 numbers: its softmax runs in
+    float32 (``softmax(dtype=torch.float32)``), so its outputs carry float32 rounding and are judged with float32
+    tolerances. None otherwise, or when the weights cannot be had."""
+    if x.dtype != torch.float64 or not adapter.exposes_weights:
+        return None
+    try:
+        with torch.no_grad():
+            _, w = adapter.run_weights(x, keep=keep if adapter.accepts_mask else None)
+    except _LAYER_ERRORS:  # the properties report the layer's own errors
+        return None
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float64:
+        return None
+    w = w[torch.isfinite(w)]
+    inner = w[(w > 0) & (w < 1)]  # 0 and 1 are float32 numbers whatever computed them
+    if inner.numel() < 8 or not torch.equal(inner.float().double(), inner):
+        return None
+    # lower still (a float16 / bfloat16 softmax) is more rounding than the check forgives: judged as float64
+    lower = any(torch.equal(inner.to(dt).double(), inner) for dt in (torch.float16, torch.bfloat16))
+    return None if lower else torch.float32
+
+
+def _validate(causal: Any, seed: Any, properties: Any) -> list[str]:
+    """The names of the properties to run; TypeError / ValueError for an argument of the wrong kind."""
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"causal must be True, False or None, got {causal!r} ({type(causal).__name__})")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an int in [0, 2**63 - 1], got {seed}")
+    if properties is None:
+        return list(PROPERTIES)
+    if isinstance(properties, (str, bytes)):
+        raise TypeError(f"properties must be a list of property names (e.g. [{properties!r}]), got the "
+                        f"{type(properties).__name__} {properties!r}")
+    try:
+        names = list(properties)
+    except TypeError:
+        raise TypeError(f"properties must be a list of property names, got {type(properties).__name__}") from None
+    unknown = [n for n in names if not isinstance(n, str) or n not in PROPERTIES]
+    if unknown:
+        raise ValueError(f"unknown properties {unknown}; choose from {list(PROPERTIES)}")
+    return names
 
 
 def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None, batch: int = 3,
@@ -81,8 +129,11 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
         causal: the layer claims causality (property 3 applies). None: the layer's own claim (Hugging
             Face decoders yes, everything else no).
         batch, seq_len: input size (batch >= 3 and seq_len >= 4 exercise left and right padding).
-        seed: every input and perturbation is drawn from it; the report is deterministic.
-        properties: names to run (default all, in order: ``PROPERTY_NAMES``).
+        seed: an int in [0, 2**63 - 1]; every input and perturbation is drawn from it; the report is deterministic.
+        properties: a list of names to run (default all, in order: ``PROPERTY_NAMES``).
+
+    Raises ``TypeError`` / ``ValueError`` for an argument of the wrong kind or range (``causal`` must be a bool or
+    None, ``seed`` an int, ``properties`` a list of names, not one string).
 
     Modules are copied (float64 when they run in it, eval mode); the layer passed in is not changed.
     The check runs with one intra-op thread (its tensors are tiny), restoring the setting afterwards.
@@ -113,10 +164,7 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
 def _check(layer: Any, *, d_model: int | None, causal: bool | None, batch: int, seq_len: int, seed: int,
            properties: Iterable[str] | None) -> Report:
     start = time.perf_counter()
-    names = list(PROPERTIES) if properties is None else list(properties)
-    unknown = [n for n in names if n not in PROPERTIES]
-    if unknown:
-        raise ValueError(f"unknown properties {unknown}; choose from {list(PROPERTIES)}")
+    names = _validate(causal, seed, properties)
     for label, value, low in (("batch", batch, 1), ("seq_len", seq_len, 2), ("d_model", d_model, 1)):
         if label == "d_model" and value is None:
             continue
@@ -133,7 +181,8 @@ def _check(layer: Any, *, d_model: int | None, causal: bool | None, batch: int, 
     generator = torch.Generator().manual_seed(seed)
     x64 = torch.randn(batch, seq_len, adapter.d_model, generator=generator, dtype=torch.float64)
     work, x = _working_adapter(adapter, x64)
-    probe = Probe(work, x, _keep_mask(batch, seq_len, x.device), generator, seed)
+    keep = _keep_mask(batch, seq_len, x.device)
+    probe = Probe(work, x, keep, generator, seed, _computed_precision(work, x, keep))
     results = []
     for name in names:
         probe.generator.manual_seed(seed + 1 + list(PROPERTIES).index(name))  # each property alone is reproducible

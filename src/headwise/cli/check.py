@@ -42,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     causal.add_argument("--not-causal", dest="causal", action="store_false", help="the layer is not causal")
     p.add_argument("--batch", type=size, default=3, help="samples (default 3)")
     p.add_argument("--seq", type=size, default=8, help="tokens, at least 2 (default 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of every input and perturbation, in [0, 2**63 - 1] "
+                                                        "(default 0)")
     p.add_argument("--property", action="append", dest="properties", metavar="NAME", choices=PROPERTY_NAMES,
                    help=f"run only this property (repeatable): {', '.join(PROPERTY_NAMES)}")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -56,6 +57,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise CliError(f"expected MODULE:FACTORY (e.g. mypkg.layers:make_attention), got {args.target!r}")
     if args.seq < 2:
         raise CliError(f"--seq must be at least 2, got {args.seq}")
+    if not 0 <= args.seed <= 2 ** 63 - 1:  # headwise.check's range, judged before importing torch
+        raise CliError(f"--seed must be an int in [0, 2**63 - 1], got {args.seed}")
     # the (b, h, s, s) probabilities grow with seq_len squared whatever the width: judged even without --d-model
     check_input_size(args.batch, args.seq, args.d_model)
 
