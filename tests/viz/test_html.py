@@ -155,3 +155,32 @@ def test_browser_tests_skipped_without_chromium_are_named_at_the_end() -> None:
     assert told.lines[0] == "== browser tests skipped"
     assert "1 test(s) need a browser and were skipped: chromium is not installed" in told.lines[1]
     assert "apt-get install chromium" in told.lines[1] and told.lines[2].endswith("test_chromium_draws")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_html_refuses_value_norms_that_are_not_finite(bad: float, tmp_path) -> None:
+    attn = MultiHeadAttention(8, 2)
+    with torch.no_grad():
+        attn.out_proj.weight[0, 0] = bad  # one corrupt W_O entry, in head 0's columns
+    m = head_maps(attn, torch.randn(3, 8))
+    if bad < 0:  # a negative W_O entry is a valid weight: plant the impossible norm itself
+        m.value_norms[0, 1] = bad
+    assert bool(torch.isfinite(m.weights).all())  # what the page checked before: the weights are fine
+    with pytest.raises(ValueError, match=r"norms .* must be finite and >= 0 to be drawn; layer 0 head\(s\) \[0\]"):
+        render_html(m)
+    with pytest.raises(ValueError, match="value norms"):
+        save_html(m, tmp_path / "nan.html")
+    assert not (tmp_path / "nan.html").exists()
+    # the page JavaScript reads: every page that is written parses as strict JSON
+    ok = head_maps(MultiHeadAttention(8, 2), torch.randn(3, 8))
+    meta = re.search(r'<script id="headwise-meta" type="application/json">(.*?)</script>', render_html(ok), re.S)
+    json.loads(meta.group(1), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+
+
+def test_html_refuses_a_layer_without_heads() -> None:
+    tokens = [f"t{i}" for i in range(4)]
+    empty = HeadMaps(tokens, 3, torch.zeros(0, 4, 4), torch.zeros(0, 4, 4), torch.zeros(0, 4), original_heads=())
+    with pytest.raises(ValueError, match="layer 3 has no head to draw: head surgery removed every head"):
+        render_html(empty)
+    with pytest.raises(ValueError, match="layer 3 has no head to draw"):
+        render_html([empty, empty])

@@ -135,3 +135,117 @@ def test_bad_inputs(minilm) -> None:
         head_maps(attn, torch.randn(4, 16), tokens=["a", "b", "c"])
     with pytest.raises(TypeError, match="MultiHeadAttention"):
         head_maps(torch.nn.Linear(2, 2), torch.randn(3, 2))
+
+
+def _small_bert():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    return BertModel(BertConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64,
+                                vocab_size=30522, max_position_embeddings=64,
+                                attn_implementation="eager")).eval()
+
+
+def test_text_head_maps_draws_the_model_given_or_refuses_half_a_pair(minilm, monkeypatch) -> None:
+    import headwise.viz.maps as vmaps
+
+    tokenizer, _ = minilm
+    mine = _small_bert()
+    monkeypatch.setattr(vmaps, "load_minilm", lambda: pytest.fail("the bundled model replaced the one given"))
+    with pytest.raises(ValueError, match="got a model but no tokenizer"):
+        text_head_maps("the cat sat", model=mine)
+    with pytest.raises(ValueError, match="got a tokenizer but no model"):
+        text_head_maps("the cat sat", tokenizer=tokenizer)
+    assert not layers(mine)  # refused before patching
+    m = text_head_maps("the cat sat", tokenizer=tokenizer, model=mine, layer=1)
+    unpatch(mine)
+    enc = tokenizer("the cat sat", return_tensors="pt")
+    with torch.no_grad():
+        reference = mine(**enc, output_attentions=True).attentions[1][0]  # (2, s, s) from the unpatched model
+    assert m.n_heads == 2
+    torch.testing.assert_close(m.weights, reference)
+
+
+@pytest.mark.parametrize("max_tokens, error, match", [
+    (0, ValueError, r"at least 3 \(this tokenizer adds 2 special tokens"),
+    (2, ValueError, "at least 3"),
+    (-5, ValueError, "at least 3"),
+    (65, ValueError, r"at most 64 \(the model's position embeddings\), got 65"),
+    (2.5, TypeError, "max_tokens must be an int, got float"),
+    (True, TypeError, "max_tokens must be an int, got bool"),
+])
+def test_text_head_maps_checks_max_tokens_as_the_command_does(minilm, max_tokens, error, match) -> None:
+    tokenizer, _ = minilm
+    mine = _small_bert()
+    with pytest.raises(error, match=match):
+        text_head_maps("the cat sat " * 40, tokenizer=tokenizer, model=mine, max_tokens=max_tokens)
+    assert not layers(mine)
+
+
+def test_text_head_maps_cuts_at_max_tokens_with_one_text_token(minilm) -> None:
+    tokenizer, _ = minilm
+    m = text_head_maps("the cat sat " * 40, tokenizer=tokenizer, model=_small_bert(), max_tokens=3)
+    assert m.tokens == ["[CLS]", "the", "[SEP]"]
+    m = text_head_maps("the cat sat " * 40, tokenizer=tokenizer, model=_small_bert(), max_tokens=64)
+    assert len(m.tokens) == 64
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_writes_under_a_lora_adapter_are_the_merged_models(family) -> None:
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel
+
+    from headwise.viz.maps import model_layers_head_maps
+
+    torch.manual_seed(0)
+    if family == "llama":
+        base = LlamaModel(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=1, intermediate_size=64, vocab_size=50,
+                                      attn_implementation="eager"))
+        targets = ["o_proj", "v_proj"]
+    else:
+        base = GPT2Model(GPT2Config(n_embd=32, n_head=4, n_layer=1, vocab_size=50, n_positions=16,
+                                    attn_implementation="eager"))
+        targets = ["attn.c_proj", "attn.c_attn"]
+    pm = peft.get_peft_model(base.eval(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                          init_lora_weights=False, lora_dropout=0.5))
+    merged = copy.deepcopy(pm).merge_and_unload().eval()  # the reference: the same model, the adapter merged
+    ids = torch.randint(0, 50, (1, 6))
+    # the V entering W_O (per head) and W_O itself, from the merged model's own modules, by plain hooks
+    if family == "llama":
+        at = merged.layers[0].self_attn
+        v_mod, w_o, h_kv = at.v_proj, at.o_proj.weight, 2
+    else:
+        at = merged.h[0].attn
+        v_mod, w_o, h_kv = at.c_attn, at.c_proj.weight.T, 4
+    got = {}
+    hook = v_mod.register_forward_hook(lambda mod, inp, out: got.setdefault("v", out.detach()))
+    with torch.no_grad():
+        attn_ref = merged(ids, output_attentions=True).attentions[0][0]
+    hook.remove()
+    v = got["v"][0].double()[:, -32:] if family == "gpt2" else got["v"][0].double()  # (s, h_kv * 8)
+    v = v.view(6, h_kv, 8).transpose(0, 1)
+    norms = torch.stack([(v[i * h_kv // 4] @ w_o.double()[:, i * 8:(i + 1) * 8].T).norm(dim=-1) for i in range(4)])
+    pm.train()  # the drawing runs in eval mode (no adapter dropout) and gives the modes back
+    lora_before = {k: t.clone() for k, t in pm.state_dict().items()}
+    m = model_layers_head_maps(pm, ids)[0]
+    assert m.writes_missing == ""
+    torch.testing.assert_close(m.weights, attn_ref)
+    torch.testing.assert_close(m.value_norms.double(), norms, rtol=1e-5, atol=1e-5)
+    assert pm.training and all(mod.training for mod in pm.modules())
+    for k, t in pm.state_dict().items():
+        torch.testing.assert_close(t, lora_before[k], rtol=0, atol=0)
+
+
+def test_head_maps_labels_tokens_with_their_str_as_model_head_maps_does() -> None:
+    from headwise.viz.maps import model_head_maps
+
+    attn = MultiHeadAttention(8, 2)
+    x = torch.randn(3, 8)
+    m = head_maps(attn, x, tokens=[10, 20.5, None])
+    assert m.tokens == ["10", "20.5", "None"]
+    assert m.tokens == model_head_maps(attn, x[None], layer=0, tokens=[10, 20.5, None]).tokens
+    assert [row["reads_most"] for row in m.summary()] == [m.tokens[int(m.weights[h].mean(0).argmax())]
+                                                         for h in range(2)]

@@ -154,3 +154,99 @@ def test_dollar_signs_in_tokens_and_titles_are_text(tmp_path) -> None:
     assert set(tokens) <= labels and any("cost $5, or $$ and $\\frac$" in t for t in labels)
     assert all(not t.get_parse_math() for t in texts)  # drawn as the characters they are, never mathtext
     real_close(fig)
+
+
+def _drawn(maps, tmp_path, **kw):
+    """{panel title: the array it shows} of save_png's figure, and the figure's plan."""
+    import matplotlib.pyplot as plt
+
+    from headwise.viz.png import png_plan
+
+    figures = []
+    real_close = plt.close
+    try:
+        plt.close = lambda fig=None: figures.append(fig)
+        save_png(maps, tmp_path / "drawn.png", **kw)
+    finally:
+        plt.close = real_close
+    fig = figures[0]
+    shown = {ax.get_title(): np.asarray(ax.images[0].get_array()) for ax in fig.axes if ax.images and ax.get_title()}
+    real_close(fig)
+    return shown, png_plan(maps, **kw)
+
+
+def _maps_of_heads(layer: int, heads: tuple[int, ...], s: int = 5, seed: int = 0):
+    """A HeadMaps of ``heads`` (numbers before head surgery) with random rows that sum to 1."""
+    import torch
+
+    from headwise.viz.maps import HeadMaps
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(len(heads), s, s, generator=g).softmax(-1)
+    norms = torch.rand(len(heads), s, generator=g)
+    return HeadMaps([f"t{i}" for i in range(s)], layer, w, w * norms[:, None, :], norms,
+                    original_heads=None if heads == tuple(range(len(heads))) else heads)
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [1, 0, 2]])
+def test_the_model_view_draws_every_head_of_layers_with_different_head_counts(tmp_path, order) -> None:
+    pytest.importorskip("matplotlib")
+    layers = [_maps_of_heads(0, (0, 1, 2, 3), seed=1), _maps_of_heads(1, (1, 2), seed=2),
+              _maps_of_heads(2, (0, 1, 2, 3), seed=3)]
+    maps = [layers[i] for i in order]
+    shown, plan = _drawn(maps, tmp_path)
+    want = {name: m.weights[i].numpy() for m in maps for i, name in enumerate(m.names)}
+    assert sorted(shown) == sorted(want) and len(shown) == 10  # every head, under its number, none twice
+    for name, data in shown.items():
+        np.testing.assert_array_equal(data, want[name])
+    assert plan.columns == [0, 1, 2, 3] and (plan.rows, plan.cols) == (3, 4)
+    assert any("the layers hold different heads" in n for n in plan.notes)
+
+
+def test_a_layer_without_heads_is_refused_alone_and_an_empty_row_in_the_model_view(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    import torch
+
+    from headwise.viz.maps import HeadMaps
+    from headwise.viz.png import png_plan
+
+    empty = HeadMaps([f"t{i}" for i in range(5)], 1, torch.zeros(0, 5, 5), torch.zeros(0, 5, 5),
+                     torch.zeros(0, 5), original_heads=())
+    with pytest.raises(ValueError, match="layer 1 has no head to draw: head surgery removed every head"):
+        png_plan(empty)
+    with pytest.raises(ValueError, match="layer 1 has no head to draw"):
+        save_png(empty, tmp_path / "e.png")
+    assert not (tmp_path / "e.png").exists()
+    full = _maps_of_heads(0, (0, 1))
+    shown, plan = _drawn([full, empty], tmp_path)
+    assert sorted(shown) == ["L0 H0", "L0 H1"]
+    assert any("layer 1: no head" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5, 3.0])
+def test_png_refuses_weights_that_are_not_probabilities(tmp_path, bad) -> None:
+    m = _maps_of_heads(0, (0, 1))
+    m.weights[1, 2, 3] = bad
+    with pytest.raises(ValueError, match=r"must be finite and in \[0, 1\]"):
+        save_png(m, tmp_path / "nan.png")
+    assert not (tmp_path / "nan.png").exists()
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(heads_per_row=0), ValueError, "heads_per_row must be at least 1, got 0"),
+    (dict(heads_per_row=-2), ValueError, "heads_per_row must be at least 1, got -2"),
+    (dict(heads_per_row=2.5), TypeError, "heads_per_row must be an int, got float"),
+    (dict(dpi=0), ValueError, "dpi must be a positive finite number, got 0"),
+    (dict(dpi=float("nan")), ValueError, "dpi must be a positive finite number"),
+    (dict(dpi="100"), TypeError, "dpi must be a number, got str"),
+])
+def test_png_checks_heads_per_row_and_dpi(tmp_path, kw, error, match) -> None:
+    from headwise.viz.png import png_plan
+
+    m = _maps_of_heads(0, (0, 1, 2, 3))
+    with pytest.raises(error, match=match):
+        save_png(m, tmp_path / "k.png", **kw)
+    with pytest.raises(error, match=match):
+        png_plan(m, **kw)
+    with pytest.raises(error, match=match):
+        png_layout(4, **kw)

@@ -147,3 +147,66 @@ def test_every_head_kept_by_surgery_is_shown_under_its_number_before_it(tmp_path
     assert save_statistics_png(st, tmp_path / "s.png").stat().st_size > 0
     with pytest.raises(ValueError, match="layer 1 has no head 0: its heads are none"):
         render_statistics_html(st, heads=[(1, 0)])
+
+
+def _real_rows_reference(model, kw, row):
+    """float64 statistics of the unpatched eager model's own weights, over the real query rows of ``row`` only."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        p = torch.stack([a[row].double() for a in eager(**kw, output_attentions=True).attentions])  # (L, h, s, s)
+    real = kw["attention_mask"][row].bool()
+    p = p[:, :, real]  # (L, h, real rows, s)
+    return p.sum(-2), -(p * p.clamp_min(1e-300).log()).sum(-1), p.amax(-1), real
+
+
+@pytest.mark.parametrize("family, implementation", [("llama", "eager"), ("llama", "sdpa"), ("bert", "eager"),
+                                                    ("bert", "sdpa")])
+def test_padding_query_rows_add_nothing_to_key_weight(family, implementation):
+    """Left padding (a decoder) and right padding (an encoder): key_weight sums the real query rows' weights only,
+    so the first-token share is a share of the real rows' attention (at most 1) and equals the unpadded text's."""
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaModel(transformers.LlamaConfig(
+            hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+            vocab_size=50, attn_implementation=implementation)).eval()
+        mask = torch.tensor([[1] * 7, [0, 0, 0, 0, 0, 1, 1]])  # row 1: 5 pads on the left, then 2 tokens
+    else:
+        model = transformers.BertModel(transformers.BertConfig(
+            hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64, vocab_size=50,
+            attn_implementation=implementation)).eval()
+        mask = torch.tensor([[1] * 7, [1, 1, 1, 0, 0, 0, 0]])  # row 1: 3 tokens, then 4 pads on the right
+    kw = {"input_ids": torch.randint(1, 50, (2, 7)), "attention_mask": mask}
+    key_weight, entropy, max_weight, real = _real_rows_reference(model, kw, 1)
+    st = model_statistics(model, kw, row=1)
+    torch.testing.assert_close(st.key_weight.double(), key_weight, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.entropy[..., real].double(), entropy, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.max_weight[..., real].double(), max_weight, rtol=1e-4, atol=1e-6)
+    alone_ids = kw["input_ids"][1:, real]
+    alone = model_statistics(model, {"input_ids": alone_ids, "attention_mask": torch.ones_like(alone_ids)})
+    share = st.grid()["first-token share"]
+    torch.testing.assert_close(share, alone.grid()["first-token share"], rtol=1e-4, atol=1e-5)
+    assert bool((share <= 1 + 1e-5).all())
+    found = headwise.interop.layers(model)  # patched by the first call, and kept so
+    assert found and not any("attend" in layer.__dict__ for _, layer in found)  # the calls' wrapping is gone
+    from headwise.viz.statistics import padding_reads_nothing
+
+    with torch.no_grad():
+        plain = model(**kw).last_hidden_state
+        with padding_reads_nothing([layer for _, layer in found], mask):
+            kept_out = model(**kw).last_hidden_state
+    torch.testing.assert_close(kept_out[mask.bool()], plain[mask.bool()], rtol=0, atol=0)  # no real row changes
+
+
+def test_a_refused_model_statistics_call_leaves_the_model_unpatched():
+    model = planted()
+    x = ids(5)
+    with torch.no_grad():
+        before = model(x).logits
+    modules, implementation = [type(m) for m in model.modules()], model.config._attn_implementation
+    with pytest.raises(ValueError, match="got 1 token for a sequence of 5 positions"):
+        model_statistics(model, {"input_ids": x}, tokens=["only-one"])
+    assert [type(m) for m in model.modules()] == modules and model.config._attn_implementation == implementation
+    assert not headwise.interop.layers(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, before, rtol=0, atol=0)

@@ -5,6 +5,8 @@
   through the bundled all-MiniLM-L6-v2, :func:`model_layers_head_maps` for several (or every) layer from one
   forward; :func:`head_gallery` for chosen (layer, head) pairs side by side; all captured with
   :func:`headwise.trace`, in eval mode, tokens labelled from the tokenizer or the token ids.
+* :mod:`headwise.viz.projection`: W_O as a layer's forward applies it (an adapter's update merged), for the
+  writes.
 * :mod:`headwise.viz.positions`: what each head does by position (previous / same / next / first token,
   separators).
 * :mod:`headwise.viz.models`: which checkpoint ``headwise heads`` draws and its limits, read from its
@@ -28,6 +30,7 @@ _EXPORTS = {
     "head_maps": "maps",
     "model_head_maps": "maps",
     "text_head_maps": "maps",
+    "check_max_tokens": "maps",
     "load_minilm": "maps",
     "minilm_path": "maps",
     "model_layers": "maps",

@@ -15,7 +15,7 @@ import torch
 from .numbers import span
 from .positions import POSITIONS, positional_scores
 
-__all__ = ["HeadMaps", "default_title"]
+__all__ = ["HeadMaps", "default_title", "check_values", "no_heads"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,25 @@ def default_title(many: list[HeadMaps]) -> str:
     labels = {tuple(m.head_labels) for m in many}
     heads = f"heads {span(many[0].head_labels)}" if len(labels) == 1 else "heads (per layer)"
     return f"Layers {span([m.layer for m in many])} x {heads}"
+
+
+def no_heads(m: HeadMaps) -> str:
+    """Why ``m`` (a HeadMaps of no head) has nothing to draw."""
+    return (f"layer {m.layer} has no head to draw: head surgery removed every head of it (the placeholder head it "
+            "keeps is not drawn)")
+
+
+def check_values(many: Sequence[HeadMaps]) -> None:
+    """ValueError unless every weight is finite and in [0, 1] and every value norm finite and >= 0: a picture of
+    NaN or of weights that are no probabilities would show something the model never computed (and a page could
+    not hold NaN in its JSON)."""
+    for m in many:
+        w = m.weights.detach()
+        if w.numel() and (not bool(torch.isfinite(w).all()) or float(w.min()) < 0 or float(w.max()) > 1 + 1e-5):
+            raise ValueError("attention weights must be finite and in [0, 1] to be drawn")
+        n = m.value_norms
+        if n is not None and n.numel() and (not bool(torch.isfinite(n).all()) or float(n.min()) < 0):
+            bad = [m.head_labels[i] for i in range(n.shape[0])
+                   if not bool(torch.isfinite(n[i]).all() and (n[i] >= 0).all())]
+            raise ValueError(f"value norms ||v_j W_O^h|| must be finite and >= 0 to be drawn; layer {m.layer} head(s) "
+                             f"{bad} are not (a NaN or inf in the model's W_O or values)")

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from .html_page import PAGE
-from .headmaps import HeadMaps, default_title
+from .headmaps import HeadMaps, check_values, default_title, no_heads
 
 __all__ = ["render_html", "save_html", "encode", "decode", "QUANT_STEPS"]
 
@@ -43,10 +43,14 @@ def _as_list(maps: HeadMaps | Sequence[HeadMaps]) -> list[HeadMaps]:
     if not many or not all(isinstance(m, HeadMaps) for m in many):
         raise TypeError(f"maps must be a HeadMaps or a non-empty sequence of HeadMaps, got {type(maps).__name__}")
     first = many[0]
+    empty = next((m for m in many if not m.n_heads), None)
+    if empty is not None:
+        raise ValueError(no_heads(empty))
     if any(m.tokens != first.tokens or m.n_heads != first.n_heads for m in many):
         raise ValueError("every HeadMaps of one page must have the same tokens and the same number of heads")
     if len(many) > 1 and any(m.layers is not None for m in many):
         raise ValueError("a gallery of (layer, head) pairs (head_gallery) is one HeadMaps: draw it on its own")
+    check_values(many)  # a NaN norm would put NaN, which is not JSON, into the page: it would draw nothing
     return many
 
 
@@ -83,9 +87,7 @@ def encode(maps: HeadMaps | Sequence[HeadMaps]) -> tuple[dict[str, Any], str]:
         maps: L HeadMaps with (h, s, s) weights -> L * h * s * s bytes of weights + L * h * s float32 norms
     """
     many = _as_list(maps)
-    w = torch.stack([m.weights.detach().float() for m in many])  # (L, h, s, s)
-    if not bool(torch.isfinite(w).all()) or float(w.min()) < 0 or float(w.max()) > 1 + 1e-5:
-        raise ValueError("attention weights must be finite and in [0, 1] to be drawn")
+    w = torch.stack([m.weights.detach().float() for m in many])  # (L, h, s, s), checked by _as_list
     q = (w * QUANT_STEPS).round_().clamp_(0, QUANT_STEPS).to(torch.uint8)
     # Where W_O is not located the norms are unknown: zeros keep the blob's layout, and "writes_missing" tells the
     # page to draw the reads alone.

@@ -5,7 +5,8 @@ reaches the layer's output from ``j`` through head ``h`` is the vector ``alpha_i
 head's value of token ``j``, ``W_O^h`` its rows of the output projection). Its norm,
 ``alpha_ij * ||v_j W_O^h||``, is what the head *writes*: a large weight on a token whose value is near
 zero contributes little (Kobayashi et al. 2020, "Attention is Not Only a Weight", arXiv:2004.10102).
-Summed over heads and tokens, those vectors plus W_O's bias are exactly the layer's output.
+Summed over heads and tokens, those vectors plus W_O's bias are exactly the layer's output (W_O as the forward
+applies it: an adapter's update merged, :mod:`headwise.viz.projection`).
 
 Every map is captured with :func:`headwise.trace` from the forward that actually ran (the model's own
 masks, padding, norms and rotary): the pictures can only show what the model did.
@@ -26,12 +27,13 @@ import torch
 from ..attention import MultiHeadAttention
 from .headmaps import HeadMaps
 from .numbers import plural
+from .projection import output_weight
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["HeadMaps", "head_maps", "model_head_maps", "model_layers_head_maps", "head_gallery", "text_head_maps",
-           "load_minilm", "minilm_path", "model_layers"]
+           "load_minilm", "minilm_path", "model_layers", "check_max_tokens"]
 
 
 def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int] | None = None) -> HeadMaps:
@@ -48,7 +50,7 @@ def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int]
     common = dict(tokens=list(tokens), layer=layer, heads=None if heads is None else tuple(chosen),
                   original_heads=original)
     try:
-        w_o = attn.out_proj.weight.detach()  # (d, h * d_h)
+        w_o = output_weight(attn)  # (d, h * d_h), an adapter's update merged: what the forward applied
     except ValueError as exc:  # W_O not located (headwise.interop.hf.locate says why): the reads still are
         return HeadMaps(weights=w, writes=None, value_norms=None, writes_missing=str(exc), **common)
     g = h // attn.n_kv_heads
@@ -96,8 +98,8 @@ def head_maps(attn: MultiHeadAttention, x: torch.Tensor, *, tokens: list[str] | 
     s = x.shape[0]
     if s == 0:
         raise ValueError(f"head_maps: x has 0 tokens (shape {tuple(x.shape)}); give at least one position")
-    if tokens is None:
-        tokens = [str(i) for i in range(s)]
+    # labels as model_head_maps gives them: each token's str (an id or a number labels its position too)
+    tokens = [str(i) for i in range(s)] if tokens is None else [str(t) for t in tokens]
     if len(tokens) != s:
         raise ValueError(f"got {plural(len(tokens), 'token')} for a sequence of {plural(s, 'position')}")
     with torch.no_grad(), eval_mode(attn), trace(attn, capture=("pattern", "v")) as t:
@@ -319,17 +321,53 @@ def model_layers(model: torch.nn.Module) -> list[tuple[str, MultiHeadAttention]]
 
 def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: Any = None,
                    max_tokens: int = 64) -> HeadMaps:
-    """Run ``text`` through a BERT model (default: the bundled all-MiniLM-L6-v2), patched through headwise
-    (:func:`model_layers`), and return the heads of attention layer ``layer`` (negative counts from the end)
-    as that forward ran them (:func:`model_head_maps`), labelled with the tokenizer's tokens.
+    """Run ``text`` through a BERT model (default: the bundled all-MiniLM-L6-v2; give ``tokenizer`` and ``model``
+    together, or neither), patched through headwise (:func:`model_layers`), and return the heads of attention
+    layer ``layer`` (negative counts from the end) as that forward ran them (:func:`model_head_maps`), labelled
+    with the tokenizer's tokens. The text is cut to ``max_tokens`` tokens (:func:`check_max_tokens`).
 
     Shapes:
         input_ids: (1, s) -> HeadMaps with (h, s, s) arrays, s <= max_tokens
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"text must be a non-empty string, got {text!r}")
-    if tokenizer is None or model is None:
+    if tokenizer is None and model is None:
         tokenizer, model = load_minilm()
+    elif tokenizer is None or model is None:  # the bundled half would label or run another model's tokens
+        given, missing = ("model", "tokenizer") if tokenizer is None else ("tokenizer", "model")
+        raise ValueError(f"text_head_maps got a {given} but no {missing}: give both tokenizer= and model= (or "
+                         "neither, for the bundled all-MiniLM-L6-v2)")
     layer = _layer_index(layer, model.config.num_hidden_layers)
+    check_max_tokens(max_tokens, tokenizer, model.config)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
     return model_head_maps(model, enc, layer=layer, tokenizer=tokenizer)
+
+
+def check_max_tokens(max_tokens: Any, tokenizer: Any, config: Any = None) -> None:
+    """``headwise heads --max-tokens``' rule: the cut must leave one token of the text beside the special tokens
+    ``tokenizer`` adds ([CLS] ... [SEP]) and fit ``config``'s position embeddings (its
+    ``max_position_embeddings`` or the like, where it has one); TypeError / ValueError naming ``max_tokens``
+    otherwise.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> check_max_tokens(512, None, SimpleNamespace(max_position_embeddings=512))
+        >>> check_max_tokens(513, None, SimpleNamespace(max_position_embeddings=512))
+        Traceback (most recent call last):
+        ValueError: max_tokens must be at most 512 (the model's position embeddings), got 513
+    """
+    from .models import POSITION_KEYS
+
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
+    try:
+        special = int(tokenizer.num_special_tokens_to_add())
+    except (AttributeError, TypeError, ValueError):  # a tokenizer that cannot say: one token at least
+        special = 0
+    if max_tokens < special + 1:
+        added = f" (this tokenizer adds {plural(special, 'special token')} around the text)" if special else ""
+        raise ValueError(f"max_tokens must be at least {special + 1}{added}, got {max_tokens}")
+    limits = [getattr(config, key, None) for key in POSITION_KEYS]
+    limit = next((n for n in limits if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
+    if limit is not None and max_tokens > limit:
+        raise ValueError(f"max_tokens must be at most {limit} (the model's position embeddings), got {max_tokens}")

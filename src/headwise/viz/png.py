@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from .headmaps import HeadMaps, default_title
+from .headmaps import HeadMaps, check_values, default_title, no_heads
 
 __all__ = ["save_png", "png_layout", "png_plan", "PngPlan"]
 
@@ -53,6 +53,9 @@ def png_layout(n_heads: int, *, heads_per_row: int = 3, dpi: int = 100,
         >>> png_layout(12)
         (4, 6, 1660, 1130)
     """
+    _check_layout(heads_per_row, dpi)
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int (a figure of heads), got {n_heads!r}")
     per_row = min(heads_per_row, n_heads)
     rows = math.ceil(n_heads / per_row)
     cols = 2 * per_row
@@ -64,6 +67,8 @@ def png_layout(n_heads: int, *, heads_per_row: int = 3, dpi: int = 100,
 class PngPlan:
     """What :func:`save_png` will draw: the grid, the panels ``(map index, head row, kind)``, the label
     step, ``notes`` naming everything left out or simplified, and the title wrapped to the figure's width.
+    In the model view ``columns`` are the head numbers of its columns: each head is drawn in the column of its
+    number (:attr:`HeadMaps.head_labels`), so layers of different head counts (after head surgery) line up.
 
     Shapes:
         panels: one per drawn (layer, head, kind) with kind "weights" or "writes"
@@ -78,6 +83,7 @@ class PngPlan:
     label_every: int
     notes: list[str] = field(default_factory=list)
     title_lines: list[str] = field(default_factory=list)
+    columns: list[int] = field(default_factory=list)
 
     @property
     def title_inches(self) -> float:
@@ -98,9 +104,11 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
         >>> (p.rows, p.cols, p.label_every), p.notes[0]
         ((1, 4, 4), 'token labels: every 4th of the 100 tokens')
     """
+    _check_layout(heads_per_row, dpi)
     many = _as_list(maps)
     s = len(many[0].tokens)
     notes: list[str] = []
+    columns: list[int] = []
     every = 1 if s <= LABEL_ALL else math.ceil(s / MAX_LABELS)
     if len(many) == 1:
         m = many[0]
@@ -110,16 +118,29 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
         extra = 0.0
     else:
         inches = MODEL_PANEL_INCHES
-        drawn_layers, drawn_heads = min(len(many), MAX_ROWS), min(many[0].n_heads, MAX_COLS)
-        rows, cols = drawn_layers, drawn_heads
+        drawn_layers = min(len(many), MAX_ROWS)
+        numbers = sorted({h for m in many[:drawn_layers] for h in m.head_labels})  # every head by its number
+        if not numbers:
+            raise ValueError(no_heads(many[0]) + "; so has every other layer given")
+        columns = numbers[:MAX_COLS]
+        rows, cols = drawn_layers, len(columns)
         width = round(max(cols * inches + COLORBAR_INCHES + 0.5, MIN_MODEL_INCHES) * dpi)
         extra = 0.6  # the bottom row's token labels
-        panels = [(li, i, "weights") for li in range(drawn_layers) for i in range(drawn_heads)]
+        panels = [(li, i, "weights") for li in range(drawn_layers) for i, h in enumerate(many[li].head_labels)
+                  if h in columns]
         notes.append("model view: attention weights only (the writes are in the one-layer picture and the HTML page)")
         if drawn_layers < len(many):
             notes.append(f"only the first {drawn_layers} of {len(many)} layers are drawn (choose others with --layer)")
-        if drawn_heads < many[0].n_heads:
-            notes.append(f"only the first {drawn_heads} of {many[0].n_heads} heads are drawn (choose with --heads)")
+        if len(columns) < len(numbers):
+            notes.append(f"only the first {len(columns)} of {len(numbers)} heads are drawn (choose with --heads)")
+        counts = [m.n_heads for m in many[:drawn_layers]]
+        if len(set(counts)) > 1 or any(m.head_labels != columns for m in many[:drawn_layers] if m.n_heads):
+            notes.append(f"the layers hold different heads ({', '.join(map(str, counts))} heads): each is drawn in "
+                         "the column of its number, the cells of heads a layer does not hold are empty")
+        emptied = [m.layer for m in many[:drawn_layers] if not m.n_heads]
+        if emptied:
+            notes.append(f"layer{'s' if len(emptied) > 1 else ''} {', '.join(map(str, emptied))}: no head (head "
+                         "surgery removed every one), an empty row")
         every = max(every, math.ceil(s / 8))  # small panels: a few labels on the outer axes only
     if every > 1:
         notes.append(f"token labels: every {_ordinal(every)} of the {s} tokens")
@@ -127,7 +148,7 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
     if s > pixels:
         notes.append(f"each pixel shows the largest of about {math.ceil(s / pixels)} x {math.ceil(s / pixels)} "
                      "weights (max-pooled)")
-    plan = PngPlan(rows, cols, width, 0, inches, panels, every, notes)
+    plan = PngPlan(rows, cols, width, 0, inches, panels, every, notes, columns=columns)
     plan.title_lines = _title_lines(many, plan, title, width / dpi)
     plan.height = round((rows * inches + plan.title_inches + extra) * dpi)
     return plan
@@ -151,10 +172,24 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
+def _check_layout(heads_per_row: object, dpi: object) -> None:
+    if isinstance(heads_per_row, bool) or not isinstance(heads_per_row, int):
+        raise TypeError(f"heads_per_row must be an int, got {type(heads_per_row).__name__}")
+    if heads_per_row < 1:
+        raise ValueError(f"heads_per_row must be at least 1, got {heads_per_row}")
+    if isinstance(dpi, bool) or not isinstance(dpi, (int, float)):
+        raise TypeError(f"dpi must be a number, got {type(dpi).__name__}")
+    if not math.isfinite(dpi) or dpi <= 0:
+        raise ValueError(f"dpi must be a positive finite number, got {dpi}")
+
+
 def _as_list(maps: HeadMaps | Sequence[HeadMaps]) -> list[HeadMaps]:
     many = [maps] if isinstance(maps, HeadMaps) else list(maps)
     if not many or not all(isinstance(m, HeadMaps) for m in many):
         raise TypeError("maps must be a HeadMaps or a non-empty sequence of HeadMaps")
+    if len(many) == 1 and not many[0].n_heads:  # the model view draws such a layer as an empty row
+        raise ValueError(no_heads(many[0]))
+    check_values(many)
     if any(m.tokens != many[0].tokens for m in many):
         raise ValueError("every HeadMaps of one picture must have the same tokens")
     if len(many) > 1 and any(m.layers is not None for m in many):
@@ -208,15 +243,18 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
         right = 1 - COLORBAR_INCHES / width_in
         grid = fig.add_gridspec(plan.rows, plan.cols, left=left, right=right, bottom=bottom, top=top,
                                 wspace=0.45 if one else 0.15, hspace=0.45 if one else 0.25)
-        known = [m.writes for m in many if m.writes is not None]  # None: W_O not located, reads only
+        known = [m.writes for m in many if m.writes is not None and m.n_heads]  # None: W_O not located
         vmax_writes = max([float(w.max()) for w in known] or [0.0]) or 1.0
         norms = {"weights": PowerNorm(0.5, vmin=0.0, vmax=1.0), "writes": PowerNorm(0.5, vmin=0.0, vmax=vmax_writes)}
         cmaps = {"weights": "Blues", "writes": "Oranges"}
         pixels = plan.panel_inches * dpi * 0.8
         for n, (li, i, kind) in enumerate(plan.panels):
             m = many[li]
-            r, c = (divmod(n // 2, plan.cols // 2) if one else divmod(n, plan.cols))
-            c = 2 * c + (kind == "writes") if one else c
+            if one:
+                r, c = divmod(n // 2, plan.cols // 2)
+                c = 2 * c + (kind == "writes")
+            else:  # the row of its layer, the column of its number
+                r, c = li, plan.columns.index(m.head_labels[i])
             ax = fig.add_subplot(grid[r, c])
             if kind == "writes" and m.writes is None:
                 ax.set_axis_off()
@@ -234,7 +272,9 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
             ax.set_title(f"{label}: {name}" if one else m.names[i], fontsize=7)
             ax.set_xticks(ticks)
             ax.set_yticks(ticks)
-            outer_x, outer_y = one or r == plan.rows - 1, (one and kind == "weights") or (not one and c == 0)
+            # the model view labels the rows at each layer's first drawn head (a layer may lack the first number)
+            first = None if one else min(plan.columns.index(h) for h in m.head_labels if h in plan.columns)
+            outer_x, outer_y = one or r == plan.rows - 1, (one and kind == "weights") or (not one and c == first)
             # parse_math=False: a token such as "$" or "$x$" is text, never matplotlib mathtext
             ax.set_xticklabels([tokens[j] for j in ticks] if outer_x else [], rotation=90, fontsize=label_size,
                                parse_math=False)

@@ -5,14 +5,16 @@
 pattern in memory) and keeps, for one batch row, every layer x head's
 
 * entropy and max weight of each query position (natural log; a sink's share is on no key),
-* key weight of each key position (its weight summed over every query),
+* key weight of each key position (its weight summed over every query that reads something),
 
 from which :meth:`HeadStatistics.grid` gives the three numbers per head drawn as a grid: the mean entropy, the
 mean max weight (both over the rows that read something) and the first-token share (the weight on the first
 real position, the first the ``attention_mask`` marks as a token, divided by the number of rows that read
-something: a "sink" head puts most of its weight there). Under right padding an encoder's padded rows read the
-real keys too and their weight counts in ``key_weight``, so there the share can exceed 1. :meth:`HeadStatistics.kinds`
-names the sink heads and the sharp ones.
+something: a "sink" head puts most of its weight there). A padding query row (``attention_mask`` 0) reads
+nothing during the call (:func:`padding_reads_nothing`): under an eager model's ``finfo.min`` mask it would read
+every key evenly, and under an encoder's right padding the real keys, so the share is one of the real rows'
+attention (at most 1) and the same as the unpadded text's. :meth:`HeadStatistics.kinds` names the sink heads
+and the sharp ones.
 
 After head surgery (:mod:`headwise.surgery`) every head a layer kept is there, under its number before surgery,
 as the pattern drawings number it: head ``k`` of the arrays is original head ``k`` in every layer, and the cells
@@ -27,12 +29,13 @@ Shapes:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["HeadStatistics", "model_statistics", "SINK_SHARE", "SHARP_WEIGHT"]
+__all__ = ["HeadStatistics", "model_statistics", "padding_reads_nothing", "SINK_SHARE", "SHARP_WEIGHT"]
 
 #: A head is a sink head when its first-token share is at least this.
 SINK_SHARE = 0.5
@@ -47,8 +50,8 @@ class HeadStatistics:
     Attributes:
         tokens: the positions' labels.
         entropy, max_weight: (L, h, s) per query position (0 where a row reads nothing).
-        key_weight: (L, h, s) per key position, summed over the query positions.
-        reading: (s,) bool: query positions that read something (not padding).
+        key_weight: (L, h, s) per key position, summed over the query positions that read something.
+        reading: (s,) bool: query positions that read something (not padding; padding rows read nothing).
         model: the model's name, for titles.
         heads: per layer, the number of each head it holds, in the layer's order now (after head surgery the
             numbers before it; ``()`` for a layer whose every head was removed). None: every layer holds heads
@@ -179,7 +182,6 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
     from ..tracing import trace
     from ..tracing.inputs import batch_size, call, eval_mode, tensors_of
     from .maps import patched_for_the_call
-    from .numbers import plural
 
     b = batch_size(inputs, "model_statistics")
     empty = [tuple(x.shape) for x in tensors_of(inputs) if isinstance(x, torch.Tensor) and x.dim() > 1 and x.shape[1] == 0]
@@ -188,11 +190,24 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
                          "one position")
     if isinstance(row, bool) or not isinstance(row, int) or not -b <= row < b:
         raise ValueError(f"row must be an int in [-{b}, {b}) for this batch of {b}, got {row!r}")
-    # a Hugging Face model is patched first, and unpatched again when the call fails (a refusal below included)
-    with patched_for_the_call(model), torch.no_grad(), eval_mode(model), trace(model, capture=STATISTICS) as t:
-        call(model, inputs)
-        records = [r for r in t if r.calls]
-        numbers = [_numbers(r.layer, i) for i, r in enumerate(records)]
+    mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
+    # a Hugging Face model is patched first, and unpatched again when the call fails: every refusal below is
+    # made inside the block, so a refused call leaves the model as it was
+    with patched_for_the_call(model) as found:
+        with torch.no_grad(), eval_mode(model), padding_reads_nothing([layer for _, layer in found], mask), \
+                trace(model, capture=STATISTICS) as t:
+            call(model, inputs)
+            records = [r for r in t if r.calls]
+            numbers = [_numbers(r.layer, i) for i, r in enumerate(records)]
+        return _gathered(records, numbers, row, mask, tokens, name)
+
+
+def _gathered(records: list, numbers: list[tuple[int, ...]], row: int, mask: Any, tokens: Any,
+              name: str) -> HeadStatistics:
+    """The HeadStatistics of batch row ``row`` from the trace's records (each layer's head numbers
+    ``numbers``), or the ValueError that refuses them."""
+    from .numbers import plural
+
     if not records:
         raise ValueError("model_statistics: no attention layer of the model ran on these inputs")
     h = max((max(n) + 1 for n in numbers if n), default=0)
@@ -202,6 +217,9 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
     if any(r.entropy.shape[-1] != s or r.key_weight.shape[-1] != s for r in records):
         raise ValueError("model_statistics draws self-attention: every layer's queries and keys must be the "
                          "same positions")
+    labels = [str(x) for x in tokens] if tokens is not None else [str(i) for i in range(s)]
+    if len(labels) != s:
+        raise ValueError(f"got {plural(len(labels), 'token')} for a sequence of {plural(s, 'position')}")
 
     def stack(name: str) -> torch.Tensor:
         out = torch.full((len(records), h, s), float("nan"))  # (L, h, s): NaN where a layer has no such head
@@ -210,11 +228,7 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
                 out[i, list(heads)] = getattr(r, name)[row, :len(heads)].float().cpu()
         return out
 
-    mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
     reading = torch.ones(s, dtype=torch.bool) if mask is None else mask[row].bool().cpu()
-    labels = [str(x) for x in tokens] if tokens is not None else [str(i) for i in range(s)]
-    if len(labels) != s:
-        raise ValueError(f"got {plural(len(labels), 'token')} for a sequence of {plural(s, 'position')}")
     uniform = all(n == tuple(range(h)) for n in numbers)
     return HeadStatistics(labels, stack("entropy"), stack("max_weight"), stack("key_weight"), reading, name,
                           None if uniform else tuple(numbers))
@@ -230,3 +244,44 @@ def _numbers(layer: Any, index: int) -> tuple[int, ...]:
         raise ValueError(f"model_statistics: layer {index}'s head surgery record {heads!r} does not give one "
                          f"distinct number to each of its {layer.n_heads} heads")
     return heads
+
+
+@contextlib.contextmanager
+def padding_reads_nothing(layers: list, attention_mask: Any) -> Iterator[None]:
+    """For the block, every padding query row (``attention_mask`` 0) of ``layers`` reads no key, so that it adds
+    nothing to ``key_weight``: eager's additive mask (finfo.min, not -inf) lets a row masked off everywhere read
+    every key evenly, and an encoder's padding rows read the real keys. No real row's numbers change: no real row
+    reads a padding key, so nothing a padding row computes reaches one. Calls whose queries are not the
+    mask's positions (a decode step, cross-attention) and calls without a mask are left as they are.
+
+    Shapes:
+        attention_mask: (b, s), 1 = a real token
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or bool(attention_mask.bool().all()):
+        yield
+        return
+    real = attention_mask.bool()
+
+    def wrapped(attend: Any) -> Any:
+        def attend_real_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None,
+                             **kwargs: Any) -> Any:
+            # a call handed a plan was planned on its mask (MultiHeadAttention.forward): left as it is
+            if isinstance(mask, torch.Tensor) and kwargs.get("plan") is None and (q.shape[0], q.shape[2]) == real.shape:
+                rows = real.to(mask.device)[:, None, :, None]  # (b, 1, s_q, 1)
+                mask = mask & rows if mask.dtype == torch.bool else torch.where(rows, mask, float("-inf"))
+            return attend(q, k, v, mask=mask, **kwargs)
+
+        return attend_real_rows
+
+    unique = list({id(layer): layer for layer in layers}.values())  # a layer shared by two places: wrapped once
+    saved = [(layer, layer.__dict__.get("attend")) for layer in unique]
+    try:
+        for layer, _ in saved:
+            layer.__dict__["attend"] = wrapped(layer.attend)  # this instance only, for the block
+        yield
+    finally:
+        for layer, before in saved:
+            if before is None:
+                layer.__dict__.pop("attend", None)
+            else:
+                layer.__dict__["attend"] = before
