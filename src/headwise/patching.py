@@ -242,6 +242,11 @@ def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[.
     per_layer = []
     for rc, rb, grad in zip(t_clean, t_bad, grads):
         if grad is None:
+            if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # what torch.compile(model) returns
+                raise ValueError(f"attribution: got a compiled model (torch.compile(model)), whose graph computes the "
+                                 f"metric without the captured {site} tensors, so they have no gradient; pass the "
+                                 "model itself (attribution(model, ...), or model._orig_mod) rather than "
+                                 "torch.compile(model)")
             raise ValueError(f"attribution: layer {rb.index} ({rb.name!r}) {site} does not reach the metric")
         delta = (rc.get(site).detach() - rb.get(site).detach()).double() * grad.double()
         head_axis = 2 if site == "z" else 1

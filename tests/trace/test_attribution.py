@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import headwise
+
 from headwise import MultiHeadAttention
 from headwise.patching import attribution, head_effects
 
@@ -105,3 +107,27 @@ def test_a_metric_without_a_gradient_is_refused():
     model, _, clean, corrupted = setup()
     with pytest.raises(ValueError, match="one-element tensor"):
         attribution(model, clean, corrupted, lambda out: metric(out).detach())
+
+
+def test_a_compiled_model_is_refused_saying_it_is_compiled():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MultiHeadAttention(8, 2), MultiHeadAttention(8, 2)).double().eval()
+    clean, corrupted = torch.randn(1, 4, 8, dtype=torch.float64), torch.randn(1, 4, 8, dtype=torch.float64)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"compiled model \(torch.compile\(model\)\).*attribution\(model, \.\.\.\)"):
+        attribution(torch.compile(model, backend="aot_eager"), clean, corrupted, lambda y: y[0, -1, 0])
+    torch._dynamo.reset()
+    got = attribution(model, clean, corrupted, lambda y: y[0, -1, 0])  # the model itself: the gradient's sum
+    eps = 1e-5  # layer 1 head 0, against a finite difference of its z along the clean - corrupted change
+    with torch.no_grad(), headwise.trace(model, capture=("z",)) as tc:
+        model(clean)
+    with torch.no_grad(), headwise.trace(model, capture=("z",)) as tb:
+        model(corrupted)
+    delta = tc[1].z - tb[1].z
+
+    def at(scale):
+        fn = (lambda z, layer, head: z + scale * delta[:, :, 0])
+        with torch.no_grad(), headwise.trace(model, edit={(1, 0): fn}):
+            return model(corrupted)[0, -1, 0].double()
+
+    torch.testing.assert_close(got[1, 0], (at(eps) - at(-eps)) / (2 * eps), rtol=1e-5, atol=1e-9)

@@ -363,3 +363,100 @@ def test_a_decode_step_that_fails_after_attention_leaves_the_trace_as_it_was():
         attn(x, causal=True)
     for name in capture:
         torch.testing.assert_close(getattr(t[0], name), getattr(whole[0], name))
+
+
+def test_a_capture_in_a_compiled_decode_step_compiles_one_graph_for_every_position():
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(1, 16, 16)
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counter, cache = CompileCounter(), attn.new_cache(1, 16)
+        with torch.no_grad(), headwise.trace(attn, capture=("z",)) as t:
+            attn(x[:, :2], cache=cache)
+            step = headwise.DecodeStep(attn, cache)
+            if compiled:
+                step = torch.compile(step, backend=counter, fullgraph=True, dynamic=False)
+            for i in range(2, 16):  # 14 positions
+                step(x[:, i:i + 1])
+        runs[compiled] = t
+        if compiled:
+            assert counter.frame_count == 1
+    assert len(runs[True][0].calls) == 15
+    torch.testing.assert_close(runs[True][0].z, runs[False][0].z)
+    with torch.no_grad():
+        torch.testing.assert_close(runs[False][0].z.flatten(2) @ attn.out_proj.weight.T + attn.out_proj.bias,
+                                   attn(x, causal=True))  # the eager trace is the layer's own causal call
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_capture_in_a_compiled_static_cache_step_of_a_patched_llama_compiles_once():
+    from torch._dynamo.testing import CompileCounter
+
+    model = ref.llama("sdpa")
+    patch(model)
+    ids = torch.randint(3, ref.VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        cache = transformers.StaticCache(config=model.config, max_cache_len=24)
+        step = torch.compile(model.forward, backend=counter, fullgraph=True) if compiled else model.forward
+        with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:
+            tok = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(5)).logits[:, -1:]
+            tok = tok.argmax(-1)
+            for i in range(12):
+                pos = torch.tensor([5 + i])
+                tok = step(tok, past_key_values=cache, use_cache=True, cache_position=pos,
+                           position_ids=pos[None]).logits[:, -1:].argmax(-1)
+        runs[compiled] = t
+        if compiled:
+            assert counter.frame_count == 1
+    for layer in range(2):
+        assert len(runs[True][layer].calls) == 13
+        torch.testing.assert_close(runs[True][layer].z, runs[False][layer].z)
+    torch._dynamo.reset()
+
+
+def test_a_replacement_of_the_wrong_shape_is_refused_alike_eager_and_compiled():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, 2).eval()
+    x = torch.randn(1, 3, 8)
+    message = r"replacement \(5, 4\) does not broadcast to this call's \(1, 3, 4\)"
+    for run in (attn, torch.compile(attn, backend="eager")):
+        torch._dynamo.reset()
+        with torch.no_grad(), headwise.trace(attn, edit={(0, 1): torch.randn(5, 4)}):
+            with pytest.raises(ValueError, match=message):
+                run(x)
+    torch._dynamo.reset()
+    fits = torch.randn(3, 1)[:, :1].expand(3, 4).contiguous()[None]  # (1, 3, 4): broadcasts as it is
+    with torch.no_grad(), headwise.trace(attn, capture=("z",), edit={(0, 1): torch.randn(1, 4), (0, 0): fits}) as t:
+        attn(x)
+    torch.testing.assert_close(t[0].z[:, :, 0], fits)
+
+
+def test_a_pattern_edit_on_a_bare_layer_decoding_with_a_kv_cache_is_refused_leaving_the_cache():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(1, 5, 16)
+    cache = attn.new_cache(1, 8)
+    edit = {(0, 1, "pattern"): 0.5}
+    with torch.no_grad(), headwise.trace(attn, capture=("z",), edit=edit) as t:
+        attn(x[:, :4], cache=cache)  # the first call sees every value it attends over
+        keys = cache.keys[:, :, :4].clone()
+        with pytest.raises(ValueError, match=r"attends over 5 positions and saw 1 values \(a bare layer decoding"):
+            attn(x[:, 4:], cache=cache)
+    assert cache.length == 4 and len(t[0].calls) == 1
+    torch.testing.assert_close(cache.keys[:, :, :4], keys, rtol=0, atol=0)
+    with torch.no_grad(), headwise.trace(attn, capture=("pattern",)) as plain:
+        attn(x[:, :4], causal=True)
+    with torch.no_grad(), headwise.trace(attn, capture=("z",), edit=edit) as whole:
+        attn(x[:, :4], causal=True)  # the same edit without a cache: the edited probabilities' context
+    torch.testing.assert_close(t[0].z, whole[0].z)
+    p = plain[0].pattern[:, 1].double()
+    v = attn.v_proj(x[:, :4]).view(1, 4, 4, 4)[:, :, 1].double()
+    torch.testing.assert_close(whole[0].z[:, :, 1].double(), 0.5 * p @ v)

@@ -41,3 +41,19 @@ def test_an_edit_naming_an_unknown_layer_is_refused_before_the_trace_starts():
     with pytest.raises(ValueError, match="no traced layer is named 'nope'"):
         headwise.trace(attn, edit={("nope", 0): "zero"})
     assert attn.tracer is None
+
+
+def test_captures_of_calls_with_different_batch_sizes_are_refused_naming_both_shapes():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, 2).eval()
+    x1, x2 = torch.randn(1, 3, 8), torch.randn(2, 3, 8)
+    with torch.no_grad(), headwise.trace(attn, capture=("z", "q", "result")) as t:
+        attn(x1)
+        attn(x2)
+    for name, shapes in (("z", r"\(1, 3, 2, 4\).*\(2, 3, 2, 4\)"), ("q", r"\(1, 2, 3, 4\).*\(2, 2, 3, 4\)"),
+                         ("result", r"\(1, 3, 2, 8\).*\(2, 3, 2, 8\)")):
+        with pytest.raises(ValueError, match=rf"'{name}' of its calls.*call 0 is {shapes}"):
+            t[0].get(name)
+    with torch.no_grad(), headwise.trace(attn, capture=("z",)) as alone:
+        attn(x2)
+    torch.testing.assert_close(t[0].calls[1]["z"], alone[0].z)  # each call's own stays readable

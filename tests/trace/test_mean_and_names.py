@@ -154,3 +154,62 @@ def test_mean_of_k_or_v_in_an_encoder_decoders_decoder_is_refused():
     k = t["encoder.layers.0.self_attn"].k.transpose(1, 2).double()  # (b, s, h_kv, d_h)
     real = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]]).bool()
     torch.testing.assert_close(t["encoder.layers.0.self_attn"].mean("k").double(), k[real].mean(0))
+
+
+@pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
+def test_as_dict_names_rotary_q_and_k_as_transformer_lens_rotated_hooks():
+    tl = pytest.importorskip("transformer_lens")
+    from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
+
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, intermediate_size=64, max_position_embeddings=32,
+                                   rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double().eval()
+    tcfg = tl.HookedTransformerConfig(
+        n_layers=2, d_model=32, n_ctx=32, d_head=8, n_heads=4, n_key_value_heads=2, d_mlp=64, d_vocab=50,
+        act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8,
+        rotary_adjacent_pairs=False, gated_mlp=True, final_rms=True, eps=1e-6, rotary_base=10000,
+        use_attn_result=True, dtype=torch.float64, default_prepend_bos=False)
+    lens = tl.HookedTransformer(tcfg)
+    lens.load_state_dict(convert_llama_weights(model, tcfg), strict=False)
+    patch(model)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, cache = lens.eval().run_with_cache(ids)
+        with headwise.trace(model, capture=("q", "k", "v", "z")) as t:
+            model(ids)
+    names = t.as_dict()
+    assert sorted(names) == sorted(f"blocks.{layer}.attn.hook_{n}" for layer in range(2)
+                                   for n in ("rot_q", "rot_k", "v", "z"))
+    for name, tensor in names.items():
+        torch.testing.assert_close(tensor, cache[name])
+    assert not torch.allclose(names["blocks.1.attn.hook_rot_q"], cache["blocks.1.attn.hook_q"])  # rotated
+    gpt2 = patch(ref.gpt2("sdpa"))  # no rotary: TransformerLens' plain names
+    with torch.no_grad(), headwise.trace(gpt2, capture=("q", "k")) as t:
+        gpt2(**ref.inputs(gpt2))
+    assert sorted(t.as_dict()) == sorted(f"blocks.{layer}.attn.hook_{n}" for layer in range(2) for n in "qk")
+
+
+def test_as_dict_of_a_decode_gives_each_calls_tensors_or_a_clear_refusal():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(1, 4, 16)
+    cache = attn.new_cache(1, 8)
+    with torch.no_grad(), headwise.trace(attn, capture=("q", "k", "v", "pattern", "z")) as t:
+        attn(x[:, :3], cache=cache)
+        attn(x[:, 3:], cache=cache)
+    with pytest.raises(ValueError, match=r"ran 2 times.*as_dict\(call=i\)"):
+        t.as_dict()
+    for i, call in enumerate(t[0].calls):
+        names = t.as_dict(call=i)
+        torch.testing.assert_close(names["blocks.0.attn.hook_k"], call["k"].transpose(1, 2))
+        torch.testing.assert_close(names["blocks.0.attn.hook_pattern"], call["pattern"])
+    with torch.no_grad(), headwise.trace(attn, capture=("pattern",)) as whole:
+        attn(x, causal=True)
+    torch.testing.assert_close(t.as_dict(call=1)["blocks.0.attn.hook_pattern"], whole[0].pattern[:, :, 3:])
+    with torch.no_grad(), headwise.trace(attn, capture=("z",)) as t:
+        attn(torch.randn(1, 3, 16))
+        attn(torch.randn(2, 3, 16))
+    with pytest.raises(ValueError, match=r"call 0 is \(1, 3, 4, 4\) and call 1 is \(2, 3, 4, 4\)"):
+        t.as_dict()

@@ -150,3 +150,71 @@ def test_mean_refuses_a_4d_mask_that_does_not_show_the_real_tokens():
         model(input_ids=IDS, attention_mask=MASK)
     torch.testing.assert_close(t2[1].mean("z"), t3[1].mean("z"))
     assert want.shape == (2, s, model.config.vocab_size)
+
+
+def _left_padded(model, seed=0):
+    kw = ref.inputs(model, seed=seed)
+    kw["attention_mask"] = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])  # row 1 left-padded
+    return kw
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_mean_through_model_forward_reads_the_mask_reaching_the_layers(impl):
+    model = ref.gpt2(impl)
+    plain = ref.twin(model)
+    patch(model)
+    kw = _left_padded(model)
+    real = kw["attention_mask"].bool()
+
+    def real_mean(z_h):  # (b, s, d_h): each row's mean over its real tokens, row by row
+        return torch.stack([z_h[r, real[r]].mean(0).expand_as(z_h[r]) for r in range(z_h.shape[0])])
+
+    want, zs, _ = ref.hooked_run(plain, kw, 4, edit={(0, 1): real_mean})
+    other = dict(kw, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]))
+    runs = {"forward": model.forward, "compiled forward": torch.compile(model.forward, backend="eager"),
+            "submodule": lambda **k: model.lm_head(model.transformer(**k)[0])}
+    for name, run in runs.items():
+        torch._dynamo.reset()
+        with torch.no_grad(), headwise.trace(model, capture={0: ("z",)}, edit={(0, 1): "mean"}) as t:
+            model(**other)  # an earlier call with another padding: never this call's
+            got = run(**kw)
+        logits = got if name == "submodule" else got.logits
+        torch.testing.assert_close(logits[real], want.logits[real], msg=name)
+        torch.testing.assert_close(t[0].calls[1]["z"], zs[0], msg=name)
+    _, zs_plain, _ = ref.hooked_run(plain, kw, 4)
+    with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:
+        model.forward(**kw)
+    z = zs_plain[1].double()  # (b, s, h, d_h): over every real token of every row
+    torch.testing.assert_close(t[1].mean(), z[real].mean(0).to(z.dtype).float())
+    torch._dynamo.reset()
+
+
+class _Wrapper(torch.nn.Module):
+    """A model taking an attention_mask whose layers are bare headwise layers (no host module shows the mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = headwise.MultiHeadAttention(8, 2).eval()
+
+    def forward(self, x, attention_mask=None):
+        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        return self.attn(x, mask=mask)
+
+
+def test_mean_of_a_module_run_past_its_own_call_is_refused_never_a_stale_mask():
+    torch.manual_seed(0)
+    model, x = _Wrapper(), torch.randn(2, 4, 8)
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    with torch.no_grad(), headwise.trace(model, capture=("z",), edit={(0, 1): "mean"}) as t:
+        model(x, attention_mask=mask)  # through its call: the mask is read
+        with pytest.raises(ValueError, match=r"model\(ids, attention_mask=mask\)"):
+            model.forward(x, attention_mask=mask)  # the earlier call's mask is not reused
+    z = t[0].calls[0]["z"][:, :, 1].double()
+    real = mask.bool()
+    want = torch.stack([z[r, real[r]].mean(0) for r in range(2)])[:, None].expand_as(z)
+    torch.testing.assert_close(z, want)
+    with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:
+        model.forward(x, attention_mask=mask)
+    with pytest.raises(ValueError, match="never saw its attention_mask"):
+        t[0].mean()
+    assert len(t[0].calls) == 1

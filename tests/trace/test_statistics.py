@@ -320,3 +320,37 @@ def test_generate_under_a_rolling_sliding_window_refuses_the_key_weight_sum():
     with pytest.raises(ValueError, match="rolling sliding-window"):
         t[0].key_weight
     assert t[0].lse.shape[-1] == 2 + len(lengths) - 1  # the rows still concatenate
+
+
+def test_statistics_of_calls_with_different_batch_sizes_are_refused_naming_both_shapes():
+    with pytest.raises(ValueError, match=r"call 0 is \(2, 1, 3\) and call 1 is \(1, 1, 3\)"):
+        concatenate("key_weight", [torch.ones(2, 1, 3), torch.ones(1, 1, 3)])
+    with pytest.raises(ValueError, match=r"call 0 is \(1, 1, 3\) and call 1 is \(2, 1, 3\)"):
+        concatenate("key_weight", [torch.ones(1, 1, 3), torch.ones(2, 1, 3)])
+    attn = headwise.MultiHeadAttention(8, 2).eval()
+    with torch.no_grad(), headwise.trace(attn, capture=("key_weight", "lse")) as t:
+        attn(torch.randn(2, 3, 8))
+        attn(torch.randn(1, 3, 8))
+    for name in ("key_weight", "lse"):
+        with pytest.raises(ValueError, match=r"call 0 is \(2, 2, 3\) and call 1 is \(1, 2, 3\)"):
+            t[0].get(name)
+    assert [c["key_weight"].shape[0] for c in t[0].calls] == [2, 1]  # each call's own stays readable
+
+
+def test_statistics_with_a_mask_compile_in_one_graph_to_the_eager_numbers():
+    from torch._dynamo.testing import CompileCounter
+
+    attn = headwise.MultiHeadAttention(16, 4, dtype=torch.float64).eval()
+    q, k, v = _qkv(2, 4, 4, 5, 5, d=4)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    mask[..., 0] = False  # a key no row reads
+    mask[1, :, 2] = False  # a row that reads nothing
+    _, want = reference_statistics(q, k, v, scale=attn.config.scale, mask=mask)
+    for capture in (("lse", "key_weight"), ALL):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        with torch.no_grad(), headwise.trace(attn, capture=capture) as compiled:
+            torch.compile(lambda q, k, v: attn.attend(q, k, v, mask=mask), backend=counter, fullgraph=True)(q, k, v)
+        assert counter.frame_count == 1
+        close({n: compiled[0].get(n) for n in capture}, {n: want[n] for n in capture})
+    torch._dynamo.reset()

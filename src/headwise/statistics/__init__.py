@@ -149,6 +149,12 @@ def concatenate(name: str, calls: list[torch.Tensor], queries: list[int] | None 
     """
     if name not in STATISTICS:
         raise ValueError(f"{name!r} is not a statistic; choose from {STATISTICS}")
+    for i, t in enumerate(calls[1:], 1):
+        # (b, h) must agree: a batch-1 call would otherwise be broadcast onto every row of another batch
+        if t.dim() != 3 or t.shape[:2] != calls[0].shape[:2]:
+            raise ValueError(f"{name}: every call must have the same (b, h) to be joined, but call 0 is "
+                             f"{tuple(calls[0].shape)} and call {i} is {tuple(t.shape)} (calls of different batch "
+                             f"sizes); use .calls[i][{name!r}]")
     if name != "key_weight":
         return torch.cat(calls, dim=2)
     lengths = [t.shape[-1] for t in calls]

@@ -37,9 +37,14 @@ _NAMES = ("lse", "entropy", "max_weight", "key_weight")
 
 
 def _span(allowed: torch.Tensor) -> tuple[int, int]:
-    """First and one-past-last column that is True anywhere in ``allowed`` (``(0, 0)`` if none).
+    """First and one-past-last column that is True anywhere in ``allowed`` (``(0, 0)`` if none; every column
+    inside compiled code).
 
     Shapes: allowed (..., n) -> two ints"""
+    if torch.compiler.is_compiling():
+        # Where the columns lie is data, which a compiled graph cannot branch on: every column, which computes
+        # the same numbers (masking a column the mask already allows changes nothing).
+        return 0, allowed.shape[-1]
     cols = allowed.flatten(0, -2).any(0) if allowed.dim() > 1 else allowed  # (n,)
     idx = cols.nonzero()
     if idx.numel() == 0:

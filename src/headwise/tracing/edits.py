@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 __all__ = ["SITES", "SitePlan", "parse_value", "apply", "masked_mean", "real_positions", "CachePadding",
-           "UnknownPadding"]
+           "UnknownPadding", "Unseen", "DeferredPadding"]
 
 SITES = ("q", "k", "v", "pattern", "z")
 _REAL_AXIS = {"q": "query", "z": "query", "k": "key", "v": "key"}  # which positions "mean" averages over
@@ -87,6 +87,26 @@ class UnknownPadding:
         return f"UnknownPadding({self.why!r})"
 
 
+class Unseen(UnknownPadding):
+    """The padding of a call whose ``attention_mask`` the trace did not see: the traced model was run past its
+    own ``__call__`` (``model.forward``, ``torch.compile(model.forward)``, a submodule), which its forward
+    pre-hook never sees, and no mask reached the layer where the trace could read it."""
+
+    def refuse(self) -> ValueError:
+        return ValueError(f"'mean' averages over each row's real tokens, but {self.why}, so which positions are "
+                          "real is unknown; call the model itself with its mask (model(ids, attention_mask=mask), "
+                          "or torch.compile(model) rather than torch.compile(model.forward)), or use "
+                          "('mean', reference) or a tensor of the means instead")
+
+
+class DeferredPadding:
+    """A call's padding kept as what was seen (a mask) and read into real tokens only when a mean needs them
+    (:meth:`resolve`), so compiled code that never takes a mean never computes it."""
+
+    def resolve(self) -> "torch.Tensor | CachePadding | UnknownPadding | None":  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
 class CachePadding(NamedTuple):
     """The real tokens of a call read off a 4-D mask: ``tokens`` (b, S) as a 2-D mask holds them (column j is
     position j, the call's queries its last columns); the mask let no row read a key slot past S (a
@@ -101,6 +121,8 @@ def real_positions(padding: torch.Tensor | CachePadding | UnknownPadding | None,
     j is position j: queries and keys are its last s columns (a decoding step's queries are the newest). Keys
     past a 2-D mask (a static cache's empty slots, or cross-attention keys from another sequence) cannot be
     told apart, so they are refused; past a 4-D mask's tokens (:class:`CachePadding`) they are not real."""
+    if isinstance(padding, DeferredPadding):
+        padding = padding.resolve()
     if padding is None:
         return None
     if isinstance(padding, UnknownPadding):
@@ -187,11 +209,10 @@ def replacement(t: torch.Tensor, where: str, width: int | None) -> Callable[...,
         raise ValueError(f"{where}: the replacement holds inf or NaN")
 
     def replace(x_h: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
-        try:
-            shape = torch.broadcast_shapes(t.shape, x_h.shape)
-        except RuntimeError:
-            shape = None
-        if shape != x_h.shape:
+        # Checked on the sizes (plain ints), never by catching a failed broadcast: compiled code raises its own
+        # error type for that.
+        fits = t.dim() <= x_h.dim() and all(a == 1 or a == n for a, n in zip(reversed(t.shape), reversed(x_h.shape)))
+        if not fits:
             raise ValueError(f"{where}: replacement {tuple(t.shape)} does not broadcast to this call's "
                              f"{tuple(x_h.shape)}")
         return t.to(device=x_h.device, dtype=x_h.dtype).expand_as(x_h)

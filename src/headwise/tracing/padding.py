@@ -11,13 +11,16 @@ Shapes:
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any, Mapping
 
 import torch
+from torch import nn
 
-from .edits import CachePadding, UnknownPadding
+from .edits import CachePadding, DeferredPadding, UnknownPadding, Unseen
 
-__all__ = ["padding_of", "padding_of_4d", "reads"]
+__all__ = ["padding_of", "padding_of_4d", "reads", "position_of", "takes", "watch_hosts", "ReachedMask"]
 
 
 def reads(mask: torch.Tensor) -> torch.Tensor | None:
@@ -84,3 +87,87 @@ def padding_of(args: tuple, kwargs: dict, name: str,
     if mask.dim() in (3, 4):
         return padding_of_4d(mask, name)
     return UnknownPadding(f"the model's {name} has {mask.dim()} dimensions, not 2 (b, s) or 4 (b, h, s_q, s_kv)")
+
+
+def position_of(name: str, module: nn.Module) -> int | None:
+    """The position of ``module.forward``'s parameter ``name`` among the positional ones, or None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional.index(name) if name in positional else None
+
+
+def takes(name: str, module: nn.Module) -> bool:
+    """Whether ``module.forward`` has a parameter ``name`` (by position or keyword)."""
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class ReachedMask(DeferredPadding):
+    """The ``attention_mask`` (or None) that reached a patched layer in a call the trace's pre-hook did not see."""
+
+    __slots__ = ("mask",)
+
+    def __init__(self, mask: torch.Tensor | None) -> None:
+        self.mask = mask
+
+    def resolve(self) -> torch.Tensor | CachePadding | UnknownPadding | None:
+        return padding_of((), {"attention_mask": self.mask}, "attention_mask", None)
+
+
+def inert_hook(*args: Any) -> None:
+    """What a copied host module keeps of a trace's mask hooks: nothing that runs or refers to the trace."""
+    return None
+
+
+def _inert() -> Any:
+    return inert_hook
+
+
+class _HostMask:
+    """A pre-hook (``before``) or post-hook on a patched layer's host module: the ``attention_mask`` the module
+    is given is what reaches the layer during that call, and nothing after it (a later call never reads it).
+    A copy of the host (``copy.deepcopy``, pickling) keeps :func:`inert_hook` in its place."""
+
+    def __init__(self, entry: Any, at: int | None, before: bool) -> None:
+        self.entry, self.at, self.before = entry, at, before
+
+    def __call__(self, module: nn.Module, args: tuple, more: Any) -> None:
+        if not self.before:
+            self.entry.reached = None
+            return
+        mask = more.get("attention_mask") if isinstance(more, dict) else None
+        if mask is None and self.at is not None and len(args) > self.at:
+            mask = args[self.at]
+        self.entry.reached = ReachedMask(mask) if mask is None or isinstance(mask, torch.Tensor) else \
+            Unseen(f"the mask reaching layer {self.entry.record.index} is a {type(mask).__name__}")
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return inert_hook
+
+    def __copy__(self) -> Any:
+        return inert_hook
+
+    def __reduce__(self) -> Any:
+        return (_inert, ())
+
+
+def watch_hosts(layers: list, entries: list) -> list:
+    """Hooks that let each entry read the ``attention_mask`` reaching its layer, for the layers of a patched
+    Hugging Face model (views with a ``host`` module whose forward takes ``attention_mask``): the padding of
+    a call made past the traced model's own forward (``model.forward``, ``torch.compile(model.forward)``, a
+    submodule), which the trace's pre-hook never sees. Returns the hook handles."""
+    views = sys.modules.get("headwise.interop.views")  # only a patched model has hosts (interop imported)
+    handles = []
+    for (_, layer), entry in zip(layers, entries):
+        host = getattr(layer, "host", None) if views is not None and isinstance(layer, views.LayerView) else None
+        if host is None or not takes("attention_mask", host):
+            continue
+        at = position_of("attention_mask", host)
+        handles.append(host.register_forward_pre_hook(_HostMask(entry, at, True), with_kwargs=True))
+        handles.append(host.register_forward_hook(_HostMask(entry, at, False), always_call=True))
+    return handles

@@ -7,6 +7,8 @@ Shapes:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..attention import MultiHeadAttention
@@ -19,6 +21,9 @@ CAPTURABLE = ("q", "k", "v", "pattern", "z", "result") + STATISTICS
 _BY_POSITION = {"q": 2, "z": 1, "result": 1}  # the query-position axis: several calls concatenate along it
 _TL_NAMES = {"q": "hook_q", "k": "hook_k", "v": "hook_v", "pattern": "hook_pattern", "z": "hook_z",
              "result": "hook_result"}
+# TransformerLens names rotary layers' q and k twice: hook_q/hook_k before the rotation, hook_rot_q/hook_rot_k
+# after it. A trace captures what the scores are computed from: after it.
+_TL_ROTATED = {**_TL_NAMES, "q": "hook_rot_q", "k": "hook_rot_k"}
 
 
 class TraceLookupError(KeyError, ValueError):
@@ -27,6 +32,15 @@ class TraceLookupError(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
         return str(self.args[0]) if self.args else ""
+
+
+class _Link:
+    """One call in a record's chain of calls not yet read back (:meth:`LayerRecord.add`)."""
+
+    __slots__ = ("call", "padding", "queries", "next")
+
+    def __init__(self, call: dict, padding: Any, queries: int) -> None:
+        self.call, self.padding, self.queries, self.next = call, padding, queries, None
 
 
 class LayerRecord:
@@ -47,13 +61,60 @@ class LayerRecord:
 
     def __init__(self, index: int, name: str, layer: MultiHeadAttention, capture: frozenset[str]) -> None:
         self.index, self.name, self.layer, self.capture = index, name, layer, capture
-        self.calls: list[dict[str, torch.Tensor]] = []
-        self.paddings: list[torch.Tensor | UnknownPadding | None] = []
-        #: Each call's query count: key_weight sums over calls only where the keys line up (concatenate).
-        self.queries: list[int] = []
+        self._calls: list[dict[str, torch.Tensor]] = []
+        self._paddings: list[Any] = []
+        self._queries: list[int] = []
+        # Calls arrive on a chain (add) and join the lists when read: compiled code that captures only links a
+        # new node, so dynamo never guards on how many calls the lists hold (one graph for every decode step).
+        self._head = self._tail = _Link({}, None, 0)
         #: A decoder layer of an encoder-decoder model: ``paddings`` are the decoder's (its queries' tokens),
         #: which its keys need not share (cross-attention reads the encoder's).
         self.decoder = False
+
+    def _read(self) -> None:
+        node = self._head.next
+        while node is not None:
+            self._calls.append(node.call)
+            self._paddings.append(node.padding)
+            self._queries.append(node.queries)
+            node = node.next
+        self._head.next, self._tail = None, self._head
+
+    @property
+    def calls(self) -> list[dict[str, torch.Tensor]]:
+        """Every call's captures, in order."""
+        self._read()
+        return self._calls
+
+    @property
+    def paddings(self) -> list[Any]:
+        """Each call's real-token mask (see the class docstring), in order."""
+        self._read()
+        return self._paddings
+
+    @property
+    def queries(self) -> list[int]:
+        """Each call's query count: key_weight sums over calls only where the keys line up (concatenate)."""
+        self._read()
+        return self._queries
+
+    def add(self, call: dict[str, torch.Tensor], padding: Any, queries: int) -> None:
+        """Record one call: its captures, its padding and its query count."""
+        node = _Link(call, padding, queries)
+        self._tail.next = node
+        self._tail = node
+
+    def drop_last(self) -> None:
+        """Forget the last call recorded (its layer failed after recording it)."""
+        self._read()
+        for kept in (self._calls, self._paddings, self._queries):
+            kept.pop()
+
+    def clear(self) -> None:
+        """Forget every call (a trace entered again starts empty)."""
+        self._read()
+        for kept in (self._calls, self._paddings, self._queries):
+            kept.clear()
 
     def get(self, what: str) -> torch.Tensor:
         """The captured ``what`` (one of :data:`CAPTURABLE`)."""
@@ -73,7 +134,15 @@ class LayerRecord:
         if what not in _BY_POSITION:
             raise ValueError(f"layer {self.index} ran {len(self.calls)} times (e.g. decoding) and {what!r} of "
                              f"different calls differ in length: use .calls[i][{what!r}]")
-        return torch.cat([c[what] for c in self.calls], dim=_BY_POSITION[what])
+        parts, axis = [c[what] for c in self.calls], _BY_POSITION[what]
+        first = parts[0].shape[:axis] + parts[0].shape[axis + 1:]
+        for i, t in enumerate(parts[1:], 1):
+            if t.shape[:axis] + t.shape[axis + 1:] != first:
+                raise ValueError(f"layer {self.index} ({self.name!r}): {what!r} of its calls are joined along the "
+                                 f"query positions (axis {axis}), so every other axis must agree, but call 0 is "
+                                 f"{tuple(parts[0].shape)} and call {i} is {tuple(t.shape)} (calls of different "
+                                 f"batch sizes); use .calls[i][{what!r}]")
+        return torch.cat(parts, dim=axis)
 
     q = property(lambda self: self.get("q"), doc="Queries after rotary (b, h, s_q, d_h).")
     k = property(lambda self: self.get("k"), doc="Keys (b, h_kv, s, d_h).")
@@ -120,8 +189,11 @@ class LayerRecord:
         return (total / max(count, 1.0)).view(x.shape[2], x.shape[3]).to(x.dtype)
 
     def tl_names(self) -> dict[str, str]:
-        """``{TransformerLens hook name: capture name}`` for what this layer captured."""
-        return {f"blocks.{self.index}.attn.{name}": c for c, name in _TL_NAMES.items() if c in self.capture}
+        """``{TransformerLens hook name: capture name}`` for what this layer captured: q and k of a layer with
+        rotary embeddings (``layer.rotary``: its own, or the one a patched family's registry entry names) are
+        captured after the rotation, TransformerLens' ``hook_rot_q`` / ``hook_rot_k``."""
+        names = _TL_NAMES if getattr(self.layer, "rotary", None) is None else _TL_ROTATED
+        return {f"blocks.{self.index}.attn.{name}": c for c, name in names.items() if c in self.capture}
 
     def __repr__(self) -> str:
         return (f"LayerRecord({self.index}, {self.name!r}, capture={sorted(self.capture)}, "

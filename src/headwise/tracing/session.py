@@ -6,7 +6,6 @@ Shapes:
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any, Iterator, Mapping
 
@@ -14,9 +13,9 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
-from .edits import SITES, SitePlan, UnknownPadding, parse_value
+from .edits import SITES, SitePlan, UnknownPadding, Unseen, parse_value
 from .layers import find_layers
-from .padding import padding_of
+from .padding import padding_of, position_of, takes, watch_hosts
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
 
@@ -26,16 +25,6 @@ __all__ = ["Trace", "trace"]
 def inert(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """What a copied model keeps of a trace's pre-hook: nothing that runs or refers to the trace."""
     return None
-
-
-def _position_of(name: str, module: nn.Module) -> int | None:
-    """The position of ``module.forward``'s parameter ``name`` among the positional ones, or None."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return positional.index(name) if name in positional else None
 
 
 def _decoder_layers(module: nn.Module, layers: list) -> tuple[frozenset[int], bool]:
@@ -72,16 +61,20 @@ def _global_heads(layer: MultiHeadAttention) -> tuple[int, tuple[int, ...] | Non
 
 
 class _BeforeCall:
-    """The trace's forward pre-hook on the traced module. It refers to its trace weakly, and a copy of the
-    module (``copy.deepcopy``, pickling) keeps only :func:`inert` in its place."""
+    """The trace's forward pre-hook (and, with ``after``, post-hook) on the traced module. It refers to its trace
+    weakly, and a copy of the module (``copy.deepcopy``, pickling) keeps only :func:`inert` in its place."""
 
-    def __init__(self, session: "Trace") -> None:
+    def __init__(self, session: "Trace", after: bool = False) -> None:
         self.session = weakref.ref(session)
+        self.after = after  # the post-hook: the call's padding ends with it
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: Any) -> None:
         session = self.session()
         if session is not None and session._active and module is session.module:
-            session._before_call(module, args, kwargs)
+            if self.after:
+                session._after_call()
+            else:
+                session._before_call(module, args, kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
         return inert
@@ -112,11 +105,15 @@ class Trace:
             self.records[i].decoder = True
         self._plans = self._parse_edits(edit)
         self._active = False
-        self._hook: Any = None
+        self._hooks: list = []
         self._mask_at: int | None = None
         self._decoder_mask_at: int | None = None
+        # Outside a call of the module itself (model.forward, a compiled model.forward, a submodule) its masks
+        # are unseen: one object, so compiled code guarding on it sees the same one at every step.
+        self._unseen: Unseen | None = None
         #: The real-token mask ((b, s) bool) of the model call running now, from its ``attention_mask`` (None
-        #: without one; :class:`UnknownPadding` where the mask does not show it exactly).
+        #: without one; :class:`UnknownPadding` where the mask does not show it exactly; outside a call of the
+        #: module itself, for a module taking an ``attention_mask``, an :class:`~headwise.tracing.edits.Unseen`).
         self.padding: torch.Tensor | UnknownPadding | None = None
         #: The decoder's real-token mask of an encoder-decoder call: its ``decoder_attention_mask``, or None.
         self.decoder_padding: torch.Tensor | None = None
@@ -150,17 +147,29 @@ class Trace:
     def __iter__(self) -> Iterator[LayerRecord]:
         return iter(self.records)
 
-    def as_dict(self) -> dict[str, torch.Tensor]:
+    def as_dict(self, call: int | None = None) -> dict[str, torch.Tensor]:
         """Every capture under its TransformerLens hook name (a porting aid), in TransformerLens' layouts:
         ``blocks.{l}.attn.hook_q`` / ``hook_k`` / ``hook_v`` (b, s, heads, d_h), ``hook_pattern``
-        (b, h, s_q, s_kv), ``hook_z`` (b, s_q, h, d_h), ``hook_result`` (b, s_q, h, d). Layers not called
-        are left out."""
+        (b, h, s_q, s_kv), ``hook_z`` (b, s_q, h, d_h), ``hook_result`` (b, s_q, h, d); in a layer with rotary
+        embeddings q and k are ``hook_rot_q`` / ``hook_rot_k`` (after the rotation, as captured). Layers not
+        called are left out.
+
+        ``call``: one call's captures (``t[l].calls[call]``, e.g. one decoding step), in every layer called that
+        often; None joins every call as ``t[l].get`` does, refused (``ValueError``) for what does not join."""
         out = {}
         for record in self.records:
-            if not record.calls:
+            calls = record.calls
+            if not calls or (call is not None and not -len(calls) <= call < len(calls)):
                 continue
             for name, what in record.tl_names().items():
-                t = record.get(what)
+                if call is not None:
+                    t = calls[call][what]
+                elif len(calls) > 1 and what in ("k", "v", "pattern"):
+                    raise ValueError(f"as_dict: layer {record.index} ran {len(calls)} times (e.g. decoding) and "
+                                     f"its {what!r} of different calls differ in length; pass as_dict(call=i) for "
+                                     f"call i's tensors, or read t[{record.index}].calls[i][{what!r}]")
+                else:
+                    t = record.get(what)
                 out[name] = t.transpose(1, 2) if what in ("q", "k", "v") else t
         return out
 
@@ -183,15 +192,22 @@ class Trace:
         foreign = [n for (n, _), t in zip(self.layers, current) if t is not None and not isinstance(t, LayerTracer)]
         if foreign:
             raise RuntimeError(f"layers {foreign} carry a tracer that is not a headwise trace")
+        entries = []
         for (_, layer), tracer, record, plans in zip(self.layers, current, self.records, self._plans):
             if tracer is None:
                 tracer = layer.tracer = LayerTracer()
-            record.calls.clear()
-            record.paddings.clear()
-            tracer.entries.append(Entry(self, record, plans, decoder=record.index in self._decoder))
-        self._mask_at = _position_of("attention_mask", self.module)
-        self._decoder_mask_at = _position_of("decoder_attention_mask", self.module)
-        self._hook = self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True)
+            record.clear()
+            entries.append(Entry(self, record, plans, decoder=record.index in self._decoder))
+            tracer.entries.append(entries[-1])
+        self._mask_at = position_of("attention_mask", self.module)
+        self._decoder_mask_at = position_of("decoder_attention_mask", self.module)
+        self._unseen = Unseen(f"{type(self.module).__name__} was run past its own call (model.forward, "
+                              "torch.compile(model.forward) or a submodule), so the trace never saw its "
+                              "attention_mask") if takes("attention_mask", self.module) else None
+        self.padding = self.decoder_padding = self._unseen
+        self._hooks = [self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True),
+                       self.module.register_forward_hook(_BeforeCall(self, after=True), always_call=True),
+                       *watch_hosts(self.layers, entries)]
         self._active = True
         return self
 
@@ -202,11 +218,15 @@ class Trace:
                 tracer.entries = [e for e in tracer.entries if e.session is not self]
                 if not tracer.entries:
                     del layer.__dict__["tracer"]  # back to the class default (None)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self.padding = self.decoder_padding = None
         self._active = False
+
+    def _after_call(self) -> None:
+        """After each call of the traced module (failed ones too): its padding is never a later call's."""
+        self.padding = self.decoder_padding = self._unseen
 
     def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before each call of the traced module: its layers are still the traced ones, and its

@@ -14,7 +14,7 @@ import torch
 
 from ..attention import MultiHeadAttention
 from ..statistics import STATISTICS
-from .edits import SitePlan, apply
+from .edits import DeferredPadding, SitePlan, Unseen, apply
 from .layers import head_results
 from .record import LayerRecord
 
@@ -31,12 +31,18 @@ class Entry:
     def __init__(self, session: Any, record: LayerRecord, plans: dict[str, SitePlan], decoder: bool = False) -> None:
         self.session, self.record, self.plans, self.decoder = session, record, plans, decoder
         self.pending: dict[str, torch.Tensor] = {}
+        #: The mask reaching the layer in the running call of its patched host module (padding.watch_hosts).
+        self.reached: DeferredPadding | Unseen | None = None
 
     @property
-    def padding(self) -> torch.Tensor | None:
+    def padding(self) -> Any:
         """The real-token mask of the sequence this layer's queries come from: an encoder-decoder's decoder
-        layers read the decoder's tokens, never the encoder's ``attention_mask``."""
-        return self.session.decoder_padding if self.decoder else self.session.padding
+        layers read the decoder's tokens, never the encoder's ``attention_mask``. In a call the trace's
+        pre-hook did not see, the mask that reached the layer, where a patched host module showed it."""
+        padding = self.session.decoder_padding if self.decoder else self.session.padding
+        if isinstance(padding, Unseen) and not self.decoder and self.reached is not None:
+            return self.reached
+        return padding
 
 
 def _weighted(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -144,9 +150,7 @@ class LayerTracer:
             if stats is not None:
                 call.update((n, t) for n, t in stats.items() if n in capture)
             if capture:
-                e.record.calls.append(call)
-                e.record.paddings.append(e.padding)
-                e.record.queries.append(z.shape[2])
+                e.record.add(call, e.padding, z.shape[2])
                 self.recorded.append(e.record)
         self.last_results = results
         return z, weights
@@ -157,9 +161,7 @@ class LayerTracer:
         recorded, self.recorded = self.recorded, []
         self.last_results = None
         for record in recorded:
-            record.calls.pop()
-            record.paddings.pop()
-            record.queries.pop()
+            record.drop_last()
 
     def results(self, layer: MultiHeadAttention) -> torch.Tensor | None:
         """The head writes the context step just captured, handed over once (the layer sums them instead of
