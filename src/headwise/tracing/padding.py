@@ -20,7 +20,8 @@ from torch import nn
 
 from .edits import CachePadding, DeferredPadding, UnknownPadding, Unseen
 
-__all__ = ["padding_of", "padding_of_4d", "reads", "position_of", "takes", "watch_hosts", "ReachedMask"]
+__all__ = ["padding_of", "padding_of_4d", "reads", "position_of", "takes", "watch_hosts", "ReachedMask",
+           "InertWhenCopied", "inert_hook"]
 
 
 def reads(mask: torch.Tensor) -> torch.Tensor | None:
@@ -120,7 +121,7 @@ class ReachedMask(DeferredPadding):
 
 
 def inert_hook(*args: Any) -> None:
-    """What a copied host module keeps of a trace's mask hooks: nothing that runs or refers to the trace."""
+    """What a copied module keeps of a trace's hooks: nothing that runs or refers to the trace."""
     return None
 
 
@@ -128,7 +129,21 @@ def _inert() -> Any:
     return inert_hook
 
 
-class _HostMask:
+class InertWhenCopied:
+    """A trace's hook on a user's module: a copy of the module (``copy.deepcopy``, ``copy.copy``, pickling)
+    keeps :func:`inert_hook` in its place, never the trace."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return inert_hook
+
+    def __copy__(self) -> Any:
+        return inert_hook
+
+    def __reduce__(self) -> Any:
+        return (_inert, ())
+
+
+class _HostMask(InertWhenCopied):
     """A pre-hook (``before``) or post-hook on a patched layer's host module: the ``attention_mask`` the module
     is given is what reaches the layer during that call, and nothing after it (a later call never reads it).
     A copy of the host (``copy.deepcopy``, pickling) keeps :func:`inert_hook` in its place."""
@@ -145,15 +160,6 @@ class _HostMask:
             mask = args[self.at]
         self.entry.reached = ReachedMask(mask) if mask is None or isinstance(mask, torch.Tensor) else \
             Unseen(f"the mask reaching layer {self.entry.record.index} is a {type(mask).__name__}")
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        return inert_hook
-
-    def __copy__(self) -> Any:
-        return inert_hook
-
-    def __reduce__(self) -> Any:
-        return (_inert, ())
 
 
 def watch_hosts(layers: list, entries: list) -> list:

@@ -15,16 +15,11 @@ from torch import nn
 from ..attention import MultiHeadAttention
 from .edits import SITES, SitePlan, UnknownPadding, Unseen, parse_value
 from .layers import find_layers
-from .padding import padding_of, position_of, takes, watch_hosts
+from .padding import InertWhenCopied, padding_of, position_of, takes, watch_hosts
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
 
 __all__ = ["Trace", "trace"]
-
-
-def inert(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """What a copied model keeps of a trace's pre-hook: nothing that runs or refers to the trace."""
-    return None
 
 
 def _decoder_layers(module: nn.Module, layers: list) -> tuple[frozenset[int], bool]:
@@ -46,10 +41,6 @@ def _decoder_layers(module: nn.Module, layers: list) -> tuple[frozenset[int], bo
     return frozenset(i for i, (name, _) in enumerate(layers) if name.startswith(prefix + ".")), True
 
 
-def _inert() -> Any:
-    return inert
-
-
 def _global_heads(layer: MultiHeadAttention) -> tuple[int, tuple[int, ...] | None]:
     """(the unsharded layer's query heads, the global indices of this rank's heads in local order) for a
     layer split by heads (:func:`headwise.parallel.tensor_parallel`); (n_heads, None) for any other layer."""
@@ -60,9 +51,9 @@ def _global_heads(layer: MultiHeadAttention) -> tuple[int, tuple[int, ...] | Non
     return layer.n_heads, None
 
 
-class _BeforeCall:
+class _BeforeCall(InertWhenCopied):
     """The trace's forward pre-hook (and, with ``after``, post-hook) on the traced module. It refers to its trace
-    weakly, and a copy of the module (``copy.deepcopy``, pickling) keeps only :func:`inert` in its place."""
+    weakly; a copy of the module keeps an inert hook in its place (:class:`InertWhenCopied`)."""
 
     def __init__(self, session: "Trace", after: bool = False) -> None:
         self.session = weakref.ref(session)
@@ -75,15 +66,6 @@ class _BeforeCall:
                 session._after_call()
             else:
                 session._before_call(module, args, kwargs)
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        return inert
-
-    def __copy__(self) -> Any:
-        return inert
-
-    def __reduce__(self) -> Any:
-        return (_inert, ())
 
 
 class Trace:
