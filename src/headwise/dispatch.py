@@ -148,8 +148,18 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
     if plan.statistics:
         out += _statistics_reasons(plan)
     if plan.backend == "eager":
-        out.append("return_weights=True: only the eager path returns per-head probabilities" if plan.return_weights
-                   else "backend='eager' was chosen when the layer was built")
+        if plan.return_weights:
+            out.append("return_weights=True: only the eager path returns per-head probabilities")
+        elif plan.softcap is not None or plan.sinks:
+            out.append("a score softcap and attention sinks run on the eager path" if plan.softcap is not None
+                       and plan.sinks else "a score softcap runs on the eager path" if plan.softcap is not None
+                       else "attention sinks run on the eager path")
+        elif plan.min_rows_eager:
+            out.append("autograd records a floating mask with a row whose readable keys are all at the dtype's "
+                       "minimum (Hugging Face's padding): PyTorch's fused backward is wrong on such rows, the "
+                       "eager path's is the formula's")
+        else:
+            out.append("backend='eager' was chosen when the layer was built")
         out.append(f"the eager path materialises b*h*s_q*s_kv = {b}*{h}*{s_q}*{s_kv} probabilities "
                    f"({plan.probability_bytes} bytes)")
     if plan.cache_read is CacheRead.POSITION:

@@ -180,6 +180,8 @@ class Plan(NamedTuple):
         device_type: the device the plan was made for (``"cpu"``, ``"cuda"``, ...).
         statistics: the per-head statistics the call computes (names from :data:`STATISTICS`), in that order.
         statistics_via: how it computes them (a :class:`Statistics`, rule 10).
+        min_rows_eager: the eager path runs because autograd records a floating mask row entirely at the
+            dtype's minimum (rule 2).
     """
 
     shape: tuple[int, int, int, int]
@@ -205,6 +207,7 @@ class Plan(NamedTuple):
     device_type: str = "cpu"
     statistics: tuple[str, ...] = ()
     statistics_via: Statistics = Statistics.NONE
+    min_rows_eager: bool = False
 
     @property
     def is_causal(self) -> bool:
@@ -324,7 +327,7 @@ def plan_attention(
     device: torch.device, backend: str = "sdpa", causal: bool = False, has_mask: bool = False,
     cached: bool = False, return_weights: bool = False, dropout_p: float = 0.0, chunk_queries: bool | int = True,
     records_grad: bool = False, softcap: float | None = None, sinks: bool = False,
-    dead_rows: bool | Callable[[], bool] = False, mask_per_head: bool = False, read: CacheRead = CacheRead.NONE,
+    dead_rows: bool | Callable[[tuple[int, int] | None], bool] = False, mask_per_head: bool = False, read: CacheRead = CacheRead.NONE,
     statistics: tuple[str, ...] | frozenset[str] = (),
 ) -> Plan:
     """The plan of one attention call (see the module docstring for the rules). Inputs are trusted: the
@@ -344,9 +347,10 @@ def plan_attention(
         chunk_queries: the layer's chunking setting (see :func:`chunk_length`).
         records_grad: autograd records this call (no chunks then: a backward keeps every chunk).
         softcap, sinks: a score softcap, attention sinks (both run eager).
-        dead_rows: the floating mask has a row entirely at the dtype's minimum (rule 2); a callable is asked
-            only when its answer can change the backend (reading the mask is a data-dependent step, which
-            torch.export and torch.compile cannot trace).
+        dead_rows: the floating mask has a row entirely at the dtype's minimum (rule 2), counting only the keys
+            the row may read; a callable is asked only when its answer can change the backend (reading the mask
+            is a data-dependent step, which torch.export and torch.compile cannot trace), and is given
+            ``(s_q, s_kv)`` of a causal call (whose blocked keys a row does not read) or None.
         mask_per_head: the mask has a head axis (it differs between query heads of one group).
         read: how a cached call reads the cache (:func:`cache_read`); for a whole-buffer read ``s_kv`` is
             ``max_len``, ``has_mask`` is True (the position mask) and causality is in that mask.
@@ -389,8 +393,9 @@ def plan_attention(
         else:
             stats_via = Statistics.CHUNKS
     eager = return_weights or backend == "eager" or softcap is not None or sinks
+    min_rows = False
     if not eager and records_grad:
-        eager = dead_rows() if callable(dead_rows) else dead_rows
+        min_rows = eager = dead_rows((s_q, s_kv) if causal else None) if callable(dead_rows) else dead_rows
     backend = "eager" if eager else "sdpa"
     if stats_via is Statistics.CHUNKS or stats_via is Statistics.KERNEL:
         backend = "statistics"
@@ -428,7 +433,8 @@ def plan_attention(
                 warn=nbytes > FORWARD_WARN_BYTES, scale=scale, dropout_p=dropout_p, cached=cached,
                 return_weights=return_weights, chunk_forced=chunk_queries is not True, softcap=softcap,
                 sinks=sinks, avoid_cudnn=avoid, zero_dead_rows=dead, cache_read=read,
-                device_type=device_type, statistics=wanted, statistics_via=stats_via)
+                device_type=device_type, statistics=wanted, statistics_via=stats_via,
+                min_rows_eager=bool(min_rows) and backend == "eager")
 
 
 def forward_warning(plan: Plan) -> MaterializationWarning:

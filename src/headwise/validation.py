@@ -111,12 +111,22 @@ def check_sinks(sinks: object, b: int, h: int, s_q: int, device: torch.device) -
         raise ValueError(f"sinks are on {sinks.device} but the queries are on {device}")
 
 
-def has_dead_rows(mask: torch.Tensor | None) -> bool:
+def has_dead_rows(mask: torch.Tensor | None, causal: tuple[int, int] | None = None) -> bool:
     """Whether a floating mask has a query row entirely at (or below half of) its dtype's minimum: Hugging
-    Face's padding rows. Reads the mask: called only while autograd records (see plan rule 2)."""
+    Face's padding rows. Reads the mask: called only while autograd records (see plan rule 2).
+
+    ``causal``: ``(s_q, s_kv)`` of a causal call; a row's keys past its position (bottom-right) are blocked
+    anyway, so the row counts as dead when every key it may read is at the minimum (left padding under a
+    causal call), and a row that may read no key at all is left to the zeroing of rows that read nothing."""
     if mask is None or mask.dtype == torch.bool or mask.numel() == 0:
         return False
-    return bool((mask <= torch.finfo(mask.dtype).min / 2).all(-1).any())
+    low = mask <= torch.finfo(mask.dtype).min / 2  # broadcastable to (b, h, s_q, s_kv)
+    if causal is None:
+        return bool(low.all(-1).any())
+    s_q, s_kv = causal
+    i = torch.arange(s_q, device=mask.device)[:, None]
+    readable = torch.arange(s_kv, device=mask.device)[None, :] <= i + (s_kv - s_q)  # (s_q, s_kv), bottom-right
+    return bool(((low | ~readable).all(-1) & readable.any(-1)).any())
 
 
 def check_dtype(name: str, dtype: object) -> None:

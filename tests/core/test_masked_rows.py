@@ -86,6 +86,33 @@ def test_rows_at_the_dtype_minimum_get_the_formulas_gradient():
         torch.testing.assert_close(got, want)
 
 
+def test_rows_whose_readable_keys_are_all_at_the_minimum_under_causal_get_the_formulas_gradient():
+    # Left padding given as an additive finfo.min key mask plus causal=True: the first queries may read only
+    # padded keys (the causal mask blocks the rest), rows at the minimum as the kernel sees them.
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, 1, 1, 5, dtype=torch.float64)
+    mask[1, ..., :2] = torch.finfo(torch.float64).min  # sample 1: keys 0 and 1 are padding
+    z, _ = hwf.attention(q, k, v, mask=mask, causal=True)
+    ref, _ = reference_heads(q, k, v, mask=mask, causal=True)
+    torch.testing.assert_close(z, ref)
+    grads = torch.autograd.grad(z.pow(2).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+    # the layer, causal and as a cached prefill (causal by the cache), against the layer's eager path
+    attn = MultiHeadAttention(16, 2, dtype=torch.float64)
+    eager = MultiHeadAttention(16, 2, dtype=torch.float64, backend="eager")
+    eager.load_state_dict(attn.state_dict())
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    want = _grads(eager, x, mask=mask, causal=True)
+    for got in (_grads(attn, x, mask=mask, causal=True), _grads(attn, x, mask=mask, cache=attn.new_cache(2, 8))):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])
+    assert "fused backward is wrong" in " ".join(attn.explain_dispatch(x.requires_grad_(), mask=mask,
+                                                                       causal=True).reasons)
+
+
 def test_the_layer_routes_minimum_rows_to_a_correct_gradient_and_keeps_the_fused_forward():
     attn = MultiHeadAttention(16, 2, dtype=torch.float64)
     eager = MultiHeadAttention(16, 2, dtype=torch.float64, backend="eager")
