@@ -96,6 +96,25 @@ def test_a_head_mask_scales_each_head_as_its_context_scaled_by_hand(shape):
     torch.testing.assert_close(got.attentions[0][:, 2].sum(-1)[0], torch.full((7,), 0.5))  # probabilities scaled
 
 
+def test_a_per_layer_head_mask_with_more_rows_than_layers_is_refused_before_the_cache_changes():
+    # A (L + 1, h) mask (built for a deeper model) has a row that matches no layer: refused, not half applied.
+    plain, model = build("llama", "sdpa"), patch(build("llama", "sdpa"))
+    with torch.no_grad():
+        out = model(input_ids=IDS[:, :4], attention_mask=MASK[:, :4], use_cache=True)
+    cache, length = out.cache, out.cache.get_seq_length()
+    step = dict(input_ids=IDS[:, 4:5], attention_mask=MASK[:, :5], use_cache=True)
+    extra = torch.ones(3, 4)
+    extra[2] = 0.0
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM: head_mask has one row per layer: expected "
+                                         r"\(L=2, h=4\), got \(3, 4\)$"), torch.no_grad():
+        model(**step, cache=cache, head_mask=extra)
+    assert [c.shape[2] for c in (layer.keys for layer in cache.layers)] == [length, length]  # untouched
+    with torch.no_grad():  # the refused call changed nothing: the next step is the unpatched model's
+        want = plain(input_ids=IDS[:, :5], attention_mask=MASK[:, :5]).logits[:, -1:]
+        got = model(**step, cache=cache, head_mask=torch.ones(2, 4)).logits
+    torch.testing.assert_close(got, want)
+
+
 def test_bad_or_ambiguous_head_masks_are_refused_in_one_line_before_the_cache_changes():
     model = patch(build("llama", "sdpa"))
     with torch.no_grad():

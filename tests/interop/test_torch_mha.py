@@ -209,6 +209,32 @@ def test_to_torch_refuses_what_torch_cannot_express(make, named):
         to_torch(make())
 
 
+def test_to_torch_refuses_per_head_qk_norms_and_overridden_forward_steps():
+    # A QK-norm layer (what from_hf builds for Qwen3) computes another function than nn.MultiheadAttention would
+    # with its weights: converting it must refuse, not drop the norms.
+    from headwise.interop.hf.qk_norm import QKNormAttention
+
+    qk = QKNormAttention(d_model=16, n_heads=4, q_norm=nn.RMSNorm(4), k_norm=nn.RMSNorm(4))
+    with pytest.raises(ValueError, match=r"per-head Q/K norms \(q_norm=RMSNorm, k_norm=RMSNorm\)"):
+        to_torch(qk)
+
+    class Sharpened(MultiHeadAttention):  # any other override of a forward step is named
+        def project_q(self, x):
+            return 2 * super().project_q(x)
+
+    with pytest.raises(ValueError, match=r"Sharpened\.project_q"):
+        to_torch(Sharpened(16, 4))
+
+
+def test_to_torch_of_a_shared_view_equals_the_viewed_module():
+    # The view's fused QKV override computes the plain function: it still converts, to the same outputs.
+    m = _mha()
+    back = to_torch(from_torch(m, share=True)).eval()
+    x = torch.randn(2, 5, 16)
+    _assert_same_weights(m, back)
+    torch.testing.assert_close(back(x, x, x, need_weights=False)[0], m(x, x, x, need_weights=False)[0])
+
+
 def test_wrong_types_raise():
     with pytest.raises(TypeError, match="MultiheadAttention"):
         from_torch(nn.Linear(4, 4))

@@ -248,6 +248,29 @@ def test_a_sharded_layer_is_refused():
         dist.destroy_process_group()
 
 
+def test_a_view_sharing_a_torch_module_is_refused_saying_to_copy_it_and_the_copy_prunes():
+    # from_torch(m, share=True) cannot change m's head count in place; the refusal says so (not "a patched Hugging
+    # Face module" nor "an adapter wrapper"), bare or inside a module, and m is untouched.
+    from torch import nn
+
+    from headwise.interop import from_torch
+
+    m = nn.MultiheadAttention(8, 4, batch_first=True, dtype=torch.float64).eval()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    view = from_torch(m, share=True)
+    for target, ref in ((view, [0]), (nn.Sequential(view), {0: [0]})):
+        with pytest.raises(TypeError, match=r"view sharing an nn\.MultiheadAttention's parameters \(from_torch\(m, "
+                                            r"share=True\)\).*take a copy with from_torch\(m\) \(without share\)"):
+            prune_heads(target, ref)
+        with pytest.raises(TypeError, match="view sharing an nn.MultiheadAttention's parameters"):
+            to_gqa(target, 2)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    x = torch.randn(2, 5, 8, dtype=torch.float64)  # the advice works: the copy prunes to the zero-ablated layer
+    gate = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    want = attention(weights(view), x, 4, 4, 2, gate=gate)
+    torch.testing.assert_close(prune_heads(from_torch(m), [0])(x), want)
+
+
 # -- layers in a module: shared layers, hooks; index types; an emptied layer ------------------------------------
 class Shared(torch.nn.Module):
     """One attention layer applied three times (weights shared, as a universal transformer does)."""

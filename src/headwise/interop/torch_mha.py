@@ -109,7 +109,9 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
 
     Packed ``in_proj_weight`` when ``kdim == vdim == d_model``, else separate ``q/k/v_proj_weight``
     (torch decides the layout from kdim/vdim). Layers torch cannot express raise ``ValueError``:
-    GQA/MQA, ``n_heads * d_head != d_model``, ``out_bias != bias``, a non-default scale, rotary.
+    GQA/MQA, ``n_heads * d_head != d_model``, ``out_bias != bias``, a non-default scale, rotary, per-head
+    Q/K norms, and any subclass that overrides a step of the forward (``forward``, ``project_q``, ``project_kv``,
+    ``project_qkv``, ``rotate``, ``attend``, ``project_out``), naming it.
 
     Shapes:
         q_proj, k_proj, v_proj weights (d, d), (d, kdim), (d, vdim) -> in_proj_weight (3d, d) or
@@ -140,6 +142,7 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
                         "always scales by 1/sqrt(d_head)")
     if attn.rotary is not None:
         problems.append("rotary position embeddings; nn.MultiheadAttention has none")
+    problems += _forward_problems(attn)
     if problems:
         raise ValueError("cannot express this layer as nn.MultiheadAttention: " + "; ".join(problems))
     w = attn.q_proj.weight
@@ -161,6 +164,40 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
         m.out_proj.weight.copy_(attn.out_proj.weight)
     m.train(attn.training)
     return m
+
+
+# The steps of MultiHeadAttention.forward; a subclass overriding any of them may compute another function than the
+# weights alone say (decoding.DecodeStep assumes the same). Overrides known to compute the plain function: the fused
+# QKV GEMM of the views (same Q, K, V as three GEMMs).
+_FORWARD_STEPS = ("forward", "project_q", "project_kv", "project_qkv", "rotate", "attend", "project_out")
+_PLAIN_OVERRIDES = {("LayerView", "project_qkv"), ("TorchMHAView", "project_qkv")}
+
+
+def _forward_problems(attn: MultiHeadAttention) -> list[str]:
+    """What in ``attn``'s forward, beyond its config and rotary, ``nn.MultiheadAttention`` cannot compute."""
+    problems = []
+    norms = {name: getattr(attn, name, None) for name in ("q_norm", "k_norm")}
+    if any(isinstance(n, nn.Module) for n in norms.values()):
+        problems.append("per-head Q/K norms (" + ", ".join(f"{k}={type(v).__name__}" for k, v in norms.items())
+                        + "); nn.MultiheadAttention projects Q and K with no norm")
+    # A view of a host module (HFView) forwards as the plain class unless standalone_refusal says why it cannot.
+    refusal = getattr(attn, "standalone_refusal", None)
+    why = refusal() if callable(refusal) else ""
+    if why:
+        problems.append(f"it computes more than the plain attention: {why}")
+    overridden = []
+    for step in _FORWARD_STEPS:
+        owner = next(c for c in type(attn).__mro__ if step in vars(c))
+        plain = owner is MultiHeadAttention or (owner.__module__.startswith("headwise.")
+                                                 and (owner.__name__, step) in _PLAIN_OVERRIDES)
+        if step == "forward" and callable(refusal) and "standalone_refusal" in vars(owner):
+            plain = True  # that class's forward is the plain one, or the refusal handled above
+        if not plain:
+            overridden.append(f"{owner.__name__}.{step}")
+    if overridden:
+        problems.append(f"{type(attn).__name__} overrides the forward steps {', '.join(overridden)}; "
+                        "nn.MultiheadAttention computes only the plain MultiHeadAttention forward")
+    return problems
 
 
 class TorchMHAView(LayerView):

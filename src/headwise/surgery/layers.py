@@ -89,21 +89,38 @@ def take_hooks(old: nn.Module, new: nn.Module) -> None:
                 twin.__dict__[key] = hooks
 
 
+def _seamless_view(layer: MultiHeadAttention, what: str, which: str) -> str:
+    """Why surgery refuses a view whose host has no surgery seam (``from_torch(m, share=True)``): it changes head
+    counts, which the view cannot do to weights it does not own."""
+    host = type(layer.host).__name__
+    if isinstance(layer.host, nn.MultiheadAttention):
+        return (f"{what}: {which} is a view sharing an nn.MultiheadAttention's parameters (from_torch(m, "
+                f"share=True)); it cannot change head counts in place (nn.MultiheadAttention ties its heads to "
+                f"embed_dim = n_heads * d_head): take a copy with from_torch(m) (without share) and run {what} on it")
+    return (f"{what}: {which} is a view of a {host}'s weights with no surgery seam, so its head counts cannot change "
+            f"in place; run {what} on a standalone copy of the layer")
+
+
 # -- one surgery over a layer or a model ---------------------------------------------------------------------
 class Target:
     """The layers of ``target`` that surgery addresses, by position (as :func:`headwise.trace` numbers them)
     or module name, and the one place that applies new weights to them."""
 
     def __init__(self, target: Any, what: str) -> None:
-        if isinstance(target, MultiHeadAttention) and hosts.is_view(target):
+        if isinstance(target, MultiHeadAttention) and hosts.has_seam(target):
             raise TypeError(f"{what}: this layer is the view of a patched Hugging Face module; pass the patched "
                             "model (surgery resizes the module's own weights)")
+        if isinstance(target, MultiHeadAttention) and hosts.is_view(target):
+            raise TypeError(_seamless_view(target, what, "this layer"))
         self.target, self.what = target, what
         try:
             self.layers = find_layers(target)
         except TypeError as e:
             raise TypeError(f"{what}: expected a MultiHeadAttention, a module containing them or a model patched "
                             f"by headwise.interop.patch; got {type(target).__name__} ({e})") from None
+        for name, layer in self.layers:  # before any weight is read: its projections are the host's, not Linears
+            if hosts.is_view(layer) and not hosts.has_seam(layer):
+                raise TypeError(_seamless_view(layer, what, f"layer {name!r}"))
         self.hf = any(hosts.is_view(layer) for _, layer in self.layers)
         # every name of each layer: a layer registered twice (nn.ModuleList([attn] * 3)) is listed once
         self.names: dict[int, list[str]] = {i: [name] for i, (name, _) in enumerate(self.layers)}

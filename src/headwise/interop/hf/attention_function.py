@@ -137,7 +137,8 @@ def _position_bias_mask(bias: torch.Tensor, mask: torch.Tensor | None, causal: b
 
 def head_factors(head_mask: Any, module: nn.Module, h: int) -> torch.Tensor | None:
     """The factor of each of this module's ``h`` heads from Hugging Face's ``head_mask`` (1 keeps a head, 0 removes
-    it): ``(h,)`` for every layer, or ``(L, h)`` with the module's ``layer_idx`` picking its row. Anything else is
+    it): ``(h,)`` for every layer, or ``(L, h)`` with the module's ``layer_idx`` picking its row (the patched
+    model's pre-hook, :func:`~headwise.interop.hf.patch.check_head_mask`, also checks ``L``). Anything else is
     refused with a ``ValueError`` (transformers 5 itself ignores ``head_mask``; headwise never does).
 
     Shapes: head_mask (h,) or (L, h) -> (h,)"""

@@ -117,7 +117,8 @@ _OTHER_MASKS = ("decoder_head_mask", "cross_attn_head_mask")
 def check_head_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """A forward pre-hook of the patched model: Hugging Face's ``head_mask`` is honoured (each head's probabilities
     and context scaled, :func:`~headwise.interop.hf.attention_function.head_factors`) where it means one thing, and
-    refused in one line, before anything runs (so no cache has changed), where it does not."""
+    refused in one line, before anything runs (so no cache has changed), where it does not: a per-layer mask must
+    be ``(L, h)``, ``L`` the model's ``num_hidden_layers`` (a row that matches no layer is refused)."""
     where = type(model).__name__
     other = [n for n in _OTHER_MASKS if kwargs.get(n) is not None]
     head_mask = kwargs.get("head_mask")
@@ -134,6 +135,15 @@ def check_head_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if getattr(head_mask, "dim", lambda: 0)() == 2 and len(set(indices)) != len(indices):
         raise ValueError(f"{where}: head_mask has one row per layer, but its attention modules share layer numbers "
                          "(several stacks); pass one row (h,) for every layer, or edit heads with headwise.trace")
+    if found and getattr(head_mask, "dim", lambda: 0)() == 2:
+        # A row that matches no layer (a mask built for a deeper model) would be silently ignored: the mask is for
+        # another model, so refuse it rather than apply the rows that happen to fit.
+        counts = {getattr(getattr(view.host, "config", None), "num_hidden_layers", None) for _, view in found}
+        n_layers = counts.pop() if len(counts) == 1 else None
+        n_layers = n_layers if isinstance(n_layers, int) else max(indices) + 1  # indices: ints, head_factors said
+        if head_mask.shape[0] != n_layers:
+            raise ValueError(f"{where}: head_mask has one row per layer: expected (L={n_layers}, "
+                             f"h={head_mask.shape[1]}), got {tuple(head_mask.shape)}")
 
 
 def patch(model: nn.Module) -> nn.Module:
