@@ -26,14 +26,14 @@ from .config import AttentionConfig
 from .dispatch import DispatchInfo
 from .head import ORIGINAL_HEADS, LayerHeads
 from .kv_cache import KVCache
-from .module_calls import bare_linear
+from .module_calls import bare_linear, calls_forward_only, has_forward_hooks  # noqa: F401 (re-exported)
 from .plan import CacheRead, Plan, forward_warning
 from .rotary import RotaryEmbedding
 from .statistics import attend_with_statistics
 from .token_step import PLAN_KEY, QUERY_PLAN_KEY, one_query_plan, one_token
 from .validation import check_device, check_dtype, check_first_write, check_forward, check_layer_size, check_qkv
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "calls_forward_only", "has_forward_hooks"]
 
 
 class MultiHeadAttention(LayerHeads, nn.Module):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -380,12 +382,18 @@ def test_a_capture_in_a_compiled_decode_step_compiles_one_graph_for_every_positi
             step = headwise.DecodeStep(attn, cache)
             if compiled:
                 step = torch.compile(step, backend=counter, fullgraph=True, dynamic=False)
+            held = t[0].calls  # a list held across calls sees every call, compiled ones once read again
             for i in range(2, 16):  # 14 positions
                 step(x[:, i:i + 1])
         runs[compiled] = t
         if compiled:
             assert counter.frame_count == 1
-    assert len(runs[True][0].calls) == 15
+        else:
+            assert len(held) == 15  # eager calls join the list at once
+        copied = copy.deepcopy(t[0])  # a copy holds the calls themselves, compiled ones included
+        assert len(t[0].calls) == 15 and held is t[0].calls
+        assert len(copied.calls) == 15
+        torch.testing.assert_close(copied.z, t[0].z)
     torch.testing.assert_close(runs[True][0].z, runs[False][0].z)
     with torch.no_grad():
         torch.testing.assert_close(runs[False][0].z.flatten(2) @ attn.out_proj.weight.T + attn.out_proj.bias,

@@ -144,3 +144,20 @@ def test_odd_edit_values_work_or_are_refused_clearly():
     with pytest.raises(TypeError, match="got a bool"):
         headwise.trace(attn, edit={(0, 1): True})
     assert attn.tracer is None  # every refusal left the layer as it was
+
+
+def test_a_model_pickled_inside_a_trace_by_an_earlier_version_loads_untraced():
+    # Earlier versions pickled the trace's pre-hook as a call of headwise.tracing.session._inert: such a file
+    # must still load, with a hook that does nothing.
+    import pickle
+
+    class Saved:
+        def __reduce__(self):
+            return (headwise.tracing.session.__dict__["_inert"], ())
+
+    attn = MultiHeadAttention(8, 2)
+    attn.register_forward_pre_hook(Saved(), with_kwargs=True)
+    loaded = pickle.loads(pickle.dumps(attn))
+    x = torch.randn(1, 3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), attn.__class__.forward(loaded, x))

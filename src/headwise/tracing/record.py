@@ -64,8 +64,8 @@ class LayerRecord:
         self._calls: list[dict[str, torch.Tensor]] = []
         self._paddings: list[Any] = []
         self._queries: list[int] = []
-        # Calls arrive on a chain (add) and join the lists when read: compiled code that captures only links a
-        # new node, so dynamo never guards on how many calls the lists hold (one graph for every decode step).
+        # Calls made in compiled code arrive on a chain (add) and join the lists when read: such code only links
+        # a new node, so dynamo never guards on how many calls the lists hold (one graph for every decode step).
         self._head = self._tail = _Link({}, None, 0)
         #: A decoder layer of an encoder-decoder model: ``paddings`` are the decoder's (its queries' tokens),
         #: which its keys need not share (cross-attention reads the encoder's).
@@ -99,10 +99,21 @@ class LayerRecord:
         return self._queries
 
     def add(self, call: dict[str, torch.Tensor], padding: Any, queries: int) -> None:
-        """Record one call: its captures, its padding and its query count."""
-        node = _Link(call, padding, queries)
-        self._tail.next = node
-        self._tail = node
+        """Record one call: its captures, its padding and its query count (in compiled code, on the chain the
+        lists take in when next read)."""
+        if torch.compiler.is_compiling():
+            node = _Link(call, padding, queries)
+            self._tail.next = node
+            self._tail = node
+            return
+        self._read()
+        self._calls.append(call)
+        self._paddings.append(padding)
+        self._queries.append(queries)
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._read()  # a copy or pickle holds the lists, never a chain to walk recursively
+        return dict(self.__dict__)
 
     def drop_last(self) -> None:
         """Forget the last call recorded (its layer failed after recording it)."""

@@ -15,7 +15,7 @@ from torch import nn
 from ..attention import MultiHeadAttention
 from .edits import SITES, SitePlan, UnknownPadding, Unseen, parse_value
 from .layers import find_layers
-from .padding import InertWhenCopied, padding_of, position_of, takes, watch_hosts
+from .padding import InertWhenCopied, inert_hook, padding_of, position_of, takes, watch_hosts
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
 
@@ -49,6 +49,14 @@ def _global_heads(layer: MultiHeadAttention) -> tuple[int, tuple[int, ...] | Non
     if isinstance(layer, TensorParallelAttention):
         return layer.global_config.n_heads, tuple(layer.partition.q_heads)
     return layer.n_heads, None
+
+
+# What models pickled inside a trace by earlier versions name in place of the trace's hook.
+inert = inert_hook
+
+
+def _inert() -> Any:
+    return inert_hook
 
 
 class _BeforeCall(InertWhenCopied):
