@@ -107,3 +107,18 @@ def test_compare_list(capsys) -> None:
 ])
 def test_compare_bad_input(capsys, argv: list[str], message: str) -> None:
     assert message in _bad(capsys, "compare", *argv)
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--list", "llama-2-7b"], "llama-2-7b"),
+    (["--list", "--seq", "8"], "--seq"),
+    (["--list", "--json", "--batch", "2", "--dtype", "bf16"], "--batch, --dtype"),
+])
+def test_compare_list_refuses_what_the_listing_would_ignore(capsys, argv: list[str], named: str) -> None:
+    err = _bad(capsys, "compare", *argv)
+    assert err.strip().splitlines() == [
+        f"headwise compare: error: --list lists every preset and takes no presets, --seq, --batch or --dtype, got "
+        f"{named}; drop --list to compare the presets named"]
+    code, out, _ = _run(capsys, "compare", "llama-2-7b", "--seq", "4096", "--json")
+    default_code, default_out, _ = _run(capsys, "compare", "llama-2-7b", "--json")  # the defaults are unchanged
+    assert code == default_code == 0 and out == default_out

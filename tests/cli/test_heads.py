@@ -79,6 +79,23 @@ def test_heads_bad_input(capsys, monkeypatch, argv: list[str], message: str) -> 
     assert "Traceback" not in err + out and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("extra", [[], ["--stats"], ["--json"]])
+def test_text_that_is_not_utf8_is_refused_before_the_model_loads(capsys, monkeypatch, extra) -> None:
+    import headwise.viz.maps as vmaps
+
+    def no_model():
+        raise AssertionError("the model must not load for a text that is not UTF-8")
+
+    monkeypatch.setattr(vmaps, "load_minilm", no_model)
+    code = main(["heads", "caf\udce9 au lait", *extra])  # Latin-1 'café' from the shell, as sys.argv holds it
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == ["headwise heads: error: text is not valid UTF-8: byte 0xe9 at character 3 "
+                                        "(text in another encoding, such as Latin-1? convert it to UTF-8 first, "
+                                        "e.g. with iconv -t utf-8)"]
+
+
+
 def test_heads_fits_80_columns(capsys, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     assert main(["heads", TEXT, "--layer", "2"]) == 0

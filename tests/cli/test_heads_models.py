@@ -93,6 +93,22 @@ def test_long_text_is_cut_and_the_cut_announced(checkpoint, capsys) -> None:
     torch.testing.assert_close(torch.tensor(r["weights"]), ref[0], rtol=1e-5, atol=1e-6)
 
 
+def test_default_cut_is_the_position_limit_of_a_model_with_fewer_than_64(capsys, tmp_path) -> None:
+    path = tmp_path / "short"
+    save_checkpoint("gpt2", path)
+    build("gpt2", n_positions=16).save_pretrained(path)  # the same tokenizer, 16 positions
+    text = " ".join(f"w{i % 30 + 3}" for i in range(20))
+    code, out, err = run(capsys, text, "--model", str(path), "--json")  # no --max-tokens: 16, not 64
+    assert code == 0, err
+    assert "only the first 16 are drawn (--max-tokens 16; the model takes at most 16)" in err
+    r = json.loads(out)
+    assert r["truncated"] and r["text_tokens"] == 20 and len(r["tokens"]) == 16
+    _, ref = reference_attentions(path, text, 16)
+    torch.testing.assert_close(torch.tensor(r["weights"]), ref[0], rtol=1e-5, atol=1e-6)
+    code, _, err = run(capsys, text, "--model", str(path), "--max-tokens", "64")  # given: still refused
+    assert code == 2 and "--max-tokens must be at most 16 (the model's position embeddings), got 64" in err
+
+
 def test_html_and_png_of_every_layer(checkpoint, capsys, tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from headwise.viz.html import decode

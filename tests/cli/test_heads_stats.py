@@ -25,12 +25,13 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def grid_from_attentions(attentions: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
-    """(L, h) means of each head's pattern, float64, over every query row (none is padding here)."""
+def grid_from_attentions(attentions: tuple[torch.Tensor, ...], causal: bool = False) -> dict[str, torch.Tensor]:
+    """(L, h) means of each head's pattern, float64, over every query row (none is padding here); the
+    first-token share of a causal model over the rows after the first (which may read only that token)."""
     p = torch.stack([a[0].double() for a in attentions])  # (L, h, s, s)
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
     return {"mean entropy": entropy.mean(-1), "mean max weight": p.amax(-1).mean(-1),
-            "first-token share": p[..., 0].mean(-1)}
+            "first-token share": p[..., 1 if causal else 0:, 0].mean(-1)}
 
 
 def test_minilm_grid_equals_its_own_output_attentions(capsys):
@@ -69,6 +70,23 @@ def test_a_length_the_pattern_drawing_refuses_is_served(capsys, tmp_path):
     entropy = torch.tensor(r["entropy"])
     assert float(entropy[..., 0].abs().max()) < 1e-6  # the first query reads one key
     assert bool((entropy <= torch.log(torch.arange(1, 8193, dtype=torch.float32)) + 1e-3).all())
+
+
+def test_stats_json_reports_a_cut_text_as_heads_json_does(capsys, tmp_path):
+    from tests.cli.test_heads_models import reference_attentions
+
+    path = save_checkpoint("gpt2", tmp_path / "gpt2")  # 64 positions
+    text = " ".join(f"w{i % 30 + 3}" for i in range(100))
+    code, out, err = run(capsys, text, "--model", str(path), "--stats", "--json")
+    assert code == 0 and "only the first 64 are drawn" in err
+    r = json.loads(out)
+    assert (r["truncated"], r["text_tokens"], len(r["tokens"])) == (True, 100, 64)
+    _, ref = reference_attentions(path, text, 64)  # (L, h, s, s): the cut text's own weights
+    torch.testing.assert_close(torch.tensor(r["key_weight"], dtype=torch.float64), ref.double().sum(-2),
+                               rtol=1e-4, atol=1e-4)
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--stats", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["truncated"] is False and r["text_tokens"] == len(r["tokens"]) == 8
 
 
 def test_the_pictures_are_written_and_name_the_heads(capsys, tmp_path):
@@ -140,7 +158,7 @@ def test_a_pruned_checkpoint_shows_every_kept_head_under_its_number_before_surge
     r = json.loads(out)
     assert r["original_heads"] == numbers and [len(x) for x in r["entropy"]] == [2, 3]
     for layer, p in enumerate(own):  # every kept head of every layer, in the layer's order now
-        want = grid_from_attentions((p[None],))
+        want = grid_from_attentions((p[None],), causal=True)
         for name, ref in want.items():
             torch.testing.assert_close(torch.tensor([r["grid"][name][layer]], dtype=torch.float64), ref,
                                        rtol=1e-4, atol=1e-5)

@@ -56,3 +56,26 @@ def test_tour_header_states_d_head_as_the_layer_has_it(capsys, d_head) -> None:
         assert f"d_head = 64 / 8 = {width}," in header
     else:
         assert f"d_head = {width} (given, not d_model / n_heads)," in header and "64 / 8" not in header
+
+
+@pytest.mark.parametrize("n_kv, d_head, reasons", [
+    (4, 32, ["n_heads x d_head = 4 x 32 = 128, not d_model"]),
+    (2, 16, ["GQA shrinks W_K, W_V to 2 of 4 heads"]),
+    (1, 8, ["n_heads x d_head = 4 x 8 = 32, not d_model", "MQA shrinks W_K, W_V to 1 of 4 heads"]),
+    (4, 16, []),
+])
+def test_tour_names_why_the_parameters_are_not_four_d_squared(capsys, monkeypatch, n_kv, d_head, reasons) -> None:
+    import headwise
+
+    monkeypatch.setenv("COLUMNS", "300")
+    code = main(["tour", "--d-model", "64", "--n-heads", "4", "--n-kv-heads", str(n_kv), "--d-head", str(d_head),
+                 "--seq", "3"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Parameters"))
+    # the reference: the weights of the layer these sizes build, bias off
+    layer = headwise.MultiHeadAttention(64, 4, n_kv_heads=n_kv, d_head=d_head, bias=False)
+    count = sum(p.numel() for p in layer.parameters())
+    assert code == 0 and f": {count:,}" in line
+    if reasons:
+        assert line.endswith(f"(not 4 x 64^2: {'; '.join(reasons)})") and count != 4 * 64 ** 2
+    else:
+        assert line.endswith("= 4 x 64^2") and count == 4 * 64 ** 2

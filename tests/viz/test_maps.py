@@ -137,12 +137,29 @@ def test_bad_inputs(minilm) -> None:
         head_maps(torch.nn.Linear(2, 2), torch.randn(3, 2))
 
 
-def _small_bert():
+def test_text_head_maps_refuses_text_that_is_not_unicode_before_tokenizing(minilm) -> None:
+    tokenizer, _ = minilm
+    mine = _small_bert()
+
+    class Untouched:  # the tokenizer must not be called
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, *a, **k):
+            raise AssertionError("tokenized a text that is not Unicode")
+
+    with pytest.raises(ValueError, match=r"text must be valid Unicode \(encodable as UTF-8\), got '\\udce9' at "
+                                         r"character 3"):
+        text_head_maps("caf\udce9 au lait", tokenizer=Untouched(), model=mine)
+    assert not layers(mine)  # refused before patching
+
+
+def _small_bert(positions: int = 64):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
     return BertModel(BertConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64,
-                                vocab_size=30522, max_position_embeddings=64,
+                                vocab_size=30522, max_position_embeddings=positions,
                                 attn_implementation="eager")).eval()
 
 
@@ -188,6 +205,21 @@ def test_text_head_maps_cuts_at_max_tokens_with_one_text_token(minilm) -> None:
     assert m.tokens == ["[CLS]", "the", "[SEP]"]
     m = text_head_maps("the cat sat " * 40, tokenizer=tokenizer, model=_small_bert(), max_tokens=64)
     assert len(m.tokens) == 64
+
+
+def test_text_head_maps_default_cut_fits_a_model_with_fewer_positions_than_64(minilm) -> None:
+    tokenizer, _ = minilm
+    text = "the cat sat " * 40
+    mine = _small_bert(positions=16)
+    m = text_head_maps(text, tokenizer=tokenizer, model=mine)  # no max_tokens: the model's 16, not 64
+    unpatch(mine)
+    enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=16)
+    with torch.no_grad():
+        reference = mine(**enc, output_attentions=True).attentions[0][0]
+    assert len(m.tokens) == 16
+    torch.testing.assert_close(m.weights, reference)
+    with pytest.raises(ValueError, match=r"at most 16 \(the model's position embeddings\), got 64"):
+        text_head_maps(text, tokenizer=tokenizer, model=_small_bert(positions=16), max_tokens=64)  # given: checked
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -249,3 +281,28 @@ def test_head_maps_labels_tokens_with_their_str_as_model_head_maps_does() -> Non
     assert m.tokens == model_head_maps(attn, x[None], layer=0, tokens=[10, 20.5, None]).tokens
     assert [row["reads_most"] for row in m.summary()] == [m.tokens[int(m.weights[h].mean(0).argmax())]
                                                          for h in range(2)]
+
+
+def test_head_maps_repr_is_one_line_naming_layer_heads_tokens_and_shapes() -> None:
+    torch.manual_seed(0)
+    m = head_maps(MultiHeadAttention(16, 4), torch.randn(7, 16), layer=3)
+    assert repr(m) == "HeadMaps(layer=3, heads=[0-3], 7 tokens, weights (4, 7, 7), writes (4, 7, 7))"
+    assert repr(m.subset([2, 0])) == "HeadMaps(layer=3, heads=[2, 0], 7 tokens, weights (2, 7, 7), writes (2, 7, 7))"
+    assert "tensor" not in repr(m) and repr(m) == str(m)
+
+
+def test_model_layers_head_maps_takes_lists_naming_each_head_once() -> None:
+    from headwise.viz import model_layers_head_maps
+
+    torch.manual_seed(0)
+    attn, x = MultiHeadAttention(8, 2), torch.randn(1, 3, 8)
+    with pytest.raises(TypeError, match=r"heads must be a list of ints \(or None\), got int 1"):
+        model_layers_head_maps(attn, x, heads=1)
+    with pytest.raises(TypeError, match=r"layers must be a list of ints \(or None\), got int 0"):
+        model_layers_head_maps(attn, x, layers=0)
+    with pytest.raises(ValueError, match=r"heads must name each head once, got \[1, 0, 1\]"):
+        model_layers_head_maps(attn, x, heads=[1, 0, 1])
+    (m,) = model_layers_head_maps(attn, x, heads=(1, 0))
+    with torch.no_grad():
+        _, weights = attn(x, return_weights=True)  # (1, h, s, s): the layer's own weights
+    torch.testing.assert_close(m.weights, weights[0, [1, 0]])

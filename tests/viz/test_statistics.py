@@ -83,7 +83,7 @@ def test_first_token_share_reads_the_first_real_token_under_left_padding():
     with torch.no_grad():
         p = torch.stack([a[0].double() for a in eager(padded_ids, attention_mask=mask,
                                                       output_attentions=True).attentions])  # (L, h, s, s)
-    want = p[:, :, 3:, 3].sum(-1) / 6  # real rows' weight on the first real token
+    want = p[:, :, 4:, 3].sum(-1) / 5  # real rows' weight on the first real token (after the one reading only it)
     torch.testing.assert_close(padded.grid()["first-token share"].double(), want, rtol=1e-4, atol=1e-5)
     assert padded.kinds()["sink"][0] == plain.kinds()["sink"][0] == (0, 1)  # the planted sink, found again
 
@@ -210,3 +210,78 @@ def test_a_refused_model_statistics_call_leaves_the_model_unpatched():
     assert not headwise.interop.layers(model)
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, before, rtol=0, atol=0)
+
+
+def uniform_decoder() -> torch.nn.Module:
+    """GPT-2 whose query and key projections are zero: every score 0, each row uniform over the keys it may read."""
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_head=4, n_layer=2, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, :64] = 0.0
+            block.attn.c_attn.bias[:64] = 0.0
+    return model
+
+
+@pytest.mark.parametrize("s", [2, 3, 4, 8])
+def test_a_decoder_reading_uniformly_is_neither_sink_nor_sharp_at_any_length(s):
+    model = uniform_decoder()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    x = ids(s)
+    with torch.no_grad():
+        p = torch.stack([a[0].double() for a in eager(x, output_attentions=True).attentions])  # (L, h, s, s)
+    st = model_statistics(model, {"input_ids": x})
+    # the first query may read only token 0: left out, as the pattern table leaves it out
+    torch.testing.assert_close(st.grid()["first-token share"].double(), p[:, :, 1:, 0].mean(-1), rtol=1e-4, atol=1e-5)
+    harmonic = sum(1 / (i + 1) for i in range(s))
+    u = st.uniform()
+    torch.testing.assert_close(u["first-token share"].double(), torch.full((2,), (harmonic - 1) / (s - 1),
+                                                                             dtype=torch.float64))
+    torch.testing.assert_close(u["mean max weight"].double(), torch.full((2,), harmonic / s, dtype=torch.float64))
+    assert st.kinds() == {"sink": [], "sharp": []}
+
+
+def test_a_planted_sink_is_found_at_three_tokens():
+    st = model_statistics(planted(), {"input_ids": ids(3)})
+    assert (0, 1) in st.kinds()["sink"] and float(st.grid()["first-token share"][0, 1]) > 0.99
+
+
+def test_a_one_token_decoder_text_has_no_first_token_share():
+    st = model_statistics(planted(), {"input_ids": ids(1)})
+    assert bool(st.grid()["first-token share"].isnan().all()) and st.kinds()["sink"] == []
+
+
+def test_the_png_footer_naming_the_heads_is_wrapped_inside_the_figure(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from headwise.viz import HeadStatistics, save_statistics_png
+
+    L, h, s = 4, 12, 4
+    key_weight = torch.ones(L, h, s)  # layers 2, 3: each row reads its own token only (sharp)
+    key_weight[:2] = 0.0
+    key_weight[:2, :, 0] = s  # layers 0, 1: every row reads the first token only (sinks)
+    st = HeadStatistics([f"t{i}" for i in range(s)], torch.zeros(L, h, s), torch.ones(L, h, s), key_weight,
+                        torch.ones(s, dtype=torch.bool), "m")
+    assert len(st.kinds()["sink"]) == len(st.kinds()["sharp"]) == 2 * h  # 48 heads to name
+    spans = []
+    savefig = Figure.savefig
+
+    def measured(fig, *a, **k):
+        renderer = fig.canvas.get_renderer()
+        spans.extend((t.get_window_extent(renderer), fig.bbox) for t in fig.texts)
+        return savefig(fig, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", measured)
+    save_statistics_png(st, tmp_path / "many.png")
+    assert spans
+    for box, figure in spans:
+        assert figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1
+
+
+def test_head_statistics_repr_is_one_line_without_the_arrays():
+    st = model_statistics(planted(), {"input_ids": ids(5)}, name="planted")
+    assert repr(st) == "HeadStatistics(model='planted', 2 layers x 4 heads, 5 tokens (5 reading), arrays (L, h, s) (2, 4, 5))"

@@ -13,13 +13,18 @@ from . import format as fmt
 from ._sizes import human_bytes, human_count, size
 
 
+DEFAULTS = {"seq": 4096, "batch": 1, "dtype": "float16"}
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="costs of published configurations side by side (e.g. MHA vs GQA KV cache)")
     p.add_argument("presets", nargs="*", metavar="PRESET", help=f"preset names: {', '.join(PRESETS)}")
     p.add_argument("--list", action="store_true", help="list the presets with their citations")
-    p.add_argument("--seq", type=size, default=4096, help="context length (default 4096)")
-    p.add_argument("--batch", type=size, default=1)
-    p.add_argument("--dtype", default="float16", help=f"storage dtype (default float16; one of {sorted(DTYPE_NAMES)})")
+    # None: not given (--list refuses what it would ignore); the defaults are DEFAULTS'
+    p.add_argument("--seq", type=size, default=None, help=f"context length (default {DEFAULTS['seq']})")
+    p.add_argument("--batch", type=size, default=None, help=f"(default {DEFAULTS['batch']})")
+    p.add_argument("--dtype", default=None,
+                   help=f"storage dtype (default {DEFAULTS['dtype']}; one of {sorted(DTYPE_NAMES)})")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run)
 
@@ -55,6 +60,14 @@ ROWS = [
 
 
 def run(args: argparse.Namespace) -> int:
+    given = [f"--{k}" for k in DEFAULTS if getattr(args, k) is not None]
+    if args.list and (args.presets or given):  # a listing would silently drop them
+        extra = ", ".join([*args.presets, *given])
+        raise CliError(f"--list lists every preset and takes no presets, --seq, --batch or --dtype, got {extra}; "
+                       "drop --list to compare the presets named")
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     if args.list:
         listing = [PRESETS[n].to_dict() for n in PRESETS]
         if args.json:

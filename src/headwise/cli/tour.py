@@ -100,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
               [(s["name"], s["code"], s["shape"], s["stride"], s["kind"], s["note"]) for s in result["steps"]],
               optional=["note", "code"])
     p = result["parameters_without_bias"]
-    fmt.line(f"Parameters (W_Q, W_K, W_V, W_O, no bias): {p:,}"
-             + (f" = 4 x {c.d_model}^2" if p == result["four_d_model_squared"] else " (GQA shrinks W_K, W_V)"))
+    fmt.line(f"Parameters (W_Q, W_K, W_V, W_O, no bias): {p:,}" + _parameters_note(c, p))
     fmt.line(f"Head by head: every head run alone, concatenated, then W_O, vs the packed layer: "
              f"max |diff| = {result['head_by_head_max_abs_diff']:.2e} -> "
              f"{'equal (rounding only)' if result['head_by_head_equal'] else 'DIFFERENT'}")
@@ -109,3 +108,19 @@ def run(args: argparse.Namespace) -> int:
              f"max |diff| = {result['flatten_without_transpose_max_abs_diff']:.2f}")
     fmt.line(f"Done in {result['seconds']:.1f} s.")
     return 0 if result["head_by_head_equal"] else 1
+
+
+def _parameters_note(c: "AttentionConfig", p: int) -> str:
+    """Why the count is or is not 4 d^2: each reason that holds (a head width that does not split d_model,
+    fewer K/V heads, key or value inputs of another width), never one assumed for all."""
+    if p == 4 * c.d_model ** 2:
+        return f" = 4 x {c.d_model}^2"
+    why = []
+    if c.n_heads * c.d_head != c.d_model:
+        why.append(f"n_heads x d_head = {c.n_heads} x {c.d_head} = {c.n_heads * c.d_head}, not d_model")
+    if c.n_kv_heads != c.n_heads:
+        why.append(f"{c.kind} shrinks W_K, W_V to {c.n_kv_heads} of {c.n_heads} heads")
+    for name in ("kdim", "vdim"):
+        if getattr(c, name) != c.d_model:
+            why.append(f"{name} = {getattr(c, name)}, not d_model")
+    return f" (not 4 x {c.d_model}^2: {'; '.join(why)})" if why else f" (not 4 x {c.d_model}^2)"

@@ -42,6 +42,14 @@ class HeadMaps:
     original_heads: tuple[int, ...] | None = None  # each row's index before head surgery (None: unchanged)
     layers: tuple[int, ...] | None = None  # a gallery: the layer of each row (None: every row is of ``layer``)
 
+    def __repr__(self) -> str:
+        # one line, as the other main objects print: the dataclass default would print every tensor
+        where = f"layer={self.layer}" if self.layers is None else f"layers=[{span(sorted(set(self.layers)))}]"
+        surgery = " (numbered before head surgery)" if self.original_heads is not None else ""
+        writes = "None (W_O not located)" if self.writes is None else tuple(self.writes.shape)
+        return (f"HeadMaps({where}, heads=[{span(self.head_labels)}]{surgery}, {len(self.tokens)} tokens, "
+                f"weights {tuple(self.weights.shape)}, writes {writes})")
+
     @property
     def n_heads(self) -> int:
         return self.weights.shape[0]

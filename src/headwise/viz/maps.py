@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["HeadMaps", "head_maps", "model_head_maps", "model_layers_head_maps", "head_gallery", "text_head_maps",
            "load_minilm", "minilm_path", "model_layers", "check_max_tokens"]
 
+DEFAULT_MAX_TOKENS = 64  # text_head_maps' cut when none is given (as `headwise heads`): s x s stays readable
+
 
 def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int] | None = None) -> HeadMaps:
     """HeadMaps of batch row ``row`` (of the heads ``heads``, default all) from a trace record that captured
@@ -127,6 +129,12 @@ def _layer_index(layer: Any, n: int) -> int:
     return layer % n
 
 
+def _check_list(name: str, value: Any) -> None:
+    """``layers`` / ``heads`` are a list or tuple of ints (or None): a bare int or a string is a TypeError."""
+    if value is not None and not isinstance(value, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of ints (or None), got {type(value).__name__} {value!r}")
+
+
 def _labels(inputs: Any, row: int, s: int, tokens: Any, tokenizer: Any) -> list[str]:
     """The token labels of row ``row``: ``tokens`` as given, else the tokenizer's tokens of the row's
     ``input_ids``, else the ids themselves, else the positions."""
@@ -151,7 +159,9 @@ def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[
                            heads: list[int] | None = None) -> list[HeadMaps]:
     """One :class:`HeadMaps` per layer in ``layers`` (default: every attention layer; negative positions count
     from the end), all captured in one forward of ``model`` on ``inputs`` in eval mode (see
-    :func:`model_head_maps`); ``heads`` keeps only those heads (the layers' indices now).
+    :func:`model_head_maps`); ``heads`` keeps only those heads (the layers' indices now), in the order given.
+    ``layers`` and ``heads`` are lists of ints naming each layer (head) once: a repeat is a ValueError (the
+    command's ``--heads 0,0`` is text, read as a set).
 
     Tokens are labelled with ``tokens`` when given, else with ``tokenizer``'s tokens of the row's ``input_ids``,
     else with the ids themselves (then positions, for inputs without token ids).
@@ -199,6 +209,8 @@ def _capture(model: torch.nn.Module, hw_layers: list, inputs: Any, layers: Any, 
     from ..tracing.inputs import batch_size, call, eval_mode
 
     n = len(hw_layers)
+    _check_list("layers", layers)
+    _check_list("heads", heads)
     chosen = list(range(n)) if layers is None else [_layer_index(layer, n) for layer in layers]
     if not chosen:
         raise ValueError("layers must name at least one layer")
@@ -210,6 +222,8 @@ def _capture(model: torch.nn.Module, hw_layers: list, inputs: Any, layers: Any, 
         if bad or not heads:
             raise ValueError(f"heads must be ints in [0, {h}) for these layers (the fewest have {plural(h, 'head')}), "
                              f"got {list(heads)!r}")
+        if len(set(heads)) != len(heads):  # a head drawn twice: refused, as a layer named twice is
+            raise ValueError(f"heads must name each head once, got {list(heads)!r}")
     b = batch_size(inputs, "model_layers_head_maps")
     if isinstance(row, bool) or not isinstance(row, int) or not -b <= row < b:
         raise ValueError(f"row must be an int in [-{b}, {b}) for this batch of {b}, got {row!r}")
@@ -320,17 +334,23 @@ def model_layers(model: torch.nn.Module) -> list[tuple[str, MultiHeadAttention]]
 
 
 def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: Any = None,
-                   max_tokens: int = 64) -> HeadMaps:
+                   max_tokens: int | None = None) -> HeadMaps:
     """Run ``text`` through a BERT model (default: the bundled all-MiniLM-L6-v2; give ``tokenizer`` and ``model``
     together, or neither), patched through headwise (:func:`model_layers`), and return the heads of attention
     layer ``layer`` (negative counts from the end) as that forward ran them (:func:`model_head_maps`), labelled
-    with the tokenizer's tokens. The text is cut to ``max_tokens`` tokens (:func:`check_max_tokens`).
+    with the tokenizer's tokens. The text is cut to ``max_tokens`` tokens (:func:`check_max_tokens`); by default
+    64, or the model's position limit where that is smaller.
 
     Shapes:
         input_ids: (1, s) -> HeadMaps with (h, s, s) arrays, s <= max_tokens
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"text must be a non-empty string, got {text!r}")
+    try:  # a lone surrogate (bytes decoded with surrogateescape) is refused deep inside the tokenizer
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text must be valid Unicode (encodable as UTF-8), got {text[exc.start]!r} at character "
+                         f"{exc.start}, a lone surrogate (bytes that were not UTF-8?)") from None
     if tokenizer is None and model is None:
         tokenizer, model = load_minilm()
     elif tokenizer is None or model is None:  # the bundled half would label or run another model's tokens
@@ -338,9 +358,19 @@ def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: A
         raise ValueError(f"text_head_maps got a {given} but no {missing}: give both tokenizer= and model= (or "
                          "neither, for the bundled all-MiniLM-L6-v2)")
     layer = _layer_index(layer, model.config.num_hidden_layers)
+    if max_tokens is None:  # the default must fit a small model; a value the caller gave is checked as given
+        max_tokens = min(DEFAULT_MAX_TOKENS, position_limit(model.config) or DEFAULT_MAX_TOKENS)
     check_max_tokens(max_tokens, tokenizer, model.config)
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)
     return model_head_maps(model, enc, layer=layer, tokenizer=tokenizer)
+
+
+def position_limit(config: Any) -> int | None:
+    """The most tokens ``config``'s position embeddings take (``max_position_embeddings`` or the like), or None."""
+    from .models import POSITION_KEYS
+
+    limits = [getattr(config, key, None) for key in POSITION_KEYS]
+    return next((n for n in limits if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
 
 
 def check_max_tokens(max_tokens: Any, tokenizer: Any, config: Any = None) -> None:
@@ -356,8 +386,6 @@ def check_max_tokens(max_tokens: Any, tokenizer: Any, config: Any = None) -> Non
         Traceback (most recent call last):
         ValueError: max_tokens must be at most 512 (the model's position embeddings), got 513
     """
-    from .models import POSITION_KEYS
-
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
     try:
@@ -367,7 +395,6 @@ def check_max_tokens(max_tokens: Any, tokenizer: Any, config: Any = None) -> Non
     if max_tokens < special + 1:
         added = f" (this tokenizer adds {plural(special, 'special token')} around the text)" if special else ""
         raise ValueError(f"max_tokens must be at least {special + 1}{added}, got {max_tokens}")
-    limits = [getattr(config, key, None) for key in POSITION_KEYS]
-    limit = next((n for n in limits if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
+    limit = position_limit(config)
     if limit is not None and max_tokens > limit:
         raise ValueError(f"max_tokens must be at most {limit} (the model's position embeddings), got {max_tokens}")

@@ -8,9 +8,15 @@ pattern in memory) and keeps, for one batch row, every layer x head's
 * key weight of each key position (its weight summed over every query that reads something),
 
 from which :meth:`HeadStatistics.grid` gives the three numbers per head drawn as a grid: the mean entropy, the
-mean max weight (both over the rows that read something) and the first-token share (the weight on the first
-real position, the first the ``attention_mask`` marks as a token, divided by the number of rows that read
-something: a "sink" head puts most of its weight there). A padding query row (``attention_mask`` 0) reads
+mean max weight (both over the rows that read something) and the first-token share (the mean weight on the first
+real position, the first the ``attention_mask`` marks as a token, over the rows that read something other than
+it: a causal model's first query may read only that token, so its 1.0 says nothing of the head, and is left out
+as the pattern table leaves it out). A "sink" head puts most of its weight there, and a "sharp" one a large
+weight on one key; each is judged against what uniform attention over each row's readable keys would give
+(:meth:`HeadStatistics.uniform`): uniform causal attention puts ``mean_i 1 / (i + 1)`` on the first token,
+0.42 at 3 tokens, and has a mean max weight of 0.61 there, which fixed thresholds alone would call a sink or
+sharp. A head is one only where its number is past :data:`SINK_SHARE` (:data:`SHARP_WEIGHT`) and covers at least
+:data:`EXCESS` of the way from uniform's number to 1, so uniform attention is neither at any length. A padding query row (``attention_mask`` 0) reads
 nothing during the call (:func:`padding_reads_nothing`): under an eager model's ``finfo.min`` mask it would read
 every key evenly, and under an encoder's right padding the real keys, so the share is one of the real rows'
 attention (at most 1) and the same as the unpadded text's. :meth:`HeadStatistics.kinds` names the sink heads
@@ -29,18 +35,22 @@ Shapes:
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["HeadStatistics", "model_statistics", "padding_reads_nothing", "SINK_SHARE", "SHARP_WEIGHT"]
+from .statistics_calls import counting_readable, padding_reads_nothing
 
-#: A head is a sink head when its first-token share is at least this.
+__all__ = ["HeadStatistics", "model_statistics", "padding_reads_nothing", "SINK_SHARE", "SHARP_WEIGHT", "EXCESS"]
+
+#: A head is a sink head when its first-token share is at least this (and :data:`EXCESS` holds).
 SINK_SHARE = 0.5
-#: A head is sharp when its mean max weight is at least this (and it is not a sink head).
+#: A head is sharp when its mean max weight is at least this (and :data:`EXCESS` holds, and it is no sink head).
 SHARP_WEIGHT = 0.5
+#: ...and its number x is at least this far from uniform attention's u towards 1: (x - u) / (1 - u) >= EXCESS.
+#: With 1/3 an encoder of 4 tokens or more is judged by the thresholds alone (u <= 1/4 there).
+EXCESS = 1 / 3
 
 
 @dataclass
@@ -56,9 +66,13 @@ class HeadStatistics:
         heads: per layer, the number of each head it holds, in the layer's order now (after head surgery the
             numbers before it; ``()`` for a layer whose every head was removed). None: every layer holds heads
             0 .. h - 1. The arrays' cells of heads a layer does not hold are NaN.
+        readable: (L, s) per query position, the number of keys it may read (by the mask and causality its
+            layer was called with). None: every reading position may read every reading position (an encoder).
+        reads_first: (L, s) bool, whether each query position may read the first real token (False past a
+            sliding window). None: all may.
 
     Shapes:
-        entropy, max_weight, key_weight: (L, h, s); reading: (s,)
+        entropy, max_weight, key_weight: (L, h, s); reading: (s,); readable, reads_first: (L, s)
     """
 
     tokens: list[str]
@@ -68,6 +82,16 @@ class HeadStatistics:
     reading: torch.Tensor
     model: str = ""
     heads: tuple[tuple[int, ...], ...] | None = None
+    readable: torch.Tensor | None = None
+    reads_first: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        kept = "" if self.heads is None else ", after head surgery"
+        # one line, as the other main objects print: the dataclass default would print every tensor
+        model = f"model={self.model!r}, " if self.model else ""
+        return (f"HeadStatistics({model}{self.n_layers} layers x {self.n_heads} heads{kept}, "
+                f"{len(self.tokens)} tokens ({int(self.reading.sum())} reading), arrays (L, h, s) "
+                f"{tuple(self.entropy.shape)})")
 
     @property
     def n_layers(self) -> int:
@@ -103,20 +127,64 @@ class HeadStatistics:
         read something."""
         rows = self.reading.to(self.entropy.dtype)
         n = max(float(rows.sum()), 1.0)
-        # the first real token: under left padding column 0 is padding, which no real row reads
-        first = int(self.reading.nonzero()[0]) if self.reading.any() else 0
+        only, counted = self._rows()
+        # a row that may read only the first token gives it all the weight it gives any key (its max weight,
+        # below 1 only under attention sinks): taken back out of the key's sum
+        first_weight = self.key_weight[..., self._first()] - (self.max_weight * only[:, None, :]).sum(-1)
+        m = counted.sum(-1, keepdim=True).to(self.entropy.dtype)  # (L, 1)
+        share = torch.where(m > 0, first_weight / m.clamp_min(1), torch.full_like(first_weight, float("nan")))
         return {"mean entropy": (self.entropy * rows).sum(-1) / n,
                 "mean max weight": (self.max_weight * rows).sum(-1) / n,
-                "first-token share": self.key_weight[..., first] / n}
+                "first-token share": share}
+
+    def uniform(self) -> dict[str, torch.Tensor]:
+        """``{"first-token share", "mean max weight"}``, each (L,): what uniform attention over each row's
+        readable keys would give, over the rows :meth:`grid` counts (an encoder on ``n`` real tokens: ``1 / n``
+        each; a causal model: ``mean_{i >= 1} 1 / (i + 1)`` and ``mean_{i >= 0} 1 / (i + 1)``); NaN where no row
+        is counted."""
+        only, counted = self._rows()
+        dtype = self.entropy.dtype
+        n = self.reading.sum().clamp_min(1).to(dtype)
+        keys = n.expand(self.n_layers, len(self.tokens)) if self.readable is None else self.readable.to(dtype)
+        top = torch.where(keys > 0, 1 / keys.clamp_min(1), torch.zeros_like(keys))
+        m, rows = counted.sum(-1).to(dtype), self.reading.sum().to(dtype)
+        nan = torch.full((self.n_layers,), float("nan"), dtype=dtype)
+        return {"first-token share": torch.where(m > 0, (self._uniform() * counted).sum(-1) / m.clamp_min(1), nan),
+                "mean max weight": torch.where(rows > 0, (top * self.reading).sum(-1) / rows.clamp_min(1), nan)}
+
+    def _first(self) -> int:
+        # the first real token: under left padding column 0 is padding, which no real row reads
+        return int(self.reading.nonzero()[0]) if self.reading.any() else 0
+
+    def _uniform(self) -> torch.Tensor:
+        """(L, s): the weight uniform attention over each row's readable keys puts on the first real token."""
+        dtype = self.entropy.dtype
+        rows = self.reading.to(dtype).expand(self.n_layers, -1)
+        keys = rows * rows.sum(-1, keepdim=True) if self.readable is None else self.readable.to(dtype)
+        first = rows > 0 if self.reads_first is None else self.reads_first & (rows > 0)
+        return torch.where(first & (keys > 0), 1 / keys.clamp_min(1), torch.zeros_like(keys))
+
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows that may read only the first token, rows counted in the share): (L, s) bool each."""
+        only = (self._uniform() == 1.0) & self.reading
+        return only, self.reading & ~only
 
     def kinds(self) -> dict[str, list[tuple[int, int]]]:
         """``{"sink": [(layer, head), ...], "sharp": [...]}``: first-token share >= :data:`SINK_SHARE`; mean max
-        weight >= :data:`SHARP_WEIGHT` (and not a sink), each sorted by that number, largest first."""
-        g = self.grid()
+        weight >= :data:`SHARP_WEIGHT` (and not a sink); each also :data:`EXCESS` of the way from what uniform
+        attention over each row's readable keys gives (:meth:`uniform`) to 1, so uniform attention is neither at
+        any length; each sorted by that number, largest first."""
+        g, u = self.grid(), self.uniform()
         share, top = g["first-token share"], g["mean max weight"]
+        # (L,): the smallest number that is a sink (sharp); NaN (never) where uniform gives 1 or no row is counted
+        floor = {k: (u[k] + EXCESS * (1 - u[k])).clamp_min(bound) for k, bound in
+                 (("first-token share", SINK_SHARE), ("mean max weight", SHARP_WEIGHT))}
+        floor = {k: torch.where(u[k] < 1, f, torch.full_like(f, float("nan"))) for k, f in floor.items()}
         pairs = self.pairs()
-        sinks = sorted((p for p in pairs if share[p] >= SINK_SHARE), key=lambda p: -float(share[p]))
-        sharp = sorted((p for p in pairs if top[p] >= SHARP_WEIGHT and p not in sinks), key=lambda p: -float(top[p]))
+        sinks = sorted((p for p in pairs if share[p] >= floor["first-token share"][p[0]]),
+                       key=lambda p: -float(share[p]))
+        sharp = sorted((p for p in pairs if top[p] >= floor["mean max weight"][p[0]] and p not in sinks),
+                       key=lambda p: -float(top[p]))
         return {"sink": sinks, "sharp": sharp}
 
     def chosen(self, count: int = 3) -> list[tuple[int, int]]:
@@ -194,12 +262,18 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
     # a Hugging Face model is patched first, and unpatched again when the call fails: every refusal below is
     # made inside the block, so a refused call leaves the model as it was
     with patched_for_the_call(model) as found:
+        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad(), eval_mode(model), padding_reads_nothing([layer for _, layer in found], mask), \
-                trace(model, capture=STATISTICS) as t:
+                counting_readable([layer for _, layer in found], row, mask, seen), trace(model, capture=STATISTICS) as t:
             call(model, inputs)
             records = [r for r in t if r.calls]
             numbers = [_numbers(r.layer, i) for i, r in enumerate(records)]
-        return _gathered(records, numbers, row, mask, tokens, name)
+        stats = _gathered(records, numbers, row, mask, tokens, name)
+        counted = [seen.get(id(r.layer)) for r in records]
+        if all(c is not None and c[0].shape == (len(stats.tokens),) for c in counted):
+            stats.readable = torch.stack([c[0] for c in counted])  # type: ignore[index]
+            stats.reads_first = torch.stack([c[1] for c in counted])  # type: ignore[index]
+        return stats
 
 
 def _gathered(records: list, numbers: list[tuple[int, ...]], row: int, mask: Any, tokens: Any,
@@ -244,44 +318,3 @@ def _numbers(layer: Any, index: int) -> tuple[int, ...]:
         raise ValueError(f"model_statistics: layer {index}'s head surgery record {heads!r} does not give one "
                          f"distinct number to each of its {layer.n_heads} heads")
     return heads
-
-
-@contextlib.contextmanager
-def padding_reads_nothing(layers: list, attention_mask: Any) -> Iterator[None]:
-    """For the block, every padding query row (``attention_mask`` 0) of ``layers`` reads no key, so that it adds
-    nothing to ``key_weight``: eager's additive mask (finfo.min, not -inf) lets a row masked off everywhere read
-    every key evenly, and an encoder's padding rows read the real keys. No real row's numbers change: no real row
-    reads a padding key, so nothing a padding row computes reaches one. Calls whose queries are not the
-    mask's positions (a decode step, cross-attention) and calls without a mask are left as they are.
-
-    Shapes:
-        attention_mask: (b, s), 1 = a real token
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or bool(attention_mask.bool().all()):
-        yield
-        return
-    real = attention_mask.bool()
-
-    def wrapped(attend: Any) -> Any:
-        def attend_real_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None,
-                             **kwargs: Any) -> Any:
-            # a call handed a plan was planned on its mask (MultiHeadAttention.forward): left as it is
-            if isinstance(mask, torch.Tensor) and kwargs.get("plan") is None and (q.shape[0], q.shape[2]) == real.shape:
-                rows = real.to(mask.device)[:, None, :, None]  # (b, 1, s_q, 1)
-                mask = mask & rows if mask.dtype == torch.bool else torch.where(rows, mask, float("-inf"))
-            return attend(q, k, v, mask=mask, **kwargs)
-
-        return attend_real_rows
-
-    unique = list({id(layer): layer for layer in layers}.values())  # a layer shared by two places: wrapped once
-    saved = [(layer, layer.__dict__.get("attend")) for layer in unique]
-    try:
-        for layer, _ in saved:
-            layer.__dict__["attend"] = wrapped(layer.attend)  # this instance only, for the block
-        yield
-    finally:
-        for layer, before in saved:
-            if before is None:
-                layer.__dict__.pop("attend", None)
-            else:
-                layer.__dict__["attend"] = before

@@ -125,8 +125,9 @@ def render_statistics_html(stats: HeadStatistics, *, heads: Sequence[tuple[int, 
             f"'key_weight'))</code>: no pattern was materialised. Means are over the {int(stats.reading.sum())} "
             f"positions that read something; a sink's share is on no key.</p>"
             f"<div>{''.join(_grid(n, grid[n], set(heads)) for n in grid)}</div>"
-            f"<p><b>sink heads</b> (first-token share &ge; {SINK_SHARE}): {names(kinds['sink'])}<br>"
-            f"<b>sharp heads</b> (mean max weight &ge; {SHARP_WEIGHT}): {names(kinds['sharp'])}</p>"
+            f"<p><b>sink heads</b> (first-token share &ge; {SINK_SHARE}, well above uniform attention's): "
+            f"{names(kinds['sink'])}<br><b>sharp heads</b> (mean max weight &ge; {SHARP_WEIGHT}, well above uniform "
+            f"attention's): {names(kinds['sharp'])}</p>"
             f"<h3>Per position {legend}</h3><div>{curves}</div></body></html>")
 
 

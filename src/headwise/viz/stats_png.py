@@ -8,6 +8,7 @@ Shapes:
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +18,11 @@ __all__ = ["save_statistics_png"]
 
 _GRIDS = (("mean entropy", "viridis", "nats"), ("mean max weight", "magma", "weight"),
           ("first-token share", "magma", "weight"))
+# The footer naming the sink and sharp heads: wrapped to the figure's width (a character is about 0.6 of the font
+# size wide, as png.py's titles assume), each extra line adding height below the curves.
+_FOOTER_POINTS = 8
+_FOOTER_CHAR_INCHES = _FOOTER_POINTS * 0.6 / 72
+_FOOTER_LINE_INCHES = _FOOTER_POINTS * 1.3 / 72
 _CURVES = (("entropy", "entropy of each query (nats)"), ("max_weight", "max weight of each query"),
            ("key_weight", "weight each key received (sum over queries)"))
 
@@ -44,10 +50,13 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
     cell = min(0.5, 4.2 / max(h, 1))
     width = max(13.0, 3 * (h * cell + 1.2))
     grid_h = max(2.0, L * cell + 1.0)
-    fig = plt.figure(figsize=(width, grid_h + 4.6), dpi=dpi)
+    footer = _footer_lines(kinds, width)
+    extra = (len(footer) - 1) * _FOOTER_LINE_INCHES
+    height = grid_h + 4.6 + extra
+    fig = plt.figure(figsize=(width, height), dpi=dpi)
     try:
         spec = fig.add_gridspec(2, 3, height_ratios=[grid_h, 3.2], hspace=0.55, wspace=0.3,
-                                top=1 - 0.75 / (grid_h + 4.6), bottom=0.9 / (grid_h + 4.6), left=0.05, right=0.96)
+                                top=1 - 0.75 / height, bottom=(0.9 + extra) / height, left=0.05, right=0.96)
         for c, (name, cmap, unit) in enumerate(_GRIDS):
             ax = fig.add_subplot(spec[0, c])
             values = grid[name].numpy()  # NaN (drawn blank): a head the layer does not hold after head surgery
@@ -87,11 +96,17 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
                 ax.legend(fontsize=7, loc="best")
         # parse_math=False: a model name or title such as "$x$" is text, never matplotlib mathtext
         fig.suptitle(title or f"{stats.model}: every head, {s} tokens", fontsize=11, parse_math=False)
-        fig.text(0.05, 0.25 / (grid_h + 4.6), _kinds_line(kinds), fontsize=8, parse_math=False)
+        fig.text(0.05, 0.2 / height, "\n".join(footer), fontsize=_FOOTER_POINTS, va="bottom", parse_math=False)
         fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)
     return path
+
+
+def _footer_lines(kinds: dict[str, list[tuple[int, int]]], width_inches: float) -> list[str]:
+    """The sink and sharp heads, wrapped so that no line runs past the figure's right edge (it starts at 5%)."""
+    chars = max(20, int((0.95 * width_inches - 0.2) / _FOOTER_CHAR_INCHES))
+    return textwrap.wrap(_kinds_line(kinds), chars, break_on_hyphens=False)
 
 
 def _kinds_line(kinds: dict[str, list[tuple[int, int]]]) -> str:
@@ -99,5 +114,6 @@ def _kinds_line(kinds: dict[str, list[tuple[int, int]]]) -> str:
         shown = ", ".join(f"L{a} H{b}" for a, b in pairs[:12])
         return (shown + f" (+{len(pairs) - 12} more)" if len(pairs) > 12 else shown) or "none"
 
-    return (f"sink heads (first-token share >= {SINK_SHARE}): {names(kinds['sink'])}.   "
-            f"sharp heads (mean max weight >= {SHARP_WEIGHT}): {names(kinds['sharp'])}.   Boxed: the heads drawn below.")
+    return (f"sink heads (first-token share >= {SINK_SHARE}, well above uniform attention's): "
+            f"{names(kinds['sink'])}.   sharp heads (mean max weight >= {SHARP_WEIGHT}, well above uniform "
+            f"attention's): {names(kinds['sharp'])}.   Boxed: the heads drawn below.")
