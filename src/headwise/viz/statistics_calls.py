@@ -10,7 +10,7 @@ Shapes:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -67,18 +67,8 @@ def counting_readable(layers: list, row: int, attention_mask: Any,
 
         return recording
 
-    unique = list({id(layer): layer for layer in layers}.values())
-    saved = [(layer, layer.__dict__.get("attend")) for layer in unique]
-    try:
-        for layer, _ in saved:
-            layer.__dict__["attend"] = wrapped(layer, layer.attend)
+    with _attend_wrapped(layers, wrapped):
         yield
-    finally:
-        for layer, before in saved:
-            if before is None:
-                layer.__dict__.pop("attend", None)
-            else:
-                layer.__dict__["attend"] = before
 
 
 @contextlib.contextmanager
@@ -97,7 +87,7 @@ def padding_reads_nothing(layers: list, attention_mask: Any) -> Iterator[None]:
         return
     real = attention_mask.bool()
 
-    def wrapped(attend: Any) -> Any:
+    def wrapped(layer: Any, attend: Any) -> Any:
         def attend_real_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None,
                              **kwargs: Any) -> Any:
             # a call handed a plan was planned on its mask (MultiHeadAttention.forward): left as it is
@@ -108,11 +98,19 @@ def padding_reads_nothing(layers: list, attention_mask: Any) -> Iterator[None]:
 
         return attend_real_rows
 
-    unique = list({id(layer): layer for layer in layers}.values())  # a layer shared by two places: wrapped once
+    with _attend_wrapped(layers, wrapped):
+        yield
+
+
+@contextlib.contextmanager
+def _attend_wrapped(layers: list, wrap: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """For the block, each layer's ``attend`` is ``wrap(layer, its attend)``, on that instance only; a layer
+    shared by two places is wrapped once, and every layer gets its own ``attend`` back however the block ends."""
+    unique = list({id(layer): layer for layer in layers}.values())
     saved = [(layer, layer.__dict__.get("attend")) for layer in unique]
     try:
         for layer, _ in saved:
-            layer.__dict__["attend"] = wrapped(layer.attend)  # this instance only, for the block
+            layer.__dict__["attend"] = wrap(layer, layer.attend)
         yield
     finally:
         for layer, before in saved:
