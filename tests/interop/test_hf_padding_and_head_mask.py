@@ -115,6 +115,23 @@ def test_a_per_layer_head_mask_with_more_rows_than_layers_is_refused_before_the_
     torch.testing.assert_close(got, want)
 
 
+def test_a_per_layer_head_mask_fits_a_model_whose_last_layer_was_deleted():
+    # Shortening a model by deleting layers leaves config.num_hidden_layers as it was: a mask with one row per
+    # layer that remains is what the user means, and is applied as hooks scaling W_O's inputs apply it.
+    factors = torch.tensor([[1.0, 0.0, 0.5, 1.0], [0.0, 1.0, 1.0, 2.0]])
+    plain, model = build("llama", "sdpa", num_hidden_layers=3), patch(build("llama", "sdpa", num_hidden_layers=3))
+    for m in (plain, model):
+        del m.model.layers[2]
+    assert model.config.num_hidden_layers == 3
+    with torch.no_grad():
+        handles = w_o_scaled(plain, factors, d_h=4)
+        want = plain(input_ids=IDS, attention_mask=MASK).logits
+        for h in handles:
+            h.remove()
+        got = model(input_ids=IDS, attention_mask=MASK, head_mask=factors).logits
+    torch.testing.assert_close(got, want)
+
+
 def test_bad_or_ambiguous_head_masks_are_refused_in_one_line_before_the_cache_changes():
     model = patch(build("llama", "sdpa"))
     with torch.no_grad():

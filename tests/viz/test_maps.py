@@ -306,3 +306,8 @@ def test_model_layers_head_maps_takes_lists_naming_each_head_once() -> None:
     with torch.no_grad():
         _, weights = attn(x, return_weights=True)  # (1, h, s, s): the layer's own weights
     torch.testing.assert_close(m.weights, weights[0, [1, 0]])
+    # any iterable of ints names heads and layers: a set, a generator, dict keys
+    (m,) = model_layers_head_maps(attn, x, heads={1}, layers=(i for i in [0]))
+    torch.testing.assert_close(m.weights, weights[0, [1]])
+    (m,) = model_layers_head_maps(attn, x, heads={0: "a", 1: "b"}.keys())
+    torch.testing.assert_close(m.weights, weights[0])

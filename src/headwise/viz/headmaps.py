@@ -45,9 +45,8 @@ class HeadMaps:
     def __repr__(self) -> str:
         # one line, as the other main objects print: the dataclass default would print every tensor
         where = f"layer={self.layer}" if self.layers is None else f"layers=[{span(sorted(set(self.layers)))}]"
-        surgery = " (numbered before head surgery)" if self.original_heads is not None else ""
         writes = "None (W_O not located)" if self.writes is None else tuple(self.writes.shape)
-        return (f"HeadMaps({where}, heads=[{span(self.head_labels)}]{surgery}, {len(self.tokens)} tokens, "
+        return (f"HeadMaps({where}, heads=[{span(self.head_labels)}], {len(self.tokens)} tokens, "
                 f"weights {tuple(self.weights.shape)}, writes {writes})")
 
     @property

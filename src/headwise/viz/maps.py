@@ -129,10 +129,14 @@ def _layer_index(layer: Any, n: int) -> int:
     return layer % n
 
 
-def _check_list(name: str, value: Any) -> None:
-    """``layers`` / ``heads`` are a list or tuple of ints (or None): a bare int or a string is a TypeError."""
-    if value is not None and not isinstance(value, (list, tuple, range)):
+def _as_list(name: str, value: Any) -> list | None:
+    """``layers`` / ``heads`` as a list: any iterable of ints (a list, tuple, range, set, generator) or None; a
+    bare int, a string or anything not iterable is a TypeError."""
+    if value is None:
+        return None
+    if isinstance(value, (int, str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be a list of ints (or None), got {type(value).__name__} {value!r}")
+    return list(value)
 
 
 def _labels(inputs: Any, row: int, s: int, tokens: Any, tokenizer: Any) -> list[str]:
@@ -209,8 +213,7 @@ def _capture(model: torch.nn.Module, hw_layers: list, inputs: Any, layers: Any, 
     from ..tracing.inputs import batch_size, call, eval_mode
 
     n = len(hw_layers)
-    _check_list("layers", layers)
-    _check_list("heads", heads)
+    layers, heads = _as_list("layers", layers), _as_list("heads", heads)
     chosen = list(range(n)) if layers is None else [_layer_index(layer, n) for layer in layers]
     if not chosen:
         raise ValueError("layers must name at least one layer")

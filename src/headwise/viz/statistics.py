@@ -89,8 +89,10 @@ class HeadStatistics:
         kept = "" if self.heads is None else ", after head surgery"
         # one line, as the other main objects print: the dataclass default would print every tensor
         model = f"model={self.model!r}, " if self.model else ""
-        return (f"HeadStatistics({model}{self.n_layers} layers x {self.n_heads} heads{kept}, "
-                f"{len(self.tokens)} tokens ({int(self.reading.sum())} reading), arrays (L, h, s) "
+        from .numbers import plural
+
+        return (f"HeadStatistics({model}{plural(self.n_layers, 'layer')} x {plural(self.n_heads, 'head')}{kept}, "
+                f"{plural(len(self.tokens), 'token')} ({int(self.reading.sum())} reading), arrays (L, h, s) "
                 f"{tuple(self.entropy.shape)})")
 
     @property

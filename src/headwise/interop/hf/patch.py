@@ -138,12 +138,13 @@ def check_head_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if found and getattr(head_mask, "dim", lambda: 0)() == 2:
         # A row that matches no layer (a mask built for a deeper model) would be silently ignored: the mask is for
         # another model, so refuse it rather than apply the rows that happen to fit.
+        # L: the config's layer count, or one past the last layer number (layers deleted, config left as it was)
         counts = {getattr(getattr(view.host, "config", None), "num_hidden_layers", None) for _, view in found}
-        n_layers = counts.pop() if len(counts) == 1 else None
-        n_layers = n_layers if isinstance(n_layers, int) else max(indices) + 1  # indices: ints, head_factors said
-        if head_mask.shape[0] != n_layers:
-            raise ValueError(f"{where}: head_mask has one row per layer: expected (L={n_layers}, "
-                             f"h={head_mask.shape[1]}), got {tuple(head_mask.shape)}")
+        allowed = {max(indices) + 1} | {n for n in counts if isinstance(n, int) and len(counts) == 1}
+        if head_mask.shape[0] not in allowed:
+            expected = " or ".join(f"(L={n}, h={head_mask.shape[1]})" for n in sorted(allowed))
+            raise ValueError(f"{where}: head_mask has one row per layer: expected {expected}, got "
+                             f"{tuple(head_mask.shape)}")
 
 
 def patch(model: nn.Module) -> nn.Module:
