@@ -104,3 +104,24 @@ def test_gpt2_scaled_by_inverse_layer_index_passes_and_a_layer_ignoring_it_fails
     assert report.failed == ["softmax_sanity"]
     cex = report["softmax_sanity"].counterexample
     assert abs(cex["expected_scale"] - 8 ** -0.5 / 3) < 1e-12 and "1/sqrt(d_head)" in cex["summary"]
+
+
+def test_a_softcap_the_scores_never_reach_is_reported_not_checked():
+    cfg = transformers.AutoConfig.for_model("gemma2", **{**BASE, "attn_logit_softcapping": 5.0,
+                                                         "query_pre_attn_scalar": 8})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    module = model.model.layers[1].self_attn  # its initial weights: scores of ~1e-2, where tanh is linear
+    x = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        q = module.q_proj(x).view(3, 8, 4, 8).transpose(1, 2).double()
+        k = module.k_proj(x).view(3, 8, 2, 8).transpose(1, 2).repeat_interleave(2, 1).double()
+    scores = q @ k.transpose(-2, -1) * module.scaling
+    torch.testing.assert_close(5.0 * torch.tanh(scores / 5.0), scores, rtol=1e-4, atol=1e-9)  # cap invisible
+    for cap in (5.0, None, 50.0):  # declared 5; the module's own cap as declared, removed, changed
+        module.attn_logit_softcapping = cap
+        report = check(module)
+        assert report.ok, str(report)
+        detail = report["softmax_sanity"].detail
+        assert "softcap 5 not checked (the scores never reach its nonlinear range)" in detail, detail
+        assert "fitted on every head, softcap" not in detail

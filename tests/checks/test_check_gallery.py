@@ -294,3 +294,74 @@ def test_arguments_of_the_wrong_kind_are_refused_naming_them(kw, error, match):
 def test_the_largest_seed_runs():
     report = check(_make(RefAttention), seed=2 ** 63 - 1, properties=["batch_independence"])
     assert report.ok and report.seed == 2 ** 63 - 1
+
+
+class Float32SoftmaxScaledOff(Float32Softmax):
+    """A float32 softmax whose scale is 0.5% off 1/sqrt(d_head)."""
+
+    def scale(self):
+        return 1.005 / math.sqrt(self.d_head)
+
+
+def test_a_float32_softmax_with_a_scale_half_a_percent_off_fails():
+    layer = _make(Float32SoftmaxScaledOff).double()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    with torch.no_grad():  # the layer really computes 1.005/sqrt(d_h), per the float64 formula
+        q, k = layer.split(layer.q_proj(x), 4), layer.split(layer.k_proj(x), 4)
+        ref = (q @ k.transpose(-2, -1) * 1.005 / math.sqrt(8)).softmax(-1)
+        torch.testing.assert_close(layer(x, return_weights=True)[1], ref, rtol=1e-6, atol=1e-7)
+    report = check(_make(Float32SoftmaxScaledOff))
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert report["softmax_sanity"].counterexample["fitted_scale"] == pytest.approx(1.005 / math.sqrt(8), rel=1e-4)
+
+
+class DrawsFromTheGlobalRNG(RefAttention):
+    """Dropout on its weights whatever the mode: it draws from torch's global generator."""
+
+    def softmax(self, scores):
+        return torch.nn.functional.dropout(scores.softmax(-1), 0.1, training=True)
+
+
+def test_the_global_rng_is_left_alone_and_the_same_seed_gives_the_same_report():
+    layer = _make(DrawsFromTheGlobalRNG)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    first = check(layer, seed=3).to_dict()
+    torch.testing.assert_close(torch.get_rng_state(), state, rtol=0, atol=0)
+    torch.manual_seed(123)  # another global state: the report depends on seed= only
+    second = check(layer, seed=3).to_dict()
+    assert [(r["name"], r.get("deviation")) for r in first["results"]] == \
+        [(r["name"], r.get("deviation")) for r in second["results"]]
+
+
+def test_the_callers_hooks_do_not_fire_on_the_checks_calls():
+    layer = _make(RefAttention)
+    seen = []
+    layer.register_forward_hook(lambda mod, args, out: seen.append(out))
+    layer.q_proj.register_forward_pre_hook(lambda mod, args: seen.append(args))
+    x = torch.randn(1, 3, 32)
+    reference = layer(x)
+    assert len(seen) == 2
+    assert check(layer).ok
+    assert len(seen) == 2  # the check ran a copy without them
+    torch.testing.assert_close(layer(x), reference)
+
+
+def test_a_layer_that_cannot_be_copied_is_refused_naming_why():
+    import threading
+
+    layer = _make(RefAttention)
+    layer.lock = threading.Lock()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(TypeError, match=r"copy of RefAttention .*deepcopy of it failed: TypeError: cannot pickle"):
+        check(layer)
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+
+
+def test_a_causal_claim_given_to_check_leaves_the_callers_adapter_as_it_was():
+    from headwise.checks import ModuleAdapter
+
+    adapter = ModuleAdapter(headwise.MultiHeadAttention(16, 4))
+    assert check(adapter, causal=True)["causality"].passed
+    assert adapter.claims_causal is False
+    assert check(adapter)["causality"].verdict == "skipped"  # the layer's own claim: not causal

@@ -249,3 +249,97 @@ def test_head_pruned_bert_self_attention_is_checked():
     for layer in (attn.self, layers(model)[0][1], attn):
         report = check(layer)
         assert report.ok and _ran(report) == ALL - {"causality"}, str(report)
+
+
+@pytest.mark.parametrize("where,wrap", [
+    ("out_proj", "weight_norm"), ("out_proj", "spectral_norm"), ("out_proj", "orthogonal"),
+    ("in_proj_weight", "weight_norm")])
+def test_torch_multihead_attention_with_parametrized_projections_passes(where, wrap):
+    from torch.nn.utils import parametrizations
+
+    from headwise.checks import adapt
+
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 4, batch_first=True)
+    if where == "out_proj":
+        getattr(parametrizations, wrap)(m.out_proj)
+    else:
+        getattr(parametrizations, wrap)(m, "in_proj_weight")
+    m.eval()
+    report = check(m)
+    assert report.ok, str(report)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():  # the contexts are W_O's input, also for a parametrized (recomputed) W_O
+        torch.testing.assert_close(adapt(m).contexts(x), _torch_contexts(m, x), rtol=1e-5, atol=1e-6)
+
+
+class _HalfPrecisionOnly(nn.MultiheadAttention):
+    """A correct layer that refuses anything but bfloat16 / float16 input (e.g. a half-precision kernel)."""
+
+    def forward(self, q, k, v, **kw):
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError("half precision only")
+        return super().forward(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_only_layer_passes_on_a_copy_in_eval_mode(dtype):
+    torch.manual_seed(0)
+    m = _HalfPrecisionOnly(16, 4, dropout=0.5, batch_first=True, dtype=dtype).train()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(2, 3, 16, dtype=dtype, requires_grad=True)
+    loss = m(x, x, x)[0].float().square().sum()  # a graph built before the check
+    report = check(m)
+    assert report.ok, str(report)
+    assert report.dtype == str(dtype).replace("torch.", "")
+    assert m.training  # the caller's module stays in train mode; the check ran an eval copy
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    loss.backward()  # the caller's tensors were never written to
+    assert x.grad is not None
+
+
+def test_a_head_with_zeroed_queries_passes_with_its_scale_not_determined():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, n_kv_heads=2)
+    with torch.no_grad():
+        m.q_proj.weight[:4].zero_()
+        m.q_proj.bias[:4].zero_()
+        x = torch.randn(1, 5, 16)
+        w = m(x, return_weights=True)[1]
+    torch.testing.assert_close(w[0, 0], torch.full((5, 5), 0.2))  # constant scores: uniform weights
+    report = check(m, causal=True)
+    assert report.ok, str(report)
+    assert "every head but [0] (constant scores: scale not determined)" in report["softmax_sanity"].detail
+    from tests.checks.check_gallery import ScaleOverDHead
+
+    torch.manual_seed(0)
+    wrong = ScaleOverDHead()  # the live heads' wrong scale is still caught
+    with torch.no_grad():
+        wrong.q_proj.weight[:8].zero_()
+        wrong.q_proj.bias[:8].zero_()
+    report = check(wrong)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert "head 1 scales scores by 0.125 = 1/d_head" in report["softmax_sanity"].counterexample["summary"]
+
+
+def test_hf_llama_with_a_scale_off_by_half_a_percent_is_caught():
+    layer = _llama()
+    layer.scaling = layer.head_dim ** -0.5 * 1.005
+    report = check(layer)
+    assert report.failed == ["softmax_sanity"], str(report)
+    assert report["softmax_sanity"].counterexample["fitted_scale"] == pytest.approx(layer.scaling, rel=1e-4)
+
+
+def test_hf_llama_with_peaked_attention_passes():
+    layer = _llama(n_heads=4, n_kv_heads=2)
+    with torch.no_grad():  # logit ranges of ~100s: its float32 softmax underflows to 0 and subnormals
+        layer.q_proj.weight.mul_(60)
+        layer.k_proj.weight.mul_(60)
+        x = torch.randn(3, 8, 48, generator=torch.Generator().manual_seed(0))
+        q = (x @ layer.q_proj.weight.T).view(3, 8, 4, -1).transpose(1, 2)
+        k = (x @ layer.k_proj.weight.T).view(3, 8, 2, -1).transpose(1, 2).repeat_interleave(2, 1)
+        scores = q.double() @ k.double().transpose(-2, -1) * layer.scaling
+    assert float((scores.amax(-1) - scores.amin(-1)).max()) > 100
+    report = check(layer, causal=False)
+    assert report.ok, str(report)

@@ -294,13 +294,58 @@ class ModuleAdapter(CallableAdapter):
         return copy_adapter(self, dtype)
 
 
-def copy_adapter(adapter: Any, dtype: torch.dtype) -> Any:
+def copy_adapter(adapter: Any, dtype: torch.dtype | None) -> Any:
+    """A shallow copy of ``adapter`` on a deep copy of its module, in ``dtype`` (None: the module's own), in eval
+    mode, without the caller's hooks and with parametrized weights baked into plain parameters: the check may
+    then write into its weights (identity W_O, perturbed heads) while the caller's module stays as it was.
+
+    ``TypeError`` when the module cannot be deep-copied: checking it in place would write into the caller's
+    tensors, so it is refused instead."""
     new = copy.copy(adapter)
-    module = copy.deepcopy(adapter.module).to(dtype).eval()
+    try:
+        module = copy.deepcopy(adapter.module)
+    except Exception as exc:  # whatever the module holds that deepcopy refuses (locks, non-leaf tensors)
+        hint = (" (the legacy torch.nn.utils.weight_norm / spectral_norm keep non-leaf weights: use "
+                "torch.nn.utils.parametrizations.weight_norm / spectral_norm)") if "graph leaves" in str(exc) else ""
+        raise TypeError(f"headwise.check works on a copy of {adapter.name} so that the layer passed in is never "
+                        f"changed, but copy.deepcopy of it failed: {type(exc).__name__}: {str(exc)[:160]}{hint}"
+                        ) from exc
+    if dtype is not None:
+        module = module.to(dtype)
+    module.eval()
+    _make_inert(module)
     new.module = module
     if hasattr(new, "fn"):
         new.fn = module
     return new
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _make_inert(module: nn.Module) -> None:
+    """Drop the caller's hooks from a copied module (they would fire on the check's own calls, recording its
+    float64 and perturbed runs) and bake parametrizations (weight_norm, spectral_norm, orthogonal ...) into plain
+    parameters: a parametrized weight is recomputed on each access, so writing into it (identity W_O, a
+    perturbed head) would change nothing. headwise's own hooks (the patch's guards) are kept."""
+    from torch.nn.utils import parametrize
+
+    for sub in module.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(sub, attr, None)
+            if isinstance(hooks, dict):
+                for key in [k for k, hook in hooks.items()
+                            if not str(getattr(hook, "__module__", "") or "").startswith("headwise.")]:
+                    del hooks[key]
+        if parametrize.is_parametrized(sub):
+            # by hand: remove_parametrizations would delete the property from the parametrized class, which the
+            # copy shares with the caller's module
+            with torch.no_grad():
+                values = {name: getattr(sub, name).detach().clone() for name in sub.parametrizations}
+            del sub._modules["parametrizations"]
+            sub.__class__ = type(sub).__bases__[0]  # the class before parametrization
+            for name, value in values.items():
+                sub.register_parameter(name, nn.Parameter(value, requires_grad=False))
 
 
 def check_rotary_scaling(rotary: Any, where: str) -> None:

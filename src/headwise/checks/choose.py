@@ -10,6 +10,7 @@ Shapes:
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -38,7 +39,8 @@ def adapt(layer: Any, *, d_model: int | None = None, causal: bool | None = None)
         'TorchMHAAdapter'
     """
     if isinstance(layer, Adapter):
-        if causal is not None:
+        if causal is not None and causal != layer.claims_causal:  # the caller's adapter keeps its own claim
+            layer = copy.copy(layer)
             layer.claims_causal = causal
         return layer
     if isinstance(layer, nn.MultiheadAttention):

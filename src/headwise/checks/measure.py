@@ -18,7 +18,11 @@ from .report import FAIL, SKIPPED, PropertyResult
 __all__ = ["RTOL", "DTYPE_RTOL", "Probe", "deviation", "first_index", "nonfinite", "skip"]
 
 # Relative tolerances: reorderings of float sums cost a few ulps times the reduction length.
-RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}
+# Half precisions: two correct computations of the same output (a fused path and an eager weights path) each round
+# q/k/v, scores, weights, contexts and the output, every rounding up to eps/2 of the largest value it feeds; their
+# difference reaches a few eps of the output's scale (bfloat16: 4 * 2**-7 = 3.1e-2, float16: 4 * 2**-10 = 3.9e-3).
+RTOL = {torch.float64: 1e-9, torch.float32: 2e-5,
+        torch.bfloat16: 4 * torch.finfo(torch.bfloat16).eps, torch.float16: 4 * torch.finfo(torch.float16).eps}
 # float32 vs float64 of the same layer: float32 rounding through projections and softmax.
 DTYPE_RTOL = 1e-4
 
@@ -44,10 +48,10 @@ class Probe:
 
     @property
     def rtol(self) -> float:
-        rtol = RTOL.get(self.dtype, 1e-3)
+        rtol = RTOL.get(self.dtype, RTOL[torch.bfloat16])
         for precision in (self.adapter.precision, self.computed):
             if precision is not None:
-                rtol = max(rtol, RTOL.get(precision, 1e-3))
+                rtol = max(rtol, RTOL.get(precision, RTOL[torch.bfloat16]))
         return rtol
 
     def randn(self, *shape: int) -> torch.Tensor:

@@ -51,7 +51,9 @@ def _working_adapter(adapter: Adapter, x64: torch.Tensor) -> tuple[Adapter, torc
     """The adapter in float64 when the layer runs in it (else float32, else its own dtype), and x in that dtype."""
     errors = []
     for dtype in (torch.float64, torch.float32, None):
-        work = adapter if dtype is None else (adapter.converted(dtype) or adapter)
+        # always a copy where the layer can be copied (its own dtype too): the check writes into the working
+        # module's weights and runs it in eval mode; the caller's module must stay as it was
+        work = adapter.converted(dtype) or adapter
         dt = dtype or work.dtype
         x = x64.to(dt).to(work.device)
         try:
@@ -135,7 +137,9 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
     Raises ``TypeError`` / ``ValueError`` for an argument of the wrong kind or range (``causal`` must be a bool or
     None, ``seed`` an int, ``properties`` a list of names, not one string).
 
-    Modules are copied (float64 when they run in it, eval mode); the layer passed in is not changed.
+    Modules are copied (float64 when they run in it, else their own dtype; eval mode; without the caller's
+    hooks; parametrizations baked in); the layer passed in is not changed, and one that cannot be deep-copied is
+    refused with a ``TypeError``. The run uses a forked copy of torch's global RNG seeded from ``seed``.
     The check runs with one intra-op thread (its tensors are tiny), restoring the setting afterwards.
 
     Shapes:
@@ -154,9 +158,15 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the inputs are tiny: extra intra-op threads only add contention
+    # A layer drawing from torch's global RNG (dropout, noise) must neither advance the caller's generator nor
+    # make the report depend on it: the run gets a forked RNG seeded from `seed`
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        return _check(layer, d_model=d_model, causal=causal, batch=batch, seq_len=seq_len, seed=seed,
-                      properties=properties)
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED
+                              else 0)
+            return _check(layer, d_model=d_model, causal=causal, batch=batch, seq_len=seq_len, seed=seed,
+                          properties=properties)
     finally:
         torch.set_num_threads(threads)
 

@@ -20,14 +20,17 @@ import torch
 
 from .adapters import Adapter
 
-__all__ = ["MIN_POINTS", "MAX_DRAWS", "allowed_keys", "data_points", "fit_scale", "fit_capped", "name_scale",
-           "check_scale"]
+__all__ = ["MIN_POINTS", "MAX_DRAWS", "SOFTMAX_FLOOR", "allowed_keys", "data_points", "fit_scale", "fit_capped",
+           "name_scale", "check_scale"]
 
 # Data points per head (beyond the scale itself) a fit needs before it can tell a wrong scale or a wrong K/V
 # head from the right one; random scores leave a wrong candidate a large residual well before this many.
 MIN_POINTS = 8
 # Extra random inputs drawn at most to reach MIN_POINTS: enough for any batch at seq_len=2 (one point each).
 MAX_DRAWS = 8
+# Weights below float32's smallest normal number leave the fit: the softmaxes checked run in float32 or wider, and
+# below it (subnormals, 0) a weight has lost the relative precision its log needs.
+SOFTMAX_FLOOR = torch.finfo(torch.float32).tiny
 
 
 def allowed_keys(a: Adapter, b: int, s: int, keep: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -94,8 +97,11 @@ def name_scale(c: float, d_head: int, d_model: int) -> str:
 
 
 def _samples(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor,
-             draw: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
-    """(log-weights, q, k, allowed) over the check's input and as many unpadded random inputs as the fit needs."""
+             draw: Callable[[], torch.Tensor], floor: float) -> tuple[torch.Tensor, ...] | None:
+    """(log-weights, q, k, allowed) over the check's input and as many unpadded random inputs as the fit needs.
+
+    Weights below ``floor`` leave the fit: a weight that underflowed to 0 or a subnormal has lost its relative
+    precision, so its log says nothing about the score (peaked rows of a correct layer have them)."""
     qk = a.qk(x)
     if qk is None:
         return None
@@ -112,21 +118,28 @@ def _samples(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor
         qs.append(qk2[0].double())
         ks.append(qk2[1].double())
         al.append(allowed_keys(a, x2.shape[0], x2.shape[1], None, w.device).expand_as(w2))
-    return torch.cat(ws).clamp_min(1e-300).log(), torch.cat(qs), torch.cat(ks), torch.cat(al)
+    w_all = torch.cat(ws)
+    return w_all.clamp_min(1e-300).log(), torch.cat(qs), torch.cat(ks), torch.cat(al) & (w_all >= floor)
 
 
 def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor,
-                draw: Callable[[], torch.Tensor], rtol: float) -> tuple[tuple[str, dict] | None, str]:
+                draw: Callable[[], torch.Tensor], rtol: float, floor: float = SOFTMAX_FLOOR,
+                eps: float = 2 ** -52) -> tuple[tuple[str, dict] | None, str]:
     """``(problem, note)``: a wrong scale (or weights that are no softmax of scaled q . k) as ``(detail,
     counterexample)``, else None and what was verified.
 
     Each query head is fitted against its own K/V head (``h // (h / h_kv)``) first; another K/V head is used only
-    when its own does not fit (which K/V head a query head reads is head_independence's business).
+    when its own does not fit (which K/V head a query head reads is head_independence's business). A head whose
+    scores are constant within every row (a zeroed W_Q) has no determinable scale: its weights must be uniform,
+    and its scale is reported as not determined. A declared softcap is reported as checked only when the scores
+    reach its nonlinear range (an uncapped fit would not do).
+
+    ``floor``: weights below it leave the fit; ``eps``: the rounding unit of the dtype the softmax computes in.
 
     Shapes: w (b, h, s, s) float64 with rows nobody may read zeroed; x (b, s, d); allowed (b, h, s, s)"""
     if not a.d_head:
         return None, "scale not checked (the layer exposes no queries/keys)"
-    got = _samples(a, w, x, allowed, draw)
+    got = _samples(a, w, x, allowed, draw, floor)
     if got is None:
         return None, "scale not checked (the layer exposes no queries/keys)"
     logw, q, k, allowed = got
@@ -139,16 +152,39 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
     named = a.scale_source or f"1/sqrt(d_head={d_qk})"
     short = a.scale_source or f"1/sqrt({d_qk})"
     cap = a.softcap
-    limit = 1e3 * rtol
+    limit = 1e3 * rtol  # the relative residual of the log-linear fit
+    # The fitted scale is a least-squares slope over >= MIN_POINTS log-weights, each off by a few roundings of the
+    # softmax's dtype (float32: ~1e-7, far below its rtol of 2e-5) per unit of score spread: its relative error is
+    # ~1e-6 at the spreads judged, so 10 * rtol (float32: 2e-4, float64: 1e-8) leaves a wide margin yet catches a
+    # scale off by 0.05%.
+    scale_limit = 10 * rtol
+    # A log-weight is off by ~eps, so a fit over scores spread by `spread` within rows gets the scale to
+    # ~eps / spread: below this spread (float32: 6e-3, float64: 2e-7, bfloat16: 0.25) that is no longer a tenth of
+    # scale_limit, and the scale is not determined there.
+    min_spread = 10 * eps / scale_limit
     h_q, h_kv = q.shape[1], k.shape[1]
     group = h_q // h_kv if h_kv and h_q % h_kv == 0 else None
+    capped: list[bool] = []  # per fit: did the scores reach the cap's nonlinear range
+
+    def centred(t: torch.Tensor, al: torch.Tensor) -> torch.Tensor:
+        n = al.sum(-1, keepdim=True).clamp_min(1)
+        t = torch.where(al, t, 0.0)
+        return torch.where(al, t - t.sum(-1, keepdim=True) / n, 0.0)
 
     def fit(h: int, g: int) -> tuple[float, float]:
         raw = q[:, h] @ k[:, g].transpose(-2, -1)  # (b, s, s)
+        al = allowed[:, h]
+        spread = float((expected * centred(raw, al)).abs().max()) if al.any() else 0.0
+        if spread < min_spread:  # (nearly) constant scores: (nearly) uniform weights are all that can be asked
+            return math.nan, float(centred(logw[:, h], al).abs().max()) if al.any() else 0.0
+        if cap is None:
+            return fit_scale(logw[:, h], raw, al)
         # Under a declared softcap the log-weights are linear in the capped scores (coefficient 1) at the scale
-        # inside the cap: that scale is fitted.
-        return fit_scale(logw[:, h], raw, allowed[:, h]) if cap is None else \
-            fit_capped(logw[:, h], raw, allowed[:, h], cap, expected)
+        # inside the cap: that scale is fitted. Scores that never reach the cap's nonlinear range (their capped
+        # values are linear in them within the fit's tolerance) fit with or without a cap: they say nothing of it.
+        scaled = expected * raw
+        capped.append(fit_scale(cap * torch.tanh(scaled / cap), scaled, al)[1] > limit)
+        return fit_capped(logw[:, h], raw, al, cap, expected)
 
     fits = []
     for h in range(h_q):
@@ -158,15 +194,28 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
             continue
         fits.append(min([fit(h, g) for g in range(h_kv)], key=lambda r: r[1]))
     bad_fit = [(h, c, r) for h, (c, r) in enumerate(fits) if r > limit]
-    bad_scale = [(h, c) for h, (c, r) in enumerate(fits) if abs(c / expected - 1) > limit]
+    bad_scale = [(h, c) for h, (c, r) in enumerate(fits) if not math.isnan(c) and abs(c / expected - 1) > scale_limit]
     if bad_fit:
         h, c, r = bad_fit[0]
+        what = "weights are not uniform over keys with equal scores" if math.isnan(c) else \
+            f"log-weights are not linear in q . k{'' if cap is None else f' capped at {cap:g}'}"
         return ("weights are not a softmax of scaled q . k over keys", {"head": h, "residual": r,
-                "summary": f"head {h}'s log-weights are not linear in q . k"
-                           f"{'' if cap is None else f' capped at {cap:g}'} (relative residual {r:.2g})"}), ""
+                "summary": f"head {h}'s {what} ({'max log-weight spread' if math.isnan(c) else 'relative residual'} "
+                           f"{r:.2g})"}), ""
     if bad_scale:
         h, c = bad_scale[0]
         return ("wrong scale", {"head": h, "fitted_scale": c, "expected_scale": expected,
                 "summary": f"head {h} scales scores by {name_scale(c, d_qk, a.d_model)}, "
                            f"expected {expected:.6g} = {named}"}), ""
-    return None, f"scale {short} fitted on every head" + ("" if cap is None else f", softcap {cap:g}")
+    dead = [h for h, (c, _) in enumerate(fits) if math.isnan(c)]
+    if len(dead) == h_q:
+        return None, (f"scale not determined: every head's scores are constant within rows (spread below "
+                      f"{min_spread:.2g}, what the weights resolve)")
+    where = "every head" if not dead else f"every head but {dead} (constant scores: scale not determined)"
+    if cap is None:
+        capped_note = ""
+    elif any(capped):
+        capped_note = f", softcap {cap:g}"
+    else:
+        capped_note = f"; softcap {cap:g} not checked (the scores never reach its nonlinear range)"
+    return None, f"scale {short} fitted on {where}{capped_note}"

@@ -18,7 +18,7 @@ __all__ = ["TorchMHAAdapter"]
 class TorchMHAAdapter(Adapter):
     """``torch.nn.MultiheadAttention`` as self-attention (``m(x, x, x)``), either batch layout.
 
-    Per-head contexts are the module's own output with W_O set to the identity and b_O to zero for that one call
+    Per-head contexts are the module's own output with out_proj swapped for an identity Linear for that one call
     (torch applies W_O inside one fused function, so its input cannot be hooked; inverting W_O would fail for a
     zeroed or ill-conditioned head).
 
@@ -77,18 +77,21 @@ class TorchMHAAdapter(Adapter):
         return split(q, self.n_heads), split(k, self.n_heads)  # (b, h, s, d_h) each
 
     def contexts(self, x, *, causal=None):
-        out = self.module.out_proj
-        saved = [t.detach().clone() for t in (out.weight, out.bias) if t is not None]
+        # W_O is swapped for an identity Linear for this one call rather than written into: a parametrized
+        # out_proj.weight (weight_norm, orthogonal ...) is recomputed on access, and the caller's tensors are
+        # never touched
+        m = self.module
+        out = m.out_proj
+        eye = nn.Linear(self.d_model, self.d_model, bias=out.bias is not None, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            eye.weight.copy_(torch.eye(self.d_model, dtype=self.dtype, device=self.device))
+            if eye.bias is not None:
+                eye.bias.zero_()
+        m.out_proj = eye
         try:
-            with torch.no_grad():
-                out.weight.copy_(torch.eye(self.d_model, dtype=out.weight.dtype, device=out.weight.device))
-                if out.bias is not None:
-                    out.bias.zero_()
             ctx = self.run(x, causal=causal)  # (b, s, h * d_h)
         finally:
-            with torch.no_grad():
-                for t, old in zip([t for t in (out.weight, out.bias) if t is not None], saved):
-                    t.copy_(old)
+            m.out_proj = out
         return split(ctx, self.n_heads)
 
     def head_slices(self, which, index):
