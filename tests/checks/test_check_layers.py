@@ -343,3 +343,68 @@ def test_hf_llama_with_peaked_attention_passes():
     assert float((scores.amax(-1) - scores.amin(-1)).max()) > 100
     report = check(layer, causal=False)
     assert report.ok, str(report)
+
+
+class _DroppedHead(nn.Module):
+    """Plain attention whose head 1 drops its values (its context is always zero): not attention."""
+
+    def __init__(self, d: int = 16, h: int = 4) -> None:
+        super().__init__()
+        self.d_model, self.n_heads = d, h
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, mask=None, causal=False, return_weights=False):  # type: ignore[no-untyped-def]
+        b, s, d = x.shape
+        h = self.n_heads
+        q, k, v = (p(x).view(b, s, h, d // h).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        v = v.clone()
+        v[:, 1] = 0
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // h)
+        if causal:
+            scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        w = scores.softmax(-1)
+        y = self.out_proj((w @ v).transpose(1, 2).reshape(b, s, d))
+        return (y, w) if return_weights else y
+
+
+def test_a_head_that_drops_its_values_fails_head_independence():
+    torch.manual_seed(0)
+    report = check(_DroppedHead())
+    assert not report.ok and "head_independence" in report.failed
+
+
+def test_a_wrong_scale_on_small_scores_fails():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
+                                   num_hidden_layers=1, vocab_size=16, initializer_range=0.005)
+    torch.manual_seed(0)
+    attn = transformers.LlamaForCausalLM(cfg).model.layers[0].self_attn  # scores of order 1e-4
+    attn.scaling = 1.0 / attn.head_dim  # the classic wrong scale
+    result = check(attn, properties=["softmax_sanity"])["softmax_sanity"]
+    assert result.failed and result.counterexample["expected_scale"] == 0.5
+
+
+def test_check_seeds_only_its_own_cpu_generator(monkeypatch):
+    # torch.manual_seed would also seed every CUDA device (lazily, beyond fork_rng's reach)
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))
+    attn = MultiHeadAttention(16, 4)
+    before = torch.random.get_rng_state()
+    check(attn, causal=True, seed=7)
+    assert seeded == [] and torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_hooks_on_a_parametrization_do_not_fire_during_the_check():
+    from torch.nn.utils.parametrizations import orthogonal, weight_norm
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, n_kv_heads=2)
+    weight_norm(attn.q_proj)
+    orthogonal(attn.out_proj)
+    calls = []
+    for sub in attn.modules():
+        sub.register_forward_hook(lambda *args: calls.append(1))
+    report = check(attn, causal=True)
+    assert report.ok and calls == []

@@ -330,13 +330,15 @@ def _make_inert(module: nn.Module) -> None:
     perturbed head) would change nothing. headwise's own hooks (the patch's guards) are kept."""
     from torch.nn.utils import parametrize
 
-    for sub in module.modules():
+    subs = list(module.modules())
+    for sub in subs:  # every hook first: baking below runs the parametrizations' own modules
         for attr in _HOOK_DICTS:
             hooks = getattr(sub, attr, None)
             if isinstance(hooks, dict):
                 for key in [k for k, hook in hooks.items()
                             if not str(getattr(hook, "__module__", "") or "").startswith("headwise.")]:
                     del hooks[key]
+    for sub in subs:
         if parametrize.is_parametrized(sub):
             # by hand: remove_parametrizations would delete the property from the parametrized class, which the
             # copy shares with the caller's module

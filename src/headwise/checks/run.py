@@ -163,8 +163,9 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED
-                              else 0)
+            # the CPU generator only: torch.manual_seed would also (lazily) seed every CUDA device, beyond the fork
+            torch.random.default_generator.manual_seed(
+                seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED else 0)
             return _check(layer, d_model=d_model, causal=causal, batch=batch, seq_len=seq_len, seed=seed,
                           properties=properties)
     finally:

@@ -160,8 +160,10 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
     scale_limit = 10 * rtol
     # A log-weight is off by ~eps, so a fit over scores spread by `spread` within rows gets the scale to
     # ~eps / spread: below this spread (float32: 6e-3, float64: 2e-7, bfloat16: 0.25) that is no longer a tenth of
-    # scale_limit, and the scale is not determined there.
+    # scale_limit, and the scale is judged against the looser 1e3 * rtol (a wrong scale is off by a factor, tiny
+    # scores included); below a thousandth of it the scores are constant and the scale is not determined.
     min_spread = 10 * eps / scale_limit
+    loose_limit = 1e3 * rtol
     h_q, h_kv = q.shape[1], k.shape[1]
     group = h_q // h_kv if h_kv and h_q % h_kv == 0 else None
     capped: list[bool] = []  # per fit: did the scores reach the cap's nonlinear range
@@ -175,16 +177,17 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
         raw = q[:, h] @ k[:, g].transpose(-2, -1)  # (b, s, s)
         al = allowed[:, h]
         spread = float((expected * centred(raw, al)).abs().max()) if al.any() else 0.0
-        if spread < min_spread:  # (nearly) constant scores: (nearly) uniform weights are all that can be asked
-            return math.nan, float(centred(logw[:, h], al).abs().max()) if al.any() else 0.0
+        within = scale_limit if spread >= min_spread else loose_limit
+        if spread < min_spread / 1e3:  # constant scores: uniform weights are all that can be asked
+            return math.nan, float(centred(logw[:, h], al).abs().max()) if al.any() else 0.0, within
         if cap is None:
-            return fit_scale(logw[:, h], raw, al)
+            return (*fit_scale(logw[:, h], raw, al), within)
         # Under a declared softcap the log-weights are linear in the capped scores (coefficient 1) at the scale
         # inside the cap: that scale is fitted. Scores that never reach the cap's nonlinear range (their capped
         # values are linear in them within the fit's tolerance) fit with or without a cap: they say nothing of it.
         scaled = expected * raw
         capped.append(fit_scale(cap * torch.tanh(scaled / cap), scaled, al)[1] > limit)
-        return fit_capped(logw[:, h], raw, al, cap, expected)
+        return (*fit_capped(logw[:, h], raw, al, cap, expected), within)
 
     fits = []
     for h in range(h_q):
@@ -193,8 +196,8 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
             fits.append(own)
             continue
         fits.append(min([fit(h, g) for g in range(h_kv)], key=lambda r: r[1]))
-    bad_fit = [(h, c, r) for h, (c, r) in enumerate(fits) if r > limit]
-    bad_scale = [(h, c) for h, (c, r) in enumerate(fits) if not math.isnan(c) and abs(c / expected - 1) > scale_limit]
+    bad_fit = [(h, c, r) for h, (c, r, _) in enumerate(fits) if r > limit]
+    bad_scale = [(h, c) for h, (c, _, within) in enumerate(fits) if not math.isnan(c) and abs(c / expected - 1) > within]
     if bad_fit:
         h, c, r = bad_fit[0]
         what = "weights are not uniform over keys with equal scores" if math.isnan(c) else \
@@ -207,10 +210,10 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
         return ("wrong scale", {"head": h, "fitted_scale": c, "expected_scale": expected,
                 "summary": f"head {h} scales scores by {name_scale(c, d_qk, a.d_model)}, "
                            f"expected {expected:.6g} = {named}"}), ""
-    dead = [h for h, (c, _) in enumerate(fits) if math.isnan(c)]
+    dead = [h for h, (c, _, _) in enumerate(fits) if math.isnan(c)]
     if len(dead) == h_q:
         return None, (f"scale not determined: every head's scores are constant within rows (spread below "
-                      f"{min_spread:.2g}, what the weights resolve)")
+                      f"{min_spread / 1e3:.2g})")
     where = "every head" if not dead else f"every head but {dead} (constant scores: scale not determined)"
     if cap is None:
         capped_note = ""
