@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .kv_cache import KVCache
-from .masks import validate_mask
+from .masks import causal_mask, validate_mask
 
 
 def check_tensor(name: str, x: object) -> torch.Tensor:
@@ -123,9 +123,7 @@ def has_dead_rows(mask: torch.Tensor | None, causal: tuple[int, int] | None = No
     low = mask <= torch.finfo(mask.dtype).min / 2  # broadcastable to (b, h, s_q, s_kv)
     if causal is None:
         return bool(low.all(-1).any())
-    s_q, s_kv = causal
-    i = torch.arange(s_q, device=mask.device)[:, None]
-    readable = torch.arange(s_kv, device=mask.device)[None, :] <= i + (s_kv - s_q)  # (s_q, s_kv), bottom-right
+    readable = causal_mask(*causal, device=mask.device)  # (s_q, s_kv), bottom-right
     return bool(((low | ~readable).all(-1) & readable.any(-1)).any())
 
 

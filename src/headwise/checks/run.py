@@ -156,6 +156,7 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
         >>> rep["causality"].verdict                     # a plain f(x) claims nothing unless causal=True
         'skipped'
     """
+    names = _validate(causal, seed, properties)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the inputs are tiny: extra intra-op threads only add contention
     # A layer drawing from torch's global RNG (dropout, noise) must neither advance the caller's generator nor
@@ -164,18 +165,16 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
     try:
         with torch.random.fork_rng(devices=devices):
             # the CPU generator only: torch.manual_seed would also (lazily) seed every CUDA device, beyond the fork
-            torch.random.default_generator.manual_seed(
-                seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED else 0)
+            torch.random.default_generator.manual_seed(seed)
             return _check(layer, d_model=d_model, causal=causal, batch=batch, seq_len=seq_len, seed=seed,
-                          properties=properties)
+                          names=names)
     finally:
         torch.set_num_threads(threads)
 
 
 def _check(layer: Any, *, d_model: int | None, causal: bool | None, batch: int, seq_len: int, seed: int,
-           properties: Iterable[str] | None) -> Report:
+           names: list[str]) -> Report:
     start = time.perf_counter()
-    names = _validate(causal, seed, properties)
     for label, value, low in (("batch", batch, 1), ("seq_len", seq_len, 2), ("d_model", d_model, 1)):
         if label == "d_model" and value is None:
             continue

@@ -119,14 +119,14 @@ def _refusal(model: Any, info: Any, exc: Exception) -> str:
 
 
 def _check_tokens(tokenizer: Any, args: argparse.Namespace) -> None:
-    """The cut must leave one token of the text beside the special tokens the tokenizer adds ([CLS] ... [SEP])."""
+    """The cut must leave one token of the text beside the special tokens the tokenizer adds ([CLS] ... [SEP]):
+    the library's rule (the position limit was checked before loading)."""
+    from ..viz.maps import check_max_tokens
+
     try:
-        special = int(tokenizer.num_special_tokens_to_add())
-    except (AttributeError, TypeError, ValueError):  # a tokenizer that cannot say: the cut is the model's
-        return
-    if args.max_tokens < special + 1:
-        raise CliError(f"--max-tokens must be at least {special + 1} (this tokenizer adds {special} special "
-                       f"token{'s' if special != 1 else ''} around the text), got {args.max_tokens}")
+        check_max_tokens(args.max_tokens, tokenizer, name="--max-tokens")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _model_inputs(enc: dict, model: Any) -> dict:

@@ -43,11 +43,13 @@ def check_args(args: argparse.Namespace) -> tuple[Any, Path | None]:
     if not args.text.strip():
         raise CliError("text must not be empty")
     check_text(args.text)
+    from ..viz.models import DEFAULT_MAX_TOKENS
+
     info = info_of(args.model)
     what = "bundled" if info.bundled else info.family
     if args.max_tokens is None:  # statistics hold no s x s array: the model's own limit is the only one
         limit = info.max_positions or 2**31 - 1
-        args.max_tokens = limit if args.stats else min(64, limit)  # a default never refused for a small model
+        args.max_tokens = limit if args.stats else min(DEFAULT_MAX_TOKENS, limit)  # never refused by default
     if args.curves is not None and not args.stats:
         raise CliError("--curves draws per-position statistics: it needs --stats")
     stats_out = check_stats_args(args, info) if args.stats else None

@@ -152,14 +152,7 @@ class Trace:
             if not calls or (call is not None and not -len(calls) <= call < len(calls)):
                 continue
             for name, what in record.tl_names().items():
-                if call is not None:
-                    t = calls[call][what]
-                elif len(calls) > 1 and what in ("k", "v", "pattern"):
-                    raise ValueError(f"as_dict: layer {record.index} ran {len(calls)} times (e.g. decoding) and "
-                                     f"its {what!r} of different calls differ in length; pass as_dict(call=i) for "
-                                     f"call i's tensors, or read t[{record.index}].calls[i][{what!r}]")
-                else:
-                    t = record.get(what)
+                t = record.get(what) if call is None else calls[call][what]
                 out[name] = t.transpose(1, 2) if what in ("q", "k", "v") else t
         return out
 

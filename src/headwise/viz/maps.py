@@ -26,6 +26,7 @@ import torch
 
 from ..attention import MultiHeadAttention
 from .headmaps import HeadMaps
+from .models import DEFAULT_MAX_TOKENS, POSITION_KEYS
 from .numbers import plural
 from .projection import output_weight
 
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["HeadMaps", "head_maps", "model_head_maps", "model_layers_head_maps", "head_gallery", "text_head_maps",
            "load_minilm", "minilm_path", "model_layers", "check_max_tokens"]
 
-DEFAULT_MAX_TOKENS = 64  # text_head_maps' cut when none is given (as `headwise heads`): s x s stays readable
 
 
 def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int] | None = None) -> HeadMaps:
@@ -370,17 +370,14 @@ def text_head_maps(text: str, *, layer: int = 0, tokenizer: Any = None, model: A
 
 def position_limit(config: Any) -> int | None:
     """The most tokens ``config``'s position embeddings take (``max_position_embeddings`` or the like), or None."""
-    from .models import POSITION_KEYS
-
     limits = [getattr(config, key, None) for key in POSITION_KEYS]
     return next((n for n in limits if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
 
 
-def check_max_tokens(max_tokens: Any, tokenizer: Any, config: Any = None) -> None:
+def check_max_tokens(max_tokens: Any, tokenizer: Any, config: Any = None, name: str = "max_tokens") -> None:
     """``headwise heads --max-tokens``' rule: the cut must leave one token of the text beside the special tokens
     ``tokenizer`` adds ([CLS] ... [SEP]) and fit ``config``'s position embeddings (its
-    ``max_position_embeddings`` or the like, where it has one); TypeError / ValueError naming ``max_tokens``
-    otherwise.
+    ``max_position_embeddings`` or the like, where it has one); TypeError / ValueError naming ``name`` otherwise.
 
     Example:
         >>> from types import SimpleNamespace
@@ -390,14 +387,14 @@ def check_max_tokens(max_tokens: Any, tokenizer: Any, config: Any = None) -> Non
         ValueError: max_tokens must be at most 512 (the model's position embeddings), got 513
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(max_tokens).__name__}")
     try:
         special = int(tokenizer.num_special_tokens_to_add())
     except (AttributeError, TypeError, ValueError):  # a tokenizer that cannot say: one token at least
         special = 0
     if max_tokens < special + 1:
         added = f" (this tokenizer adds {plural(special, 'special token')} around the text)" if special else ""
-        raise ValueError(f"max_tokens must be at least {special + 1}{added}, got {max_tokens}")
+        raise ValueError(f"{name} must be at least {special + 1}{added}, got {max_tokens}")
     limit = position_limit(config)
     if limit is not None and max_tokens > limit:
-        raise ValueError(f"max_tokens must be at most {limit} (the model's position embeddings), got {max_tokens}")
+        raise ValueError(f"{name} must be at most {limit} (the model's position embeddings), got {max_tokens}")

@@ -36,6 +36,9 @@ HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_a
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
 HEAD_WIDTH_KEYS = ("v_head_dim", "head_dim", "d_kv", "kv_channels", "attention_head_size")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
+# The text is cut to this many tokens when no cut is given (`headwise heads`, text_head_maps), or to the model's
+# position limit where that is smaller: an s x s pattern stays readable.
+DEFAULT_MAX_TOKENS = 64
 # A factorised token embedding's width (ALBERT, ELECTRA, MobileBERT: embedding_size; OPT: word_embed_proj_dim).
 EMBEDDING_KEYS = ("embedding_size", "word_embed_proj_dim")
 # Layers that share weights: ALBERT's num_hidden_groups groups serve all num_hidden_layers layers.
