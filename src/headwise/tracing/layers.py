@@ -13,7 +13,7 @@ from torch import nn
 
 from ..attention import MultiHeadAttention
 
-__all__ = ["find_layers", "head_results"]
+__all__ = ["find_layers", "in_place", "head_results"]
 
 
 def find_layers(module: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
@@ -56,6 +56,24 @@ def find_layers(module: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
         raise TypeError(f"trace: {type(module).__name__} contains no MultiHeadAttention (patch a Hugging Face "
                         "model first with headwise.interop.patch)")
     return found
+
+
+def in_place(module: nn.Module, name: str, layer: MultiHeadAttention) -> bool:
+    """Whether ``layer`` is still the layer :func:`find_layers` named ``name`` in ``module``: the submodule there,
+    or the layer a patch gave it (``.attn``). It walks one path, not the whole model, and ``torch.compile``
+    traces it (a traced model's forward asks it at every call).
+
+    Example:
+        >>> import headwise
+        >>> model = torch.nn.Sequential(headwise.MultiHeadAttention(8, 2))
+        >>> in_place(model, "0", model[0]), in_place(model, "0", headwise.MultiHeadAttention(8, 2))
+        (True, False)
+    """
+    try:
+        here = module.get_submodule(name)
+    except AttributeError:  # the path itself is gone
+        return False
+    return here is layer or getattr(here, "attn", None) is layer
 
 
 def head_results(z: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:

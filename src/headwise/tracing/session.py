@@ -14,7 +14,7 @@ from torch import nn
 
 from ..attention import MultiHeadAttention
 from .edits import SITES, SitePlan, UnknownPadding, Unseen, parse_value
-from .layers import find_layers
+from .layers import find_layers, in_place
 from .padding import InertWhenCopied, inert_hook, padding_of, position_of, takes, watch_hosts
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
@@ -214,9 +214,8 @@ class Trace:
     def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before each call of the traced module: its layers are still the traced ones, and its
         ``attention_mask`` (if any) is this call's padding, its ``decoder_attention_mask`` its decoder's."""
-        if not isinstance(module, MultiHeadAttention):
-            now = find_layers(module)
-            if len(now) != len(self.layers) or any(a is not b for (_, a), (_, b) in zip(now, self.layers)):
+        for name, layer in self.layers:
+            if not in_place(module, name, layer):
                 raise RuntimeError("trace: the model's attention layers were replaced inside the trace (e.g. by "
                                    "headwise.surgery, which re-patches them); the trace would miss them: close it "
                                    "and open a new trace on the changed model")
