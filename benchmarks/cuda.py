@@ -10,8 +10,9 @@ before the call. The groups and their peers:
   at fresh positions (every entry decodes lengths no entry has run before, so cuDNN's per-shape plans are paid);
 * the compiled step (``mode="reduce-overhead"``) against a gpt-fast-style compiled step (a static cache written
   with ``index_copy_`` at a device position, a mask over ``max_len``) and the eager plain loop;
-* a patched 8-layer Llama's ``generate`` against the unpatched model at seen and fresh lengths, and capturing
-  every head's ``result`` against a plain forward of the patched model;
+* a patched 8-layer Llama's ``generate`` against the unpatched model at seen and fresh lengths (in every round
+  of the fresh group the patched model gets the longer of two prompt lengths neither has run before), and
+  capturing every head's ``result`` against a plain forward of the patched model;
 * per-head statistics (:mod:`headwise.statistics`, the Triton kernel) of a Llama-8B-shaped layer at s32768,
   causal: lse, entropy and max_weight, and all four, against the layer's plain forward.
 
@@ -37,7 +38,10 @@ from . import peers
 from .report import Goal
 from .timing import Entry, Group
 
-__all__ = ["cuda_groups", "CUDA_GOALS", "Setup", "CUDA", "CPU_CHECK"]
+__all__ = ["cuda_groups", "CUDA_CASES", "CUDA_GOALS", "Setup", "CUDA", "CPU_CHECK"]
+
+#: The names ``--device cuda --only`` takes, in run order.
+CUDA_CASES = ("forward", "backward", "decode", "compiled", "patched", "statistics")
 
 @dataclass(frozen=True)
 class Setup:
@@ -304,14 +308,18 @@ def _llama_pair(setup: Setup) -> tuple[nn.Module, nn.Module]:
 
 def generate_group(setup: Setup, b: int, fresh: bool, pair: tuple[nn.Module, nn.Module]) -> Group:
     """Greedy generation after a prompt. Fresh: each call of each entry runs a prompt length (so decode lengths
-    too) that no call has run before in this process."""
+    too) that no call has run before in this process. The k-th call of each entry (its warm-up, then one per
+    round) is a pair: the unpatched model's prompt at an even step, the patched model's one step longer, so
+    within a round the patched model always has the more tokens to process, whichever entry runs first."""
     plain, patched = pair
     new, s0 = setup.new_tokens, setup.prompt
+    step = new + 4  # > new: one call's decode lengths (prompt .. prompt + new) never reach the next's prompt
     torch.manual_seed(2)
-    ids = torch.randint(3, setup.llama["vocab_size"], (b, s0 + 60 * (new + 4)), device=setup.device)
-    lengths = itertools.count(s0 + 2 * b, new + 4)
+    ids = torch.randint(3, setup.llama["vocab_size"], (b, s0 + 2 * b + 60 * step), device=setup.device)
 
-    def gen(model: nn.Module) -> Callable[[], torch.Tensor]:
+    def gen(model: nn.Module, first: int) -> Callable[[], torch.Tensor]:
+        lengths = itertools.count(s0 + 2 * b + first * step, 2 * step)
+
         def one() -> torch.Tensor:
             s = next(lengths) if fresh else s0
             with torch.no_grad():
@@ -322,8 +330,8 @@ def generate_group(setup: Setup, b: int, fresh: bool, pair: tuple[nn.Module, nn.
     # Tokens are compared in float32 only: in bfloat16 the two models' kernels (flash or cuDNN) round differently and
     # greedy choices between near-equal logits may differ (tests/gpu compares float32 tokens and bf16 logits).
     same = not fresh and setup.dtype == torch.float32
-    entries = [Entry("headwise (patched)", gen(patched), number=1, compare=same),
-               Entry("HF Llama (unpatched)", gen(plain), number=1, compare=same)]
+    entries = [Entry("headwise (patched)", gen(patched, 1), number=1, compare=same),
+               Entry("HF Llama (unpatched)", gen(plain, 0), number=1, compare=same)]
     cfg = setup.llama
     return _group(setup, f"cuda generate b{b} {'fresh' if fresh else 'seen'}", entries, "HF Llama (unpatched)",
                   rounds=6 if fresh else 10, tol=(0.0, 0.0),
@@ -384,11 +392,10 @@ def statistics_group(setup: Setup) -> Group:
 def cuda_groups(only: list[str] | None = None, setup: Setup = CUDA) -> list[Callable[[], Group]]:
     """Factories of every group (``only``: the subset of forward, backward, decode, compiled, patched,
     statistics)."""
-    kinds = ("forward", "backward", "decode", "compiled", "patched", "statistics")
-    want = set(only or kinds)
-    unknown = want - set(kinds)
+    want = set(only or CUDA_CASES)
+    unknown = want - set(CUDA_CASES)
     if unknown:
-        raise ValueError(f"--only with --device cuda takes {', '.join(kinds)}; got {', '.join(sorted(unknown))}")
+        raise ValueError(f"--only with --device cuda takes {', '.join(CUDA_CASES)}; got {', '.join(sorted(unknown))}")
     out: list[Callable[[], Group]] = []
     if "forward" in want:
         out += [partial(forward_group, setup, f) for f in setup.forwards]

@@ -2,6 +2,8 @@
 
 ``--processes N`` runs the whole suite N times, one fresh process after the other; each ratio is then the
 median of the per-round ratios over every round of every process, with each process's own ratio range.
+``benchmarks/RESULTS.md`` (``RESULTS-cuda.md`` with ``--device cuda``) holds the last whole run: without
+``--out``, a ``--quick`` run or a subset (``--only``) writes to a temporary folder instead and says where.
 """
 
 from __future__ import annotations
@@ -25,20 +27,23 @@ CASES = ("forward", "backward", "gqa", "decode", "trace", "stats", "sweep", "pat
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def resolve_only(only: str | None) -> list[str]:
-    """Case names to run, in suite order, from a comma-separated ``--only`` value.
+def resolve_only(only: str | None, cases: tuple[str, ...] = CASES) -> list[str]:
+    """Case names to run, in suite order, from a comma-separated ``--only`` value (None: every case);
+    empty names between commas are dropped, and a value that names no case is refused.
 
     Example:
         >>> resolve_only("decode,forward")
         ['forward', 'decode']
     """
-    if not only:
-        return list(CASES)
+    if only is None:
+        return list(cases)
     wanted = {p.strip() for p in only.split(",") if p.strip()}
-    unknown = sorted(wanted - set(CASES))
+    if not wanted:
+        raise ValueError(f"--only takes case names from {', '.join(cases)}, got no name in {only!r}")
+    unknown = sorted(wanted - set(cases))
     if unknown:
-        raise ValueError(f"--only takes case names from {', '.join(CASES)}, got {', '.join(unknown)}")
-    return [c for c in CASES if c in wanted]
+        raise ValueError(f"--only takes case names from {', '.join(cases)}, got {', '.join(unknown)}")
+    return [c for c in cases if c in wanted]
 
 
 def run_cases(sizes, cases: list[str], *, show: Callable[[dict], None] | None = None) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -99,7 +104,7 @@ def _show(res: dict) -> None:
     from .report import group_rows
 
     rows = [["entry", "median ms", "ratio", "range", "peak MiB", "output", "note"]] + group_rows(res)
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"\n{res['title']}  (ratio: time / {res['base']}'s, {res.get('wall_s', 0)} s)", flush=True)
     for r in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)), flush=True)
@@ -121,8 +126,17 @@ def _children(argv: list[str], n: int) -> list[list[dict]]:
     return runs
 
 
-def _main_cuda(args: argparse.Namespace, argv: list[str]) -> int:
-    """``--device cuda``: every CUDA group in this process, its goals, and RESULTS-cuda.md."""
+def _default_out(name: str, kind: str | None) -> Path:
+    """Where results go without ``--out``: the recorded file for a whole run, else (``kind``: quick, subset)
+    a temporary folder, so that file always holds the last whole run."""
+    if kind is None:
+        return ROOT / "benchmarks" / name
+    return Path(tempfile.gettempdir()) / f"headwise-bench-{kind}" / name
+
+
+def _main_cuda(args: argparse.Namespace, argv: list[str], cases: list[str], every: int) -> int:
+    """``--device cuda``: the CUDA groups of ``cases`` (of ``every`` kinds) in this process, their goals, and
+    RESULTS-cuda.md."""
     import torch
 
     from .cuda import CUDA_GOALS, cuda_groups
@@ -133,11 +147,10 @@ def _main_cuda(args: argparse.Namespace, argv: list[str]) -> int:
         print("--device cuda needs a CUDA device; none is available here", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    only = [p.strip() for p in args.only.split(",")] if args.only else None
     groups: list[dict] = []
     command = "python -m benchmarks" + "".join(" " + shlex.quote(a) for a in argv)
-    out = args.out or ROOT / "benchmarks" / "RESULTS-cuda.md"
-    for factory in cuda_groups(only):
+    out = args.out or _default_out("RESULTS-cuda.md", None if len(cases) == every else "subset")
+    for factory in cuda_groups(cases):
         t0 = time.perf_counter()
         res = run_group(factory())
         res["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -148,7 +161,8 @@ def _main_cuda(args: argparse.Namespace, argv: list[str]) -> int:
         goals = evaluate(groups, CUDA_GOALS)
         path = write_results(out, groups, goals, command=command, env=environment(), processes=1, device="cuda")
     _show_goals(goals)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path}" + (" (a subset: benchmarks/RESULTS-cuda.md keeps the last whole run)"
+                               if len(cases) < every and not args.out else ""))
     return 1 if any(e["matches"] is False for g in groups for e in g["entries"]) else 0
 
 
@@ -159,26 +173,63 @@ def _show_goals(goals: list[dict]) -> None:
         print(f"{g['goal']:<66} {g['target']:<8} {ratio:<7} {g['status']}")
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number >= 1, got {n}")
+    return n
+
+
+def _check_out(out: str | None) -> str | None:
+    """Why ``--out`` cannot be written as a file (checked before a run of minutes, not after it), or None."""
+    if out is None:
+        return None
+    path = Path(out)
+    if path.is_dir():
+        return f"--out takes a file path, got the directory {out}"
+    above = next((a for a in path.absolute().parents if a.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"--out needs a folder to write into, got {out} (under the file {above})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m benchmarks``."""
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, under a minute (a check of the machinery)")
     p.add_argument("--only", metavar="CASES", help=f"comma-separated cases: {', '.join(CASES)}")
-    p.add_argument("--processes", type=int, default=1, metavar="N", help="run the suite N times, each in a fresh "
-                   "process; ratios pool every round of every process")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; 1 with --quick)")
-    p.add_argument("--out", metavar="MD", help="where RESULTS.md goes (default benchmarks/RESULTS.md; with "
-                   "--quick a temporary folder)")
+    p.add_argument("--processes", type=_count, default=1, metavar="N", help="run the suite N times, each in a "
+                   "fresh process; ratios pool every round of every process")
+    p.add_argument("--threads", type=_count, metavar="N", help="torch intra-op threads (default: torch's choice; "
+                   "1 with --quick)")
+    p.add_argument("--out", metavar="MD", help="where RESULTS.md goes (default benchmarks/RESULTS.md for a whole "
+                   "run; a temporary folder with --quick or --only naming fewer than every case)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU groups "
-                   "(benchmarks/cuda.py: bfloat16, written to benchmarks/RESULTS-cuda.md); --only then takes "
-                   "forward, backward, decode, compiled, patched, statistics")
+                   "(benchmarks/cuda.py: bfloat16, written to benchmarks/RESULTS-cuda.md), one process at the GPU "
+                   "sizes, so not with --quick, --processes or --threads; --only then takes forward, backward, "
+                   "decode, compiled, patched, statistics")
     p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child process's results
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
+    bad_out = _check_out(args.out)
+    if bad_out:
+        p.error(bad_out)
     if args.device == "cuda":
-        return _main_cuda(args, argv)
-    if args.processes < 1:
-        p.error(f"--processes takes a count >= 1, got {args.processes}")
+        from .cuda import CUDA_CASES
+
+        cpu_only = [f for f, on in (("--quick", args.quick), ("--processes", args.processes != 1),
+                                    ("--threads", args.threads is not None)) if on]
+        if cpu_only:
+            p.error(f"--device cuda runs one process at the GPU sizes; it takes no {', '.join(cpu_only)}")
+        try:
+            cuda_cases = resolve_only(args.only, CUDA_CASES)
+        except ValueError as exc:
+            p.error(f"{exc} (--device cuda)")
+        return _main_cuda(args, argv, cuda_cases, len(CUDA_CASES))
     try:
         cases = resolve_only(args.only)
     except ValueError as exc:
@@ -193,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if args.processes > 1:
-        child = (["--quick"] if args.quick else []) + (["--only", args.only] if args.only else []) + (
+        child = (["--quick"] if args.quick else []) + (["--only", args.only] if args.only is not None else []) + (
             ["--threads", str(args.threads)] if args.threads else [])
         groups = merge_processes(_children(child, args.processes))
         for g in groups:
@@ -208,12 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     command = " ".join(f"{k}={v}" for k, v in env.items() if k.isupper() and v != "unset")
     command += " python -m benchmarks" + "".join(" " + shlex.quote(a) for a in argv)
-    default = Path(tempfile.gettempdir()) / "headwise-bench-quick" / "RESULTS.md" if args.quick else \
-        ROOT / "benchmarks" / "RESULTS.md"
+    subset = len(cases) < len(CASES)
+    default = _default_out("RESULTS.md", "quick" if args.quick else "subset" if subset else None)
     path = write_results(args.out or default, groups, goals, command=command.strip(), env=env,
                          processes=args.processes, quick=args.quick)
     _show_goals(goals)
-    print(f"\nwrote {path}" + (" (quick: tiny shapes, the ratios say nothing about the goals)" if args.quick else ""))
+    print(f"\nwrote {path}" + (" (quick: tiny shapes, the ratios say nothing about the goals)" if args.quick else
+                               " (a subset: benchmarks/RESULTS.md keeps the last whole run)" if subset and
+                               not args.out else ""))
     different = [f"{g['title']}: {e['name']}" for g in groups for e in g["entries"] if e["matches"] is False]
     if different:  # a peer that computes something else makes the run no measurement
         print("outputs differ from the reference entry: " + "; ".join(different), file=sys.stderr)

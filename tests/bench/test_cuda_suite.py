@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.cuda import CPU_CHECK, CUDA, CUDA_GOALS, cuda_groups
+from benchmarks import cuda
+from benchmarks.cuda import CPU_CHECK, CUDA, CUDA_GOALS, cuda_groups, generate_group
 from benchmarks.report import evaluate
 from benchmarks.timing import run_group
 
@@ -48,3 +49,22 @@ def test_the_goals_evaluate_on_the_cpu_check_groups(groups):
 def test_an_unknown_subset_is_refused():
     with pytest.raises(ValueError, match="--only with --device cuda takes forward, backward.*statistics"):
         cuda_groups(["sweep"])
+
+
+def test_fresh_generate_gives_headwise_the_longer_fresh_prompt_in_every_round():
+    plain, patched = cuda._llama_pair(CPU_CHECK)
+    seen: dict[str, list[int]] = {"headwise": [], "HF": []}
+    for tag, model in (("headwise", patched), ("HF", plain)):
+        def recording(ids, *args, _generate=model.generate, _tag=tag, **kwargs):
+            seen[_tag].append(ids.shape[1])
+            return _generate(ids, *args, **kwargs)
+        model.generate = recording
+    res = run_group(generate_group(CPU_CHECK, 1, True, (plain, patched)))
+    calls = 1 + len(res["entries"][0]["round_s"][0])  # the warm-up, then one generation per round
+    assert len(seen["headwise"]) == len(seen["HF"]) == calls
+    new, step = CPU_CHECK.new_tokens, CPU_CHECK.new_tokens + 4
+    # the k-th call of each (warm-up, then round k): headwise one step longer, so the bias is against it
+    assert [a - b for a, b in zip(seen["headwise"], seen["HF"])] == [step] * calls
+    # fresh: no two calls' decode lengths (prompt .. prompt + new) meet
+    starts = sorted(seen["headwise"] + seen["HF"])
+    assert all(b - a > new for a, b in zip(starts, starts[1:]))

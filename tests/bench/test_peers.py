@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from benchmarks import sweep, trace  # noqa: E402
+from benchmarks import stats_peers, sweep, trace  # noqa: E402
 from benchmarks.cases import QUICK  # noqa: E402
 
 
@@ -67,3 +67,14 @@ def test_sweep_peer_equals_head_effects(peer, sizes):
     want = fns["headwise head_effects"]()
     assert want.shape == (sizes.sweep[2], sizes.sweep[1]) and bool(want.abs().sum() > 0)
     torch.testing.assert_close(fns[name](), want, rtol=1e-4, atol=1e-5)
+
+
+def test_stats_peers_times_only_the_call_not_the_heap_cleanup_before_it(monkeypatch):
+    import gc
+    import time
+
+    # peak_rss_above collects garbage first; made 0.5 s slow here, a no-op call must still measure ~0
+    monkeypatch.setattr(stats_peers, "_tool", lambda name: lambda ids: None)
+    monkeypatch.setattr(gc, "collect", lambda *a: time.sleep(0.5))
+    row = stats_peers.measure("plain", 8)
+    assert row["tool"] == "plain" and row["s"] == 8 and row["seconds"] < 0.25

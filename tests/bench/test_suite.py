@@ -17,7 +17,8 @@ import torch
 from benchmarks.cases import QUICK
 from benchmarks.hf import FAMILIES, GENERATE_ROUNDS, family_model, sharing_weights
 from benchmarks.report import GOALS, evaluate, write_results
-from benchmarks.suite import CASES, ROOT, resolve_only, run_cases
+from benchmarks.suite import CASES, ROOT, main, resolve_only, run_cases
+from benchmarks.suite import _show as show_group
 from benchmarks.timing import Entry, Group, run_group
 
 pytest.importorskip("transformers")
@@ -144,9 +145,82 @@ def test_the_patched_entry_shares_the_unpatched_models_weights_and_only_them():
 
 def test_only_takes_case_names():
     assert resolve_only("decode,forward") == ["forward", "decode"]
+    assert resolve_only("decode,") == ["decode"]  # an empty name between commas is dropped
     assert resolve_only(None) == list(CASES)
     with pytest.raises(ValueError, match="--only takes case names"):
         resolve_only("forward,nope")
+    for blank in ("", ",", " , "):
+        with pytest.raises(ValueError, match="got no name in"):
+            resolve_only(blank)
+
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+
+
+@pytest.mark.parametrize("argv, bad", [
+    (["--only", ","], "got no name in ','"),
+    (["--only", ""], "got no name in ''"),
+    (["--only", "forward,bogus"], "got bogus"),
+    (["--threads", "-1"], "--threads: takes a whole number >= 1, got -1"),
+    (["--threads", "0"], "--threads: takes a whole number >= 1, got 0"),
+    (["--processes", "0"], "--processes: takes a whole number >= 1, got 0"),
+    (["--device", "cuda", "--only", "bogus"], "got bogus (--device cuda)"),
+    (["--device", "cuda", "--only", "forward,sweep"], "got sweep (--device cuda)"),
+    (["--device", "cuda", "--only", ","], "got no name in ','"),
+    (["--device", "cuda", "--quick"], "it takes no --quick"),
+    (["--device", "cuda", "--processes", "2"], "it takes no --processes"),
+    (["--device", "cuda", "--threads", "2"], "it takes no --threads"),
+])
+def test_command_line_refuses_bad_input_before_running_anything(argv, bad, capsys, tmp_path):
+    # Refused in argument parsing, before any group (or the CUDA device check): nothing is written.
+    before = RESULTS.stat().st_mtime_ns
+    out = tmp_path / "R.md"
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(out)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exc.value.code == 2 and len(errors) == 1 and bad in errors[0], errors
+    assert not out.exists() and RESULTS.stat().st_mtime_ns == before
+
+
+def test_command_line_refuses_an_out_it_cannot_write_as_a_file(capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    for out, bad in ((tmp_path, f"--out takes a file path, got the directory {tmp_path}"),
+                     (tmp_path / "f" / "R.md", f"(under the file {tmp_path / 'f'})")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--quick", "--only", "gqa", "--out", str(out)])
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert exc.value.code == 2 and len(errors) == 1 and bad in errors[0], errors
+
+
+def test_a_subset_run_leaves_the_whole_runs_results_in_place(monkeypatch, capsys, tmp_path):
+    import tempfile
+
+    import benchmarks.cases
+    import benchmarks.suite
+
+    recorded = tmp_path / "repo" / "benchmarks" / "RESULTS.md"
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text("the last whole run")
+    monkeypatch.setattr(benchmarks.suite, "ROOT", tmp_path / "repo")
+    monkeypatch.setattr(benchmarks.cases, "FULL", TINY)  # a subset at tiny sizes, not --quick
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--only", "gqa", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert recorded.read_text() == "the last whole run"
+    wrote = tmp_path / "tmp" / "headwise-bench-subset" / "RESULTS.md"
+    assert f"wrote {wrote} (a subset" in capsys.readouterr().out
+    assert "## GQA forward" in wrote.read_text()
+
+
+def test_console_tables_show_every_column(capsys):
+    group = Group("g", "g", [Entry("a", lambda: torch.ones(2), note="the a note"),
+                             Entry("b", lambda: torch.ones(2), note="the b note")], base="b", rounds=1, block_s=0.0)
+    show_group(run_group(group))
+    printed = capsys.readouterr().out
+    assert "note" in printed.splitlines()[2] and "the a note" in printed and "the b note" in printed
 
 
 def test_command_line_sets_huge_pages_and_pools_processes(tmp_path):
