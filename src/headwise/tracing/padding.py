@@ -21,7 +21,12 @@ from torch import nn
 from .edits import CachePadding, DeferredPadding, UnknownPadding, Unseen
 
 __all__ = ["padding_of", "padding_of_4d", "reads", "position_of", "takes", "watch_hosts", "ReachedMask",
-           "InertWhenCopied", "inert_hook"]
+           "InertWhenCopied", "inert_hook", "MASK_NAMES"]
+
+#: What an attention module's forward calls the padding mask that reaches it, in the families of transformers
+#: 5.24: most ``attention_mask``; T5 and its kin (mT5, UMT5, LongT5, Switch Transformers, Pop2Piano, UDOP)
+#: ``mask``. Others (``attn_mask`` of ``nn.MultiheadAttention``: True there masks) are not padding masks.
+MASK_NAMES = ("attention_mask", "mask")
 
 
 def reads(mask: torch.Tensor) -> torch.Tensor | None:
@@ -69,13 +74,15 @@ def padding_of_4d(mask: torch.Tensor, name: str) -> torch.Tensor | CachePadding 
                           "bidirectional padding mask")
 
 
-def padding_of(args: tuple, kwargs: dict, name: str,
-               at: int | None) -> torch.Tensor | CachePadding | UnknownPadding | None:
+def padding_of(args: tuple, kwargs: dict, name: str, at: int | None,
+               defer: bool = False) -> torch.Tensor | CachePadding | UnknownPadding | ReachedMask | None:
     """A call's (b, s) real-token mask passed as ``name`` (by keyword, or by position ``at``), or None.
 
     A 4-D (or 3-D) mask gives the 2-D one it stands for, so "mean" never silently averages over padding or a
     static cache's empty slots; a mask that does not show the real tokens exactly gives
-    :class:`UnknownPadding`, which "mean" refuses."""
+    :class:`UnknownPadding`, which "mean" refuses. With ``defer`` such a mask is kept as a :class:`ReachedMask`,
+    read only when a mean needs it: reading it is data-dependent, which a call compiled with ``fullgraph=True``
+    cannot trace."""
     mask = kwargs.get(name)
     if mask is None and at is not None and len(args) > at:
         mask = args[at]  # passed by position
@@ -86,7 +93,7 @@ def padding_of(args: tuple, kwargs: dict, name: str,
     if mask.dim() == 2:
         return mask != 0
     if mask.dim() in (3, 4):
-        return padding_of_4d(mask, name)
+        return ReachedMask(mask, name) if defer else padding_of_4d(mask, name)
     return UnknownPadding(f"the model's {name} has {mask.dim()} dimensions, not 2 (b, s) or 4 (b, h, s_q, s_kv)")
 
 
@@ -109,15 +116,21 @@ def takes(name: str, module: nn.Module) -> bool:
 
 
 class ReachedMask(DeferredPadding):
-    """The ``attention_mask`` (or None) that reached a patched layer in a call the trace's pre-hook did not see."""
+    """A mask (or None) kept as given, read into real tokens on the first :meth:`resolve`: the traced model's
+    3-D or 4-D ``attention_mask``, or the mask (``name``, one of :data:`MASK_NAMES`) that reached a patched
+    layer in a call the trace's pre-hook did not see."""
 
-    __slots__ = ("mask",)
+    __slots__ = ("mask", "name", "done", "read")
 
-    def __init__(self, mask: torch.Tensor | None) -> None:
-        self.mask = mask
+    def __init__(self, mask: torch.Tensor | None, name: str = "attention_mask") -> None:
+        self.mask, self.name, self.done, self.read = mask, name, False, None
 
     def resolve(self) -> torch.Tensor | CachePadding | UnknownPadding | None:
-        return padding_of((), {"attention_mask": self.mask}, "attention_mask", None)
+        if not self.done:  # once per call, however many layers and heads take a mean over it
+            self.read = padding_of((), {self.name: self.mask}, self.name, None)
+            # a record keeps the (b, S) tokens from here on, never the (b, 1, s_q, s_kv) mask
+            self.mask, self.done = None, True
+        return self.read
 
 
 def inert_hook(*args: Any) -> None:
@@ -144,36 +157,44 @@ class InertWhenCopied:
 
 
 class _HostMask(InertWhenCopied):
-    """A pre-hook (``before``) or post-hook on a patched layer's host module: the ``attention_mask`` the module
-    is given is what reaches the layer during that call, and nothing after it (a later call never reads it).
+    """A pre-hook (``before``) or post-hook on a patched layer's host module: the mask the module is given as
+    ``name`` is what reaches the layer during that call, and nothing after it (a later call never reads it).
     A copy of the host (``copy.deepcopy``, pickling) keeps :func:`inert_hook` in its place."""
 
-    def __init__(self, entry: Any, at: int | None, before: bool) -> None:
-        self.entry, self.at, self.before = entry, at, before
+    def __init__(self, entry: Any, name: str, at: int | None, before: bool) -> None:
+        self.entry, self.name, self.at, self.before = entry, name, at, before
 
     def __call__(self, module: nn.Module, args: tuple, more: Any) -> None:
         if not self.before:
             self.entry.reached = None
             return
-        mask = more.get("attention_mask") if isinstance(more, dict) else None
+        mask = more.get(self.name) if isinstance(more, dict) else None
         if mask is None and self.at is not None and len(args) > self.at:
             mask = args[self.at]
-        self.entry.reached = ReachedMask(mask) if mask is None or isinstance(mask, torch.Tensor) else \
-            Unseen(f"the mask reaching layer {self.entry.record.index} is a {type(mask).__name__}")
+        self.entry.reached = ReachedMask(mask, self.name) if mask is None or isinstance(mask, torch.Tensor) else \
+            Unseen(f"the {self.name} reaching layer {self.entry.record.index} is a {type(mask).__name__}")
 
 
-def watch_hosts(layers: list, entries: list) -> list:
-    """Hooks that let each entry read the ``attention_mask`` reaching its layer, for the layers of a patched
-    Hugging Face model (views with a ``host`` module whose forward takes ``attention_mask``): the padding of
-    a call made past the traced model's own forward (``model.forward``, ``torch.compile(model.forward)``, a
-    submodule), which the trace's pre-hook never sees. Returns the hook handles."""
+def watch_hosts(layers: list, entries: list, unseen: Unseen | None = None) -> list:
+    """Hooks that let each entry read the mask reaching its layer, for the layers of a patched Hugging Face
+    model (views with a ``host`` module whose forward takes one of :data:`MASK_NAMES`): the padding of a call
+    made past the traced model's own forward (``model.forward``, ``torch.compile(model.forward)``, a submodule,
+    T5's encoder under ``generate``), which the trace's pre-hook never sees. A view whose host takes none of
+    them gets ``unseen`` (the trace's refusal) saying so. Returns the hook handles."""
     views = sys.modules.get("headwise.interop.views")  # only a patched model has hosts (interop imported)
     handles = []
     for (_, layer), entry in zip(layers, entries):
         host = getattr(layer, "host", None) if views is not None and isinstance(layer, views.LayerView) else None
-        if host is None or not takes("attention_mask", host):
+        if host is None:
             continue
-        at = position_of("attention_mask", host)
-        handles.append(host.register_forward_pre_hook(_HostMask(entry, at, True), with_kwargs=True))
-        handles.append(host.register_forward_hook(_HostMask(entry, at, False), always_call=True))
+        name = next((n for n in MASK_NAMES if takes(n, host)), None)
+        if name is None:
+            if unseen is not None:  # read only while the trace's own padding is unseen (Entry.padding)
+                entry.reached = Unseen(f"{unseen.why}, and layer {entry.record.index}'s module "
+                                       f"{type(host).__name__}.forward takes none of {list(MASK_NAMES)}, the "
+                                       "parameters a layer's mask is read from")
+            continue
+        at = position_of(name, host)
+        handles.append(host.register_forward_pre_hook(_HostMask(entry, name, at, True), with_kwargs=True))
+        handles.append(host.register_forward_hook(_HostMask(entry, name, at, False), always_call=True))
     return handles

@@ -13,7 +13,7 @@ import torch
 
 from ..attention import MultiHeadAttention
 from ..statistics import STATISTICS, concatenate
-from .edits import UnknownPadding, masked_mean, real_positions
+from .edits import CachePadding, DeferredPadding, real_positions
 
 __all__ = ["LayerRecord", "CAPTURABLE", "TraceLookupError"]
 
@@ -51,7 +51,8 @@ class LayerRecord:
     ``q``, ``z``, ``result``, ``lse``, ``entropy`` and ``max_weight`` are concatenated along the query positions
     and ``key_weight`` is summed per key position (:func:`headwise.statistics.concatenate`); ``calls`` holds every
     call's dict; ``paddings`` holds each call's real-token mask (the model's ``attention_mask``; a decoder layer's of an
-    encoder-decoder model: its ``decoder_attention_mask``) or None.
+    encoder-decoder model: its ``decoder_attention_mask``) or None, where a 3-D or 4-D mask was given as a
+    :class:`~headwise.tracing.edits.DeferredPadding` read into one on the first mean that needs it.
 
     Shapes:
         q (b, h, s_q, d_h); k, v (b, h_kv, s, d_h) (h where a k/v edit gave every query head its own copy);
@@ -127,8 +128,8 @@ class LayerRecord:
         for kept in (self._calls, self._paddings, self._queries):
             kept.clear()
 
-    def get(self, what: str) -> torch.Tensor:
-        """The captured ``what`` (one of :data:`CAPTURABLE`)."""
+    def _require(self, what: str) -> None:
+        """Refuse ``what`` unless it is capturable, captured and the layer was called."""
         if what not in CAPTURABLE:
             raise TraceLookupError(f"{what!r} is not capturable; choose from {CAPTURABLE}")
         if what not in self.capture:
@@ -136,6 +137,10 @@ class LayerRecord:
                            f"{sorted(self.capture) or 'nothing'}; pass capture=(..., {what!r})")
         if not self.calls:
             raise ValueError(f"layer {self.index} ({self.name!r}) was not called inside the trace")
+
+    def get(self, what: str) -> torch.Tensor:
+        """The captured ``what`` (one of :data:`CAPTURABLE`)."""
+        self._require(what)
         if len(self.calls) == 1:
             return self.calls[0][what]
         if what in STATISTICS:
@@ -176,28 +181,54 @@ class LayerRecord:
         and v are refused as their keys may be either sequence's; every position when there was none), e.g. a
         mean-ablation value taken on other data: ``edit={(layer, head): reference[layer].mean()[head]}``.
 
+        k and v count each real key position once. The first call, and every call whose keys are its own tokens
+        (no cache, or a prefill), counts all its keys; a later call whose keys also hold a cache's earlier
+        positions (a decoding step) counts only its new ones, its last ``queries`` keys, as captured in it, when
+        the calls before it reached exactly those earlier positions at the same batch size; any other such call
+        (a sliding window, another sequence's cache) is refused with a ``ValueError``.
+
         Shapes: -> (h, d_h) for q and z; (h_kv, d_h) for k and v (h under a k/v edit's own copies)
         """
         if site not in ("q", "k", "v", "z"):
             raise ValueError(f"mean: site must be one of q, k, v, z, got {site!r}")
-        self.get(site)  # the checks: captured, called
-        if self.decoder and site in ("k", "v"):
+        self._require(site)  # joining the calls is not needed (k and v of a decode differ in length)
+        keys = site in ("k", "v")
+        if self.decoder and keys:
             raise ValueError(f"mean: layer {self.index} ({self.name!r}) is a decoder layer of an encoder-decoder "
                              f"model, whose {site} positions are the decoder's tokens (self-attention) or the "
                              "encoder's (cross-attention): whose padding to average over is unknown; average "
                              f"t[{self.index}].{site} over the real positions yourself")
-        total, count = None, 0.0
-        for call, padding in zip(self.calls, self.paddings):
+        where = f"mean of layer {self.index} {site}"
+        calls = self.calls
+        total, count, reach, batch = None, 0.0, 0, None
+        for j, (call, padding, queries) in enumerate(zip(calls, self.paddings, self.queries[-len(calls):])):
             x = call[site] if site == "z" else call[site].transpose(1, 2)  # (b, s, heads, d_h)
             b, s = x.shape[:2]
             flat = x.detach().double().reshape(b, s, -1)  # (b, s, heads * d_h)
-            real = real_positions(padding, flat, f"mean of layer {self.index} {site}", site)
-            part = masked_mean(flat, real).squeeze(1)  # (b, heads * d_h) per row
-            weight = torch.full((b,), float(s), dtype=torch.float64) if real is None else real.sum(1).double().cpu()
-            weight = weight.to(part.device)
-            summed = (part * weight[:, None]).sum(0)
+            if isinstance(padding, DeferredPadding):
+                padding = padding.resolve()  # once: the length below reads it too
+            real = real_positions(padding, flat, where, site)  # (b, s) or None
+            if keys:
+                # Keys [0, length) are the sequence's positions 0.. (a static cache's later slots are empty); a
+                # decoding step's new keys are its last `queries` ones, the earlier ones counted by earlier calls.
+                length = padding.tokens.shape[1] if isinstance(padding, CachePadding) else s
+                start = length - queries
+                if start > 0 and j > 0:  # the first call counts all its keys: none was counted before
+                    if start != reach or b != batch:
+                        raise ValueError(
+                            f"{where}: call {j} attends over {length} key positions for its {queries} queries, so "
+                            f"its first {start} keys come from a cache, but the calls before it reached {reach} "
+                            f"positions at batch {batch} (this call: batch {b}): a sliding window, or a cache of "
+                            "another sequence, so which of its keys earlier calls counted is unknown and counting "
+                            "them again would weight them more; trace one sequence per trace, or average "
+                            f"t[{self.index}].calls[{j}][{site!r}] over its real positions yourself")
+                    flat = flat[:, start:length]  # (b, queries, heads * d_h): this call's new keys
+                    real = None if real is None else real[:, start:length]
+                reach, batch = length, b
+            w = flat.new_ones(flat.shape[:2]) if real is None else real.to(flat.device, torch.float64)  # (b, s)
+            summed = (flat * w.unsqueeze(-1)).sum((0, 1))  # (heads * d_h,)
             total = summed if total is None else total + summed
-            count += float(weight.sum())
+            count += float(w.sum())
         return (total / max(count, 1.0)).view(x.shape[2], x.shape[3]).to(x.dtype)
 
     def tl_names(self) -> dict[str, str]:

@@ -15,7 +15,7 @@ from torch import nn
 from ..attention import MultiHeadAttention
 from .edits import SITES, SitePlan, UnknownPadding, Unseen, parse_value
 from .layers import find_layers, in_place
-from .padding import InertWhenCopied, inert_hook, padding_of, position_of, takes, watch_hosts
+from .padding import InertWhenCopied, ReachedMask, inert_hook, padding_of, position_of, takes, watch_hosts
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
 
@@ -102,11 +102,13 @@ class Trace:
         # are unseen: one object, so compiled code guarding on it sees the same one at every step.
         self._unseen: Unseen | None = None
         #: The real-token mask ((b, s) bool) of the model call running now, from its ``attention_mask`` (None
-        #: without one; :class:`UnknownPadding` where the mask does not show it exactly; outside a call of the
+        #: without one; :class:`UnknownPadding` where the mask does not show it exactly; a 3-D or 4-D mask as a
+        #: :class:`~headwise.tracing.padding.ReachedMask`, read when a mean first needs it; outside a call of the
         #: module itself, for a module taking an ``attention_mask``, an :class:`~headwise.tracing.edits.Unseen`).
-        self.padding: torch.Tensor | UnknownPadding | None = None
-        #: The decoder's real-token mask of an encoder-decoder call: its ``decoder_attention_mask``, or None.
-        self.decoder_padding: torch.Tensor | None = None
+        self.padding: torch.Tensor | UnknownPadding | ReachedMask | None = None
+        #: The decoder's real-token mask of an encoder-decoder call: its ``decoder_attention_mask`` (read as
+        #: ``padding``), or None.
+        self.decoder_padding: torch.Tensor | UnknownPadding | ReachedMask | None = None
 
     # -- indexing ----------------------------------------------------------------------------------------
     def index(self, ref: Any) -> int:
@@ -190,7 +192,7 @@ class Trace:
         self.padding = self.decoder_padding = self._unseen
         self._hooks = [self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True),
                        self.module.register_forward_hook(_BeforeCall(self, after=True), always_call=True),
-                       *watch_hosts(self.layers, entries)]
+                       *watch_hosts(self.layers, entries, self._unseen)]
         self._active = True
         return self
 
@@ -219,9 +221,11 @@ class Trace:
                 raise RuntimeError("trace: the model's attention layers were replaced inside the trace (e.g. by "
                                    "headwise.surgery, which re-patches them); the trace would miss them: close it "
                                    "and open a new trace on the changed model")
-        self.padding = padding_of(args, kwargs, "attention_mask", self._mask_at)
-        self.decoder_padding = padding_of(args, kwargs, "decoder_attention_mask", self._decoder_mask_at) \
-            if self._reads_decoder_mask else self.padding
+        # A 3-D or 4-D mask is kept and read only when a mean needs it: reading it is data-dependent, so a call
+        # compiled with fullgraph=True that takes no mean would otherwise fail for it.
+        self.padding = padding_of(args, kwargs, "attention_mask", self._mask_at, defer=True)
+        self.decoder_padding = padding_of(args, kwargs, "decoder_attention_mask", self._decoder_mask_at,
+                                          defer=True) if self._reads_decoder_mask else self.padding
 
     # -- arguments ---------------------------------------------------------------------------------------
     def _parse_capture(self, capture: Any) -> dict[int, frozenset[str]]:

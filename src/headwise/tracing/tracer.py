@@ -92,6 +92,7 @@ class LayerTracer:
     def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
         entries = self.entries
         self.recorded = []  # a new call: an earlier one's records are never discarded by this one's failure
+        given = k, v
         if any(e.plans["k"] or e.plans["v"] for e in entries) and k.shape[1] != q.shape[1]:
             g = q.shape[1] // k.shape[1]  # each query head its own K/V copy: an edit touches that head's view
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (b, h, s_kv, d_h)
@@ -103,6 +104,13 @@ class LayerTracer:
                 k = apply(plans["k"], k, padding)
             if plans["v"]:
                 v = apply(plans["v"], v, padding)
+        # k and v may be a cache's own storage (a static cache hands over its whole buffer), which later calls
+        # write in place: a capture holds a copy, and the forward uses that copy so that it is still the tensor
+        # the call used (its gradient too). An edit's output is new already; q, z and the pattern are always new.
+        if k is given[0] and any("k" in e.record.capture for e in entries):
+            k = k.clone()
+        if v is given[1] and any("v" in e.record.capture for e in entries):
+            v = v.clone()
         for e in entries:
             e.pending = {n: t for n, t in (("q", q), ("k", k), ("v", v)) if n in e.record.capture}
         self.values = v if self.wants_weights(layer) else None

@@ -1,0 +1,152 @@
+"""Where a trace reads a call's padding: a 4-D ``attention_mask`` given to the traced model is read only when a
+mean needs it (so a call compiled with ``fullgraph=True`` that takes none compiles), and a patched layer's host
+module shows the mask reaching it under its family's name (T5's ``mask``), so T5's encoder "mean" works inside
+``generate``, which calls the encoder past the model's own call. References: an eager run, float64 means
+over the real tokens, and plain forward hooks on the unpatched model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import headwise
+
+transformers = pytest.importorskip("transformers")
+
+from headwise.interop import patch  # noqa: E402
+from headwise.tracing import padding as padding_module  # noqa: E402
+from tests import hf_reference as ref  # noqa: E402
+
+
+def _real_mean64(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Each row's mean over its real positions, in float64. Shapes: (b, s, n), (b, s) bool -> (b, 1, n)."""
+    w = real.double()[..., None]  # (b, s, 1)
+    return (x.double() * w).sum(1, keepdim=True) / w.sum(1, keepdim=True)
+
+
+def _causal_4d(real: torch.Tensor) -> torch.Tensor:
+    """The (b, 1, s, s) bool mask transformers builds for a causal model from a (b, s) real-token mask: padded
+    query rows read nothing. Shapes: (b, s) bool -> (b, 1, s, s)."""
+    s = real.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return (causal & real[:, None, :] & real[:, :, None])[:, None]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_model_compiled_whole_with_fullgraph_takes_a_4d_mask_inside_a_capture_trace():
+    from torch._dynamo.testing import CompileCounter
+
+    model = ref.llama("sdpa")
+    patch(model)
+    ids = torch.randint(3, ref.VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    real = torch.ones(2, 6, dtype=torch.bool)
+    real[1, :2] = False  # left padding
+    mask = _causal_4d(real)
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        run = torch.compile(model, backend=counter, fullgraph=True) if compiled else model
+        with torch.no_grad(), headwise.trace(model, capture=("z",), edit={(1, 2): "zero"}) as t:
+            logits = run(ids, attention_mask=mask).logits
+            frames = counter.frame_count
+            run(ids, attention_mask=mask)
+            assert counter.frame_count == frames  # one graph for both calls
+        runs[compiled] = t, logits
+    assert runs[True][0][0].calls  # the compiled calls were traced
+    for layer in range(2):
+        torch.testing.assert_close(runs[True][0][layer].z, runs[False][0][layer].z)
+        # the mask kept by the compiled calls is read when the record's mean asks: the float64 mean of the
+        # captured z over every real token of both calls
+        z = runs[True][0][layer].calls[0]["z"].double()  # (b, s, h, d_h)
+        torch.testing.assert_close(runs[True][0][layer].mean("z").double(), z[real].mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(runs[True][1], runs[False][1])
+    torch._dynamo.reset()
+
+
+def test_a_mean_over_a_4d_mask_averages_over_the_real_tokens_eagerly_and_compiled():
+    model = ref.llama("sdpa")
+    plain = ref.twin(model)
+    patch(model)
+    ids = torch.randint(3, ref.VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    real = torch.ones(2, 6, dtype=torch.bool)
+    real[1, :2] = False
+    head, d_h = 2, 4
+
+    def mean_over_real(module, args):  # W_O's input: head 2's slice, each row's float64 mean over its real tokens
+        x = args[0].clone()
+        cols = slice(head * d_h, (head + 1) * d_h)
+        x[..., cols] = _real_mean64(x[..., cols], real).to(x.dtype).expand_as(x[..., cols])
+        return (x,)
+
+    handle = plain.model.layers[1].self_attn.o_proj.register_forward_pre_hook(mean_over_real)
+    try:
+        with torch.no_grad():
+            want = plain(ids, attention_mask=real.long()).logits
+    finally:
+        handle.remove()
+    runs = {"eager": model, "compiled": torch.compile(model, backend="eager")}  # graph breaks: the mask is data
+    for name, run in runs.items():
+        torch._dynamo.reset()
+        with torch.no_grad(), headwise.trace(model, edit={(1, head): "mean"}):
+            got = run(ids, attention_mask=_causal_4d(real)).logits
+        torch.testing.assert_close(got[real], want[real], msg=name)
+    torch._dynamo.reset()
+
+
+def _t5():
+    cfg = transformers.T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    plain = transformers.T5ForConditionalGeneration(cfg).eval()
+    return plain, patch(copy.deepcopy(plain))
+
+
+T5_IDS = torch.randint(3, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+T5_MASK = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])  # the encoder pads row 1
+T5_GEN = dict(input_ids=T5_IDS, attention_mask=T5_MASK, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+              output_scores=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("site", ["z", "v"])
+def test_t5_encoder_mean_inside_generate_averages_over_the_encoders_real_tokens(site):
+    plain, model = _t5()
+    layer, head, d_kv = 1, 2, 8
+    cols = slice(head * d_kv, (head + 1) * d_kv)
+    real = T5_MASK.bool()
+
+    def mean_over_real(x):  # (b, s, h * d_kv): the head's slice, each row's float64 mean over its real tokens
+        x = x.clone()
+        x[..., cols] = _real_mean64(x[..., cols], real).to(x.dtype).expand_as(x[..., cols])
+        return x
+
+    attn = plain.encoder.block[layer].layer[0].SelfAttention
+    if site == "z":  # W_O's input is the heads' contexts
+        handle = attn.o.register_forward_pre_hook(lambda m, args: (mean_over_real(args[0]),))
+    else:  # the values' projection gives every head's values
+        handle = attn.v.register_forward_hook(lambda m, args, out: mean_over_real(out))
+    try:
+        with torch.no_grad():
+            want = plain.generate(**T5_GEN)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        unedited = plain.generate(**T5_GEN)
+    name = f"encoder.block.{layer}.layer.0.SelfAttention"
+    with torch.no_grad(), headwise.trace(model, edit={(name, head, site): "mean"}, capture={name: (site,)}) as t:
+        got = model.generate(**T5_GEN)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w, u in zip(got.scores, want.scores, unedited.scores):
+        torch.testing.assert_close(g, w)
+    assert not all(torch.allclose(w, u) for w, u in zip(want.scores, unedited.scores))  # the edit matters
+    assert len(t[name].calls) == 1  # generate runs the encoder once
+
+
+def test_a_host_showing_no_mask_refuses_mean_naming_the_masks_a_layer_is_read_from(monkeypatch):
+    _, model = _t5()
+    monkeypatch.setattr(padding_module, "MASK_NAMES", ("attention_mask",))  # as if T5's `mask` were unknown
+    with torch.no_grad(), headwise.trace(model, edit={("encoder.block.0.layer.0.SelfAttention", 1): "mean"}):
+        with pytest.raises(ValueError, match=r"T5Attention\.forward takes none of \['attention_mask'\]"):
+            model.generate(**T5_GEN)
