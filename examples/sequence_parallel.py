@@ -47,7 +47,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before any collective gives up")
     p.add_argument("--hang-rank", type=int, default=None, help="this rank skips the layer (shows the timeout)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.seq_len < 1:  # refused in one line here: an empty sequence would fail deep inside, on every rank
+        p.exit(2, f"{p.prog}: error: --seq-len must be at least 1 (got {args.seq_len})\n")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +67,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     b, s = args.batch, args.seq_len
     x = torch.randn(b, s, args.d_model, device=device, dtype=dtype)
     grad_y = torch.randn(b, s, args.d_model, device=device, dtype=dtype)
-    mask = padding_mask(lengths=torch.tensor([s - 3] + [s] * (b - 1), device=device), s_kv=s)  # global (b,1,1,S)
+    # The first sample is padded (3 tokens, but never all of them: a fully masked row has no softmax).
+    lengths = torch.tensor([max(s - 3, 1)] + [s] * (b - 1), device=device)
+    mask = padding_mask(lengths=lengths, s_kv=s)  # global (b, 1, 1, S)
 
     group = None
     if args.tp > 1:
@@ -99,11 +104,11 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
     except CollectiveTimeoutError as err:
         print(f"rank {rank}: error: {err}", file=sys.stderr, flush=True)
         return 1
-    d_forward = (y_sp - y_ref[:, sl]).abs().max().item()
-    d_grad = (x_sp.grad - x_ref.grad[:, sl]).abs().max().item()
+    d_forward = _max_diff(y_sp, y_ref[:, sl])
+    d_grad = _max_diff(x_sp.grad, x_ref.grad[:, sl])
     if args.tp == 1:  # every weight is replicated: its gradient is the whole layer's
         full = dict(attn.named_parameters())
-        d_grad = max([d_grad] + [(p.grad - full[n.removeprefix("layer.")].grad).abs().max().item()
+        d_grad = max([d_grad] + [_max_diff(p.grad, full[n.removeprefix("layer.")].grad)
                                  for n, p in sp.named_parameters()])
     worst = torch.tensor([max(d_forward, d_grad)], dtype=torch.float64, device=device)
     for r in range(world):
@@ -116,6 +121,11 @@ def _run(args: argparse.Namespace, device: torch.device) -> int:
         print(f"max difference from the single-process result ({args.dtype}, all ranks): {worst.item():.3g}",
               flush=True)
     return 0
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference; 0 for empty tensors (a rank holds no token when S < P)."""
+    return (a - b).abs().max().item() if a.numel() else 0.0
 
 
 def _bounds(s: int, p: int, r: int) -> tuple[int, int]:

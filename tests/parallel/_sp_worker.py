@@ -17,6 +17,7 @@ import torch
 from headwise import MultiHeadAttention, RotaryEmbedding
 from headwise.masks import padding_mask, sliding_window_mask
 
+from tests.parallel._tp_worker import grad_storage
 from tests.parallel.spawn import rank_session
 
 DTYPE = torch.float64
@@ -145,7 +146,7 @@ def _run_scenario(spec: dict, world: int, rank: int, mesh2d) -> dict:
         y = sp(x, *args, **kv, **call_kwargs(phase, inp))
         grad_y = torch.tensor_split(inp["grad_y"], sp_size, dim=1)[sp_rank]
         (y * grad_y).sum().backward()
-        res = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(sp)}
+        res = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(sp), "grad_storage": grad_storage(sp)}
         if args:
             res["context_grad"] = args[0].grad
         res |= {f"{n}_grad": t.grad for n, t in kv.items()}
@@ -241,6 +242,37 @@ def _late_trainable(world: int, rank: int) -> dict:
     return out
 
 
+# The replicated-gradient sum on its own: (n_slots, slot of rank 0, slot of rank 1) per case, on 2 ranks.
+REPLICA_SUMS = [(1, 0, 0), (3, 1, 1), (2, 0, 1)]
+REPLICA_SHAPES = [(64, 32), (32,), (16, 32)]
+
+
+def replica_upstream(rank: int) -> list[torch.Tensor]:
+    """The gradient that reaches each replicated tensor on ``rank`` (rebuilt by the test from the same seed)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(shape, generator=g, dtype=DTYPE) for shape in REPLICA_SHAPES]
+
+
+def _replica_sums(rank: int) -> dict:
+    """Gradients, the storage behind them, and the peak live bytes of the backward through SumOverReplicas."""
+    import torch.distributed as dist
+
+    from examples.sequence_parallel_measure import LiveBytes
+    from headwise.parallel.autograd import SumOverReplicas
+
+    out = {}
+    for n_slots, *slots in REPLICA_SUMS:
+        params = [torch.zeros(shape, dtype=DTYPE, requires_grad=True) for shape in REPLICA_SHAPES]
+        upstream = replica_upstream(rank)
+        views = SumOverReplicas.apply(dist.group.WORLD, n_slots, slots[rank], *params)
+        loss = sum((v * u).sum() for v, u in zip(views, upstream))
+        with LiveBytes() as mem:
+            loss.backward()
+        storage = [(p.grad.untyped_storage().nbytes(), p.grad.numel() * p.grad.element_size()) for p in params]
+        out[(n_slots, *slots)] = {"grads": [p.grad.clone() for p in params], "peak": mem.peak, "storage": storage}
+    return out
+
+
 def _timeout(rank: int) -> dict:
     """Rank 1 never joins rank 0's call on a group with a 2 s timeout: rank 0 gets a clear error."""
     import torch.distributed as dist
@@ -281,5 +313,6 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         if world == 2:
             results["timeout"] = _timeout(rank)
             results["late_trainable"] = _late_trainable(world, rank)
+            results["replica_sums"] = _replica_sums(rank)
 
     rank_session(rank, world, port, out_dir, 30, cases)

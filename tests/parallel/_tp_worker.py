@@ -81,6 +81,12 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+def grad_storage(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Per parameter: the bytes of the storage that its ``.grad`` keeps alive, and the bytes of ``.grad``."""
+    return {n: (p.grad.untyped_storage().nbytes(), p.grad.numel() * p.grad.element_size())
+            for n, p in module.named_parameters() if p.grad is not None}
+
+
 def _run_scenario(spec: dict, group, mesh) -> dict:
     from headwise.parallel import HeadNotLocalError, tensor_parallel
 
@@ -93,7 +99,7 @@ def _run_scenario(spec: dict, group, mesh) -> dict:
     x = inp["x"].clone().requires_grad_()
     y = tp(x, causal=True)
     (y * inp["grad_y"]).sum().backward()
-    out["causal"] = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(tp)}
+    out["causal"] = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(tp), "grad_storage": grad_storage(tp)}
     tp.zero_grad(set_to_none=True)
 
     x = inp["x_pad"].clone().requires_grad_()

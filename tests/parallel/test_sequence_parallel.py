@@ -236,3 +236,35 @@ def test_one_rank_unbatched_input_and_bad_masks(one_rank_group):
     with pytest.raises(TypeError, match="already sequence-parallel"):
         sequence_parallel(sp)
     assert sp.layer is not attn and all(p is not q for p, q in zip(sp.parameters(), attn.parameters()))
+
+
+def test_summed_weight_gradients_own_exactly_their_storage(world):
+    """A gradient summed over the ranks keeps no larger buffer alive behind its ``.grad``."""
+    world_size, ranks = world
+    checked = 0
+    for spec in worker.SCENARIOS[world_size]:
+        if spec.get("grad_reduction") == "none":
+            continue
+        for r, res in enumerate(ranks):
+            for name, (held, own) in res[spec["name"]][spec["phases"][0]["name"]]["grad_storage"].items():
+                assert held == own, f"{spec['name']} rank {r} {name}: .grad keeps {held} bytes alive for {own}"
+                checked += 1
+    assert checked >= 40
+
+
+def test_replica_gradient_sum_equals_the_sum_over_each_slots_ranks(ranks2):
+    """SumOverReplicas alone, on 2 ranks: one slot (both ranks summed), both ranks in one slot of three, and
+    each rank in a slot of its own (nothing summed); the gradients own their storage, and with one slot the
+    backward holds no more than the incoming gradients and one summed copy."""
+    upstream = [worker.replica_upstream(r) for r in range(2)]
+    for r, res in enumerate(ranks2):
+        assert "traceback" not in res, res["traceback"]
+        for (n_slots, *slots), got in res["replica_sums"].items():
+            peers = [q for q in range(2) if slots[q] == slots[r]]
+            for i, g in enumerate(got["grads"]):
+                want = sum(upstream[q][i] for q in peers)
+                torch.testing.assert_close(g, want, rtol=0, atol=0, msg=lambda m: f"slots {slots} rank {r}: {m}")
+            if n_slots == 1:
+                grad_bytes = sum(own for _, own in got["storage"])
+                assert got["peak"] <= 2 * grad_bytes + 1024, (got["peak"], grad_bytes)
+            assert all(held == own for held, own in got["storage"]), (n_slots, slots, got["storage"])

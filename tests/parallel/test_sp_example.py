@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +46,24 @@ def test_a_rank_that_hangs_gives_a_clear_error_after_the_configured_timeout():
     assert proc.returncode != 0
     assert re.search(r"rank 0: error: sequence_parallel: .* over 2 ranks did not complete within the process "
                      r"group's timeout", proc.stderr), proc.stderr[-2000:]
+
+
+def test_sequences_shorter_than_the_padding_run_and_match_one_process():
+    """--seq-len 1 and 2 (the example pads the first sample by 3 tokens): still one unpadded token, and rank 1
+    holds no token at all at --seq-len 1."""
+    for s in (1, 2):
+        proc = _run("--dtype", "float64", "--seq-len", str(s), "--timeout", "60")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert f"rank 1/2: tokens [1, {s}) of {s}, heads [4, 5, 6, 7]" in proc.stdout
+        worst = float(re.search(r"all ranks\): ([0-9.e+-]+)", proc.stdout).group(1))
+        assert worst < 1e-12
+
+
+def test_an_empty_sequence_is_refused_with_one_line_and_status_2():
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "examples.sequence_parallel", "--seq-len", "0"], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["python -m examples.sequence_parallel: error: --seq-len must be at least 1 "
+                                        "(got 0)"], proc.stderr

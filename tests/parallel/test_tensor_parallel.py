@@ -254,3 +254,15 @@ def test_trace_edits_take_global_heads_and_equal_the_same_edits_on_the_unsharded
         assert got["out_of_range"] == ranks[0]["trace"]["out_of_range"]
         assert f"head must be in [0, {h}), got {h}" in got["out_of_range"][1]
 
+
+
+def test_replicated_kv_gradients_own_exactly_their_storage(world):
+    """The K/V gradients summed over their replicas keep no larger buffer alive behind their ``.grad``."""
+    world_size, ranks = world
+    replicated = 0
+    for spec in _specs(world_size):
+        for r, res in enumerate(ranks):
+            for name, (held, own) in res[spec["name"]]["causal"]["grad_storage"].items():
+                assert held == own, f"{spec['name']} rank {r} {name}: .grad keeps {held} bytes alive for {own}"
+        replicated += spec["n_kv_heads"] < world_size
+    assert replicated >= 1

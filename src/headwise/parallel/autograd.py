@@ -54,9 +54,14 @@ class SumOverReplicas(torch.autograd.Function):
     rank under sequence parallelism (``n_slots`` = 1, applied per call to the parameters that require grad
     then, so that ones unfrozen or replaced after the layer was built are summed too).
 
-    One all-reduce over the whole group of an ``(n_slots, numel)`` buffer in which each rank fills the row of
-    its slot: rows of other slots are zero on this rank, so the sum of a row is exactly the sum over that
-    slot's replicas, without creating a sub-group per slot.
+    With one slot each gradient is all-reduced as it is (one all-reduce per gradient, issued together), in a
+    private copy: autograd may hand one gradient tensor to more than one input (a sum's backward does). With
+    more, one all-reduce over the whole group of an ``(n_slots, numel)`` buffer in which each rank fills the
+    row of its slot: rows of other slots are zero on this rank, so the sum of a row is exactly the sum over
+    that slot's replicas, without creating a sub-group per slot (a sub-group would have to be created by
+    every rank of the world, not inside one layer's backward). The gradients returned own exactly their
+    storage: a view into the buffer would keep the whole buffer alive as ``.grad`` (autograd keeps the
+    tensor it is given).
     """
 
     @staticmethod
@@ -67,16 +72,23 @@ class SumOverReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        buf = flat.new_zeros(ctx.n_slots, flat.numel())
-        buf[ctx.slot] = flat
-        collective("the gradient all-reduce of replicated weights", dist.get_world_size(ctx.group),
-                   lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group))
-        out, start = [], 0
-        for shape in ctx.shapes:
-            n = shape.numel()
-            out.append(buf[ctx.slot, start:start + n].view(shape))
-            start += n
+        what, size = "the gradient all-reduce of replicated weights", dist.get_world_size(ctx.group)
+        if ctx.n_slots == 1:
+            out = [g.clone(memory_format=torch.contiguous_format) for g in grads]
+
+            def reduce_each() -> None:
+                works = [dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True) for g in out]
+                for work in works:
+                    work.wait()
+
+            collective(what, size, reduce_each)
+            return (None, None, None, *out)
+        sizes = [shape.numel() for shape in ctx.shapes]
+        buf = grads[0].new_zeros(ctx.n_slots, sum(sizes))
+        for part, g in zip(buf[ctx.slot].split(sizes), grads):
+            part.copy_(g.reshape(-1))
+        collective(what, size, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group))
+        out = [part.view(shape).clone() for part, shape in zip(buf[ctx.slot].split(sizes), ctx.shapes)]
         return (None, None, None, *out)
 
 
