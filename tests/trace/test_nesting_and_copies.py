@@ -103,7 +103,7 @@ def test_pruning_a_patched_model_inside_a_trace_is_refused_at_the_next_forward()
     with torch.no_grad(), headwise.trace(model, capture=("z",), edit={(1, 3): "zero"}) as t:
         model(**kw)
         prune_heads(model, {0: [1]})
-        with pytest.raises(RuntimeError, match="replaced inside the trace"):
+        with pytest.raises(RuntimeError, match="replaced or added inside the trace"):
             model(**kw)
     assert len(t[0].calls) == 1
     with torch.no_grad(), headwise.trace(model, capture=("z",)) as t2:  # a new trace sees the new layers

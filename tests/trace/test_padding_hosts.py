@@ -150,3 +150,35 @@ def test_a_host_showing_no_mask_refuses_mean_naming_the_masks_a_layer_is_read_fr
     with torch.no_grad(), headwise.trace(model, edit={("encoder.block.0.layer.0.SelfAttention", 1): "mean"}):
         with pytest.raises(ValueError, match=r"T5Attention\.forward takes none of \['attention_mask'\]"):
             model.generate(**T5_GEN)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled fullgraph"])
+def test_a_mean_reads_the_mask_as_it_was_at_the_call_when_the_caller_refills_it(compiled):
+    # Compiled code with CUDA graphs keeps static input buffers that the caller refills before every call.
+    model = ref.llama("sdpa")
+    patch(model)
+    ids = torch.randint(3, ref.VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    real = torch.ones(2, 6, dtype=torch.bool)
+    real[1, :2] = False
+    mask = _causal_4d(real)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+    with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:
+        run(ids, attention_mask=mask)
+    mask.fill_(True)  # the buffer now says every position is real
+    z = t[0].calls[0]["z"]  # (b, s, h, d_h)
+    total = (z.double() * real.double()[..., None, None]).sum((0, 1))  # (h, d_h) over the real tokens
+    want = (total / real.sum()).to(z.dtype)
+    torch.testing.assert_close(t[0].mean("z"), want)
+
+
+def test_a_layer_added_inside_a_trace_is_refused_before_it_runs_untraced():
+    model = torch.nn.Sequential(headwise.MultiHeadAttention(8, 2))
+    x = torch.randn(1, 3, 8)
+    with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:
+        model(x)
+        model.append(headwise.MultiHeadAttention(8, 2))
+        with pytest.raises(RuntimeError, match="replaced or added inside the trace"):
+            model(x)
+    assert len(t[0].calls) == 1

@@ -80,9 +80,9 @@ def padding_of(args: tuple, kwargs: dict, name: str, at: int | None,
 
     A 4-D (or 3-D) mask gives the 2-D one it stands for, so "mean" never silently averages over padding or a
     static cache's empty slots; a mask that does not show the real tokens exactly gives
-    :class:`UnknownPadding`, which "mean" refuses. With ``defer`` such a mask is kept as a :class:`ReachedMask`,
-    read only when a mean needs it: reading it is data-dependent, which a call compiled with ``fullgraph=True``
-    cannot trace."""
+    :class:`UnknownPadding`, which "mean" refuses. With ``defer`` such a mask is kept, as a copy, in a
+    :class:`ReachedMask`, read only when a mean needs it: reading it is data-dependent, which a call compiled
+    with ``fullgraph=True`` cannot trace."""
     mask = kwargs.get(name)
     if mask is None and at is not None and len(args) > at:
         mask = args[at]  # passed by position
@@ -93,7 +93,7 @@ def padding_of(args: tuple, kwargs: dict, name: str, at: int | None,
     if mask.dim() == 2:
         return mask != 0
     if mask.dim() in (3, 4):
-        return ReachedMask(mask, name) if defer else padding_of_4d(mask, name)
+        return ReachedMask(mask.clone(), name) if defer else padding_of_4d(mask, name)
     return UnknownPadding(f"the model's {name} has {mask.dim()} dimensions, not 2 (b, s) or 4 (b, h, s_q, s_kv)")
 
 

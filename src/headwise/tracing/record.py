@@ -217,11 +217,12 @@ class LayerRecord:
                     if start != reach or b != batch:
                         raise ValueError(
                             f"{where}: call {j} attends over {length} key positions for its {queries} queries, so "
-                            f"its first {start} keys come from a cache, but the calls before it reached {reach} "
-                            f"positions at batch {batch} (this call: batch {b}): a sliding window, or a cache of "
-                            "another sequence, so which of its keys earlier calls counted is unknown and counting "
-                            "them again would weight them more; trace one sequence per trace, or average "
-                            f"t[{self.index}].calls[{j}][{site!r}] over its real positions yourself")
+                            f"its first {start} keys are not its own tokens, but they do not continue the "
+                            f"{reach} positions the calls before it reached at batch {batch} (this call: batch "
+                            f"{b}): a sliding window, a cache of another sequence, or keys of another sequence "
+                            "(cross-attention), so which of its keys earlier calls counted is unknown and "
+                            "counting them again would weight them more; trace one sequence per trace, or "
+                            f"average t[{self.index}].calls[{j}][{site!r}] over its real positions yourself")
                     flat = flat[:, start:length]  # (b, queries, heads * d_h): this call's new keys
                     real = None if real is None else real[:, start:length]
                 reach, batch = length, b

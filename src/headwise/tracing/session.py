@@ -216,16 +216,26 @@ class Trace:
     def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before each call of the traced module: its layers are still the traced ones, and its
         ``attention_mask`` (if any) is this call's padding, its ``decoder_attention_mask`` its decoder's."""
-        for name, layer in self.layers:
-            if not in_place(module, name, layer):
-                raise RuntimeError("trace: the model's attention layers were replaced inside the trace (e.g. by "
-                                   "headwise.surgery, which re-patches them); the trace would miss them: close it "
-                                   "and open a new trace on the changed model")
-        # A 3-D or 4-D mask is kept and read only when a mean needs it: reading it is data-dependent, so a call
-        # compiled with fullgraph=True that takes no mean would otherwise fail for it.
-        self.padding = padding_of(args, kwargs, "attention_mask", self._mask_at, defer=True)
+        if torch.compiler.is_compiling():  # Dynamo cannot trace find_layers' walk: one path per traced layer
+            for name, layer in self.layers:
+                if not in_place(module, name, layer):
+                    self._changed()
+        elif not isinstance(module, MultiHeadAttention):  # eagerly the whole walk: added layers are caught too
+            now = find_layers(module)
+            if len(now) != len(self.layers) or any(a is not b for (_, a), (_, b) in zip(now, self.layers)):
+                self._changed()
+        # Compiled code cannot read a 3-D or 4-D mask (data-dependent) and need not unless a mean asks: there it
+        # is kept, as a copy (the caller may refill its buffer for the next call), and read when a mean needs it.
+        defer = torch.compiler.is_compiling()
+        self.padding = padding_of(args, kwargs, "attention_mask", self._mask_at, defer=defer)
         self.decoder_padding = padding_of(args, kwargs, "decoder_attention_mask", self._decoder_mask_at,
-                                          defer=True) if self._reads_decoder_mask else self.padding
+                                          defer=defer) if self._reads_decoder_mask else self.padding
+
+    @staticmethod
+    def _changed() -> None:
+        raise RuntimeError("trace: the model's attention layers were replaced or added inside the trace (e.g. by "
+                           "headwise.surgery, which re-patches them); the trace would miss them: close it and open "
+                           "a new trace on the changed model")
 
     # -- arguments ---------------------------------------------------------------------------------------
     def _parse_capture(self, capture: Any) -> dict[int, frozenset[str]]:
