@@ -270,7 +270,16 @@ def _replica_sums(rank: int) -> dict:
             loss.backward()
         storage = [(p.grad.untyped_storage().nbytes(), p.grad.numel() * p.grad.element_size()) for p in params]
         out[(n_slots, *slots)] = {"grads": [p.grad.clone() for p in params], "peak": mem.peak, "storage": storage}
+        # a bfloat16 weight beside a float32 bias: each gradient summed in (at least) its own precision
+        weight = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+        bias = torch.zeros(8, dtype=torch.float32, requires_grad=True)
+        w, b = SumOverReplicas.apply(dist.group.WORLD, n_slots, slots[rank], weight, bias)
+        (w.float().sum() + (b * MIXED_BIAS_GRAD).sum()).backward()
+        out[(n_slots, *slots)]["mixed"] = (weight.grad.clone(), bias.grad.clone())
     return out
+
+
+MIXED_BIAS_GRAD = 1 + 1e-3  # not a bfloat16 number: rounding the bias's sum to bfloat16 would show
 
 
 def _timeout(rank: int) -> dict:

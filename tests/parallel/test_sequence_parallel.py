@@ -268,3 +268,8 @@ def test_replica_gradient_sum_equals_the_sum_over_each_slots_ranks(ranks2):
                 grad_bytes = sum(own for _, own in got["storage"])
                 assert got["peak"] <= 2 * grad_bytes + 1024, (got["peak"], grad_bytes)
             assert all(held == own for held, own in got["storage"]), (n_slots, slots, got["storage"])
+            weight, bias = got["mixed"]
+            n = float(len(peers))
+            torch.testing.assert_close(weight, torch.full((8,), n, dtype=torch.bfloat16), rtol=0, atol=0)
+            want = torch.full((8,), worker.MIXED_BIAS_GRAD, dtype=torch.float32) * n
+            torch.testing.assert_close(bias, want, rtol=0, atol=0)

@@ -9,6 +9,7 @@ gradients are here too (:mod:`headwise.parallel.sequence`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -84,11 +85,13 @@ class SumOverReplicas(torch.autograd.Function):
             collective(what, size, reduce_each)
             return (None, None, None, *out)
         sizes = [shape.numel() for shape in ctx.shapes]
-        buf = grads[0].new_zeros(ctx.n_slots, sum(sizes))
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))  # a bf16 weight, an fp32 bias
+        buf = grads[0].new_zeros(ctx.n_slots, sum(sizes), dtype=dtype)
         for part, g in zip(buf[ctx.slot].split(sizes), grads):
             part.copy_(g.reshape(-1))
         collective(what, size, lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group))
-        out = [part.view(shape).clone() for part, shape in zip(buf[ctx.slot].split(sizes), ctx.shapes)]
+        out = [part.view(shape).to(g.dtype, copy=True)
+               for part, shape, g in zip(buf[ctx.slot].split(sizes), ctx.shapes, grads)]
         return (None, None, None, *out)
 
 
