@@ -199,3 +199,17 @@ def test_a_seed_out_of_range_exits_2_before_importing_anything(capsys):
 def test_a_causal_layer_at_the_shortest_sequence_exits_0(capsys):
     assert main(["check", f"{GALLERY}:reference", "--seq", "2", "--causal"]) == 0
     assert "fitted on every head" in capsys.readouterr().out
+
+
+def test_a_width_that_cannot_be_inferred_is_asked_for_as_the_option(capsys, tmp_path, monkeypatch):
+    # headwise.check asks for its keyword d_model=; the command line has --d-model
+    (tmp_path / "widthless_layers.py").write_text("import torch\n\ndef linear():\n    return torch.nn.Linear(5, 5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for target, said in ((f"{GALLERY}:plain_callable", "a plain callable needs --d-model"),
+                         ("widthless_layers:linear", "cannot infer d_model of Linear: pass --d-model")):
+        assert main(["check", target]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "d_model=" not in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert main(["check", f"{GALLERY}:reference", "--d-model", "8"]) == 2  # a value stays as it is
+    assert "d_model=8 but RefAttention has d_model=32" in capsys.readouterr().err

@@ -360,3 +360,24 @@ def test_json_of_a_one_token_text_is_strict_json_with_null_for_undefined_scores(
     for head in r["summary"]:
         assert head["previous"] is None and head["next"] is None and head["positional"] is None
         assert head["reads_most"] == "w1"
+
+
+def test_a_tokenizer_file_that_is_not_json_is_named(capsys, tmp_path) -> None:
+    path = save_checkpoint("gpt2", tmp_path / "ckpt")
+    (path / "tokenizer.json").write_text("not json {")
+    capsys.readouterr()  # saving's progress bars
+    code, out, err = run(capsys, TEXT, "--model", str(path))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--model: cannot load the tokenizer: {str(path / 'tokenizer.json')!r} is not valid JSON" in err
+
+
+def test_a_config_value_of_the_wrong_type_is_named_with_what_was_read(capsys, tmp_path) -> None:
+    path = save_checkpoint("llama", tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = None
+    (path / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # saving's progress bars
+    code, out, err = run(capsys, TEXT, "--model", str(path))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--model: cannot load the tokenizer of {str(path)!r}: config.json:" in err
+    assert "max_position_embeddings" in err

@@ -142,3 +142,15 @@ def test_version(capsys) -> None:
     assert main(["--version"]) == 0
     out, err = capsys.readouterr()
     assert out == f"headwise {version}\n" and err == ""
+
+
+def test_a_terminal_narrower_than_the_minimum_gets_the_minimum_width_the_docs_name(capsys, monkeypatch) -> None:
+    from headwise.cli.format import MIN_WIDTH
+
+    docs = " ".join((ROOT / "docs" / "cli.md").read_text().split())
+    assert f"never less than {MIN_WIDTH} (" in docs and f"`COLUMNS=20` gets {MIN_WIDTH}-column output" in docs
+    monkeypatch.setenv("COLUMNS", "20")
+    _block_rich(monkeypatch)
+    assert main(["explain", "--d-model", "64", "--n-heads", "4", "--seq", "8"]) == 0
+    widths = [len(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert max(widths) <= MIN_WIDTH and max(widths) > 20

@@ -6,7 +6,8 @@ each head's slice of W_Q/W_K/W_V, a decode-with-cache path. Properties use only 
 and skip the rest. Shipped adapters:
 
 * :class:`CallableAdapter`: any ``f(x) -> y``; keywords ``mask=``/``causal=``/``return_weights=`` are used
-  when its signature has them (headwise's calling convention: bool mask True = may attend).
+  when its signature has them (headwise's calling convention: bool mask True = may attend), or when it takes
+  ``**kwargs`` and honours them (:mod:`.keywords`).
 * :class:`ModuleAdapter`: an ``nn.Module`` with that convention; heads are exposed when it has
   ``q_proj``/``k_proj``/``v_proj``/``out_proj`` ``nn.Linear`` submodules and an ``n_heads`` attribute
   (``n_kv_heads`` optional), head ``i`` owning output rows ``i * d_head .. (i + 1) * d_head - 1``.
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+
+from .keywords import confirmed, signature_keywords
 
 __all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "check_rotary_scaling", "causal_keep", "copy_adapter",
            "split", "capture_input"]
@@ -70,6 +72,8 @@ class Adapter:
     d_head: int | None = None
     no_heads_reason: str = ""     # why heads are not exposed, where the adapter knows (head_independence says it)
     d_out: int | None = None      # the output's width when not d_model (W_O outside the layer: h * d_h)
+    unconfirmed: frozenset[str] = frozenset()       # keywords it may take through **kwargs: see confirm_keywords
+    ignored_keywords: frozenset[str] = frozenset()  # keywords the layer took and ignored (said in the report)
 
     def run(self, x: torch.Tensor, *, keep: torch.Tensor | None = None, causal: bool | None = None,
             positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,6 +101,11 @@ class Adapter:
     def converted(self, dtype: torch.dtype) -> "Adapter | None":
         """The same layer in ``dtype`` (a copy), or None when it cannot be converted."""
         return None
+
+    def confirm_keywords(self, x: torch.Tensor) -> "Adapter":
+        """This adapter, or a copy that also uses the keywords the layer may take (a forward with ``**kwargs``)
+        where running it on ``x`` shows that it honours them. The driver calls it on the working copy."""
+        return self
 
     @property
     def dtype(self) -> torch.dtype:
@@ -136,21 +145,14 @@ def _callable_name(obj: Any) -> str:
     return str(name)
 
 
-def _keywords(fn: Callable) -> set[str]:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return set()
-    return {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-
-
 def causal_keep(s: int, device: torch.device) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).tril()  # (s, s) True = may attend
 
 
 class CallableAdapter(Adapter):
     """Any ``f(x) -> y``. ``causal=True`` declares that ``f`` is causal. If ``f`` takes ``mask=``,
-    ``causal=`` or ``return_weights=`` keywords they are used with headwise's meaning.
+    ``causal=`` or ``return_weights=`` keywords they are used with headwise's meaning; through ``**kwargs``
+    only where it honours them (:meth:`confirm_keywords`).
 
     Shapes:
         f: (b, s, d) -> (b, s, d); mask (b, 1, 1, s) bool True = may attend; weights (b, h, s, s)
@@ -168,10 +170,15 @@ class CallableAdapter(Adapter):
         self.d_model = d_model
         self.name = name or _callable_name(fn)
         self.claims_causal = causal
-        kw = _keywords(getattr(fn, "forward", fn))
+        kw, self.open_keywords = signature_keywords(getattr(fn, "forward", fn))
         self.accepts_mask = "mask" in kw
         self.accepts_causal = "causal" in kw
         self.exposes_weights = "return_weights" in kw
+        # only through **kwargs: candidates until confirm_keywords has seen the layer honour them
+        self.unconfirmed = frozenset({"mask", "causal", "return_weights"} - kw if self.open_keywords else ())
+
+    def confirm_keywords(self, x):
+        return confirmed(self, x)
 
     def _kwargs(self, keep, causal) -> dict[str, Any]:
         kw: dict[str, Any] = {}
@@ -214,10 +221,13 @@ class ModuleAdapter(CallableAdapter):
             raise ValueError(f"cannot infer d_model of {type(module).__name__}: pass d_model=")
         super().__init__(module, d_model=int(d_model), causal=causal, name=name or type(module).__name__)
         self.module = module
-        kw = _keywords(module.forward)
+        kw, _ = signature_keywords(module.forward)
         check_rotary_scaling(getattr(module, "rotary", None), self.name)
-        self.positional = getattr(module, "rotary", None) is not None and "positions" in kw
-        self.has_cache = callable(getattr(module, "new_cache", None)) and "cache" in kw
+        rotary, new_cache = getattr(module, "rotary", None) is not None, callable(getattr(module, "new_cache", None))
+        self.positional = rotary and "positions" in kw
+        self.has_cache = new_cache and "cache" in kw
+        if self.open_keywords:
+            self.unconfirmed |= {k for k, has in (("positions", rotary), ("cache", new_cache)) if has and k not in kw}
         projs = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
         n_heads = getattr(module, "n_heads", None)
         if all(isinstance(p, nn.Linear) for p in projs) and isinstance(n_heads, int):

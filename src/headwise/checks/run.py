@@ -67,7 +67,8 @@ def _working_adapter(adapter: Adapter, x64: torch.Tensor) -> tuple[Adapter, torc
         if not isinstance(y, torch.Tensor) or tuple(y.shape) != want:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
             raise ValueError(f"{adapter.name}: expected an output of shape (b, s, {what}) = {want}, got {got}")
-        return work, x
+        with torch.no_grad():  # on the working copy (eval mode, the check's dtype), never on the caller's layer
+            return work.confirm_keywords(x), x
     raise ValueError(f"{adapter.name} fails on x of shape (b, s, d_model) = {tuple(x64.shape)}: "
                      + " | ".join(errors))
 

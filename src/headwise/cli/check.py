@@ -15,6 +15,7 @@ import argparse
 import importlib
 import inspect
 import os
+import re
 import sys
 from typing import Any
 
@@ -104,6 +105,12 @@ def _is_factory(obj: Any) -> bool:
     return not required
 
 
+def _as_option(message: str) -> str:
+    """headwise.check asks for its keyword (``pass d_model=``); on the command line that is ``--d-model``. A value
+    (``d_model=64 but ...``) stays as it is."""
+    return re.sub(r"\bd_model=(?![\w-])", "--d-model", message)
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     with steps(3, enabled=not args.json) as step:
@@ -124,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             report = check(layer, d_model=args.d_model, causal=args.causal, batch=args.batch, seq_len=args.seq,
                            seed=args.seed, properties=args.properties)
         except (ValueError, TypeError) as exc:
-            raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+            raise CliError(_as_option(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__) from None
     if args.json:
         fmt.emit_json(report.to_dict())
     else:

@@ -13,6 +13,7 @@ any length the model takes (:mod:`headwise.cli.heads_stats`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,28 @@ def _loading(info: Any, what: str) -> Any:
         return models.load_tokenizer(info) if what == "tokenizer" else models.load(info)
     except OSError as exc:  # a half-saved directory: say which, in one line
         raise CliError(f"--model: cannot load {str(info.path)!r}: {exc}") from None
+    except json.JSONDecodeError as exc:  # the decoder's message names no file: find the one that is not JSON
+        bad = _unparsable_json(Path(info.path))
+        where = repr(str(Path(info.path) / bad)) if bad else f"a JSON file of {str(info.path)!r}"
+        raise CliError(f"--model: cannot load the {what}: {where} is not valid JSON ({exc})") from None
     except ValueError as exc:  # weights that are not the config's model (refuse_incomplete), a bad sidecar
         raise CliError(str(exc)) from None
+    except Exception as exc:
+        # huggingface_hub's StrictDataclassError (a config value of the wrong type, e.g. max_position_embeddings:
+        # null) is no ValueError; matched by name so that its module need not be imported
+        if not any(c.__name__ == "StrictDataclassError" for c in type(exc).__mro__):
+            raise
+        raise CliError(f"--model: cannot load the {what} of {str(info.path)!r}: config.json: {exc}") from None
+
+
+def _unparsable_json(path: Path) -> str | None:
+    """The name of the checkpoint's first ``*.json`` file that does not parse, or None."""
+    for file in sorted(path.glob("*.json")):
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+            return file.name
+    return None
 
 
 def _patched(model: Any, info: Any) -> list:
