@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -40,13 +41,13 @@ def copy_of(src, tmp_path):
     return dst
 
 
-def load(path, seconds: float = 20.0):
+def load(path, seconds: float = 20.0, cls=LLAMA):
     """load_pretrained in a thread (a blocked read fails the test instead of hanging it): its result or error."""
     result: list = []
 
     def target():
         try:
-            result.append(load_pretrained(path, LLAMA))
+            result.append(load_pretrained(path, cls))
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             result.append(exc)
     thread = threading.Thread(target=target, daemon=True)
@@ -178,14 +179,21 @@ def test_a_damaged_weight_file_of_a_plain_folder_is_a_value_error(tmp_path):
         load_pretrained(tmp_path, transformers.BertModel)
 
 
-def test_a_config_with_more_layers_than_were_saved_is_refused_before_building(saved, tmp_path):
+@pytest.mark.parametrize("cls", [LLAMA, transformers.AutoModelForCausalLM], ids=["class", "auto"])
+def test_a_config_with_more_layers_than_were_saved_is_refused_before_building(saved, tmp_path, cls):
     path = copy_of(saved[0], tmp_path)
     config = json.loads((path / "config.json").read_text())
     config["num_hidden_layers"] = 10**6
     (path / "config.json").write_text(json.dumps(config))
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        n_saved = len(list(f.keys()))
     start = time.perf_counter()
-    err = load(path)
-    assert isinstance(err, ValueError) and "num_hidden_layers=1000000, but the sidecar records 2" in str(err), repr(err)
+    err = load(path, cls=cls)
+    assert isinstance(err, ValueError), repr(err)
+    assert re.search(rf"config\.json \(num_hidden_layers=1000000\) builds more than \d+ modules for {cls.__name__}, "
+                     rf"more than the {n_saved} saved weights in .* can fill: refused before building it", str(err)), err
     assert time.perf_counter() - start < 2
 
 
@@ -201,3 +209,92 @@ def test_a_config_that_is_a_fifo_is_refused_without_opening_it(saved, tmp_path):
         except OSError:
             pass
     assert isinstance(err, ValueError) and "config" in str(err) and "is not a regular file" in str(err), repr(err)
+
+
+def _hybrid(model_type):
+    """A tiny model with fewer attention modules than layers: ALBERT's one layer shared by every depth, or a
+    hybrid with attention in layers 0 and 2 only (a convolution or Mamba mixer in layer 1); norms and biases
+    moved off HF's init so they matter."""
+    base = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4)
+    extra = {"albert": dict(embedding_size=8, num_hidden_groups=1),
+             "lfm2": dict(num_key_value_heads=2, layer_types=["full_attention", "conv", "full_attention"]),
+             "nemotron_h": dict(num_key_value_heads=2, hybrid_override_pattern="*M*", mamba_num_heads=4,
+                                mamba_head_dim=8, ssm_state_size=8, n_groups=1, chunk_size=4)}[model_type]
+    config = transformers.AutoConfig.for_model(model_type, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                               **base, **extra)
+    import torch
+
+    torch.manual_seed(0)
+    auto = transformers.AutoModel if model_type == "albert" else transformers.AutoModelForCausalLM
+    model = auto.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["albert", "lfm2", "nemotron_h"])
+def test_a_model_with_fewer_attention_modules_than_layers_reloads(tmp_path, model_type):
+    import torch
+
+    from headwise.interop import layers
+    from headwise.surgery import original_heads
+
+    model = patch(_hybrid(model_type))
+    assert len(layers(model)) < model.config.num_hidden_layers  # what the loader must not take for missing layers
+    prune_heads(model, {0: [1]})
+    assert save_pretrained(model, tmp_path) is False  # the headwise loader's path, not plain from_pretrained
+    want = output(model, inputs())
+    reloaded = load_pretrained(tmp_path, type(model))
+    torch.testing.assert_close(output(reloaded, inputs()), want, rtol=0, atol=0)
+    assert original_heads(patch(reloaded)) == original_heads(model)
+    assert original_heads(model)[0] == (0, 2, 3)
+
+
+def _more_layers(path, model_type):
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    if model_type == "lfm2":
+        config["layer_types"].append("full_attention")
+    (path / "config.json").write_text(json.dumps(config))
+    return config["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "lfm2"])
+def test_a_config_with_one_more_layer_than_saved_is_refused_before_allocating(saved, tmp_path, monkeypatch,
+                                                                                model_type):
+    if model_type == "llama":
+        path, cls = copy_of(saved[0], tmp_path), LLAMA
+    else:
+        model = prune_heads(patch(_hybrid("lfm2")), {0: [1]})
+        path, cls = tmp_path / "lfm2", type(model)
+        save_pretrained(model, path)
+    n = _more_layers(path, model_type)
+
+    def allocate(*args, **kwargs):
+        raise AssertionError("from_pretrained was reached: the model was allocated")
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(allocate))
+    with pytest.raises(ValueError) as err:
+        load_pretrained(path, cls)
+    assert re.search(rf"config\.json \(num_hidden_layers={n}\) builds {n} entries of {cls.__name__}'s "
+                     rf"'model\.layers', but the saved weights in .* have none for \['model\.layers\.{n - 1}'\]: "
+                     r"config\.json describes more layers than were saved", str(err.value)), err.value
+
+
+def test_a_config_with_more_layers_under_another_name_is_refused_fast(tmp_path):
+    """The bound is on what the probe builds, whatever the config calls its layer count (BART's
+    decoder_layers is not num_hidden_layers)."""
+    from tests.surgery.test_hf_families import build as family
+
+    model = prune_heads(patch(family("bart")), {0: [1]})
+    assert save_pretrained(model, tmp_path) is False
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["decoder_layers"] = 10**6
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    err = load(tmp_path, cls=type(model))
+    assert isinstance(err, ValueError), repr(err)
+    assert re.search(r"decoder_layers=1000000.*builds more than \d+ modules for BartForConditionalGeneration, "
+                     r"more than the \d+ saved weights", str(err)), err
+    assert time.perf_counter() - start < 2

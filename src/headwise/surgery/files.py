@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["JSON_LIMIT_BYTES", "read_json", "weight_files", "safetensors_call", "saved_shapes", "aliased"]
+__all__ = ["JSON_LIMIT_BYTES", "read_json", "weight_files", "safetensors_call", "saved_shapes", "aliased",
+           "key_prefixes"]
 
 # The largest sidecar or weights index read (either is a few KiB for any real model).
 JSON_LIMIT_BYTES = 16 * 2**20
@@ -101,13 +102,41 @@ def saved_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def aliased(saved: dict[str, tuple[int, ...]], model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """``saved`` under ``model``'s key names too: a checkpoint of a task model seen by its base model (keys
-    without the ``bert.`` / ``model.`` prefix), or a base model's seen by a task model (keys with it)."""
+    """``saved`` under ``model``'s key names too: the names transformers' loader gives a checkpoint's keys
+    (a family saved in its original layout: NemotronH's ``backbone.`` is the model's ``model.``), and a checkpoint
+    of a task model seen by its base model (keys without the ``bert.`` / ``model.`` prefix), or a base model's
+    seen by a task model (keys with it)."""
+    rename = _loaded_name(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
-    if not prefix:
-        return saved
     out = dict(saved)
     for key, shape in saved.items():
-        out.setdefault(key.removeprefix(f"{prefix}."), shape)
-        out.setdefault(f"{prefix}.{key}", shape)
+        for name in dict.fromkeys((key, rename(key))):
+            out.setdefault(name, shape)
+            if prefix:
+                out.setdefault(name.removeprefix(f"{prefix}."), shape)
+                out.setdefault(f"{prefix}.{name}", shape)
+    return out
+
+
+def _loaded_name(model: nn.Module) -> Any:
+    """key -> the name transformers' loader renames a checkpoint key to for ``model`` (the key itself where it
+    renames nothing). Renamings only: a converter (experts fused, a qkv split) changes the shape as well, so its
+    output name would pair a saved shape with a weight of another shape."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # pragma: no cover - transformers 5 has both; without it there is nothing to rename
+        return lambda key: key
+    if not hasattr(model, "config"):
+        return lambda key: key
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return lambda key: rename_source_key(key, renamings, [])[0]
+
+
+def key_prefixes(keys: Any) -> set[str]:
+    """Every dotted prefix of every weight name (``a.b.c`` gives ``a``, ``a.b``, ``a.b.c``)."""
+    out: set[str] = set()
+    for key in keys:
+        parts = key.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     return out
