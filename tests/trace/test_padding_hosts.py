@@ -1,5 +1,6 @@
-"""Where a trace reads a call's padding: a 4-D ``attention_mask`` given to the traced model is read only when a
-mean needs it (so a call compiled with ``fullgraph=True`` that takes none compiles), and a patched layer's host
+"""Where a trace reads a call's padding: a 4-D ``attention_mask`` given to the traced model is read at the call
+eagerly, and in compiled code kept (a copy) and read only when a mean needs it (so a call compiled with
+``fullgraph=True`` that takes none compiles); a patched layer's host
 module shows the mask reaching it under its family's name (T5's ``mask``), so T5's encoder "mean" works inside
 ``generate``, which calls the encoder past the model's own call. References: an eager run, float64 means
 over the real tokens, and plain forward hooks on the unpatched model."""
