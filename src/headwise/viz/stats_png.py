@@ -116,4 +116,4 @@ def _kinds_line(kinds: dict[str, list[tuple[int, int]]]) -> str:
 
     return (f"sink heads (first-token share >= {SINK_SHARE}, well above uniform attention's): "
             f"{names(kinds['sink'])}.   sharp heads (mean max weight >= {SHARP_WEIGHT}, well above uniform "
-            f"attention's): {names(kinds['sharp'])}.   Boxed: the heads drawn below.")
+            f"attention's, sinks left out): {names(kinds['sharp'])}.   Boxed: the heads drawn below.")
