@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook
 
 from . import hosts, origin
-from .files import JSON_LIMIT_BYTES, aliased, key_prefixes, read_json, safetensors_call, saved_shapes, weight_files
+from .files import JSON_LIMIT_BYTES, aliased, read_json, safetensors_call, saved_shapes, weight_files
 from .layers import read
+from .probe import TooLarge, bounded, check_layers
 from .weights import as_projections, zeros_like
 
 __all__ = ["save_pretrained", "load_pretrained", "SIDECAR", "head_shapes", "shape_mismatch", "JSON_LIMIT_BYTES"]
@@ -163,9 +161,9 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
     saved = saved_shapes(weight_files(directory))
     read_json(directory / "config.json", "config")  # a regular, readable file (from_pretrained reads it again)
     config = model_class.config_class.from_pretrained(str(directory))
-    with hosts.quiet(), torch.device("meta"), _bounded(model_class, config, directory, len(saved)):
+    with hosts.quiet(), torch.device("meta"), bounded(model_class, config, directory, len(saved)):
         probe = model_class(config)  # every check on a model that allocates nothing
-    _check_layers(probe, saved, model_class.__name__, config, directory)
+    check_layers(probe, saved, model_class.__name__, config, directory)
     modules = _renamed(modules, probe)
     _resize(probe, modules, model_class.__name__)
     _check_saved(probe, modules, saved)
@@ -185,72 +183,6 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
         raise ValueError(f"load_pretrained: {directory} does not match the rebuilt model: "
                          + ", ".join(f"{k.replace('_', ' ')} {v[:5]}" for k, v in wrong.items() if v))
     return _with_origins(model.eval(), modules)
-
-
-# A probe may register at most this many modules per saved weight, plus the floor: real models register one to
-# two (T5 the most), so a tampered config.json (num_hidden_layers=10**6) is refused a fraction of a second into
-# building on the meta device, where building every layer would take minutes.
-PROBE_MODULES_PER_WEIGHT = 16
-PROBE_MODULES_FLOOR = 2048
-
-
-def _layer_counts(config: Any) -> str:
-    """The config's layer counts in words (`` (num_hidden_layers=3)``; ``""`` where it has none), for a refusal."""
-    counts = ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if type(v) is int and "layer" in k)
-    return f" ({counts})" if counts else ""
-
-
-class _TooLarge(ValueError):
-    """A config.json that builds more modules than the saved weights can fill."""
-
-
-@contextlib.contextmanager
-def _bounded(model_class: type, config: Any, directory: Path, n_saved: int):
-    """Building ``model_class(config)`` in this thread refused (``ValueError``) once it registers more modules
-    than :data:`PROBE_MODULES_PER_WEIGHT` per saved weight allow: any family, any count that multiplies layers."""
-    limit = PROBE_MODULES_FLOOR + PROBE_MODULES_PER_WEIGHT * n_saved
-    thread, count = threading.get_ident(), 0
-
-    def hook(parent: nn.Module, name: str, module: nn.Module | None) -> None:
-        nonlocal count
-        if threading.get_ident() != thread:  # the hook is global: another thread's models are not ours to count
-            return
-        count += 1
-        if count > limit:
-            raise _TooLarge(f"load_pretrained: {directory / 'config.json'}{_layer_counts(config)} builds more "
-                            f"than {limit} modules for {model_class.__name__}, more than the {n_saved} saved weights "
-                            f"in {directory} can fill: refused before building it")
-
-    handle = register_module_module_registration_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def _check_layers(probe: nn.Module, saved: dict[str, tuple[int, ...]], cls: str, config: Any, directory: Path) -> None:
-    """Every entry of a layer list (``nn.ModuleList``, ``nn.Sequential``) that the config builds must have weights
-    in the saved files when its siblings do: a config.json with more layers than were saved is refused before
-    ``from_pretrained`` allocates them. A list none of whose entries is found (its keys converted, not renamed,
-    by transformers' loader) is left to that loader's own check."""
-    state = probe.state_dict(keep_vars=True)
-    ignored = [re.compile(p) for p in getattr(probe, "_keys_to_ignore_on_load_missing", None) or ()]
-    saved = aliased(saved, probe)
-    names: dict[int, list[str]] = {}
-    for key, value in state.items():  # a weight tied to a saved one is saved under that name
-        names.setdefault(id(value), []).append(key)
-    held = key_prefixes(k for group in names.values() if any(n in saved for n in group) for k in group)
-    built = key_prefixes(k for k in state if not any(p.search(k) for p in ignored))
-    for name, module in probe.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        entries = [f"{name}.{i}" if name else i for i, _ in module.named_children()]
-        entries = [e for e in entries if e in built]
-        missing = [e for e in entries if e not in held]
-        if missing and len(missing) < len(entries):
-            raise ValueError(f"load_pretrained: {directory / 'config.json'}{_layer_counts(config)} builds "
-                             f"{len(entries)} entries of {cls}'s {name!r}, but the saved weights in {directory} "
-                             f"have none for {missing[:3]}: config.json describes more layers than were saved")
 
 
 def _own(model: nn.Module, keys: list[str]) -> list[str]:
@@ -276,13 +208,13 @@ def _concrete(model_class: Any, directory: Path) -> type:
     read_json(directory / "config.json", "config")
     config = AutoConfig.from_pretrained(str(directory))
     try:
-        bound = _bounded(model_class, config, directory, len(saved_shapes(weight_files(directory))))
+        bound = bounded(model_class, config, directory, len(saved_shapes(weight_files(directory))))
     except ValueError:  # no safetensors weights to bound it by: transformers' own loader says what it finds
         bound = contextlib.nullcontext()
     try:
         with hosts.quiet(), torch.device("meta"), bound:  # which class it builds; nothing is allocated
             return type(model_class.from_config(config))
-    except _TooLarge:
+    except TooLarge:
         raise
     except ValueError as exc:  # this Auto class has no model for the config's family
         raise ValueError(f"load_pretrained: {model_class.__name__} builds no model from "

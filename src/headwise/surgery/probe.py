@@ -1,0 +1,101 @@
+"""The meta-device probe load_pretrained builds from a folder's config.json, kept to what the saved weights can
+fill: a tampered config (``num_hidden_layers=10**6``) is refused while the probe is being built, before it takes
+minutes, and a config with more layers than were saved is refused before ``from_pretrained`` allocates them.
+
+Shapes:
+    saved: {checkpoint key: shape} of the folder's safetensors headers
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+
+from .files import aliased, key_prefixes
+
+__all__ = ["PROBE_MODULES_PER_WEIGHT", "PROBE_MODULES_FLOOR", "TooLarge", "bounded", "check_layers"]
+
+# A probe may register at most this many modules per saved weight, plus the floor: real models register one to
+# two (T5 the most), so a tampered config.json (num_hidden_layers=10**6) is refused a fraction of a second into
+# building on the meta device, where building every layer would take minutes.
+PROBE_MODULES_PER_WEIGHT = 16
+PROBE_MODULES_FLOOR = 2048
+
+
+def _layer_counts(config: Any) -> str:
+    """The config's layer counts in words (`` (num_hidden_layers=3)``; ``""`` where it has none), for a refusal."""
+    counts = ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if type(v) is int and "layer" in k)
+    return f" ({counts})" if counts else ""
+
+
+class TooLarge(ValueError):
+    """A config.json that builds more modules than the saved weights can fill."""
+
+
+# The probe's budget, per thread. torch keeps module-registration hooks in one process-wide dict that it walks
+# at every registration, in any thread, so adding and removing a hook per load could change that dict under
+# another thread's walk: one hook is registered once, on the first load, and does nothing outside a budget.
+_BUDGET = threading.local()
+_HOOK_LOCK = threading.Lock()
+_hooked = False
+
+
+def _count_module(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+    budget = getattr(_BUDGET, "value", None)
+    if budget is None:
+        return
+    budget["count"] += 1
+    if budget["count"] > budget["limit"]:
+        raise TooLarge(budget["message"])
+
+
+@contextlib.contextmanager
+def bounded(model_class: type, config: Any, directory: Path, n_saved: int):
+    """Building ``model_class(config)`` in this thread refused (``ValueError``) once it registers more modules
+    than :data:`PROBE_MODULES_PER_WEIGHT` per saved weight allow: any family, any count that multiplies layers."""
+    global _hooked
+    limit = PROBE_MODULES_FLOOR + PROBE_MODULES_PER_WEIGHT * n_saved
+    with _HOOK_LOCK:
+        if not _hooked:
+            register_module_module_registration_hook(_count_module)
+            _hooked = True
+    outer = getattr(_BUDGET, "value", None)
+    _BUDGET.value = {"count": 0, "limit": limit, "message": (
+        f"load_pretrained: {directory / 'config.json'}{_layer_counts(config)} builds more than {limit} modules "
+        f"for {model_class.__name__}, more than the {n_saved} saved weights in {directory} can fill: refused "
+        "before building it")}
+    try:
+        yield
+    finally:
+        _BUDGET.value = outer
+
+
+def check_layers(probe: nn.Module, saved: dict[str, tuple[int, ...]], cls: str, config: Any, directory: Path) -> None:
+    """Every entry of a layer list (``nn.ModuleList``, ``nn.Sequential``) that the config builds must have weights
+    in the saved files when its siblings do: a config.json with more layers than were saved is refused before
+    ``from_pretrained`` allocates them. A list none of whose entries is found (its keys converted, not renamed,
+    by transformers' loader) is left to that loader's own check."""
+    state = probe.state_dict(keep_vars=True)
+    ignored = [re.compile(p) for p in getattr(probe, "_keys_to_ignore_on_load_missing", None) or ()]
+    saved = aliased(saved, probe)
+    names: dict[int, list[str]] = {}
+    for key, value in state.items():  # a weight tied to a saved one is saved under that name
+        names.setdefault(id(value), []).append(key)
+    held = key_prefixes(k for group in names.values() if any(n in saved for n in group) for k in group)
+    built = key_prefixes(k for k in state if not any(p.search(k) for p in ignored))
+    for name, module in probe.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        entries = [f"{name}.{i}" if name else i for i, _ in module.named_children()]
+        entries = [e for e in entries if e in built]
+        missing = [e for e in entries if e not in held]
+        if missing and len(missing) < len(entries):
+            raise ValueError(f"load_pretrained: {directory / 'config.json'}{_layer_counts(config)} builds "
+                             f"{len(entries)} entries of {cls}'s {name!r}, but the saved weights in {directory} "
+                             f"have none for {missing[:3]}: config.json describes more layers than were saved")
