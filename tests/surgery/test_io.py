@@ -190,11 +190,13 @@ def test_a_config_with_more_layers_than_were_saved_is_refused_before_building(sa
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         n_saved = len(list(f.keys()))
     start = time.perf_counter()
-    err = load(path, cls=cls)
+    err = load(path, seconds=60, cls=cls)
     assert isinstance(err, ValueError), repr(err)
     assert re.search(rf"config\.json \(num_hidden_layers=1000000\) builds more than \d+ modules for {cls.__name__}, "
                      rf"more than the {n_saved} saved weights in .* can fill: refused before building it", str(err)), err
-    assert time.perf_counter() - start < 2
+    # a fraction of a second alone; building the 10**6 layers would take many minutes, so a loaded CI machine's
+    # seconds say the same
+    assert time.perf_counter() - start < 30
 
 
 def test_a_config_that_is_a_fifo_is_refused_without_opening_it(saved, tmp_path):
@@ -293,8 +295,8 @@ def test_a_config_with_more_layers_under_another_name_is_refused_fast(tmp_path):
     config["decoder_layers"] = 10**6
     (tmp_path / "config.json").write_text(json.dumps(config))
     start = time.perf_counter()
-    err = load(tmp_path, cls=type(model))
+    err = load(tmp_path, seconds=60, cls=type(model))
     assert isinstance(err, ValueError), repr(err)
     assert re.search(r"decoder_layers=1000000.*builds more than \d+ modules for BartForConditionalGeneration, "
                      r"more than the \d+ saved weights", str(err)), err
-    assert time.perf_counter() - start < 2
+    assert time.perf_counter() - start < 30  # as above: seconds, not the minutes of building every layer
