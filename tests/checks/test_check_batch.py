@@ -1,5 +1,6 @@
-"""batch_independence: changing any one sample leaves every other sample's outputs as they were, so a layer that
-reads one fixed sample (a batch-1 buffer broadcast over the batch) is caught whichever sample that is."""
+"""batch_independence: each sample's output in the batch is its output run alone, so a layer that reads another
+sample (a batch-1 buffer broadcast over the batch, a batch mean) fails, whichever sample it reads, and the report
+names a sample whose change moves another; the work stays linear in the batch."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class ValuesOfOneSample(RefAttention):
     def forward(self, x, *, mask=None, causal=False, return_weights=False):
         q = self.split(self.q_proj(x), self.n_heads)
         k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        shared = x[self.source].expand_as(x)  # (b, s, d): the bug
+        # (b, s, d): the bug; modulo the batch, so that a sample run alone reads itself (and the layer runs)
+        shared = x[self.source % x.shape[0]].expand_as(x)
         v = self.split(self.v_proj(shared), self.n_kv_heads)[:, self.kv_head_of()]
         scores = q @ k.transpose(-2, -1) * self.scale()
         if causal:
@@ -61,7 +63,87 @@ def test_a_layer_reading_one_samples_values_fails_whichever_sample_it_reads(batc
     assert f"changing sample {source} changed sample {cex['sample']}" in cex["summary"]
 
 
-def test_a_correct_layer_passes_with_every_sample_changed_in_turn():
+def test_a_correct_layer_passes_with_each_sample_run_alone():
     torch.manual_seed(0)
     result = check(RefAttention(), batch=4, properties=["batch_independence"])["batch_independence"]
-    assert result.passed and result.detail == "changed each of the 4 samples in turn"
+    assert result.passed and result.detail == "each of the 4 samples run alone gave its output in the batch"
+
+
+SAMPLES_RUN: list[int] = []
+
+
+class CountsSamples(RefAttention):
+    """RefAttention that records the batch of every call (the check runs a copy: recorded module-wide)."""
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        SAMPLES_RUN.append(x.shape[0])
+        return super().forward(x, mask=mask, causal=causal, return_weights=return_weights)
+
+
+def test_batch_independence_runs_the_layer_on_each_sample_a_bounded_number_of_times():
+    torch.manual_seed(0)
+    batch = 64
+    SAMPLES_RUN.clear()
+    result = check(CountsSamples(), batch=batch, properties=["batch_independence"])["batch_independence"]
+    assert result.passed
+    # the property runs the full batch and each sample alone; adapting the layer adds two full runs
+    assert SAMPLES_RUN.count(1) == batch and sum(SAMPLES_RUN) <= 4 * batch, SAMPLES_RUN
+
+
+class MeanOfBatch(RefAttention):
+    """Adds the batch mean of the input to every sample's values: every sample leaks into every other one."""
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        return super().forward(x + x.mean(0, keepdim=True), mask=mask, causal=causal, return_weights=return_weights)
+
+
+def test_a_layer_mixing_every_sample_fails_naming_a_sample_whose_change_moves_another():
+    torch.manual_seed(0)
+    layer = MeanOfBatch().double().eval()
+    x = torch.randn(5, 8, 32, dtype=torch.float64)
+    report = check(layer, batch=5)
+    result = report["batch_independence"]
+    assert result.failed, str(report)
+    cex = result.counterexample
+    i, j = cex["sample"], cex["changed_sample"]
+    assert i != j
+    x2 = x.clone()
+    x2[j] = torch.randn(8, 32, dtype=torch.float64)
+    with torch.no_grad():  # the named change does move the named sample, with plain calls
+        assert (layer(x2)[i] - layer(x)[i]).abs().max() > 1e-3
+
+
+class ScaledByBatch(RefAttention):
+    """Each sample's output is its own, scaled by (1 + factor * batch size): no sample reads another."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        out = super().forward(x, mask=mask, causal=causal, return_weights=return_weights)
+        scale = 1 + self.factor * x.shape[0]
+        return (out[0] * scale, out[1]) if return_weights else out * scale
+
+
+@pytest.mark.parametrize("factor,fails", [(1e-13, False), (1e-3, True)])
+def test_an_output_that_varies_with_the_batch_size_fails_only_beyond_the_tolerance(factor, fails):
+    torch.manual_seed(0)
+    result = check(ScaledByBatch(factor), batch=4, properties=["batch_independence"])["batch_independence"]
+    assert result.failed is fails, str(result)
+    if fails:
+        assert result.detail == "a sample's output depends on the batch size"
+        assert "changing the other samples moves nothing" in result.counterexample["summary"]
+    else:
+        assert 0 < result.deviation <= result.tolerance
+
+
+class ReadsSampleTwo(RefAttention):
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        return super().forward(x + x[2], mask=mask, causal=causal, return_weights=return_weights)
+
+
+def test_a_layer_indexing_a_fixed_sample_fails_on_a_sample_run_alone():
+    torch.manual_seed(0)
+    result = check(ReadsSampleTwo(), batch=3, properties=["batch_independence"])["batch_independence"]
+    assert result.failed and result.detail == "the layer raised IndexError", str(result)

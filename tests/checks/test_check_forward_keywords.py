@@ -144,3 +144,136 @@ def test_the_callers_adapter_keeps_its_flags():
         report = check(adapter)
         assert report.ok is ok and report["softmax_sanity"].passed, str(report)  # the copy used the keywords
         assert _flags(adapter) == before
+
+
+class InvertedMaskKw(RefAttention):
+    """Its **kwargs mask= has the opposite convention (True = masked out)."""
+
+    def forward(self, x, **kw):
+        if kw.get("mask") is not None:
+            kw["mask"] = ~kw["mask"]
+        return super().forward(x, **kw)
+
+
+class NoMaskByName(RefAttention):
+    """The same layer as a caller that never passes a mask sees it."""
+
+    def forward(self, x, *, causal=False, return_weights=False):
+        return super().forward(x, causal=causal, return_weights=return_weights)
+
+
+class WithoutMask(ModuleAdapter):
+    """A user's adapter: don't pass my mask, it means the opposite."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.accepts_mask = False
+
+
+def _seen_masks(adapter):
+    """Every mask= the layer's working copy receives during check(adapter), by a plain pre-hook on its class."""
+    seen = []
+    cls = type(adapter.module)
+    original = cls.forward
+
+    def recording(self, x, **kw):
+        seen.append(kw.get("mask"))
+        return original(self, x, **kw)
+
+    cls.forward = recording
+    try:
+        report = check(adapter)
+    finally:
+        cls.forward = original
+    return report, seen
+
+
+@pytest.mark.parametrize("how", ["subclass", "instance"])
+def test_a_mask_flag_the_adapter_sets_to_false_is_kept_and_no_mask_is_passed(how):
+    torch.manual_seed(0)
+    layer = InvertedMaskKw()
+    reference_layer = NoMaskByName()
+    reference_layer.load_state_dict(layer.state_dict())
+    if how == "subclass":
+        adapter = WithoutMask(layer)
+    else:
+        adapter = ModuleAdapter(layer)
+        adapter.accepts_mask = False
+    assert "mask" not in adapter.unconfirmed and {"causal", "return_weights"} <= adapter.unconfirmed
+    report, seen = _seen_masks(adapter)
+    assert seen and all(m is None for m in seen)
+    expected = check(reference_layer)
+    assert report.ok and expected.ok, str(report)
+    assert [(r.name, r.verdict, r.deviation) for r in report.results] == \
+        [(r.name, r.verdict, r.deviation) for r in expected.results]
+    assert report["padding_invariance"].detail == "the layer takes no padding mask"
+
+
+def test_a_flag_the_adapter_sets_to_true_is_used_without_probing():
+    torch.manual_seed(0)
+    adapter = ModuleAdapter(_passing_kwargs_on(RefAttention)())
+    adapter.accepts_mask = True
+    assert adapter.unconfirmed == {"causal", "return_weights"}
+    assert check(adapter)["padding_invariance"].passed
+
+
+class CacheHelperWrapper(RefAttention):
+    """A causal layer with a new_cache helper (for another API) whose **kwargs go to a callee without cache=."""
+
+    def new_cache(self, b, s):
+        return {}
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False, **kw):
+        return super().forward(x, mask=mask, causal=causal, return_weights=return_weights, **kw)
+
+
+class NoCacheHelper(RefAttention):
+    def forward(self, x, *, mask=None, causal=False, return_weights=False, **kw):
+        return super().forward(x, mask=mask, causal=causal, return_weights=return_weights, **kw)
+
+
+def test_a_cache_keyword_the_layer_refuses_is_left_out():
+    torch.manual_seed(0)
+    layer = CacheHelperWrapper()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cache'"):
+        layer(torch.randn(1, 2, 32), cache=layer.new_cache(1, 2))
+    reference = NoCacheHelper()
+    reference.load_state_dict(layer.state_dict())
+    report, expected = check(layer, causal=True), check(reference, causal=True)
+    assert report.ok and expected.ok, str(report)
+    assert [(r.name, r.verdict, r.detail, r.deviation) for r in report.results] == \
+        [(r.name, r.verdict, r.detail, r.deviation) for r in expected.results]
+    assert report["causality"].detail.endswith("no cache path to compare")
+
+
+class BrokenMaskKw(RefAttention):
+    """Honours mask= through **kwargs, but its mask code raises (``error``)."""
+
+    error: type = RuntimeError
+
+    def forward(self, x, **kw):
+        if kw.pop("mask", None) is not None:
+            raise self.error("mask of the wrong shape")
+        return super().forward(x, **kw)
+
+
+class BrokenMaskByName(RefAttention):
+    error: type = RuntimeError
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        if mask is not None:
+            raise self.error("mask of the wrong shape")
+        return super().forward(x, causal=causal, return_weights=return_weights)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, TypeError, SystemExit])
+def test_a_kwargs_keyword_whose_code_raises_fails_as_it_does_by_name(error):
+    torch.manual_seed(0)
+    layer = type("Broken", (BrokenMaskKw,), {"error": error})()
+    named = type("Broken", (BrokenMaskByName,), {"error": error})()
+    named.load_state_dict(layer.state_dict())
+    report, expected = check(layer), check(named)
+    assert not report.ok and {"padding_invariance", "softmax_sanity"} <= set(report.failed)
+    assert [(r.name, r.verdict, r.detail, r.deviation) for r in report.results] == \
+        [(r.name, r.verdict, r.detail, r.deviation) for r in expected.results]
+    assert report["padding_invariance"].detail == f"the layer raised {error.__name__}"

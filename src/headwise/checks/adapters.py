@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .keywords import confirmed, signature_keywords
+from .keywords import FLAGS, confirmed, signature_keywords
 
 __all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "check_rotary_scaling", "causal_keep", "copy_adapter",
            "split", "capture_input"]
@@ -149,10 +149,14 @@ def causal_keep(s: int, device: torch.device) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool, device=device).tril()  # (s, s) True = may attend
 
 
+_KEYWORD_OF = {flag: keyword for keyword, flag in FLAGS.items()}
+
+
 class CallableAdapter(Adapter):
     """Any ``f(x) -> y``. ``causal=True`` declares that ``f`` is causal. If ``f`` takes ``mask=``,
     ``causal=`` or ``return_weights=`` keywords they are used with headwise's meaning; through ``**kwargs``
-    only where it honours them (:meth:`confirm_keywords`).
+    only where it honours them (:meth:`confirm_keywords`). A flag set after construction (``accepts_mask = False``
+    in a subclass's ``__init__``) settles its keyword: it is used as set, never probed.
 
     Shapes:
         f: (b, s, d) -> (b, s, d); mask (b, 1, 1, s) bool True = may attend; weights (b, h, s, s)
@@ -176,6 +180,15 @@ class CallableAdapter(Adapter):
         self.exposes_weights = "return_weights" in kw
         # only through **kwargs: candidates until confirm_keywords has seen the layer honour them
         self.unconfirmed = frozenset({"mask", "causal", "return_weights"} - kw if self.open_keywords else ())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A keyword's flag set after the signature was read (by a subclass's __init__, or its user on the instance)
+        # is their decision, True or False: a False is often deliberate (a mask of the opposite convention), so the
+        # keyword stops being a candidate that confirm_keywords would probe and take
+        keyword = _KEYWORD_OF.get(name)
+        if keyword is not None and keyword in self.__dict__.get("unconfirmed", ()):
+            super().__setattr__("unconfirmed", self.unconfirmed - {keyword})
+        super().__setattr__(name, value)
 
     def confirm_keywords(self, x):
         return confirmed(self, x)
