@@ -155,7 +155,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
     @property
     def chunk_queries(self) -> bool | int:
         """Long no-grad forwards run their queries in chunks (:mod:`headwise.chunking`): True (by size, the
-        default), False (never) or an int (that many query positions per chunk whenever chunking is allowed)."""
+        default), False (never) or an int (that many query positions per chunk whenever chunking is allowed).
+        A layer whose ``q_proj`` or ``out_proj`` has forward hooks is never chunked: the hooks see every row once."""
         return self._chunk_queries
 
     @chunk_queries.setter
@@ -313,6 +314,8 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             positions: rotary positions (rotary layers only); default ``cache.length + arange(s_q)`` (from 0
                 without a cache).
             return_weights: also return every head's probabilities (the eager path; after dropout in training).
+                With a cache under ``torch.compile`` they span the cache's whole buffer, (b, h, s_q, max_len),
+                zero past the written positions (one graph serves every position); eagerly (b, h, s_q, length).
 
         Shapes:
             x: (b, s_q, d) or (s_q, d); context: (b, s_kv, d); key: (b, s_kv, kdim); value: (b, s_kv, vdim)

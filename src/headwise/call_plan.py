@@ -21,6 +21,7 @@ import torch
 from .config import check_dropout, check_scale
 from .dispatch import DispatchInfo, describe
 from .masks import validate_mask
+from .module_calls import has_forward_hooks
 from .plan import CacheRead, Plan, cache_read, plan_attention
 from .statistics import check_statistics
 from .validation import check_bool, check_causal, check_forward, check_sinks, has_dead_rows
@@ -40,7 +41,7 @@ def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: to
         cache: the layer's ``KVCache`` or None.
         return_weights: weights wanted (by the caller or a trace).
         backend: the layer's backend; chunk_queries: its chunking setting, False where chunking is not allowed
-            (inside a trace).
+            (inside a trace; also whenever q_proj or out_proj has forward hooks, decided here).
         statistics: what a trace asks for.
     """
     cfg = layer.config
@@ -60,15 +61,20 @@ def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: to
                           return_weights or backend == "eager" or grad, lambda: cache.length)
         whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
         s_kv = cache.max_len if whole else cache.length + x.shape[1]
-    return plan_attention(
+    sizes = dict(
         h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
         s_kv=s_kv, dtype=x.dtype, device=x.device, backend=backend, causal=causal,
         has_mask=mask is not None or read is CacheRead.BUFFER or read is CacheRead.POSITION,
         cached=cache is not None, return_weights=return_weights,
-        dropout_p=cfg.dropout if layer.training else 0.0,
-        chunk_queries=chunk_queries, records_grad=grad,
+        dropout_p=cfg.dropout if layer.training else 0.0, records_grad=grad,
         dead_rows=False if mask is None else partial(has_dead_rows, mask),
         mask_per_head=mask is not None and mask.shape[1] != 1, read=read, statistics=statistics)
+    plan = plan_attention(chunk_queries=chunk_queries, **sizes)
+    # Chunks call q_proj and out_proj once per chunk on its rows: hooks on them (own or global) must see every
+    # row in one call, so such a layer is not chunked (checked only where the plan chunks: long no-grad calls).
+    if plan.chunk is not None and (has_forward_hooks(layer.q_proj) or has_forward_hooks(layer.out_proj)):
+        return plan_attention(chunk_queries=False, **sizes)
+    return plan
 
 
 def plan_attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None,

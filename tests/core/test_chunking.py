@@ -30,12 +30,19 @@ def forced_chunks(attn: MultiHeadAttention, chunk: int):
     yields a list that receives, per forward, how many times W_O ran (one pass: 1; chunked: one per chunk)."""
     used: list[int] = []
     calls = [0]
-    handle = attn.out_proj.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    real = attn.out_proj.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    # Counted in the module's own forward, not by a hook: a layer with hooks on W_O is never chunked.
+    attn.out_proj.forward = counted
     attn.chunk_queries = chunk
     try:
         yield used
     finally:
-        handle.remove()
+        del attn.out_proj.forward
         attn.chunk_queries = True
         used.append(calls[0])
 
@@ -209,11 +216,10 @@ def test_real_rule_chunks_a_long_forward_and_matches_one_pass(monkeypatch):
     attn = MultiHeadAttention(8, 2).eval()
     x = torch.randn(1, 600, 8)
     assert PLAN["chunk_length"](attn.config.n_heads, attn.config.n_kv_heads, attn.config.d_head, 1, 600, 600, torch.float32) == 256
-    calls = [0]
-    attn.out_proj.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     with torch.no_grad():
-        chunked = attn(x, causal=True)
-        assert calls == [3]  # 256 + 256 + 88 positions
+        with forced_chunks(attn, True) as used:  # the size rule's own chunks (chunk_queries=True)
+            chunked = attn(x, causal=True)
+        assert used == [3]  # 256 + 256 + 88 positions
         attn.chunk_queries = False
         whole = attn(x, causal=True)
     torch.testing.assert_close(chunked, whole)
