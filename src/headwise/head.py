@@ -7,6 +7,7 @@ Shapes:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from . import functional as hwf
 from .config import check_scale
-from .validation import check_input, check_positions, check_tensor
+from .validation import check_forward, check_tensor
 from .masks import validate_mask
 
 #: Where head surgery keeps the original index of every head a module has now (in the module's ``__dict__``:
@@ -129,7 +130,7 @@ class AttentionHead(nn.Module):
         return None if proj.bias is None else proj.bias[self._slice(which)]  # (d_h,)
 
     def _set(self, name: str, value: torch.Tensor) -> None:
-        target = self._get(name)
+        target = self.w_o if name == "w_o" else self._get(name)
         check_tensor(name, value)
         if target is None:
             raise ValueError(f"{name} does not exist on this head (the layer has no bias)")
@@ -159,6 +160,10 @@ class AttentionHead(nn.Module):
             raise ValueError("a standalone head has no W_O; take heads from a layer with attn.head(i)")
         return self._parent.out_proj.weight[:, self._slice("q")].T  # (d_h, d)
 
+    @w_o.setter
+    def w_o(self, value: torch.Tensor) -> None:
+        self._set("w_o", value)
+
     @property
     def d_model(self) -> int:
         return self.w_q.shape[0]
@@ -173,38 +178,36 @@ class AttentionHead(nn.Module):
         return self._parent is not None
 
     # -- the head's own computation -----------------------------------------------------------------
-    def project(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """This head's Q, K, V. Shapes: x (b, s_q, d), context (b, s_kv, d) -> (b, s_q, d_h), (b, s_kv, d_h) x2."""
-        src = x if context is None else context
-        q, k, v = x @ self.w_q, src @ self.w_k, src @ self.w_v
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """This head's Q, K, V (inputs as :meth:`forward` takes them, unchecked here).
+
+        Shapes: x (b, s_q, d); context (b, s_kv, kdim) or key (b, s_kv, kdim) and value (b, s_kv, vdim)
+            -> (b, s_q, d_h), (b, s_kv, d_h), (b, s_kv, d_h)"""
+        if key is None:
+            key = value = x if context is None else context
+        q, k, v = x @ self.w_q, key @ self.w_k, value @ self.w_v
         if self.b_q is not None:
             q, k, v = q + self.b_q, k + self.b_k, v + self.b_v
         return q, k, v
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
-                causal: bool = False, positions: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None, mask: torch.Tensor | None = None, causal: bool = False,
+                positions: torch.Tensor | None = None,
                 return_weights: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """This head's context vectors, computed alone.
+        """This head's context vectors, computed alone; inputs as the layer's forward takes them (and refuses).
 
         Shapes:
-            x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); mask: broadcastable to (b, h, s_q, s_kv)
+            x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); key: (b, s_kv, kdim); value: (b, s_kv, vdim)
+            mask: broadcastable to (b, h, s_q, s_kv); positions: (s_q,) or (b, s_q)
             -> (b, s_q, d_h) [, weights (b, s_q, s_kv)]
         """
-        w_q = self.w_q
-        x = check_input("x", x, w_q.shape[0], "d_model", w_q.dtype, w_q.device)
-        batched = x.dim() == 3
-        if context is not None:
-            context = check_input("context", context, self.w_k.shape[0], "kdim", w_q.dtype, w_q.device,
-                                  batched=batched)
-        if not batched:
-            x = x.unsqueeze(0)
-            context = None if context is None else context.unsqueeze(0)
-        if context is not None and context.shape[0] != x.shape[0]:
-            raise ValueError(f"batch mismatch: x has b={x.shape[0]}, context has b={context.shape[0]}")
-        q, k, v = (t.unsqueeze(1) for t in self.project(x, context))  # (b, 1, s, d_h)
-        if self.rotary is not None and context is None:
-            pos = (torch.arange(x.shape[1], device=x.device) if positions is None
-                   else check_positions(positions, x.shape[0], x.shape[1]))
+        x, key, value, positions, batched = self._check_inputs(x, context, key, value, causal, positions)
+        # One source of keys and values takes project's (x, context) form, the one subclasses override.
+        qkv = self.project(x, key) if key is None or context is not None else self.project(x, key=key, value=value)
+        q, k, v = (t.unsqueeze(1) for t in qkv)  # (b, 1, s, d_h)
+        if self.rotary is not None:
+            pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions  # (s_q,) or (b, s_q)
             q, k = self.rotary.rotate(q, k, pos)
         if mask is not None:
             check_tensor("mask", mask)
@@ -216,6 +219,20 @@ class AttentionHead(nn.Module):
         if not batched:
             out, weights = out[0], weights[0]
         return (out, weights) if return_weights else out
+
+    def _check_inputs(self, x: object, context: object, key: object, value: object, causal: object,
+                      positions: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object, bool]:
+        """The layer's own checks (and messages) of these inputs, for one head: batched x, key and value (None
+        for self-attention), the checked positions, and whether x came batched."""
+        w_q = self.w_q
+        widths = SimpleNamespace(d_model=w_q.shape[0], kdim=self.w_k.shape[0], vdim=self.w_v.shape[0])
+        if isinstance(x, torch.Tensor) and isinstance(context, torch.Tensor) and x.dim() == context.dim() == 3 \
+                and x.shape[0] != context.shape[0]:  # named as a head's one source of keys and values
+            raise ValueError(f"batch mismatch: x has b={x.shape[0]}, context has b={context.shape[0]}")
+        x, key, value, _, positions, batched = check_forward(
+            widths, w_q.dtype, w_q.device, self.rotary is not None, x, context, key, value, None, causal, None,
+            positions, False)
+        return x, key, value, positions, batched
 
     def _mask_row(self, n: int) -> int:
         """This head's row along the head axis of a per-head mask with ``n`` heads (the layer decides)."""
@@ -231,6 +248,16 @@ class AttentionHead(nn.Module):
     def extra_repr(self) -> str:
         where = f"view of head {self.index} (kv head {self.kv_index})" if self.is_view else "standalone"
         return f"d_model={self.d_model}, d_head={self.d_head}, {where}"
+
+
+def _same_rotary(a: "RotaryEmbedding | None", b: "RotaryEmbedding | None") -> bool:
+    """Whether two heads' rotary embeddings rotate alike (both None, or the same kind and numbers)."""
+    if a is b:
+        return True
+    if a is None or b is None or type(a) is not type(b):
+        return False
+    return ((a.d_head, a.rotary_dim, a.attention_scaling) == (b.d_head, b.rotary_dim, b.attention_scaling)
+            and torch.equal(a.inv_freq.cpu(), b.inv_freq.cpu()))
 
 
 def source_layer(heads: Sequence[AttentionHead]) -> nn.Module | None:
@@ -269,6 +296,9 @@ def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
                              f"{[tuple(first.w_q.shape), tuple(first.w_k.shape), tuple(first.w_v.shape)]}")
         if (h.b_q is not None) != has_bias or h.w_q.dtype != first.w_q.dtype or h.scale != first.scale:
             raise ValueError(f"head {i} differs from head 0 in bias presence, dtype or scale")
+        if not _same_rotary(h.rotary, first.rotary):  # one layer has one rotary embedding for all its heads
+            raise ValueError(f"head {i} has rotary {h.rotary!r}, head 0 has {first.rotary!r}: a layer's heads share "
+                             f"one rotary embedding (d_head, rotary_dim, inv_freq, attention_scaling)")
     n = len(heads)
     if n_kv_heads is None:
         recorded = {h._n_kv_heads for h in heads}
