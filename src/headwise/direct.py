@@ -157,6 +157,9 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     direction = torch.as_tensor(direction).to(writes.dtype)
     if direction.shape[-1] != writes.shape[-1] or direction.dim() not in (1, 2):
         raise ValueError(f"direction must be (d={writes.shape[-1]},) or (b, d), got {tuple(direction.shape)}")
+    if direction.dim() == 2 and direction.shape[0] not in (1, b):
+        raise ValueError(f"direction must be (d={writes.shape[-1]},) or (b, d) with b = 1 or the inputs' b={b}, "
+                         f"got {tuple(direction.shape)}")
     direction = direction.expand(b, -1)[:, None, None, :]  # (b, 1, 1, d)
     if kind is not None:
         if not seen:
