@@ -250,14 +250,20 @@ class AttentionHead(nn.Module):
         return f"d_model={self.d_model}, d_head={self.d_head}, {where}"
 
 
-def _same_rotary(a: "RotaryEmbedding | None", b: "RotaryEmbedding | None") -> bool:
-    """Whether two heads' rotary embeddings rotate alike (both None, or the same kind and numbers)."""
+def _rotary_difference(a: "RotaryEmbedding | None", b: "RotaryEmbedding | None") -> str | None:
+    """How two heads' rotary embeddings rotate differently (None where they rotate alike: both None, or the
+    same kind and numbers), in words for a refusal."""
     if a is b:
-        return True
+        return None
     if a is None or b is None or type(a) is not type(b):
-        return False
-    return ((a.d_head, a.rotary_dim, a.attention_scaling) == (b.d_head, b.rotary_dim, b.attention_scaling)
-            and torch.equal(a.inv_freq.cpu(), b.inv_freq.cpu()))
+        return f"{type(a).__name__ if a is not None else 'no rotary'} vs {type(b).__name__ if b is not None else 'no rotary'}"
+    for field in ("d_head", "rotary_dim", "attention_scaling"):
+        if getattr(a, field) != getattr(b, field):
+            return f"{field} {getattr(a, field)} vs {getattr(b, field)}"
+    fa, fb = a.inv_freq.cpu(), b.inv_freq.cpu()
+    if fa.dtype != fb.dtype:
+        return f"inv_freq in {fa.dtype} vs {fb.dtype} (rounded frequencies rotate differently)"
+    return None if torch.equal(fa, fb) else "inv_freq (another base or scaling)"
 
 
 def source_layer(heads: Sequence[AttentionHead]) -> nn.Module | None:
@@ -296,9 +302,10 @@ def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
                              f"{[tuple(first.w_q.shape), tuple(first.w_k.shape), tuple(first.w_v.shape)]}")
         if (h.b_q is not None) != has_bias or h.w_q.dtype != first.w_q.dtype or h.scale != first.scale:
             raise ValueError(f"head {i} differs from head 0 in bias presence, dtype or scale")
-        if not _same_rotary(h.rotary, first.rotary):  # one layer has one rotary embedding for all its heads
-            raise ValueError(f"head {i} has rotary {h.rotary!r}, head 0 has {first.rotary!r}: a layer's heads share "
-                             f"one rotary embedding (d_head, rotary_dim, inv_freq, attention_scaling)")
+        differs = _rotary_difference(h.rotary, first.rotary)
+        if differs:  # one layer has one rotary embedding for all its heads
+            raise ValueError(f"head {i} rotates differently from head 0 ({differs}: {h.rotary!r} vs "
+                             f"{first.rotary!r}); a layer's heads share one rotary embedding")
     n = len(heads)
     if n_kv_heads is None:
         recorded = {h._n_kv_heads for h in heads}

@@ -3,6 +3,8 @@ W_Q/W_K/W_V, and from_heads packs only heads that one rotary embedding can rotat
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -30,10 +32,16 @@ def test_from_heads_refuses_heads_whose_rotary_embeddings_differ():
     other_base = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8, base=500000.0))
     partial = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8, rotary_dim=4))
     scaled = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8, attention_scaling=2.0))
-    for heads in ([plain.head(0), rope.head(1)], [rope.head(0), plain.head(1)], [rope.head(0), other_base.head(1)],
-                  [rope.head(0), partial.head(1)], [rope.head(0), scaled.head(1)]):
-        with pytest.raises(ValueError, match=r"head 1 has rotary .*head 0 has "):
-            MultiHeadAttention.from_heads(heads, out_proj=plain.out_proj)
+    rounded = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8)).to(torch.bfloat16)  # inv_freq rounded too
+    kept = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8), dtype=torch.bfloat16)  # inv_freq in float32
+    for heads, why in (([plain.head(0), rope.head(1)], "RotaryEmbedding vs no rotary"),
+                       ([rope.head(0), plain.head(1)], "no rotary vs RotaryEmbedding"),
+                       ([rope.head(0), other_base.head(1)], "inv_freq (another base"),
+                       ([rope.head(0), partial.head(1)], "rotary_dim 4 vs 8"),
+                       ([rope.head(0), scaled.head(1)], "attention_scaling 2.0 vs 1.0"),
+                       ([kept.head(0), rounded.head(1)], "inv_freq in torch.bfloat16 vs torch.float32")):
+        with pytest.raises(ValueError, match=r"head 1 rotates differently from head 0 \(" + re.escape(why)):
+            MultiHeadAttention.from_heads(heads, out_proj=heads[0]._parent.out_proj)
 
 
 def test_from_heads_packs_heads_of_equal_rotary_embeddings():

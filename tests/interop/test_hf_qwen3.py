@@ -140,3 +140,21 @@ def test_from_hf_and_to_hf():
     llama = build("llama").model.layers[0].self_attn
     with pytest.raises(ValueError, match="cannot write this"):
         to_hf(attn, like=llama)
+
+
+def test_qk_norm_heads_run_alone_on_separate_key_and_value_and_sum_to_the_layer():
+    torch.manual_seed(0)
+    norm = [nn.LayerNorm(8, dtype=torch.float64) for _ in range(2)]
+    attn = QKNormAttention(d_model=32, n_heads=4, kdim=24, vdim=20, q_norm=norm[0], k_norm=norm[1],
+                           dtype=torch.float64).eval()
+    x, k, v = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 7, 24, dtype=torch.float64), \
+        torch.randn(2, 7, 20, dtype=torch.float64)
+    with torch.no_grad():
+        contexts = [attn.head(h)(x, key=k, value=v) for h in range(attn.n_heads)]  # (b, s_q, d_h) each
+        for h, z in enumerate(contexts):  # each head from the formula, norms on q and k
+            sl = slice(8 * h, 8 * h + 8)
+            q = attn.q_norm(x @ attn.q_proj.weight[sl].T + attn.q_proj.bias[sl])
+            key = attn.k_norm(k @ attn.k_proj.weight[sl].T + attn.k_proj.bias[sl])
+            val = v @ attn.v_proj.weight[sl].T + attn.v_proj.bias[sl]
+            torch.testing.assert_close(z, torch.softmax(q @ key.transpose(1, 2) / 8 ** 0.5, -1) @ val)
+        torch.testing.assert_close(attn.out_proj(torch.cat(contexts, -1)), attn(x, key=k, value=v))

@@ -78,9 +78,11 @@ class QKNormHead(AttentionHead):
     q_norm: nn.Module
     k_norm: nn.Module
 
-    def project(self, x: torch.Tensor, context: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """This head's Q, K (normalised) and V. Shapes: x (b, s_q, d) -> (b, s_q, d_h), (b, s_kv, d_h) x2."""
-        q, k, v = super().project(x, context)
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """This head's Q, K (normalised) and V, from the inputs :meth:`AttentionHead.project` takes.
+        Shapes: x (b, s_q, d) -> (b, s_q, d_h), (b, s_kv, d_h) x2."""
+        q, k, v = super().project(x, context, key=key, value=value)
         return self.q_norm(q), self.k_norm(k), v
 
     def detach_copy(self) -> "QKNormHead":
