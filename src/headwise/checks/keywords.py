@@ -25,11 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CONVENTION", "FLAGS", "signature_keywords", "changed", "confirmed", "ignored_note"]
+__all__ = ["FLAGS", "signature_keywords", "changed", "confirmed", "ignored_note"]
 
-# headwise's calling convention: the candidates of a forward with **kwargs
-CONVENTION = frozenset({"mask", "causal", "return_weights", "positions", "cache"})
-# the adapter's flag that says it uses each keyword
+# headwise's calling keywords (the candidates of a forward with **kwargs) and the adapter's flag for each
 FLAGS = {"mask": "accepts_mask", "causal": "accepts_causal", "return_weights": "exposes_weights",
           "positions": "positional", "cache": "has_cache"}
 
@@ -46,7 +44,8 @@ def signature_keywords(fn: Callable) -> tuple[set[str], bool]:
 
 def changed(a: Any, b: Any) -> bool:
     """Whether two results of the layer differ beyond rounding (sqrt(eps) of the output's scale: a keyword that is
-    honoured moves outputs by O(1), one that is ignored by nothing at all, or by a non-deterministic kernel's ulps)."""
+    honoured moves outputs by O(1), one that is ignored by nothing at all, or by a non-deterministic kernel's ulps).
+    (measure.deviation's rule for non-finite values, written here: measure imports the adapters, which import this.)"""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
         return True
     eps = torch.finfo(a.dtype).eps if a.dtype.is_floating_point else 0.0

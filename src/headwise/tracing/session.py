@@ -216,7 +216,8 @@ class Trace:
     def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before each call of the traced module: its layers are still the traced ones, and its
         ``attention_mask`` (if any) is this call's padding, its ``decoder_attention_mask`` its decoder's."""
-        if torch.compiler.is_compiling():  # Dynamo cannot trace find_layers' walk: one path per traced layer
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # Dynamo cannot trace find_layers' walk: one path per traced layer
             for name, layer in self.layers:
                 if not in_place(module, name, layer):
                     self._changed()
@@ -226,10 +227,9 @@ class Trace:
                 self._changed()
         # Compiled code cannot read a 3-D or 4-D mask (data-dependent) and need not unless a mean asks: there it
         # is kept, as a copy (the caller may refill its buffer for the next call), and read when a mean needs it.
-        defer = torch.compiler.is_compiling()
-        self.padding = padding_of(args, kwargs, "attention_mask", self._mask_at, defer=defer)
+        self.padding = padding_of(args, kwargs, "attention_mask", self._mask_at, defer=compiling)
         self.decoder_padding = padding_of(args, kwargs, "decoder_attention_mask", self._decoder_mask_at,
-                                          defer=defer) if self._reads_decoder_mask else self.padding
+                                          defer=compiling) if self._reads_decoder_mask else self.padding
 
     @staticmethod
     def _changed() -> None:
