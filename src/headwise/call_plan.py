@@ -73,7 +73,7 @@ def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: to
     # Chunks call q_proj and out_proj once per chunk on its rows: hooks on them (own or global) must see every
     # row in one call, so such a layer is not chunked (checked only where the plan chunks: long no-grad calls).
     if plan.chunk is not None and (has_forward_hooks(layer.q_proj) or has_forward_hooks(layer.out_proj)):
-        return plan_attention(chunk_queries=False, **sizes)
+        return plan_attention(chunk_queries=False, **sizes)._replace(hooked=True)
     return plan
 
 

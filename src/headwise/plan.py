@@ -182,6 +182,8 @@ class Plan(NamedTuple):
         statistics_via: how it computes them (a :class:`Statistics`, rule 10).
         min_rows_eager: the eager path runs because autograd records a floating mask row entirely at the
             dtype's minimum (rule 2).
+        hooked: the call would run in query chunks, but q_proj or out_proj has forward hooks, which must see
+            every row in one call: one pass instead.
     """
 
     shape: tuple[int, int, int, int]
@@ -208,6 +210,7 @@ class Plan(NamedTuple):
     statistics: tuple[str, ...] = ()
     statistics_via: Statistics = Statistics.NONE
     min_rows_eager: bool = False
+    hooked: bool = False
 
     @property
     def is_causal(self) -> bool:

@@ -72,7 +72,10 @@ def test_hooks_on_a_chunked_forward_see_every_row_once_as_on_one_pass(monkeypatc
         seen, handles = _record(attn)
         steer = attn.q_proj.register_forward_hook(lambda m, a, o: o + 0.5)  # edits what the hooks after it see
         with torch.no_grad():
-            assert attn.explain_dispatch(x, causal=True).query_chunk is None  # explained as it runs
+            info = attn.explain_dispatch(x, causal=True)  # explained as it runs, with the reason
+            assert info.query_chunk is None
+            # The reason is given where chunks would otherwise run (forced here), not on a plain one pass.
+            assert any("forward hooks" in r for r in info.reasons) is bool(setting), info.reasons
             outputs[setting] = attn(x, causal=True)
         for h in handles + [steer]:
             h.remove()
