@@ -5,6 +5,7 @@ planted heads, and both pictures draw them."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -285,3 +286,121 @@ def test_the_png_footer_naming_the_heads_is_wrapped_inside_the_figure(tmp_path, 
 def test_head_statistics_repr_is_one_line_without_the_arrays():
     st = model_statistics(planted(), {"input_ids": ids(5)}, name="planted")
     assert repr(st) == "HeadStatistics(model='planted', 2 layers x 4 heads, 5 tokens (5 reading), arrays (L, h, s) (2, 4, 5))"
+
+
+class HeadwiseStack(torch.nn.Module):
+    """Two headwise layers, each reading the real keys only (``attention_mask`` given as a mask over keys)."""
+
+    def __init__(self, causal: bool, additive: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = torch.nn.ModuleList([headwise.MultiHeadAttention(16, 4), headwise.MultiHeadAttention(16, 4)])
+        self.causal, self.additive = causal, additive
+
+    def forward(self, x, attention_mask):
+        keys = attention_mask.bool()[:, None, None, :]  # (b, 1, 1, s)
+        if self.additive:
+            keys = torch.zeros(keys.shape).masked_fill(~keys, torch.finfo(torch.float32).min)
+        for a in self.attn:
+            x = x + a(x, mask=keys, causal=self.causal)
+        return x
+
+
+@pytest.mark.parametrize("causal, additive, mask", [(False, False, [1, 1, 1, 0, 0, 0, 0, 0]),
+                                                    (True, True, [0, 0, 0, 0, 0, 1, 1, 1])])
+def test_padding_query_rows_of_headwise_layers_add_nothing_to_key_weight(causal, additive, mask):
+    """Layers whose forward plans each call on its own mask: the statistics are float64 statistics of the real
+    query rows only, from each layer's input in a plain run (no real row reads a padding key, so the real rows'
+    inputs are the same there), and the first-token share equals the unpadded text's."""
+    model = HeadwiseStack(causal, additive).eval()
+    x, am = torch.randn(1, 8, 16), torch.tensor([mask])
+    inputs = []
+    handles = [a.register_forward_pre_hook(lambda m, args: inputs.append(args[0][0].double())) for a in model.attn]
+    with torch.no_grad():
+        model(x, am)
+    for handle in handles:
+        handle.remove()
+    real = am[0].bool()
+    allowed = real[None, :].expand(8, 8)
+    if causal:
+        allowed = allowed & torch.ones(8, 8, dtype=torch.bool).tril()
+    p = []
+    for a, xi in zip(model.attn, inputs):
+        q = (xi @ a.q_proj.weight.double().T + a.q_proj.bias.double()).view(8, 4, 4).transpose(0, 1)  # (h, s, d_h)
+        k = (xi @ a.k_proj.weight.double().T + a.k_proj.bias.double()).view(8, 4, 4).transpose(0, 1)
+        scores = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~allowed, float("-inf"))  # d_h 4: scale 1/2
+        p.append(scores[:, real].softmax(-1))  # (h, real rows, s)
+    p = torch.stack(p)  # (L, h, real rows, s)
+    st = model_statistics(model, {"x": x, "attention_mask": am})
+    torch.testing.assert_close(st.key_weight.double(), p.sum(-2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.entropy[..., real].double(), -(p * p.clamp_min(1e-300).log()).sum(-1),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(st.max_weight[..., real].double(), p.amax(-1), rtol=1e-4, atol=1e-6)
+    alone = model_statistics(model, {"x": x[:, real], "attention_mask": am[:, real]})
+    torch.testing.assert_close(st.grid()["first-token share"], alone.grid()["first-token share"], rtol=1e-4,
+                               atol=1e-5)
+
+
+def _png_texts(monkeypatch, tmp_path, st):
+    """The texts of every axes of the statistics PNG, and the figure's own (the title among them)."""
+    from matplotlib.figure import Figure
+
+    from headwise.viz import save_statistics_png
+
+    seen = {}
+    savefig = Figure.savefig
+
+    def kept(fig, *a, **k):
+        seen["texts"] = [t.get_text() for ax in fig.axes for t in ax.texts]
+        seen["figure"] = [t.get_text() for t in fig.texts]
+        return savefig(fig, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", kept)
+    save_statistics_png(st, tmp_path / "s.png")
+    return seen["texts"], seen["figure"]
+
+
+def test_an_undefined_share_is_labelled_undefined_and_a_removed_head_missing(tmp_path, monkeypatch):
+    """One decoder token after head surgery: each held head's first-token share is NaN (no row may read another
+    key), which the page and the PNG say; the heads surgery removed are 'not in this layer'."""
+    pytest.importorskip("matplotlib")
+    from headwise.surgery import prune_heads
+
+    model = planted()
+    prune_heads(headwise.interop.patch(model), {0: [0, 2], 1: [0, 1, 2, 3]})
+    st = model_statistics(model, {"input_ids": ids(1)})
+    share = st.grid()["first-token share"]
+    undefined = [(layer, head) for layer, head in st.pairs() if bool(share[layer, head].isnan())]
+    assert undefined == [(0, 1), (0, 3)]
+    page = render_statistics_html(st)
+    for layer in range(st.n_layers):
+        for head in range(st.n_heads):
+            missing = f"layer {layer} head {head}: not in this layer"
+            na = f"layer {layer} head {head}: first-token share n/a: no query may read a key other than the first"
+            assert (missing in page) == ((layer, head) not in st.pairs())
+            assert (na in page) == ((layer, head) in undefined)
+    texts, _ = _png_texts(monkeypatch, tmp_path, st)
+    assert texts.count("n/a") == len(undefined)
+
+
+@pytest.mark.parametrize("name, prefix", [("", ""), ("gpt", "gpt: ")])
+def test_the_default_statistics_title_names_the_model_only_when_it_has_a_name(tmp_path, monkeypatch, name, prefix):
+    pytest.importorskip("matplotlib")
+    st = model_statistics(planted(), {"input_ids": ids(5)}, name=name)
+    page = render_statistics_html(st)
+    assert page.split("<title>")[1].split("</title>")[0] == f"{prefix}every head, 5 tokens"
+    assert f"{prefix}every head, 5 tokens" in _png_texts(monkeypatch, tmp_path, st)[1]
+
+
+@pytest.mark.parametrize("pair", [(0, 1.0), (0.0, 1), 0, (0,), (0, 1, 2), (True, 1), [0, 1]])
+def test_statistics_pictures_refuse_heads_that_are_not_pairs_of_ints(tmp_path, pair):
+    pytest.importorskip("matplotlib")
+    from headwise.viz import save_statistics_png
+
+    st = model_statistics(planted(), {"input_ids": ids(5)})
+    message = rf"heads must be \(layer, head\) pairs of ints, got {re.escape(repr(pair))}"
+    with pytest.raises(TypeError, match=message):
+        render_statistics_html(st, heads=[(0, 1), pair])
+    with pytest.raises(TypeError, match=message):
+        save_statistics_png(st, tmp_path / "s.png", heads=[pair])
+    assert not (tmp_path / "s.png").exists()

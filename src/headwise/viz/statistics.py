@@ -113,8 +113,12 @@ class HeadStatistics:
         return [(layer, head) for layer in range(self.n_layers) for head in self.held(layer)]
 
     def check_pairs(self, pairs: list[tuple[int, int]]) -> None:
-        """``ValueError`` naming the first of ``pairs`` that is not a (layer, head) these statistics hold."""
+        """``ValueError`` naming the first of ``pairs`` that is not a (layer, head) these statistics hold;
+        ``TypeError`` for one that is not two ints (a float would pass ``head in held`` and fail at indexing)."""
         for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2
+                    and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)):
+                raise TypeError(f"heads must be (layer, head) pairs of ints, got {pair!r}")
             layer, head = pair
             if not 0 <= layer < self.n_layers:
                 raise ValueError(f"layer must be in [0, {self.n_layers}), got ({layer}, {head})")

@@ -77,7 +77,8 @@ def padding_reads_nothing(layers: list, attention_mask: Any) -> Iterator[None]:
     nothing to ``key_weight``: eager's additive mask (finfo.min, not -inf) lets a row masked off everywhere read
     every key evenly, and an encoder's padding rows read the real keys. No real row's numbers change: no real row
     reads a padding key, so nothing a padding row computes reaches one. Calls whose queries are not the
-    mask's positions (a decode step, cross-attention) and calls without a mask are left as they are.
+    mask's positions (a decode step, cross-attention), calls without a mask and a headwise layer's calls with a
+    KV cache are left as they are.
 
     Shapes:
         attention_mask: (b, s), 1 = a real token
@@ -90,10 +91,15 @@ def padding_reads_nothing(layers: list, attention_mask: Any) -> Iterator[None]:
     def wrapped(layer: Any, attend: Any) -> Any:
         def attend_real_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None,
                              **kwargs: Any) -> Any:
-            # a call handed a plan was planned on its mask (MultiHeadAttention.forward): left as it is
-            if isinstance(mask, torch.Tensor) and kwargs.get("plan") is None and (q.shape[0], q.shape[2]) == real.shape:
+            plan = kwargs.get("plan")
+            if isinstance(mask, torch.Tensor) and (q.shape[0], q.shape[2]) == real.shape and \
+                    (plan is None or kwargs.get("cache") is None):
                 rows = real.to(mask.device)[:, None, :, None]  # (b, 1, s_q, 1)
                 mask = mask & rows if mask.dtype == torch.bool else torch.where(rows, mask, float("-inf"))
+                if plan is not None:
+                    # forward planned the call on its own mask (no row reading nothing): attend plans it again on
+                    # this one; a cached call is not re-planned, as its keys are read the way its plan says
+                    kwargs = {**kwargs, "plan": None, "causal": plan.causal}
             return attend(q, k, v, mask=mask, **kwargs)
 
         return attend_real_rows

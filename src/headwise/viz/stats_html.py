@@ -31,16 +31,25 @@ def _cell(value: float, top: float) -> str:
     return f"background:hsl(265,60%,{light:.0f}%);color:{'#fff' if light < 55 else '#111'}"
 
 
-def _grid(name: str, values: torch.Tensor, chosen: set[tuple[int, int]]) -> str:
+# Why a held head's number is NaN: the share leaves out rows that may read only the first token (a one-token
+# decoder text has no other row), so it is undefined, not missing.
+_UNDEFINED = {"first-token share": "no query may read a key other than the first token"}
+
+
+def _grid(stats: HeadStatistics, name: str, values: torch.Tensor, chosen: set[tuple[int, int]]) -> str:
     top = max(float(values.nan_to_num(0.0).max()) if values.numel() else 0.0, 1e-9) if name == "mean entropy" else 1.0
     head = "".join(f"<th>H{j}</th>" for j in range(values.shape[1]))
     rows = []
     for layer in range(values.shape[0]):
-        cells = []
+        cells, held = [], set(stats.held(layer))
         for j in range(values.shape[1]):
             v = float(values[layer, j])
-            if v != v:  # NaN: a head this layer does not hold (removed by head surgery)
+            if j not in held:  # removed by head surgery, or never there (layers of different head counts)
                 cells.append(f"<td title='layer {layer} head {j}: not in this layer'></td>")
+                continue
+            if v != v:
+                why = _UNDEFINED.get(name, "undefined")
+                cells.append(f"<td title='layer {layer} head {j}: {name} n/a: {why}'>n/a</td>")
                 continue
             mark = " class='chosen'" if (layer, j) in chosen else ""
             cells.append(f"<td{mark} style='{_cell(v, top)}' title='layer {layer} head {j}: {name} {v:.4f}'>"
@@ -104,7 +113,7 @@ def render_statistics_html(stats: HeadStatistics, *, heads: Sequence[tuple[int, 
     heads = list(heads) if heads is not None else stats.chosen()
     stats.check_pairs(heads)
     grid, kinds = stats.grid(), stats.kinds()
-    title = title or f"{stats.model}: every head, {len(stats.tokens)} tokens"
+    title = title or f"{stats.model + ': ' if stats.model else ''}every head, {len(stats.tokens)} tokens"
     legend = " ".join(f"<span style='color:{_COLORS[c % len(_COLORS)]}'>&#9632; L{a} H{b}</span>"
                       for c, (a, b) in enumerate(heads))
 
@@ -124,7 +133,7 @@ def render_statistics_html(stats: HeadStatistics, *, heads: Sequence[tuple[int, 
             f"<p>Per-head statistics from <code>headwise.trace(capture=('lse', 'entropy', 'max_weight', "
             f"'key_weight'))</code>: no pattern was materialised. Means are over the {int(stats.reading.sum())} "
             f"positions that read something; a sink's share is on no key.</p>"
-            f"<div>{''.join(_grid(n, grid[n], set(heads)) for n in grid)}</div>"
+            f"<div>{''.join(_grid(stats, n, grid[n], set(heads)) for n in grid)}</div>"
             f"<p><b>sink heads</b> (first-token share &ge; {SINK_SHARE}, well above uniform attention's): "
             f"{names(kinds['sink'])}<br><b>sharp heads</b> (mean max weight &ge; {SHARP_WEIGHT}, well above uniform "
             f"attention's): {names(kinds['sharp'])}</p>"

@@ -59,7 +59,7 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
                                 top=1 - 0.75 / height, bottom=(0.9 + extra) / height, left=0.05, right=0.96)
         for c, (name, cmap, unit) in enumerate(_GRIDS):
             ax = fig.add_subplot(spec[0, c])
-            values = grid[name].numpy()  # NaN (drawn blank): a head the layer does not hold after head surgery
+            values = grid[name].numpy()  # NaN (drawn blank): a head the layer does not hold, or a number undefined
             top = max(float(grid[name].nan_to_num(0.0).max()) if values.size else 0.0, 1e-9) \
                 if name == "mean entropy" else 1.0
             im = ax.imshow(values, cmap=cmap, vmin=0.0, vmax=top, aspect="auto", interpolation="nearest")
@@ -73,9 +73,10 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
                 ax.add_patch(plt.Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="#00c8ff", lw=1.5))
             if L * h <= 160:
                 for layer in range(L):
-                    for head in range(h):
+                    for head in stats.held(layer):
                         v = float(values[layer, head])
-                        if v != v:
+                        if v != v:  # held, but undefined (a share with no row counted): said, not left blank
+                            ax.text(head, layer, "n/a", ha="center", va="center", fontsize=6, color="#555")
                             continue
                         ax.text(head, layer, f"{v:.2f}" if v < 10 else f"{v:.1f}", ha="center", va="center",
                                 fontsize=6, color="white" if v < 0.6 * top else "black")
@@ -95,7 +96,8 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
             if c == 0:
                 ax.legend(fontsize=7, loc="best")
         # parse_math=False: a model name or title such as "$x$" is text, never matplotlib mathtext
-        fig.suptitle(title or f"{stats.model}: every head, {s} tokens", fontsize=11, parse_math=False)
+        fig.suptitle(title or f"{stats.model + ': ' if stats.model else ''}every head, {s} tokens", fontsize=11,
+                     parse_math=False)
         fig.text(0.05, 0.2 / height, "\n".join(footer), fontsize=_FOOTER_POINTS, va="bottom", parse_math=False)
         fig.savefig(path, dpi=dpi)
     finally:
