@@ -148,6 +148,23 @@ def test_bad_input_on_patched_model_changes_nothing(call, exc, match):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("weights, biases", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "qwen2"])  # split Linear, fused Conv1D c_attn, GQA with biases
+def test_resized_projections_keep_the_requires_grad_of_their_weight_and_bias(family, weights, biases):
+    model = build(family)
+    for name, p in model.named_parameters():  # (False, True) is BitFit: only the biases train
+        p.requires_grad_(biases if name.endswith(".bias") else weights)
+    want = {name: p.requires_grad for name, p in model.named_parameters()}
+    prune_heads(patch(model), DROP[family])
+    unpatch(model)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == want
+    if weights or biases:  # with grad, unlike output()
+        out = model(**inputs())
+        (out.logits if hasattr(out, "logits") else out.last_hidden_state).sum().backward()
+    attn = {n: p for n, p in model.named_parameters() if f".{ATTN.get(family, 'self_attn')}." in n}
+    assert {n for n, p in attn.items() if p.grad is not None} == {n for n, p in attn.items() if want[n]}
+
+
 # -- save -> load ------------------------------------------------------------------------------------------
 def test_llama_uniform_regrouping_and_pruning_load_as_plain_hf(tmp_path):
     model = patch(build("llama"))
@@ -159,6 +176,18 @@ def test_llama_uniform_regrouping_and_pruning_load_as_plain_hf(tmp_path):
     assert (plain.config.num_attention_heads, plain.config.num_key_value_heads) == (3, 1)
     torch.testing.assert_close(output(plain, batch), want)
     torch.testing.assert_close(output(load_pretrained(tmp_path, transformers.LlamaForCausalLM), batch), want)
+
+
+def test_llama_pruned_uniformly_to_a_head_count_not_dividing_its_width_needs_the_headwise_loader(tmp_path):
+    model = build("llama", num_key_value_heads=6)
+    drop = {0: [0], 1: [3]}  # 5 heads of d_h 4 in every layer: LlamaConfig refuses hidden_size 24 with 5 heads
+    want = output(zero_ablated(model, "llama", drop), inputs())
+    prune_heads(patch(model), drop)
+    assert save_pretrained(model, tmp_path) is False
+    assert model.config.num_attention_heads == 6  # left as it was: no valid config describes the new shapes
+    with pytest.raises((RuntimeError, ValueError)):
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(output(load_pretrained(tmp_path, transformers.LlamaForCausalLM), inputs()), want)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

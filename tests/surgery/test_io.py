@@ -300,3 +300,27 @@ def test_a_config_with_more_layers_under_another_name_is_refused_fast(tmp_path):
     assert re.search(r"decoder_layers=1000000.*builds more than \d+ modules for BartForConditionalGeneration, "
                      r"more than the \d+ saved weights", str(err)), err
     assert time.perf_counter() - start < 30  # as above: seconds, not the minutes of building every layer
+
+
+def test_a_peft_wrapper_or_a_bare_layer_is_refused_before_anything_is_written(tmp_path):
+    import torch
+
+    import headwise
+    from headwise.interop import unpatch
+
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(build("llama"), peft.LoraConfig(target_modules=["gate_proj"], r=2,
+                                                                  init_lora_weights=False))
+    prune_heads(patch(wrapped), DROP)
+    folder = tmp_path / "out"
+    # PEFT's own save_pretrained would write the adapter alone, losing the resized attention weights
+    with pytest.raises(TypeError, match=r"expected the transformers model itself \(a PreTrainedModel\), got "
+                                        r"PeftModel holding a LlamaForCausalLM: .*merge_and_unload\(\) first"):
+        save_pretrained(wrapped, folder)
+    with pytest.raises(TypeError, match=r"expected the transformers model itself .*got MultiHeadAttention"):
+        save_pretrained(headwise.MultiHeadAttention(d_model=8, n_heads=2), folder)
+    assert not folder.exists()
+    merged = unpatch(wrapped.merge_and_unload())  # what the message says to do
+    want = output(merged, inputs())
+    assert save_pretrained(merged, folder) is False
+    torch.testing.assert_close(output(load_pretrained(folder, LLAMA), inputs()), want)

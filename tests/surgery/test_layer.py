@@ -59,6 +59,20 @@ def test_pruning_every_head_gives_bias_only():
     assert torch.equal(no_bias(x), torch.zeros(2, 5, 24, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("surgery", [lambda a: prune_heads(a, [1, 4]), lambda a: to_gqa(a, 1)], ids=["prune", "to_gqa"])
+def test_new_projections_keep_the_requires_grad_of_their_own_weight_and_bias(surgery):
+    attn, x = layer(), torch.randn(2, 5, 24, dtype=torch.float64)
+    flags = {"q_proj": (True, True), "k_proj": (True, False), "v_proj": (False, True), "out_proj": (False, False)}
+    for name, (w, b) in flags.items():  # every weight/bias combination, one per projection (a frozen bias, BitFit)
+        getattr(attn, name).weight.requires_grad_(w), getattr(attn, name).bias.requires_grad_(b)
+    small = surgery(attn)
+    small(x).sum().backward()  # the parameters a training step would update: exactly the trainable ones
+    for name, (w, b) in flags.items():
+        proj = getattr(small, name)
+        assert (proj.weight.requires_grad, proj.bias.requires_grad) == (w, b), name
+        assert (proj.weight.grad is not None, proj.bias.grad is not None) == (w, b), name
+
+
 def test_pruned_layer_keeps_rotary_cache_trace_and_heads():
     attn = layer(rotary=RotaryEmbedding(4))
     small = prune_heads(attn, [0, 4])

@@ -81,12 +81,23 @@ def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> b
     Returns whether plain ``type(model).from_pretrained(directory)`` rebuilds it (else use
     :func:`load_pretrained`, which works in both cases).
 
+    Args:
+        model: the transformers model itself, patched or not; a wrapper (a PEFT model: ``merge_and_unload()``
+            first) is refused with a ``TypeError`` before anything is written.
+        directory: the folder to write.
+        **kwargs: passed on to the model's own ``save_pretrained``.
+
     Shapes:
         the sidecar: {"format": 2, "plain_hf": bool, "modules": {name: {class, n_heads, n_kv_heads, d_head,
         original_heads}}}
     """
-    if not hasattr(model, "save_pretrained"):
-        raise TypeError(f"save_pretrained: expected a Hugging Face PreTrainedModel, got {type(model).__name__}")
+    # a wrapper's own save_pretrained (PEFT's writes only the adapter) would lose the resized attention weights
+    if not isinstance(model, nn.Module) or hosts.transformers_model(model) is not model:
+        inner = hosts.transformers_model(model) if isinstance(model, nn.Module) else None
+        held = f" holding a {type(inner).__name__}" if inner is not None else ""
+        raise TypeError(f"save_pretrained: expected the transformers model itself (a PreTrainedModel), got "
+                        f"{type(model).__name__}{held}: for a PEFT model call merge_and_unload() first and save "
+                        "the model it returns (else pass the transformers model inside the wrapper)")
     shapes = head_shapes(model)
     plain = hosts.rebuilds(model)
     with hosts.quiet(messages=False):  # transformers' "Writing model shards" bar is not ours to show

@@ -52,8 +52,9 @@ def read(layer: MultiHeadAttention) -> HeadWeights:
 def _linear(w: torch.Tensor, b: torch.Tensor | None, like: nn.Module) -> nn.Linear:
     lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
     lin.weight = nn.Parameter(w.clone(), requires_grad=like.weight.requires_grad)
-    if b is not None:
-        lin.bias = nn.Parameter(b.clone(), requires_grad=like.weight.requires_grad)
+    if b is not None:  # a bias keeps its own flag: BitFit trains biases alone, and a frozen bias stays frozen
+        old_b = like.bias if isinstance(getattr(like, "bias", None), torch.Tensor) else like.weight
+        lin.bias = nn.Parameter(b.clone(), requires_grad=old_b.requires_grad)
     return lin.train(like.training)
 
 

@@ -230,24 +230,27 @@ class SurgerySeam:
 
 def projection_like(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module) -> nn.Module:
     """A new projection of ``like``'s kind (``nn.Linear``, or transformers' ``Conv1D`` storing ``weight.T``) holding
-    copies of ``weight`` / ``bias`` (their device and dtype), with ``like``'s mode and ``requires_grad``.
+    copies of ``weight`` / ``bias`` (their device and dtype), with ``like``'s mode, the weight taking the
+    ``requires_grad`` of ``like.weight`` and the bias that of ``like.bias`` (of ``like.weight`` where it has none).
 
     Shapes:
         weight (out, in), bias (out,) or None
     """
     grad = bool(getattr(getattr(like, "weight", None), "requires_grad", True))
+    # a bias keeps its own flag (BitFit trains biases alone); a fused projection's bias is the fused module's
+    bias_grad = bool(getattr(getattr(like, "bias", None), "requires_grad", grad))
     if is_conv1d(like):
         from transformers.pytorch_utils import Conv1D
 
         with torch.device("meta"):  # no allocation: the parameters are replaced at once
             new = Conv1D(weight.shape[0], weight.shape[1])
         new.weight = nn.Parameter(weight.detach().T.contiguous(), requires_grad=grad)  # (in, out)
-        new.bias = nn.Parameter(bias.detach().clone(), requires_grad=grad)
+        new.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias_grad)
     else:
         new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         new.weight = nn.Parameter(weight.detach().clone(), requires_grad=grad)
         if bias is not None:
-            new.bias = nn.Parameter(bias.detach().clone(), requires_grad=grad)
+            new.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias_grad)
     return new.train(like.training)
 
 
