@@ -412,6 +412,9 @@ def test_unsupported_modules_raise_clear_errors():
         from_hf(cross.h[0].crossattention)  # Q in q_attn, K | V in c_attn: a copy would attend over its own input
     with pytest.raises(TypeError, match="Sequential contains no attention module"):
         patch(nn.Sequential(nn.Linear(4, 4)))
+    for fn in (patch, unpatch, layers):  # not a module at all: named, not an AttributeError from inside
+        with pytest.raises(TypeError, match=rf"^{fn.__name__}: model must be a torch.nn.Module, got NoneType$"):
+            fn(None)
     model = llama("llama-gqa", "eager")  # a patched module converts as it is: patching changed nothing of it
     assert torch.equal(from_hf(patch(model).model.layers[0].self_attn).q_proj.weight,
                        model.model.layers[0].self_attn.q_proj.weight)

@@ -282,4 +282,6 @@ def layers(model: nn.Module) -> list[tuple[str, HFView]]:
         >>> [name for name, attn in layers(patch(transformers.BertModel(cfg)))]
         ['encoder.layer.0.attention.self', 'encoder.layer.1.attention.self']
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"layers: model must be a torch.nn.Module, got {type(model).__name__}")
     return [(name, view) for name, module in model.named_modules() if (view := view_on(module)) is not None]
