@@ -69,7 +69,10 @@ def _split(out: Any, n: int, b: int) -> list[Any]:
 
 
 def _scalar(value: Any) -> torch.Tensor:
-    t = torch.as_tensor(value).detach()
+    try:
+        t = torch.as_tensor(value).detach()
+    except (TypeError, RuntimeError, ValueError):  # torch's own message does not mention the metric
+        raise TypeError(f"metric must return a number or a scalar tensor, got {type(value).__name__}") from None
     if t.numel() != 1 or not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
         raise ValueError(f"metric must return one number (a scalar tensor or float), got "
                          f"{tuple(t.shape) if t.numel() != 1 else t.dtype}")

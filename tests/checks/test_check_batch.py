@@ -9,7 +9,7 @@ import torch
 
 from headwise.checks import check
 
-from tests.checks.check_gallery import RefAttention
+from tests.checks.check_gallery import PaddingIgnored, RefAttention
 
 
 class ValuesOfOneSample(RefAttention):
@@ -111,6 +111,37 @@ def test_a_layer_mixing_every_sample_fails_naming_a_sample_whose_change_moves_an
     x2[j] = torch.randn(8, 32, dtype=torch.float64)
     with torch.no_grad():  # the named change does move the named sample, with plain calls
         assert (layer(x2)[i] - layer(x)[i]).abs().max() > 1e-3
+
+
+def _padding_moves(layer, x, keep, sample, token, own):
+    """How far real ``token`` of ``sample`` moves when padded tokens are replaced, plain calls: the sample's own
+    padded tokens (``own``) or those of every other sample."""
+    rows = torch.arange(keep.shape[0])[:, None]
+    changed = ~keep & ((rows == sample) if own else (rows != sample))
+    x2 = torch.where(changed[..., None], torch.randn_like(x), x)
+    mask = keep[:, None, None, :]
+    with torch.no_grad():
+        return float((layer(x2, mask=mask)[sample, token] - layer(x, mask=mask)[sample, token]).abs().max())
+
+
+@pytest.mark.parametrize("layer_type,own", [(MeanOfBatch, False), (PaddingIgnored, True)])
+def test_padding_invariance_names_whose_padded_tokens_moved_the_sample(layer_type, own):
+    torch.manual_seed(0)
+    cex = check(layer_type(), properties=["padding_invariance"])["padding_invariance"].counterexample
+    bi, ti = cex["batch"], cex["token"]
+    # the check's padding: sample 0 none, sample 1 on the right, sample 2 on the left
+    keep = torch.ones(3, 8, dtype=torch.bool)
+    keep[1, 6:], keep[2, :2] = False, False
+    assert cex["keep"] == keep[bi].int().tolist()
+    layer = layer_type().double().eval()
+    x = torch.randn(3, 8, 32, dtype=torch.float64)
+    assert _padding_moves(layer, x, keep, bi, ti, own) > 1e-3
+    assert _padding_moves(layer, x, keep, bi, ti, not own) < 1e-12
+    if own:
+        assert f"changing padded tokens of sample {bi} changed real token {ti} of sample {bi}" in cex["summary"]
+    else:
+        assert (f"changing padded tokens of other samples (sample {bi} has none: a leak across the batch) changed "
+                f"real token {ti} of sample {bi}") in cex["summary"]
 
 
 class ScaledByBatch(RefAttention):

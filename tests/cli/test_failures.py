@@ -36,6 +36,8 @@ ROWS = [
     ("out-disk-full", ["heads", T, "--out", "{tmp}/h.png"], 2, "No space left on device", DISK_FULL),
     ("out-parent-is-a-file", ["heads", T, "--out", "{tmp}/afile/h.png"], 2, "is not a directory", None),
     ("out-parent-missing", ["heads", T, "--out", "{tmp}/nope/h.png"], 2, "does not exist", None),
+    ("out-symlink-into-missing-dir", ["heads", T, "--out", "{tmp}/dangling.html"], 2,
+     "'{tmp}/dangling.html' is a symlink into directory '/nonexistent-headwise-dir', which does not exist", None),
     ("out-unwritable-dir", ["heads", T, "--out", "{tmp}/ro/h.png"], 2, "cannot create files in", None),
     ("out-bad-suffix", ["heads", T, "--out", "{tmp}/h.jpg"], 2, "must end in .png or .html", None),
     ("heads-layer-6", ["heads", T, "--layer", "6"], 2, "[-6, 6) for the 6-layer bundled model", None),
@@ -83,6 +85,7 @@ ROWS = [
 def places(tmp_path: Path) -> Path:
     (tmp_path / "full.png").symlink_to("/dev/full")
     (tmp_path / "afile").write_text("")
+    (tmp_path / "dangling.html").symlink_to("/nonexistent-headwise-dir/h.html")
     (tmp_path / "ro").mkdir(mode=0o500)
     return tmp_path
 
@@ -106,7 +109,7 @@ def test_failure_is_one_line(places: Path, name: str, argv: list[str], code: int
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == code, (proc.returncode, proc.stderr)
     assert len(lines) == 1, proc.stderr
-    assert message in lines[0], lines[0]
+    assert message.replace("{tmp}", str(places)) in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     limit = CHECK_S if name.startswith(("check-identity", "check-layer")) else FAST_S
     assert seconds < limit, f"{seconds:.2f} s"

@@ -124,6 +124,14 @@ def test_the_metric_sees_the_batch_it_scores():
      r"one-element tensor .* not .item\(\) or float\(...\)\), got float", False),
     (lambda m, x: gradient_importance(m, x, lambda y: y.sum().detach()), ValueError, "has no gradient", False),
     (lambda m, x: attribution(m, x, x, lambda y: y.sum().item()), TypeError, "got float", False),
+    (lambda m, x: head_effects(m, x, x, lambda y: None), TypeError,
+     "metric must return a number or a scalar tensor, got NoneType", False),
+    (lambda m, x: head_effects(m, x, x, lambda y: "x"), TypeError,
+     "metric must return a number or a scalar tensor, got str", False),
+    (lambda m, x: attribution(m, x, x, lambda y: y.sum() * (1 + 1j)), ValueError,
+     "attribution: metric must be real .*, got a torch.complex64 tensor", False),
+    (lambda m, x: gradient_importance(m, x, lambda y: y.sum() * 1j), ValueError,
+     "gradient_importance: metric must be real", False),
 ])
 def test_bad_inputs_and_metrics_are_refused_in_one_line(call, exc, match, before):
     model = torch.nn.Sequential(headwise.MultiHeadAttention(8, 2)).eval()

@@ -231,14 +231,14 @@ def padding_invariance(p: Probe) -> PropertyResult:
     dev = deviation(y2, y).amax(-1).masked_fill(~real, 0.0)  # (b, s), real tokens only
     tol = p.tol(y[real])
     worst = float(dev.max())
-    lengths = p.keep.sum(-1).tolist()
     if worst <= tol:
-        return PropertyResult(name, PASS, f"real tokens per sample {lengths} (right and left padding)",
+        return PropertyResult(name, PASS, f"real tokens per sample {p.keep.sum(-1).tolist()} (right and left padding)",
                               None, worst, tol)
     bi, ti = first_index(dev > tol)
+    whose = f"sample {bi}" if not p.keep[bi].all() else f"other samples (sample {bi} has none: a leak across the batch)"
     return PropertyResult(name, FAIL, "padded tokens leak into real ones", {
         "batch": bi, "token": ti, "deviation": float(dev[bi, ti]), "keep": p.keep[bi].int().tolist(),
-        "summary": f"changing padded tokens of sample {bi} changed its real token {ti} "
+        "summary": f"changing padded tokens of {whose} changed real token {ti} of sample {bi} "
                    f"(max |diff| {float(dev[bi, ti]):.3g})"}, worst, tol)
 
 

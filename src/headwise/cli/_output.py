@@ -45,6 +45,8 @@ def check_out(out: str, suffixes: Sequence[str], option: str = "--out") -> Path:
     parent = real.parent
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
+        if path.is_symlink():  # the directory that fails is the link target's, not the one holding the link
+            raise CliError(f"{option} {out!r} is a symlink into directory {str(parent)!r}, which {what}")
         raise CliError(f"{option}: directory {str(path.parent)!r} {what}")
     if real.exists():
         mode = real.stat().st_mode

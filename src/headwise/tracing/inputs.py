@@ -140,13 +140,15 @@ def metric_of(metric: Any, what: str) -> Callable[[Any, Any], Any]:
 
 def differentiable(value: Any, what: str) -> torch.Tensor:
     """``value`` as a 0-d tensor that autograd can differentiate, else a ``TypeError`` (not a tensor: a float,
-    ``.item()``) or ``ValueError`` (several elements, or no graph: detached, or computed under ``no_grad``)
-    saying what the metric must return."""
+    ``.item()``) or ``ValueError`` (several elements, complex, or no graph: detached, or computed under
+    ``no_grad``) saying what the metric must return."""
     must = "metric must return a one-element tensor computed from the model's output, so that autograd can " \
            "differentiate it (e.g. a loss; not .item() or float(...))"
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: {must}, got {type(value).__name__}")
-    if value.numel() != 1 or not (value.is_floating_point() or value.is_complex()):
+    if value.is_complex():  # a gradient is defined for real scalars only
+        raise ValueError(f"{what}: metric must be real (a floating-point tensor), got a {value.dtype} tensor")
+    if value.numel() != 1 or not value.is_floating_point():
         raise ValueError(f"{what}: {must}, got a {value.dtype} tensor of shape {tuple(value.shape)}")
     if not value.requires_grad:
         raise ValueError(f"{what}: {must}; the tensor it returned has no gradient (detached, or computed under "
