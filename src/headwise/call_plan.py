@@ -134,6 +134,10 @@ def explain_forward(layer: Any, x: torch.Tensor, *, context: torch.Tensor | None
         warn_bytes: warn above this many bytes of probabilities (None: ``headwise.dispatch.WARN_BYTES``).
         statistics: per-head statistics a trace would capture.
     """
+    if warn_bytes is not None and (isinstance(warn_bytes, bool) or not isinstance(warn_bytes, int)):
+        raise TypeError(f"warn_bytes must be None or an int (bytes), got {type(warn_bytes).__name__} {warn_bytes!r}")
+    if warn_bytes is not None and warn_bytes < 0:
+        raise ValueError(f"warn_bytes must be None or a non-negative int (bytes), got {warn_bytes}")
     w = layer.q_proj.weight
     x, key, _, mask, _, _ = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None, x,
                                           context, None, None, mask, causal, cache, None, return_weights)

@@ -300,8 +300,11 @@ def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
         if shapes != (first.w_q.shape, first.w_k.shape, first.w_v.shape):
             raise ValueError(f"head {i} has weight shapes {[tuple(s) for s in shapes]}, head 0 has "
                              f"{[tuple(first.w_q.shape), tuple(first.w_k.shape), tuple(first.w_v.shape)]}")
-        if (h.b_q is not None) != has_bias or h.w_q.dtype != first.w_q.dtype or h.scale != first.scale:
-            raise ValueError(f"head {i} differs from head 0 in bias presence, dtype or scale")
+        if (h.b_q is not None) != has_bias or h.scale != first.scale:
+            raise ValueError(f"head {i} differs from head 0 in bias presence or scale")
+        if h.w_q.dtype != first.w_q.dtype or h.w_q.device != first.w_q.device:  # a head's tensors share both
+            raise TypeError(f"every head must share head 0's dtype and device ({first.w_q.dtype} on "
+                            f"{first.w_q.device}); head {i} is {h.w_q.dtype} on {h.w_q.device}")
         differs = _rotary_difference(h.rotary, first.rotary)
         if differs:  # one layer has one rotary embedding for all its heads
             raise ValueError(f"head {i} rotates differently from head 0 ({differs}: {h.rotary!r} vs "
@@ -323,6 +326,10 @@ def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
                         f"heads {g * group} and {j} share K/V head {g} (n_kv_heads={n_kv_heads}) but their "
                         f"{name} differ; pass n_kv_heads={n} to keep separate K/V heads"
                     )
+    for name, t in out_proj.named_parameters():  # copied into the layer as they are: neither cast nor moved
+        if t.dtype != first.w_q.dtype or t.device != first.w_q.device:
+            raise TypeError(f"out_proj must share the heads' dtype and device ({first.w_q.dtype} on "
+                            f"{first.w_q.device}); out_proj.{name} is {t.dtype} on {t.device}")
     expected = (d_model, n * d_head)
     if tuple(out_proj.weight.shape) != expected:
         raise ValueError(f"out_proj must map h * d_head = {n * d_head} -> d_model = {d_model} (weight "

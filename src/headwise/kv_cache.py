@@ -348,6 +348,10 @@ class KVCache:
             room () bool
         """
         s = k.shape[-2]
+        if s > self.max_len:  # overflows at any position, known when tracing: the graph raises, writing nothing
+            keys, values = self._overflow_in_graph(k, v)
+            ones = keys.new_ones((1, 1, s, keys.shape[2]), dtype=torch.bool)  # never read: the op raises first
+            return keys, values, ones, ones[0, 0, 0, 0]
         pos = self.position
         room = pos + s <= self.max_len  # () bool
         idx = (pos + self._slots[:s]).clamp(max=self.max_len - 1)  # (s,): the slots, valid even when refused

@@ -232,7 +232,7 @@ def validate_mask(mask: torch.Tensor, target: tuple[int, int, int, int], dtype: 
     shape = tuple(mask.shape)
     ok = len(shape) <= 4
     for m, t in zip(reversed(shape), reversed(target)):  # a loop, not all(...): no generator frame per call
-        ok = ok and m in (1, t)
+        ok = ok and (m == 1 or m == t)  # not `m in (1, t)`: dynamo folds that to False for a symbolic t
     if not ok:
         raise ValueError(
             f"mask of shape {shape} does not broadcast to (b, h, s_q, s_kv) = {tuple(target)}; "

@@ -52,13 +52,25 @@ def check_causal(causal: object) -> None:
                         f"alignment pass mask=headwise.masks.causal_mask(s_q, s_kv, align='top_left')")
 
 
-def check_positions(positions: object, b: int, s: int) -> torch.Tensor:
-    """Rotary positions: an integer tensor ``(s,)``, ``(1, s)`` or ``(b, s)``."""
+def check_positions(positions: object, b: int, s: int, device: torch.device | None = None) -> torch.Tensor:
+    """Rotary positions: an integer tensor ``(s,)``, ``(1, s)`` or ``(b, s)``, on ``device`` when one is given.
+
+    Args:
+        positions: what the caller passed as ``positions=``.
+        b: the batch size of the call.
+        s: its query length s_q.
+        device: the inputs' device, or None to leave the device unchecked.
+    """
     positions = check_tensor("positions", positions)
     if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
         raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
-    if tuple(positions.shape) not in ((s,), (1, s), (b, s)):
+    shape = positions.shape
+    # Explicit ==, not tuple membership: dynamo folds `in` to False when s or b is a symbolic size
+    if not (len(shape) == 1 and shape[0] == s
+            or len(shape) == 2 and shape[1] == s and (shape[0] == 1 or shape[0] == b)):
         raise ValueError(f"positions must have shape (s_q={s},) or (b={b}, s_q={s}), got {tuple(positions.shape)}")
+    if device is not None and positions.device != device:
+        raise ValueError(f"positions are on {positions.device}, but the inputs are on {device}")
     return positions
 
 
@@ -103,7 +115,8 @@ def check_sinks(sinks: object, b: int, h: int, s_q: int, device: torch.device) -
         return
     check_tensor("sinks", sinks)
     shape = tuple(sinks.shape)
-    per_row = len(shape) == 4 and shape[0] in (1, b) and shape[1] == h and shape[2] in (1, s_q) and shape[3] == 1
+    per_row = (len(shape) == 4 and (shape[0] == 1 or shape[0] == b) and shape[1] == h  # ==, not `in`: see validate_mask
+               and (shape[2] == 1 or shape[2] == s_q) and shape[3] == 1)
     if not (shape == (h,) or per_row) or not sinks.dtype.is_floating_point:
         raise ValueError(f"sinks must be a floating tensor of shape (h={h},) or (b or 1, h={h}, s_q or 1, 1) with "
                          f"b={b}, s_q={s_q}, got {shape} {sinks.dtype}")
@@ -216,7 +229,7 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
         if positions is not None:
             raise ValueError("positions= is for rotary layers; this layer has no rotary embedding")
     elif positions is not None:
-        positions = check_positions(positions, b, s_q)
+        positions = check_positions(positions, b, s_q, device)
     return ForwardInputs(x, key, value, mask, positions, batched)
 
 

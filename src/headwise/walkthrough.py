@@ -39,13 +39,22 @@ def _kind(t: torch.Tensor, src: torch.Tensor) -> str:
     return "view" if t._base is not None and t._base is base else "new"
 
 
-def walk(config: AttentionConfig, *, seq_len: int = 128, batch: int = 1, device: str | torch.device = "cpu",
-         dtype: torch.dtype = torch.float32, attn: MultiHeadAttention | None = None,
+def walk(config: AttentionConfig, *, seq_len: int = 128, batch: int = 1, device: str | torch.device | None = None,
+         dtype: torch.dtype | None = None, attn: MultiHeadAttention | None = None,
          seed: int = 0) -> list[Step]:
     """Run one self-attention forward by hand, step by step, and record what each step did.
 
     Use ``device="meta"`` for sizes too large to allocate: shapes, strides and view/copy are exact, no
     arithmetic is done.
+
+    Args:
+        config: the layer's configuration; a self-attention one (``kdim == vdim == d_model``).
+        seq_len: the sequence length s of the walked input.
+        batch: its batch size b.
+        device: where the input (and the layer, when ``attn`` is None) lives; None: ``attn``'s device, or the CPU.
+        dtype: the input's (and the layer's) floating dtype; None: ``attn``'s dtype, or float32.
+        attn: a layer of ``config`` to walk through; None builds one from ``seed``.
+        seed: the seed of the layer built when ``attn`` is None.
 
     Shapes:
         x: (b, s, d) -> q: (b, h, s, d_h); k, v: (b, h_kv, s, d_h); scores: (b, h, s, s) -> (b, s, d)
@@ -65,6 +74,16 @@ def walk(config: AttentionConfig, *, seq_len: int = 128, batch: int = 1, device:
     if attn is not None and (not isinstance(attn, MultiHeadAttention) or attn.config != config):
         got = f"a layer of config {attn.config}" if isinstance(attn, MultiHeadAttention) else type(attn).__name__
         raise ValueError(f"walk: attn must be a MultiHeadAttention of this config, got {got}")
+    if config.kdim != config.d_model or config.vdim != config.d_model:
+        raise ValueError(f"walk: a self-attention walk needs kdim == vdim == d_model={config.d_model}, got "
+                         f"kdim={config.kdim}, vdim={config.vdim}")
+    if attn is not None:  # x is built where the layer's weights are, in their dtype
+        w = attn.q_proj.weight
+        if (dtype is not None and dtype != w.dtype) or (device is not None and torch.device(device) != w.device):
+            raise ValueError(f"walk: dtype={dtype}, device={device} do not match attn's weights ({w.dtype} on "
+                             f"{w.device}); leave them None to use attn's")
+        dtype, device = w.dtype, w.device
+    dtype, device = dtype or torch.float32, device or "cpu"
     b, s, h, h_kv, d_h = batch, seq_len, config.n_heads, config.n_kv_heads, config.d_head
     if attn is None:
         torch.manual_seed(seed)
@@ -100,8 +119,10 @@ def walk(config: AttentionConfig, *, seq_len: int = 128, batch: int = 1, device:
         ctx_t = ctx.transpose(1, 2)  # (b, s, h, d_h)
         rec("merge: transpose back", "ctx.transpose(1, 2)", ctx_t, _kind(ctx_t, ctx))
         merged = ctx_t.reshape(b, s, h * d_h)  # (b, s, h * d_h)
-        rec("merge: flatten heads", f"reshape(b, s, {h * d_h})", merged, _kind(merged, ctx),
-            "a copy: the transposed tensor is not contiguous")
+        kind = _kind(merged, ctx)
+        rec("merge: flatten heads", f"reshape(b, s, {h * d_h})", merged, kind,
+            "a copy: the transposed tensor is not contiguous" if kind == "new"
+            else "a view: the transposed tensor is laid out as (b, s, h * d_h) already")
         rec("y = concat W_O", "out_proj(merged)", attn.out_proj(merged), "new", "the only place heads mix")
     return steps
 

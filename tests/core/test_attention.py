@@ -317,3 +317,18 @@ def test_projections_are_plain_linears_with_standard_weights():
         assert proj.weight.is_contiguous()  # nn.Linear's own (out, in) layout
     assert list(attn.state_dict()) == ["q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias",
                                        "v_proj.weight", "v_proj.bias", "out_proj.weight", "out_proj.bias"]
+
+
+def test_rotary_positions_are_accepted_under_compile_once_the_sequence_length_is_symbolic():
+    # After two lengths dynamo traces s_q as a symbolic size: the positions' shape check must still accept it.
+    torch._dynamo.reset()
+    attn = MultiHeadAttention(16, 4, 2, rotary=RotaryEmbedding(4, base=50.0), dtype=torch.float64).eval()
+    compiled = torch.compile(attn, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for s in (5, 6):  # default positions: given ones then come with concrete sizes, s_q already symbolic
+            compiled(torch.randn(2, s, 16, dtype=torch.float64), causal=True)
+        for s in (7, 8):
+            x = torch.randn(2, s, 16, dtype=torch.float64)
+            for pos in (torch.arange(s) + 3, torch.stack([torch.arange(s), torch.arange(s) + 4])):
+                y_ref, _ = reference_mha(attn, x, positions=pos, causal=True)
+                torch.testing.assert_close(compiled(x, positions=pos, causal=True), y_ref)

@@ -236,3 +236,23 @@ def test_a_compiled_step_with_frozen_keys_and_values_has_the_gradients_of_one_ca
     got = torch.autograd.grad(torch.cat(ys, 1)[:, 2:].pow(2).sum(), attn.q_proj.weight)[0]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert not cache.keys.requires_grad and cache.length == 5
+
+
+def test_a_compiled_call_with_more_new_tokens_than_max_len_raises_the_eager_overflow_and_writes_nothing():
+    torch._dynamo.reset()
+    attn = _layer(2, False)
+    x = torch.randn(2, 10, 32)
+    eager_cache, cache = attn.new_cache(2, 8), attn.new_cache(2, 8)
+    with pytest.raises(ValueError) as eager:
+        attn(x, cache=eager_cache)
+    keys, values = cache.keys.clone(), cache.values.clone()
+    call = torch.compile(lambda t, c: attn(t, cache=c), backend="eager", fullgraph=True)
+    with torch.no_grad(), pytest.raises(ValueError) as compiled:
+        call(x, cache)
+    assert str(compiled.value) == str(eager.value) == "cache overflow: 0 cached + 10 new > max_len=8; " \
+        "allocate a larger cache or reset() it"
+    torch.testing.assert_close(cache.keys, keys, rtol=0, atol=0)
+    torch.testing.assert_close(cache.values, values, rtol=0, atol=0)
+    assert cache.length == 0
+    with torch.no_grad():  # the cache still works: a call that fits equals the uncached layer
+        torch.testing.assert_close(attn(x[:, :8], cache=cache), attn(x[:, :8], causal=True))

@@ -246,3 +246,17 @@ def test_the_eager_path_multiplies_grouped_values_the_same_way_when_traced(monke
     ref_z, ref_w = reference_heads(q.double(), k.double(), v.double(), mask=mask)
     torch.testing.assert_close(eager[0].double(), ref_z, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(eager[1].double(), ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_per_row_sinks_are_accepted_under_compile_once_the_sequence_length_is_symbolic():
+    # After two lengths dynamo traces s_q as a symbolic size: the sinks' shape check must still accept it.
+    torch._dynamo.reset()
+    compiled = torch.compile(hwf.attention, fullgraph=True, backend="eager")
+    g = torch.Generator().manual_seed(0)
+    for s in (5, 6):  # no sinks: they then come with concrete sizes, s_q already symbolic
+        compiled(*(torch.randn(2, 4, s, 8, dtype=torch.float64, generator=g) for _ in range(3)), causal=True)
+    for s in (7, 8):
+        q, k, v = (torch.randn(2, 4, s, 8, dtype=torch.float64, generator=g) for _ in range(3))
+        sinks = torch.randn(2, 4, s, 1, dtype=torch.float64, generator=g)
+        z, _ = compiled(q, k, v, sinks=sinks, causal=True)
+        torch.testing.assert_close(z, reference_heads(q, k, v, sinks=sinks, causal=True)[0])

@@ -130,3 +130,20 @@ def test_numpy_lengths_are_an_integer_sequence():
     assert torch.equal(out, hwm.padding_mask(lengths=[2, 3], s_kv=3))
 
 
+
+
+def test_masks_are_accepted_under_compile_once_the_sequence_length_is_symbolic():
+    # After two lengths dynamo traces s_q as a symbolic size: the mask's shape check must still accept it.
+    from tests.reference import reference_mha
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, 2, dtype=torch.float64).eval()
+    compiled = torch.compile(attn, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for s in (5, 6):  # unmasked: the mask then first comes with concrete sizes, s_q already symbolic
+            compiled(torch.randn(2, s, 16, dtype=torch.float64), causal=True)
+        for s in (7, 8):
+            x = torch.randn(2, s, 16, dtype=torch.float64)
+            for mask in ((torch.rand(s, s) > 0.3) | torch.eye(s, dtype=torch.bool),  # (s_q, s_kv)
+                         hwm.padding_mask(lengths=[s, s - 2], s_kv=s)):  # (b, 1, 1, s_kv)
+                torch.testing.assert_close(compiled(x, mask=mask), reference_mha(attn, x, mask=mask)[0])

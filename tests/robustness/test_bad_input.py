@@ -16,6 +16,7 @@ from torch import nn
 from headwise import AttentionConfig, AttentionHead, KVCache, MultiHeadAttention, RotaryEmbedding
 from headwise import functional as hwf
 from headwise import masks
+from headwise.walkthrough import walk
 
 D, H, H_KV, D_H = 16, 4, 2, 4
 
@@ -129,6 +130,10 @@ CORE = [
      "positions must be an integer tensor, got torch.float32"),
     ("forward positions type", lambda: rotary_layer()(x(), positions=[0, 1, 2]), TypeError,
      "positions must be a torch.Tensor, got list"),
+    ("forward positions device", lambda: rotary_layer()(x(), positions=torch.arange(3, device="meta")), ValueError,
+     "positions are on meta, but the inputs are on cpu"),
+    ("head positions device", lambda: rotary_layer().head(0)(x(), positions=torch.arange(3, device="meta")),
+     ValueError, "positions are on meta, but the inputs are on cpu"),
     ("forward rotary cross", lambda: rotary_layer()(x(), x()), ValueError,
      "rotary embeddings apply to self-attention only; got context/key inputs"),
     # ---- head(), heads(), from_heads -------------------------------------------------------------------
@@ -153,6 +158,20 @@ CORE = [
     ("from_heads shapes differ", lambda: MultiHeadAttention.from_heads(
         [layer().head(0), MultiHeadAttention(16, 2).head(0)], out_proj=nn.Linear(12, 16)), ValueError,
      r"head 1 has weight shapes \[\(16, 8\), \(16, 8\), \(16, 8\)\], head 0 has \[\(16, 4\), \(16, 4\), \(16, 4\)\]"),
+    ("from_heads head device", lambda: MultiHeadAttention.from_heads(
+        [layer().head(0), MultiHeadAttention(D, H, H_KV, device="meta").head(1)], out_proj=nn.Linear(8, 16)), TypeError,
+     r"every head must share head 0's dtype and device \(torch.float32 on cpu\); head 1 is torch.float32 on meta"),
+    ("from_heads head dtype", lambda: MultiHeadAttention.from_heads(
+        [layer().head(0), layer(dtype=torch.float64).head(1)], out_proj=nn.Linear(8, 16)), TypeError,
+     r"every head must share head 0's dtype and device \(torch.float32 on cpu\); head 1 is torch.float64 on cpu"),
+    ("from_heads out_proj device", lambda: MultiHeadAttention.from_heads(
+        layer().heads(), out_proj=nn.Linear(16, 16, device="meta")), TypeError,
+     r"out_proj must share the heads' dtype and device \(torch.float32 on cpu\); out_proj.weight is torch.float32 "
+     r"on meta"),
+    ("from_heads out_proj dtype", lambda: MultiHeadAttention.from_heads(
+        layer().heads(), out_proj=nn.Linear(16, 16, dtype=torch.float64)), TypeError,
+     r"out_proj must share the heads' dtype and device \(torch.float32 on cpu\); out_proj.weight is torch.float64 "
+     r"on cpu"),
     # ---- new_cache / KVCache ---------------------------------------------------------------------------
     ("new_cache batch", lambda: layer().new_cache(-1, 8), ValueError, "batch_size must be a non-negative int, got -1"),
     ("new_cache max_len", lambda: layer().new_cache(2, 0), ValueError, "max_len must be a positive int, got 0"),
@@ -311,6 +330,18 @@ CORE = [
      ValueError, "cache= is for self-attention decoding"),
     ("explain mask", lambda: layer().explain_dispatch(x(), mask=torch.ones(2, 2, dtype=torch.bool)), ValueError,
      r"mask of shape \(2, 2\) does not broadcast to \(b, h, s_q, s_kv\) = \(2, 4, 3, 3\)"),
+    ("explain warn_bytes str", lambda: layer().explain_dispatch(x(), warn_bytes="1GB"), TypeError,
+     r"warn_bytes must be None or an int \(bytes\), got str '1GB'"),
+    ("explain warn_bytes bool", lambda: layer().explain_dispatch(x(), warn_bytes=True), TypeError,
+     r"warn_bytes must be None or an int \(bytes\), got bool True"),
+    ("explain warn_bytes negative", lambda: layer().explain_dispatch(x(), warn_bytes=-1), ValueError,
+     r"warn_bytes must be None or a non-negative int \(bytes\), got -1"),
+    # ---- walkthrough.walk ------------------------------------------------------------------------------
+    ("walk kdim", lambda: walk(AttentionConfig(d_model=16, n_heads=4, kdim=8, vdim=8), seq_len=3), ValueError,
+     r"walk: a self-attention walk needs kdim == vdim == d_model=16, got kdim=8, vdim=8"),
+    ("walk dtype vs attn", lambda: walk((a := layer(dtype=torch.float64)).config, seq_len=3, attn=a,
+                                        dtype=torch.float32), ValueError,
+     r"walk: dtype=torch.float32, device=None do not match attn's weights \(torch.float64 on cpu\)"),
     # ---- checkpoints -----------------------------------------------------------------------------------
     ("load_state_dict other layout", lambda: MultiHeadAttention(16, 2).load_state_dict(
         MultiHeadAttention(16, 4).state_dict()), ValueError,

@@ -242,3 +242,19 @@ def test_eager_path_is_bitwise_deterministic(path):
     if path == "weights":
         w1 = attn(x, mask=mask, return_weights=True)[1]
         assert torch.equal(attn(x, mask=mask, return_weights=True)[1], w1)
+
+
+@pytest.mark.parametrize("seq_len", [1, 3])
+def test_walk_runs_in_the_given_layers_dtype_and_words_the_merge_by_its_kind(seq_len):
+    from headwise.walkthrough import walk
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, 2, dtype=torch.float64)
+    steps = {s.name: s for s in walk(attn.config, seq_len=seq_len, batch=2, attn=attn)}
+    x = torch.randn(2, seq_len, 16, dtype=torch.float64)
+    assert steps["y = concat W_O"].shape == tuple(attn(x).shape)
+    # Plain torch says whether the merge can be a view: the transposed context is contiguous only when s = 1
+    ctx_t = torch.empty(2, 4, seq_len, 4).transpose(1, 2)
+    merge = steps["merge: flatten heads"]
+    assert merge.kind == ("view" if ctx_t.is_contiguous() else "new")
+    assert merge.note.startswith("a view" if merge.kind == "view" else "a copy")
