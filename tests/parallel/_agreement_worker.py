@@ -110,7 +110,7 @@ def sp_cases(rank: int, world: int) -> dict:
 # on rank 0 and two on rank 1; "cache_differs" crops rank 1's cache by one position before the step (then
 # rank 0's too, for the good step). "size_differs" is last: it aborted a rank when nothing checked it.
 TP_CASES = ["shape_differs", "causal_differs", "bad_width", "unknown_option", "decode_differs", "cache_differs",
-            "size_differs"]
+            "trainable_differs", "size_differs"]
 
 
 def _tp_refused_call(case: str, rank: int, x: torch.Tensor) -> tuple[tuple, dict]:
@@ -164,9 +164,15 @@ def tp_cases(rank: int, world: int) -> dict:
                 res["good"] = _attempt(lambda: tp(x_good[:, S - 1:], cache=cache))
         else:
             args, kw = _tp_refused_call(case, rank, x)
+            # Rank 1 freezes K/V while rank 0 trains them: had the split replicated K/V heads, only rank 0
+            # would enter the backward's sum over replicas; the call check refuses it whatever the split.
+            frozen = case == "trainable_differs" and rank == 1
+            tp.k_proj.requires_grad_(not frozen)
+            tp.v_proj.requires_grad_(not frozen)
             before = _snapshot(tp, None)
             res |= _attempt(lambda: tp(*args, **kw))
             res |= {"before": before, "after": _snapshot(tp, None)}
+            tp.requires_grad_(True)
             res["good"] = _attempt(lambda: tp(x_good, causal=True))
         out[case] = res
     return out

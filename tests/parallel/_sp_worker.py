@@ -44,7 +44,8 @@ SCENARIOS: dict[int, list[dict]] = {
              phases=[CROSS, CROSS_CAUSAL]),
         dict(name="key_value", d_model=16, n_heads=4, n_kv_heads=2, s=5, s_kv=7, kdim=12, vdim=20,
              phases=[KEY_VALUE]),
-        dict(name="no_reduction", d_model=16, n_heads=4, n_kv_heads=2, s=6, grad_reduction="none", phases=[CAUSAL]),
+        dict(name="no_reduction", d_model=16, n_heads=4, n_kv_heads=2, s=6, grad_reduction="none",
+             phases=[CAUSAL, HEAD_BIAS]),
     ],
     4: [
         dict(name="mha_uneven", d_model=16, n_heads=4, n_kv_heads=4, s=10, phases=[CAUSAL, PADDING]),
@@ -53,7 +54,7 @@ SCENARIOS: dict[int, list[dict]] = {
         dict(name="uneven_heads", d_model=24, n_heads=6, n_kv_heads=2, s=9, phases=[CAUSAL, HEAD_BIAS]),
         dict(name="cross", d_model=16, n_heads=4, n_kv_heads=4, s=7, s_kv=9, phases=[CROSS, CROSS_CAUSAL]),
         dict(name="mesh_sp2_tp2", d_model=32, n_heads=8, n_kv_heads=2, s=7, rotary=True, mesh=True,
-             phases=[CAUSAL, PADDING, PER_HEAD]),
+             phases=[CAUSAL, PADDING, PER_HEAD, HEAD_BIAS]),
         dict(name="mesh_sp2_tp2_mqa", d_model=16, n_heads=4, n_kv_heads=1, s=6, mesh=True, phases=[CAUSAL]),
         dict(name="fewer_tokens_than_ranks", d_model=16, n_heads=4, n_kv_heads=2, s=3, rotary=True,
              phases=[CAUSAL, WINDOW]),
@@ -113,9 +114,12 @@ def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
 
 
 def call_kwargs(phase: dict, inp: dict) -> dict:
+    """The keyword arguments of one phase's call; a float mask is a fresh leaf that requires grad (a learnable
+    score bias), so that its gradient is checked too."""
     kw: dict = {"causal": phase.get("causal", False)}
     if phase.get("mask"):
-        kw["mask"] = inp[phase["mask"]]
+        mask = inp[phase["mask"]]
+        kw["mask"] = mask.clone().requires_grad_() if mask.is_floating_point() else mask
     if phase.get("positions"):
         kw["positions"] = inp["positions"]
     return kw
@@ -143,10 +147,22 @@ def _run_scenario(spec: dict, world: int, rank: int, mesh2d) -> dict:
         if phase.get("key_value"):
             kv = {n: torch.tensor_split(inp[n], sp_size, dim=1)[sp_rank].clone().requires_grad_()
                   for n in ("key", "value")}
-        y = sp(x, *args, **kv, **call_kwargs(phase, inp))
+        kw = call_kwargs(phase, inp)
+        shapes: list = []
+        if phase is CAUSAL:  # the heads the layer attends with, for the memory closed form
+            real = sp.layer.attend
+
+            def attend(q, k, v, **options):
+                shapes.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+                return real(q, k, v, **options)
+
+            sp.layer.attend = attend
+        y = sp(x, *args, **kv, **kw)
+        sp.layer.__dict__.pop("attend", None)
         grad_y = torch.tensor_split(inp["grad_y"], sp_size, dim=1)[sp_rank]
         (y * grad_y).sum().backward()
-        res = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(sp), "grad_storage": grad_storage(sp)}
+        res = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(sp), "grad_storage": grad_storage(sp),
+               "mask_grad": kw["mask"].grad if "mask" in kw else None, "attend_shapes": shapes}
         if args:
             res["context_grad"] = args[0].grad
         res |= {f"{n}_grad": t.grad for n, t in kv.items()}

@@ -77,6 +77,11 @@ def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
     return attn, inputs
 
 
+def learnable(mask: torch.Tensor) -> torch.Tensor:
+    """A float mask as a leaf that requires grad (a learnable score bias); a bool mask as it is."""
+    return mask.clone().requires_grad_() if mask.is_floating_point() else mask
+
+
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
@@ -103,9 +108,10 @@ def _run_scenario(spec: dict, group, mesh) -> dict:
     tp.zero_grad(set_to_none=True)
 
     x = inp["x_pad"].clone().requires_grad_()
-    y = tp(x, mask=inp["pad_mask"], causal=True)
+    mask = learnable(inp["pad_mask"])
+    y = tp(x, mask=mask, causal=True)
     (y * inp["grad_y"]).sum().backward()
-    out["padding"] = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(tp)}
+    out["padding"] = {"y": y.detach(), "x_grad": x.grad, "grads": _grads(tp), "mask_grad": mask.grad}
     tp.zero_grad(set_to_none=True)
 
     if spec.get("cross"):
@@ -213,6 +219,73 @@ def _trace(rank: int) -> dict:
     return out
 
 
+# Hooks on W_O of a sharded layer: a pre-hook zeroes the input columns of ABLATED (global heads, on ranks 0 and
+# the last of 2 or 4), a forward hook counts its calls.
+HOOKS = dict(name="hooks_gqa", d_model=32, n_heads=8, n_kv_heads=2)
+ABLATED = (1, 6)
+
+
+def ablate(heads: list[int], d_head: int, calls: list[int]):
+    """A forward pre-hook on ``out_proj`` zeroing the columns of ``heads`` (indices into its input's heads)."""
+    def hook(module: torch.nn.Module, args: tuple) -> tuple:
+        calls.append(1)
+        z = args[0].clone()
+        for j in heads:
+            z[..., j * d_head:(j + 1) * d_head] = 0
+        return (z,)
+    return hook
+
+
+def _out_proj_hooks() -> dict:
+    from headwise.parallel import tensor_parallel
+
+    attn, inp = build(HOOKS)
+    tp = tensor_parallel(attn)
+    q_heads = list(tp.partition.q_heads)
+    pre_calls: list[int] = []
+    post_calls: list[int] = []
+    tp.out_proj.register_forward_pre_hook(ablate([q_heads.index(h) for h in ABLATED if h in q_heads],
+                                                 tp.config.d_head, pre_calls))
+    tp.out_proj.register_forward_hook(lambda module, args, output: post_calls.append(1))
+    x = inp["x"].clone().requires_grad_()
+    y = tp(x, causal=True)
+    (y * inp["grad_y"]).sum().backward()
+    return {"hooked": {"y": y.detach(), "x_grad": x.grad, "grads": _grads(tp)},
+            "calls": (len(pre_calls), len(post_calls))}
+
+
+def _shard_state(rank: int, world: int) -> dict:
+    """Every rank's shard state dict loaded into this rank's shard: only its own may load."""
+    import io
+
+    import torch.distributed as dist
+
+    from headwise.parallel import tensor_parallel
+
+    attn, _ = build(HOOKS)
+    tp = tensor_parallel(attn)
+    mine = tp.state_dict()
+    shards: list = [None] * world
+    dist.all_gather_object(shards, {k: v.clone() for k, v in mine.items()})  # plain dicts: no metadata
+    out: dict = {"loads": {}}
+    for r, sd in enumerate(shards):
+        try:
+            tp.load_state_dict(sd)
+            out["loads"][r] = None
+        except ValueError as err:
+            out["loads"][r] = str(err)
+        out.setdefault("states", {})[r] = {k: v.detach().clone() for k, v in tp.state_dict().items()}
+    buf = io.BytesIO()
+    torch.save(mine, buf)
+    buf.seek(0)
+    tp.load_state_dict(torch.load(buf, weights_only=True))  # the record survives a weights-only round trip
+    bare = {k: v for k, v in mine.items() if not k.endswith("_extra_state")}
+    missing, unexpected = tp.load_state_dict(bare)  # a shard saved without the record loads as before
+    out["bare"] = (list(missing), list(unexpected))
+    out["keys"] = sorted(mine)
+    return out
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of one spawned rank (torch.multiprocessing.spawn passes ``rank`` first)."""
 
@@ -225,6 +298,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         for spec in SCENARIOS[world]:
             results[spec["name"]] = _run_scenario(spec, group, mesh)
         results["trace"] = _trace(rank)
+        results["hooks"] = _out_proj_hooks()
+        results["shard_state"] = _shard_state(rank, world)
         if world == 4:
             results["submesh"] = _run_submesh(rank)
             # Only rank 0 tries the impossible split: had it entered any collective, it would wait for the

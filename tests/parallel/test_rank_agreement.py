@@ -72,6 +72,8 @@ TP_MESSAGES = {
     "decode_differs": "inputs x differ by rank: [(2, 1, 16) float64, (2, 2, 16) float64] (rank 1 differs",
     "cache_differs": "owner: 0 none, 1 this layer, 2 another) differ by rank: [(1, 5, 1), (1, 4, 1)] (rank 1 differs",
     "size_differs": "inputs x differ by rank: [(2, 6, 16) float64, (2, 7, 16) float64] (rank 1 differs from rank 0)",
+    "trainable_differs": "layer states (grad mode, training, traced, trainable parameters as bits, chunk_queries) "
+                         "differ by rank: [(1, 1, 0, 255, -1), (1, 1, 0, 195, -1)] (rank 1 differs from rank 0)",
 }
 
 

@@ -44,9 +44,12 @@ def _reference(spec: dict, phase: dict):
     x = inp["x"].clone().requires_grad_()
     args = (inp["context"].clone().requires_grad_(),) if phase.get("cross") else ()
     kv = {n: inp[n].clone().requires_grad_() for n in ("key", "value")} if phase.get("key_value") else {}
-    y = attn(x, *args, **kv, **worker.call_kwargs(phase, inp))
+    kw = worker.call_kwargs(phase, inp)
+    y = attn(x, *args, **kv, **kw)
     (y * inp["grad_y"]).sum().backward()
     extra = {"context_grad": args[0].grad} if args else {f"{n}_grad": t.grad for n, t in kv.items()}
+    if "mask" in kw and kw["mask"].grad is not None:  # a float mask: not sliced, the same on every rank
+        extra["mask_grad"] = kw["mask"].grad
     return attn, y.detach(), x.grad, extra
 
 
@@ -75,7 +78,7 @@ def _expected_grads(spec: dict, attn: MultiHeadAttention, res: dict) -> dict[str
 
 def test_slices_and_every_gradient_equal_one_process_on_the_whole_sequence(world):
     world_size, ranks = world
-    checked = 0
+    checked = learnable_masks = 0
     for spec in worker.SCENARIOS[world_size]:
         sp_size = ranks[0][spec["name"]]["sp_size"]
         for phase in spec["phases"]:
@@ -93,8 +96,20 @@ def test_slices_and_every_gradient_equal_one_process_on_the_whole_sequence(world
                 torch.testing.assert_close(torch.cat([g["x_grad"] for g in got], dim=1), x_grad_ref,
                                            msg=lambda m: f"{tag} dx: {m}")
                 for name, want in extra_ref.items():  # context / key / value gradients, slice by slice
+                    if name == "mask_grad":
+                        continue
                     torch.testing.assert_close(torch.cat([g[name] for g in got], dim=1), want,
                                                msg=lambda m: f"{tag} {name}: {m}")
+            mask_grads = [res[spec["name"]][phase["name"]]["mask_grad"] for res in ranks]
+            if "mask_grad" not in extra_ref:
+                assert mask_grads == [None] * len(ranks), tag
+            elif spec.get("grad_reduction") == "none":  # each rank's heads' part, like the weights'
+                torch.testing.assert_close(sum(mask_grads), extra_ref["mask_grad"], msg=lambda m: f"{tag}: {m}")
+                assert not torch.allclose(mask_grads[0], extra_ref["mask_grad"]), tag
+            else:  # a learnable score bias: its whole gradient on every rank
+                for r, g in enumerate(mask_grads):
+                    torch.testing.assert_close(g, extra_ref["mask_grad"], msg=lambda m: f"{tag} rank {r} dmask: {m}")
+                learnable_masks += 1
             for r, res in enumerate(ranks):
                 want = _expected_grads(spec, attn, res[spec["name"]])
                 grads = res[spec["name"]][phase["name"]]["grads"]
@@ -109,7 +124,7 @@ def test_slices_and_every_gradient_equal_one_process_on_the_whole_sequence(world
                     torch.testing.assert_close(total, g, msg=lambda m: f"{tag} sum of {name}: {m}")
                     assert not torch.allclose(ranks[0][spec["name"]][phase["name"]]["grads"][name], g)
             checked += 1
-    assert checked >= 13
+    assert checked >= 13 and learnable_masks >= 1
 
 
 def test_parameters_made_trainable_or_replaced_after_building_get_the_single_process_gradient(ranks2):
@@ -168,6 +183,32 @@ def test_all_to_all_bytes_match_the_closed_form_and_do_not_grow_with_p_for_mha(r
                 bound = 4 * spec["n_heads"] * worker.B * spec["s_local"] * (spec["d_model"] // spec["n_heads"]) * 8
                 assert buffer == bound  # independent of P at fixed s/P; the wire bytes are (P-1)/P of it
     assert sent_mha[2] < sent_mha[4] < 4 * worker.B * 4 * 32 * 8
+
+
+def test_qkv_context_closed_form_counts_the_heads_each_rank_attends_with(world):
+    """parallel_costs' "Q, K, V, context" bytes against the shapes the layer hands to attention on each rank
+    (K/V repeated per query head where a rank's heads do not follow the plain GQA pattern)."""
+    from math import prod
+
+    from headwise import AttentionConfig
+    from headwise.analysis.parallel import parallel_costs
+
+    world_size, ranks = world
+    checked = 0
+    for spec in worker.SCENARIOS[world_size]:
+        if spec.get("mesh") or spec.get("s_kv") or worker.CAUSAL not in spec["phases"]:
+            continue  # the closed form is for self-attention on a 1-D group
+        cfg = AttentionConfig(d_model=spec["d_model"], n_heads=spec["n_heads"], n_kv_heads=spec["n_kv_heads"])
+        held = []
+        for res in ranks:
+            ((q, k, v),) = res[spec["name"]]["causal"]["attend_shapes"]
+            assert q[2] == k[2] == v[2] == spec["s"]  # the whole sequence of this rank's heads
+            held.append(2 * prod(q) + prod(k) + prod(v))  # Q and the context have Q's shape
+        costs = parallel_costs(cfg, spec["s"], world_size, batch=worker.B, dtype=torch.float64)["sp"]
+        padded = -(-spec["s"] // world_size) * world_size  # the closed form counts uneven slices padded
+        assert costs["qkv_context"] * spec["s"] == max(held) * 8 * padded, spec["name"]
+        checked += 1
+    assert checked >= 3
 
 
 def test_peak_memory_per_rank_stays_flat_in_p_at_fixed_tokens_per_rank(ranks2, ranks4):
@@ -241,7 +282,7 @@ def test_one_rank_unbatched_input_and_bad_masks(one_rank_group):
 def test_summed_weight_gradients_own_exactly_their_storage(world):
     """A gradient summed over the ranks keeps no larger buffer alive behind its ``.grad``."""
     world_size, ranks = world
-    checked = 0
+    checked = learnable_masks = 0
     for spec in worker.SCENARIOS[world_size]:
         if spec.get("grad_reduction") == "none":
             continue

@@ -58,12 +58,13 @@ def _reference(spec: dict, phase: str):
     if phase == "causal":
         y = attn(x, causal=True)
     elif phase == "padding":
-        y = attn(x, mask=inp["pad_mask"], causal=True)
+        mask = worker.learnable(inp["pad_mask"])
+        y = attn(x, mask=mask, causal=True)
     else:
         c = inp["context"].clone().requires_grad_()
         y = attn(x, c, mask=inp["ctx_mask"])
     (y * inp["grad_y"]).sum().backward()
-    extra = {"context_grad": c.grad} if phase == "cross" else {}
+    extra = {"context_grad": c.grad} if phase == "cross" else {"mask_grad": mask.grad} if phase == "padding" else {}
     return attn, y.detach(), x.grad, extra
 
 
@@ -104,7 +105,7 @@ def _check_grads(spec: dict, world_size: int, ranks: list[dict], phase: str, att
 def test_forward_and_every_gradient_match_the_unsharded_layer(world, phase):
     world_size, ranks = world
     assert "traceback" not in ranks[0], ranks[0].get("traceback")
-    checked = 0
+    checked = learnable_masks = 0
     for spec in _specs(world_size):
         if phase == "cross" and not spec.get("cross"):
             continue
@@ -115,9 +116,17 @@ def test_forward_and_every_gradient_match_the_unsharded_layer(world, phase):
             torch.testing.assert_close(got["x_grad"], x_grad_ref, msg=lambda m: f"{spec['name']} rank {r} dx: {m}")
             if phase == "cross":
                 torch.testing.assert_close(got["context_grad"], extra["context_grad"])
+            if phase == "padding":  # a float mask (a learnable score bias): its whole gradient on every rank
+                if extra["mask_grad"] is None:
+                    assert got["mask_grad"] is None
+                else:
+                    torch.testing.assert_close(got["mask_grad"], extra["mask_grad"],
+                                               msg=lambda m: f"{spec['name']} rank {r} dmask: {m}")
+                    learnable_masks += 1
         _check_grads(spec, world_size, ranks, phase, attn)
         checked += 1
     assert checked >= 1
+    assert (learnable_masks > 0) == (phase == "padding")
 
 
 def test_cache_decoding_equals_single_process_decoding(world):
@@ -266,3 +275,51 @@ def test_replicated_kv_gradients_own_exactly_their_storage(world):
                 assert held == own, f"{spec['name']} rank {r} {name}: .grad keeps {held} bytes alive for {own}"
         replicated += spec["n_kv_heads"] < world_size
     assert replicated >= 1
+
+
+def test_hooks_on_out_proj_run_on_every_rank_and_act_as_on_the_unsharded_layer(world):
+    """A forward pre-hook zeroing heads' columns of W_O's input ablates them: the same output and gradients
+    as the same hook on the unsharded layer's out_proj."""
+    world_size, ranks = world
+    spec = worker.HOOKS
+    attn, inp = worker.build(spec)
+    calls: list[int] = []
+    attn.out_proj.register_forward_pre_hook(worker.ablate(list(worker.ABLATED), attn.d_head, calls))
+    x = inp["x"].clone().requires_grad_()
+    y = attn(x, causal=True)
+    (y * inp["grad_y"]).sum().backward()
+    assert len(calls) == 1
+    with torch.no_grad():
+        assert not torch.allclose(y, worker.build(spec)[0](inp["x"], causal=True))  # the ablation shows
+    for r, res in enumerate(ranks):
+        got = res["hooks"]
+        assert got["calls"] == (1, 1), f"rank {r}"
+        torch.testing.assert_close(got["hooked"]["y"], y.detach(), msg=lambda m: f"rank {r} output: {m}")
+        torch.testing.assert_close(got["hooked"]["x_grad"], x.grad, msg=lambda m: f"rank {r} dx: {m}")
+    _check_grads(spec, world_size, [{spec["name"]: {"hooked": res["hooks"]["hooked"]}} for res in ranks],
+                 "hooked", attn)
+
+
+def test_a_shard_state_dict_loads_only_into_the_shard_of_the_same_rank(world):
+    world_size, ranks = world
+    attn, _ = worker.build(worker.HOOKS)
+    h, h_kv = worker.HOOKS["n_heads"], worker.HOOKS["n_kv_heads"]
+    for r, res in enumerate(ranks):
+        got = res["shard_state"]
+        q, kv = _owned(worker.HOOKS, world_size, r)
+        assert got["keys"] == ["_extra_state", "k_proj.bias", "k_proj.weight", "out_proj.bias", "out_proj.weight",
+                               "q_proj.bias", "q_proj.weight", "v_proj.bias", "v_proj.weight"]
+        want = {n: t[_rows(q, attn.d_head)] for n, t in attn.state_dict().items() if n.startswith("q_proj")}
+        for other, error in got["loads"].items():
+            # Refused or not, the layer holds its own slices afterwards.
+            for name, t in want.items():
+                assert torch.equal(got["states"][other][name], t), (r, other, name)
+            if other == r:
+                assert error is None
+                continue
+            q_o, kv_o = _owned(worker.HOOKS, world_size, other)
+            assert error is not None, f"rank {r} accepted rank {other}'s shard"
+            assert (f"holds the tensor-parallel shard of rank {other} of {world_size} (query heads {q_o}, K/V "
+                    f"heads {kv_o} of a layer with {h} query, {h_kv} K/V heads), but this layer is the shard of "
+                    f"rank {r} of {world_size} (query heads {q}, K/V heads {kv} of") in error, error
+        assert got["bare"] == ([], [])

@@ -9,9 +9,10 @@ Closed forms, no torch; the head split comes from :mod:`headwise.parallel.plan` 
   one backward (a ring all-reduce sends ``2 (P - 1) / P`` of its buffer); replicated K/V heads add one
   all-reduce of their weight gradients per step.
 * sequence parallel (:func:`headwise.parallel.sequence_parallel`): all weights (replicated); a ``(b, S/P, d)``
-  slice in and out; the attention step holds the whole (padded) sequence for ``ceil(h / P)`` heads; the
-  all-to-alls send what :meth:`~headwise.parallel.sequence_plan.SequenceParallelPlan.all_to_all_bytes` says
-  (the same backward); the weight gradients are all-reduced once per step.
+  slice in and out; the attention step holds the whole (padded) sequence for ``ceil(h / P)`` heads (and for
+  as many K/V heads where a rank repeats its K/V heads per query head); the all-to-alls send what
+  :meth:`~headwise.parallel.sequence_plan.SequenceParallelPlan.all_to_all_bytes` says (the same backward);
+  the weight gradients are all-reduced once per step.
 
 Shapes:
     b: batch, S: sequence, P: ranks, h / h_kv: query / K/V heads, h_r / kv_r: those one rank attends with,
@@ -71,12 +72,16 @@ def _sp(c: AttentionConfig, b: int, s: int, p: int, item: int) -> dict[str, Any]
     s_loc = -(-s // p)  # ceil: uneven slices are padded to the longest for the all-to-alls
     h_r = max(len(r.q_heads) for r in plan.ranks)
     kv_r = max(len(r.kv_heads) for r in plan.ranks)
+    # A rank whose query heads do not read their K/V heads in the plain GQA pattern repeats K and V to one
+    # head per query head before attending: it then holds len(q_heads) of each.
+    attended = max(2 * len(r.q_heads) + 2 * (len(r.kv_heads) if r.grouped else len(r.q_heads))
+                   for r in plan.ranks)
     sent = max((plan.all_to_all_bytes(batch=b, s_q=s_loc, d_head=c.d_head, itemsize=item, sp_rank=r)
                 for r in range(p)), key=lambda x: x["forward"])
     weights = param_count(c).total * item
     return {
         "heads": h_r, "kv_heads": kv_r, "weights": weights, "input_output": 2 * b * s_loc * c.d_model * item,
-        "qkv_context": b * s_loc * p * (2 * h_r + 2 * kv_r) * c.d_head * item,
+        "qkv_context": b * s_loc * p * attended * c.d_head * item,
         "probabilities_eager": b * h_r * s * s * item, "lse_fused": b * h_r * s * _LSE_BYTES,
         "kv_cache": None,
         "sent_forward": sent["forward"], "sent_backward": sent["backward"],

@@ -8,6 +8,7 @@
   heads (:func:`sequence_parallel`, DeepSpeed-Ulysses style: all-to-alls swap sequence sharding for heads), also
   on a 2-D ("sp", "tp") mesh with tensor parallelism; :func:`plan_sequence_parallel` is its pure arithmetic.
 * :mod:`headwise.parallel.autograd`: the collectives of tensor parallelism as autograd functions.
+* :mod:`headwise.parallel.shard_state`: which heads a tensor-parallel shard holds, in its state dict.
 * :mod:`headwise.parallel.agreement`: every rank makes the same call or every rank refuses it (one small
   all-gather before the real collectives).
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .agreement import collective
 
-__all__ = ["AllToAll", "CopyToHeads", "ReduceFromHeads", "SumOverReplicas"]
+__all__ = ["AllToAll", "CopyToHeads", "ReduceFromHeads", "SumOverReplicas", "copy_to_group"]
 
 
 class CopyToHeads(torch.autograd.Function):
@@ -33,6 +33,14 @@ class CopyToHeads(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None
+
+
+def copy_to_group(t: Any, group: Any, size: int) -> Any:
+    """``t`` through :class:`CopyToHeads` (its gradient summed over ``group`` in backward) when it takes part
+    in autograd over more than one rank; anything else (None, a tensor without gradient) as it is."""
+    if isinstance(t, torch.Tensor) and size > 1 and torch.is_grad_enabled() and t.requires_grad:
+        return CopyToHeads.apply(t, group)
+    return t
 
 
 class ReduceFromHeads(torch.autograd.Function):

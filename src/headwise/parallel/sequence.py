@@ -17,7 +17,8 @@ Conventions (the same on every rank):
   unpadded before attention, so padding is never attended to.
 * ``mask`` is the *global* mask, identical on every rank: broadcastable to ``(b, h, S_q, S_kv)`` (a padding
   mask ``(b, 1, 1, S_kv)``, a sliding-window mask ``(S_q, S_kv)``, a per-head bias ``(h, S_q, S_kv)`` ...).
-  Each rank keeps the rows of its heads. ``causal`` is over global positions, as in one process.
+  Each rank keeps the rows of its heads; a mask that requires grad has its gradient summed as the weights'.
+  ``causal`` is over global positions, as in one process.
 * ``positions`` (rotary layers) are global: ``(S_q,)`` or ``(b, S_q)``, default ``arange(S_q)``.
 * The weights are replicated, so every rank's gradient holds only its tokens' part. With
   ``grad_reduction="sum"`` (default) each call passes the parameters that require grad through an identity
@@ -52,7 +53,7 @@ from ..config import AttentionConfig
 from ..masks import validate_mask
 from ..validation import check_forward, check_positions
 from .agreement import agree, flag, signature
-from .autograd import AllToAll, SumOverReplicas
+from .autograd import AllToAll, SumOverReplicas, copy_to_group
 from .sequence_plan import SequenceParallelPlan, SequenceRank, plan_sequence_parallel
 from .tensor import TensorParallelAttention, tensor_parallel
 
@@ -160,6 +161,10 @@ class SequenceParallelAttention(nn.Module):
         w = layer.q_proj.weight
         s_q, s_kv = sum(lq), sum(lkv)
         b, h = x.shape[0], self.global_config.n_heads
+        if isinstance(layer, TensorParallelAttention):  # dL/dx and dL/dmask sum over the tp shards' heads
+            x, key, value, mask = (layer.copy_to_heads(t) for t in (x, key, value, mask))
+        if self.grad_reduction == "sum":  # each rank's heads hold a part of dL/dmask, as of a replicated weight
+            mask = copy_to_group(mask, self.group, self.world_size)
         # What is left depends only on the mask's and positions' shapes and the global lengths, all the same
         # on every rank: every rank passes or every rank refuses.
         if mask is not None:
@@ -171,8 +176,6 @@ class SequenceParallelAttention(nn.Module):
             if positions is None:
                 positions = torch.arange(s_q, device=x.device)
             positions = check_positions(positions, b, s_q)[..., start:start + lq[self.rank]]  # (b or 1, s_r)
-        if isinstance(layer, TensorParallelAttention):  # dL/dx sums over the tp shards' heads
-            x, key, value = (layer.copy_to_heads(t) for t in (x, key, value))
         # Project this rank's slice: (b, h', s_r, d_h) queries, (b, h_kv', s_r, d_h) keys and values.
         q, k, v = layer.project_qkv(x) if key is None else (layer.project_q(x), *layer.project_kv(key, value))
         if layer.rotary is not None:

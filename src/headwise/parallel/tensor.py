@@ -10,8 +10,8 @@ Autograd follows the usual tensor-parallel convention: every rank holds the same
 loss from the same (replicated) output. Then
 
 * the all-reduce after W_O has an identity backward (each rank already holds the full output gradient);
-* the input ``x`` (and ``context``/``key``/``value``) passes an identity whose backward all-reduces the
-  gradient, because every rank's heads contribute a part of ``dL/dx``;
+* the input ``x`` (``context``/``key``/``value``, a mask requiring grad) passes an identity whose backward
+  all-reduces the gradient, because every rank's heads contribute a part of ``dL/dx``;
 * replicated K/V heads (fewer K/V heads than ranks) pass an identity whose backward sums the gradient over
   the ranks that hold the same K/V head, so every replica ends with the full gradient and stays in sync.
 
@@ -39,9 +39,11 @@ from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..head import AttentionHead
 from ..kv_cache import KVCache
+from ..module_calls import bare_linear
 from .agreement import agree, flag, signature
-from .autograd import CopyToHeads, ReduceFromHeads, SumOverReplicas
+from .autograd import ReduceFromHeads, SumOverReplicas, copy_to_group
 from .plan import HeadPartition, TensorParallelPlan, plan_heads
+from .shard_state import ShardState, shard_record
 
 __all__ = ["HeadNotLocalError", "TensorParallelAttention", "tensor_parallel"]
 
@@ -60,7 +62,7 @@ _OPTIONS = tuple(n for n, p in inspect.signature(MultiHeadAttention.forward).par
                  if p.kind is p.KEYWORD_ONLY and n not in ("key", "value", "mask"))
 
 
-class TensorParallelAttention(MultiHeadAttention):
+class TensorParallelAttention(ShardState, MultiHeadAttention):
     """The rank-local part of a :class:`MultiHeadAttention` split by whole heads; build it with
     :func:`tensor_parallel`.
 
@@ -100,7 +102,8 @@ class TensorParallelAttention(MultiHeadAttention):
         """
         if self.check_inputs and self.world_size > 1:
             self._agree_on_call(x, context, key, value, mask, kwargs)
-        x, context, key, value = (self._enter(t) for t in (x, context, key, value))
+        # A mask that requires grad (a learnable score bias) is read by every rank's heads, as x is.
+        x, context, key, value, mask = (self.copy_to_heads(t) for t in (x, context, key, value, mask))
         return super().forward(x, context, key=key, value=value, mask=self._local_mask(mask), **kwargs)
 
     def _agree_on_call(self, x: Any, context: Any, key: Any, value: Any, mask: Any, options: dict) -> None:
@@ -127,9 +130,12 @@ class TensorParallelAttention(MultiHeadAttention):
             "caches (0: none, 1: a KVCache, 2: not one; length; owner: 0 none, 1 this layer, 2 another)":
                 self._cache_state(cache),
             "cache keys": signature(cache.keys if isinstance(cache, KVCache) else None, w.device),
-            "layer states (grad mode, training, traced, trainable parameters, chunk_queries)": (
+            # Bit i: parameter i is trainable. Replicated K/V heads enter the backward's sum over replicas
+            # only where they are, so every rank must freeze the same parameters or the sums would not pair.
+            "layer states (grad mode, training, traced, trainable parameters as bits, chunk_queries)": (
                 int(torch.is_grad_enabled()), int(self.training), int(self.tracer is not None),
-                int(any(p.requires_grad for p in self.parameters())), -1 if chunks is True else int(chunks)),
+                sum(1 << i for i, p in enumerate(self.parameters()) if p.requires_grad),
+                -1 if chunks is True else int(chunks)),
         }
         agree(self.group, self.world_size, w.device, "tensor_parallel", error, same)
 
@@ -142,12 +148,7 @@ class TensorParallelAttention(MultiHeadAttention):
         """``t`` unchanged, but its gradient is summed over the group in backward (every rank's heads read
         it); None and tensors without gradient pass as they are. For layers that call the projections
         themselves (e.g. :mod:`headwise.parallel.sequence`)."""
-        return self._enter(t)
-
-    def _enter(self, t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and self.world_size > 1 and torch.is_grad_enabled() and t.requires_grad:
-            return CopyToHeads.apply(t, self.group)
-        return t
+        return copy_to_group(t, self.group, self.world_size)
 
     def _local_mask(self, mask: Any) -> Any:
         # Broadcasting aligns a mask's last three dims with (h, s_q, s_kv): its head axis is dim() - 3.
@@ -188,11 +189,18 @@ class TensorParallelAttention(MultiHeadAttention):
         """This rank's share of W_O, summed over ranks, then the bias once (``results``, this rank's heads
         only, are accepted and not used: the sum needs the all-reduce either way).
 
+        A hook or an adapter on ``out_proj`` runs on this rank's heads (input: their columns; output: their
+        partial sum plus the bias, which is taken off again before the all-reduce so that it is added once).
+
         Shapes: (b, h_local, s_q, d_h) -> (b, s_q, d)
         """
-        partial = F.linear(hwf.merge_heads(context), self.out_proj.weight)  # (b, s_q, d), this rank's heads
+        out, merged = self.out_proj, hwf.merge_heads(context)  # (b, s_q, h_local * d_h)
+        if bare_linear(out):
+            partial = F.linear(merged, out.weight)  # (b, s_q, d), this rank's heads
+        else:
+            partial = out(merged) if out.bias is None else out(merged) - out.bias  # (b, s_q, d)
         y = ReduceFromHeads.apply(partial, self.group) if self.world_size > 1 else partial
-        return y if self.out_proj.bias is None else y + self.out_proj.bias
+        return y if out.bias is None else y + out.bias
 
     # -- the global view ---------------------------------------------------------------------------------
     def head(self, index: int) -> AttentionHead:
@@ -228,6 +236,11 @@ class TensorParallelAttention(MultiHeadAttention):
     def heads(self) -> list[AttentionHead]:
         """This rank's heads, in global order (see :meth:`head`)."""
         return [self.head(i) for i in self.partition.q_heads]
+
+    def shard_record(self) -> torch.Tensor:
+        """Which heads this shard holds, saved in its state dict (:mod:`headwise.parallel.shard_state`)."""
+        p, cfg = self.partition, self.global_config
+        return shard_record(self.world_size, self.rank, cfg.n_heads, cfg.n_kv_heads, p.q_heads, p.kv_heads)
 
     # -- back to one layer ---------------------------------------------------------------------------------
     def unshard(self) -> MultiHeadAttention:
