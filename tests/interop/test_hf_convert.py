@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from headwise import MultiHeadAttention  # noqa: E402
+from headwise import MultiHeadAttention, RotaryEmbedding  # noqa: E402
 from headwise.interop import from_hf, layers, patch, to_hf  # noqa: E402
 from headwise.interop.hf.registry import ENTRIES, entry_for  # noqa: E402
 
@@ -133,6 +133,62 @@ def _model_inputs(model: torch.nn.Module, model_type: str):
         pre.remove()
         post.remove()
     return module, seen["x"], seen["y"], seen["w"]
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _unchanged(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    now = module.state_dict()
+    return now.keys() == before.keys() and all(torch.equal(now[k], v) for k, v in before.items())
+
+
+def test_to_hf_refuses_a_rotary_other_than_the_modules_and_writes_the_modules_own():
+    bert = module_of(build("bert"), "bert")
+    before = _state(bert)
+    with pytest.raises(ValueError, match=r"into BertSelfAttention: the module has no rotary the layer can hold, the "
+                                         r"layer has a RotaryEmbedding"):
+        to_hf(MultiHeadAttention(16, 4, rotary=RotaryEmbedding(4)), like=bert)
+    assert _unchanged(bert, before)
+    model = build("llama")
+    llama = module_of(model, "llama")
+    before = _state(llama)
+    with pytest.raises(ValueError, match=r"into LlamaAttention: the module rotates Q and K with the model's rotary, "
+                                         r"the layer has none"):
+        to_hf(MultiHeadAttention(16, 4, n_kv_heads=2, bias=False), like=llama)
+    with pytest.raises(ValueError, match=r"into LlamaAttention: its rotary differs from the one the model's config "
+                                         r"gives \(rotary_dim 4, attention_scaling 1.0, inv_freq \[1.0, 0.0099"):
+        to_hf(MultiHeadAttention(16, 4, n_kv_heads=2, bias=False, rotary=RotaryEmbedding(4, base=500000.0)), like=llama)
+    assert _unchanged(llama, before)
+    # Llama's own rope (theta 10000, every feature) is accepted: the written module, in its model, computes the layer.
+    torch.manual_seed(5)
+    attn = MultiHeadAttention(16, 4, n_kv_heads=2, bias=False, rotary=RotaryEmbedding(4, base=10000.0)).eval()
+    model.model.layers[1].self_attn = to_hf(attn, like=llama)
+    _, x, want, _ = _model_inputs(model, "llama")
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, causal=True), want)
+
+
+# PEFT asks transformers a deprecated question; not ours to fix.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_a_peft_wrapped_module_is_refused_both_ways_and_converts_once_merged():
+    peft = pytest.importorskip("peft")
+    model = build("llama")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+    module, x, want, _ = _model_inputs(model, "llama")  # what the module computes with the adapter's delta
+    before = _state(module)
+    with pytest.raises(ValueError, match=r"from_hf: LlamaAttention cannot be converted: q_proj \(peft\.[\w.]+\.Linear\), "
+                                         r"v_proj \(peft\.[\w.]+\.Linear\) wrapped by an adapter \(PEFT\).*"
+                                         r"merge_and_unload\(\) first"):
+        from_hf(module)
+    with pytest.raises(ValueError, match=r"to_hf: LlamaAttention cannot be converted: q_proj .*merge_and_unload"):
+        to_hf(MultiHeadAttention(16, 4, n_kv_heads=2, bias=False, rotary=RotaryEmbedding(4)), like=module)
+    assert _unchanged(module, before)
+    merged = module_of(wrapped.merge_and_unload(), "llama")
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(merged)(x, causal=True), want)
 
 
 @pytest.mark.parametrize("model_type", STANDALONE)

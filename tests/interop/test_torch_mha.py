@@ -226,6 +226,35 @@ def test_to_torch_refuses_per_head_qk_norms_and_overridden_forward_steps():
         to_torch(Sharpened(16, 4))
 
 
+# PEFT asks transformers a deprecated question; not ours to fix.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_to_torch_refuses_projections_that_are_not_a_linear_and_copies_no_hooks():
+    # to_torch copies weights and biases only: a LoRA delta or another module would be silently dropped.
+    peft = pytest.importorskip("peft")
+
+    class Host(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = MultiHeadAttention(16, 4)
+
+    host = Host()
+    peft.get_peft_model(host, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    with pytest.raises(ValueError, match=r"not an nn.Linear \(q_proj=peft\.[\w.]+\.Linear\).*merge_and_unload"):
+        to_torch(host.attn)
+    seq = MultiHeadAttention(16, 4)
+    seq.k_proj = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"\(k_proj=torch\.nn\.modules\.container\.Sequential\)"):
+        to_torch(seq)
+    torch.manual_seed(0)
+    hooked = MultiHeadAttention(16, 4).eval()
+    handle = hooked.v_proj.register_forward_hook(lambda m, args, out: 2 * out)
+    x = torch.randn(2, 5, 16)
+    # a hook is not the module's weights: the copy computes the bare layer, as a copy of its state_dict would
+    converted = to_torch(hooked).eval()
+    handle.remove()
+    torch.testing.assert_close(converted(x, x, x, need_weights=False)[0], hooked(x))
+
+
 def test_to_torch_of_a_shared_view_equals_the_viewed_module():
     # The view's fused QKV override computes the plain function: it still converts, to the same outputs.
     m = _mha()

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from torch.nn import functional as F
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import functional as hwf
 from ..attention import MultiHeadAttention
@@ -110,8 +111,9 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
     Packed ``in_proj_weight`` when ``kdim == vdim == d_model``, else separate ``q/k/v_proj_weight``
     (torch decides the layout from kdim/vdim). Layers torch cannot express raise ``ValueError``:
     GQA/MQA, ``n_heads * d_head != d_model``, ``out_bias != bias``, a non-default scale, rotary, per-head
-    Q/K norms, and any subclass that overrides a step of the forward (``forward``, ``project_q``, ``project_kv``,
-    ``project_qkv``, ``rotate``, ``attend``, ``project_out``), naming it.
+    Q/K norms, a projection that is not an ``nn.Linear`` (a LoRA wrapper or another module; hooks are not copied), and any
+    subclass that overrides a step of the forward (``forward``, ``project_q``, ``project_kv``, ``project_qkv``,
+    ``rotate``, ``attend``, ``project_out``), naming it.
 
     Shapes:
         q_proj, k_proj, v_proj weights (d, d), (d, kdim), (d, vdim) -> in_proj_weight (3d, d) or
@@ -176,6 +178,17 @@ _PLAIN_OVERRIDES = {("LayerView", "project_qkv"), ("TorchMHAView", "project_qkv"
 def _forward_problems(attn: MultiHeadAttention) -> list[str]:
     """What in ``attn``'s forward, beyond its config and rotary, ``nn.MultiheadAttention`` cannot compute."""
     problems = []
+    # to_torch copies each projection's weight and bias: a module that computes more than F.linear of them (a LoRA
+    # wrapper, another module) would be dropped. A view's ProjectionView is F.linear of the host's weights, and
+    # nn.MultiheadAttention's own out_proj (a TorchMHAView's) is an nn.Linear in all but name. Hooks are not the
+    # module's computation (a profiler's global hooks among them): like a state_dict, the copy does not carry them.
+    odd = {name: type(proj) for name in ("q_proj", "k_proj", "v_proj", "out_proj")
+           if type(proj := getattr(attn, name, None)) not in (nn.Linear, NonDynamicallyQuantizableLinear)
+           and not isinstance(proj, ProjectionView)}
+    if odd:
+        problems.append("projections that are not an nn.Linear (" + ", ".join(
+            f"{k}={v.__module__}.{v.__qualname__}" for k, v in odd.items()) + "); nn.MultiheadAttention applies only "
+            "their weight and bias (merge an adapter first, e.g. PEFT's merge_and_unload())")
     norms = {name: getattr(attn, name, None) for name in ("q_norm", "k_norm")}
     if any(isinstance(n, nn.Module) for n in norms.values()):
         problems.append("per-head Q/K norms (" + ", ".join(f"{k}={type(v).__name__}" for k, v in norms.items())

@@ -53,6 +53,12 @@ def _view(module: object, what: str) -> HFView:
         raise ValueError(f"{what}: {type(target).__name__} cannot be converted: {missing}{hint}")
     if view._hw_odd:
         raise ValueError(f"{what}: {type(target).__name__} cannot be converted: {view._hw_odd}")
+    # A PEFT wrapper's weight is its base layer's: copying or writing it would drop (or leave) the adapter's delta.
+    wrapped = [f"{n} ({type(m).__module__}.{type(m).__qualname__})" for n, m in view.sources()
+               if isinstance(getattr(m, "base_layer", None), nn.Module)]
+    if wrapped:
+        raise ValueError(f"{what}: {type(target).__name__} cannot be converted: {', '.join(wrapped)} wrapped by an "
+                         "adapter (PEFT), whose delta is not in the base weight: merge_and_unload() first")
     return view
 
 
@@ -68,7 +74,8 @@ def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiH
     a ``UserWarning`` says so.
 
     Raises ``TypeError`` for anything but an attention module (or its block), ``ValueError`` naming why a
-    projection is not located (CodeGen's sharded Q/K/V, multi-head latent attention).
+    projection is not located (CodeGen's sharded Q/K/V, multi-head latent attention) or which projection a PEFT
+    adapter wraps (its delta is not in the base weight: ``merge_and_unload()`` first).
 
     Shapes:
         module (d, h, h_kv, d_h) -> MultiHeadAttention(d, h, h_kv, d_head=d_h[, rotary])
@@ -121,13 +128,42 @@ def _check_same(owner: str, want: AttentionConfig, got: AttentionConfig) -> None
         raise ValueError(f"cannot write this MultiHeadAttention into {owner}: {detail}")
 
 
+def _check_rotary(owner: str, view: HFView, attn: MultiHeadAttention) -> None:
+    """``attn``'s rotary must be the module's: none where the registry gives the family none, else the frequencies
+    its config gives (what :func:`from_hf` builds).
+
+    Args:
+        owner: the module's class name, for the message.
+        view: the module's view (its registry entry and config-derived rotary).
+        attn: the layer to be written.
+    """
+    if (attn.rotary is not None) != view.entry.rotary:
+        module = "rotates Q and K with the model's rotary" if view.entry.rotary else "has no rotary the layer can hold"
+        layer = "has none" if attn.rotary is None else f"has a {type(attn.rotary).__name__}"
+        raise ValueError(f"cannot write this MultiHeadAttention into {owner}: the module {module}, the layer {layer}")
+    want, got = view.rotary, attn.rotary
+    if want is None or got is None:  # nothing to compare (no rotary, or none the config alone determines)
+        return
+    # float32 frequencies from the same formula; a model's own rotary_emb (passed to from_hf) may differ in the last bit
+    same = (want.rotary_dim == got.rotary_dim
+            and math.isclose(want.attention_scaling, got.attention_scaling, rel_tol=1e-6)
+            and torch.allclose(want.inv_freq, got.inv_freq.detach().to("cpu", torch.float32), rtol=1e-5, atol=0))
+    if not same:
+        raise ValueError(f"cannot write this MultiHeadAttention into {owner}: its rotary differs from the one the "
+                         f"model's config gives (rotary_dim {want.rotary_dim}, attention_scaling "
+                         f"{want.attention_scaling}, inv_freq {want.inv_freq.tolist()}), the layer's has rotary_dim "
+                         f"{got.rotary_dim}, attention_scaling {got.attention_scaling}, inv_freq "
+                         f"{got.inv_freq.tolist()}")
+
+
 def to_hf(attn: MultiHeadAttention, like: nn.Module) -> nn.Module:
     """A new Hugging Face module of ``like``'s class and config holding ``attn``'s weights.
 
     ``like`` is deep-copied (parts outside the attention, such as ``BertSelfOutput.LayerNorm``, keep ``like``'s
     values) and every weight is written in the module's own layout after a shape check; a layer of another size,
-    head grouping, bias layout, scale or QK-norm raises ``ValueError``. ``to_hf(from_hf(m), like=m)`` reproduces
-    ``m``'s weights exactly.
+    head grouping, bias layout, scale, QK-norm or rotary (one where the family has none, none where it rotates, or
+    other frequencies than the config gives) raises ``ValueError``, as does a projection wrapped by a PEFT adapter
+    (``merge_and_unload()`` first). ``to_hf(from_hf(m), like=m)`` reproduces ``m``'s weights exactly.
 
     Shapes:
         attn: MultiHeadAttention matching like (d, h, h_kv, d_h) -> module of type(like)
@@ -151,6 +187,7 @@ def to_hf(attn: MultiHeadAttention, like: nn.Module) -> nn.Module:
         raise ValueError(f"cannot write this {type(attn).__name__} into {owner}: the module "
                          f"{'has' if norm else 'has no'} per-head q_norm/k_norm and the layer "
                          f"{'has' if isinstance(attn, QKNormMixin) else 'has none'}")
+    _check_rotary(owner, view, attn)
     new = copy.deepcopy(like)
     target = _view(new, "to_hf")
     for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
