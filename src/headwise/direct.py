@@ -98,6 +98,20 @@ def _rms_gain(norm: nn.Module, eps: float, weight: torch.Tensor | None, x: torch
                      "LayerNorm, an RMSNorm of one of those forms, or norm=None")
 
 
+def _encoder_modules(model: nn.Module) -> set[str]:
+    """The names of the modules inside an encoder-decoder model's encoder (``config.is_encoder_decoder``), empty
+    for any other model."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return set()
+    encoder = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
+    if not isinstance(encoder, nn.Module):
+        raise ValueError(f"direct_effects: {type(model).__name__} is an encoder-decoder model "
+                         "(config.is_encoder_decoder) without a get_encoder() module, so its encoder's heads, which "
+                         "write into the encoder's residual stream and not the decoder's, cannot be told apart")
+    inside = {id(m) for m in encoder.modules()}
+    return {name for name, m in model.named_modules() if id(m) in inside}
+
+
 def _positions(position: Any, b: int, s: int) -> torch.Tensor:
     """``position`` (an int, or (b,) ints) as (b,) indices in [0, s): a position outside [-s, s) is refused,
     never wrapped onto another token."""
@@ -126,7 +140,9 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     (the standard linearisation: exact for the run's own residual stream, as the scale is a constant of it).
     An RMSNorm's ``gamma`` is its ``weight`` or, as in Gemma, ``1 + weight``: whichever reproduces the norm's
     output in this run; a norm of neither form is refused (ValueError). ``norm=None`` projects the raw writes.
-    The model runs in eval mode for the duration (dropout off).
+    The model runs in eval mode for the duration (dropout off). On an encoder-decoder model
+    (``config.is_encoder_decoder``) ``position`` is a decoder position, and the encoder's heads get exactly 0:
+    they write into the encoder's residual stream, which the decoder reads only through cross-attention.
 
     Args:
         model: a patched Hugging Face model (or any module with headwise layers).
@@ -141,6 +157,7 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     """
     kind = None if norm is None else _norm_kind(norm)
     check_inputs(inputs, "direct_effects")
+    encoder = _encoder_modules(model)
     seen: list[tuple[torch.Tensor, Any]] = []  # the norm's (input, output) per call
     handle = None if norm is None else norm.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
     try:
@@ -149,11 +166,17 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     finally:
         if handle is not None:
             handle.remove()
-    results = [r.result for r in t]  # each (b, s, h, d)
-    b, s = results[0].shape[:2]
+    on_decoder = [r.result for r in t if r.name not in encoder]  # each (b, s, h, d)
+    if not on_decoder:
+        raise ValueError("direct_effects: every traced layer is in the encoder of this encoder-decoder model; none "
+                         "writes into the decoder's residual stream that the output reads")
+    b, s, _, d = on_decoder[0].shape
     rows = torch.arange(b)
     pos = _positions(position, b, s)
-    writes = torch.stack([r[rows, pos] for r in results], dim=1)  # (b, L, h, d)
+    # an encoder head writes into the encoder's stream, which the decoder reads only through cross-attention:
+    # its direct effect on the decoder's stream is exactly zero (its row is kept so L indexes the traced layers)
+    writes = torch.stack([on_decoder[0].new_zeros(b, r.layer.n_heads, d) if r.name in encoder
+                          else r.result[rows, pos] for r in t], dim=1)  # (b, L, h, d)
     direction = torch.as_tensor(direction).to(writes.dtype)
     if direction.shape[-1] != writes.shape[-1] or direction.dim() not in (1, 2):
         raise ValueError(f"direction must be (d={writes.shape[-1]},) or (b, d), got {tuple(direction.shape)}")

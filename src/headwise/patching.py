@@ -68,6 +68,18 @@ def _split(out: Any, n: int, b: int) -> list[Any]:
     return [out] * n
 
 
+def _batch_major(out: Any, rows: int) -> bool:
+    """Whether every tensor in a model output has ``rows`` on dim 0, so that :func:`_split` gives each copy its
+    own; a loss reduced over the batch (Hugging Face's ``loss`` when ``labels`` are among the inputs) does not."""
+    if isinstance(out, torch.Tensor):
+        return out.dim() > 0 and out.shape[0] == rows
+    if isinstance(out, dict):
+        return all(_batch_major(v, rows) for v in out.values())
+    if isinstance(out, (tuple, list)):
+        return all(_batch_major(v, rows) for v in out)
+    return True
+
+
 def _scalar(value: Any) -> torch.Tensor:
     try:
         t = torch.as_tensor(value).detach()
@@ -112,8 +124,10 @@ def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[
     one forward; memory grows with it. With ``share_prefix`` (the default) the blocks before the first patched
     layer of a forward run once, at batch b: the copies split off at the block (the numbered child of a
     ``ModuleList``/``Sequential``) holding that layer, whose batch-b tensor inputs are repeated; where no such
-    block is found, or the model refuses the split batch, every copy runs the whole forward. The model runs in
-    eval mode for the duration (dropout off; every module's mode is given back afterwards).
+    block is found, or the model refuses the split batch, every copy runs the whole forward. An output tensor
+    without the copies on dim 0 (a ``loss`` reduced over the batch, when ``labels`` are among the inputs) cannot
+    be split among them, so then each copy runs alone. The model runs in eval mode for the duration (dropout
+    off; every module's mode is given back afterwards).
 
     Args:
         model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
@@ -178,13 +192,19 @@ def _patched_outputs(model: nn.Module, corrupted: Any, chunk: list[tuple[int, in
     for j, (li, i, p) in enumerate(chunk):
         rows.setdefault((li, i), []).append((j, p))
     edit = {(li, i, site): _patch_rows(sources[li][i], where, n, b) for (li, i), where in rows.items()}
+    out = None
     if blocks is not None and n > 1:
         try:
-            return _split(_forward_split(model, corrupted, edit, blocks[chunk[0][0]:], n, b), n, b)
+            out = _forward_split(model, corrupted, edit, blocks[chunk[0][0]:], n, b)
         except (RuntimeError, ValueError):  # the model combined batch-b and split tensors: run every copy
             pass
-    with trace(model, edit=edit):
-        return _split(call(model, repeat(corrupted, n)), n, b)
+    if out is None:
+        with trace(model, edit=edit):
+            out = call(model, repeat(corrupted, n))
+    if n > 1 and not _batch_major(out, n * b):
+        # a tensor mixing the copies (e.g. the loss, averaged over them) cannot be split: run each copy alone
+        return [_patched_outputs(model, corrupted, [pair], sources, site, blocks, b)[0] for pair in chunk]
+    return _split(out, n, b)
 
 
 def _patch_rows(source: torch.Tensor, where: list[tuple[int, int | None]], n: int, b: int) -> Callable[..., torch.Tensor]:

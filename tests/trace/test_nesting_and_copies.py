@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import threading
 
 import pytest
 import torch
@@ -161,3 +162,36 @@ def test_a_model_pickled_inside_a_trace_by_an_earlier_version_loads_untraced():
     x = torch.randn(1, 3, 8)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), attn.__class__.forward(loaded, x))
+
+
+def test_a_trace_open_in_another_thread_refuses_a_second_threads_trace_and_keeps_its_own_calls():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        plain = attn(x)
+    opened, tried, seen = threading.Event(), threading.Event(), {}
+
+    def capture_only():
+        with torch.no_grad(), headwise.trace(attn, capture=("z",)) as t:
+            opened.set()
+            tried.wait(timeout=60)
+            seen["y"] = attn(x)
+        seen["calls"] = len(t[0].calls)
+
+    worker = threading.Thread(target=capture_only)
+    worker.start()
+    try:
+        assert opened.wait(timeout=60)
+        with pytest.raises(ValueError, match=r"layers \[0\] \(of 1\) have a trace open that another thread entered"):
+            with headwise.trace(attn, edit={(0, 1): "zero"}):
+                attn(x)
+        assert len(attn.tracer.entries) == 1  # the refused trace left nothing behind
+    finally:
+        tried.set()
+        worker.join()
+    torch.testing.assert_close(seen["y"], plain)  # the other thread's edit never reached this call
+    assert seen["calls"] == 1
+    with torch.no_grad(), headwise.trace(attn, edit={(0, 1): "zero"}):  # once it is closed, any thread may trace
+        zeroed = attn(x)
+    assert not torch.allclose(zeroed, plain)

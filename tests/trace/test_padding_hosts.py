@@ -183,3 +183,38 @@ def test_a_layer_added_inside_a_trace_is_refused_before_it_runs_untraced():
         with pytest.raises(RuntimeError, match="replaced or added inside the trace"):
             model(x)
     assert len(t[0].calls) == 1
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_trace_of_one_patched_layer_means_over_the_real_tokens_that_reach_its_module(compiled):
+    plain = ref.llama("sdpa")
+    model = patch(ref.twin(plain))
+    ids = torch.randint(3, ref.VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0  # left padding
+    real, head = mask.bool(), 1
+    want, zs, _ = ref.hooked_run(plain, dict(input_ids=ids, attention_mask=mask), 6,
+                                 edit={(0, head): lambda z: _real_mean64(z, real).to(z.dtype).expand_as(z)})
+    view = headwise.interop.layers(model)[0][1]  # the layer alone takes no attention_mask: its module's does
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="eager") if compiled else model
+    with torch.no_grad(), headwise.trace(view, capture=("z",), edit={(0, head): "mean"}) as t:
+        got = run(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want.logits)
+    torch.testing.assert_close(t[0].z, zs[0])
+    # the record keeps the real tokens too: its mean skips the padding
+    z = t[0].z.double()
+    want_mean = (z * real.double()[..., None, None]).sum((0, 1)) / real.sum()  # (h, d_h)
+    torch.testing.assert_close(t[0].mean("z"), want_mean.float())
+    torch._dynamo.reset()
+
+
+def test_a_trace_of_one_decoder_layer_refuses_mean_as_its_mask_may_be_another_sequences():
+    _, model = _t5()
+    names = [name for name, _ in headwise.interop.layers(model)]
+    kw = dict(input_ids=T5_IDS, attention_mask=T5_MASK, decoder_input_ids=T5_IDS[:, :3])
+    for name in ("decoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.1.EncDecAttention"):
+        view = headwise.interop.layers(model)[names.index(name)][1]
+        with torch.no_grad(), headwise.trace(view, edit={(0, 1): "mean"}):
+            with pytest.raises(ValueError, match=r"T5Attention is a decoder's attention.*cross-attention"):
+                model(**kw)

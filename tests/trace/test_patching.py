@@ -111,6 +111,24 @@ def test_sweep_of_a_bare_stack_matches_trace_edits_one_by_one():
     torch.testing.assert_close(head_effects(model, clean, corrupted, metric, share_prefix=False), want)
 
 
+@pytest.mark.parametrize("batch_heads,share_prefix", [(None, True), (3, True), (None, False)])
+def test_sweep_of_the_loss_reduced_over_the_batch_equals_the_loop(batch_heads, share_prefix):
+    # with labels among the inputs the output's loss is one number for all the copies of a forward: the
+    # sweep must still give every head its own effect
+    model = ref.BUILDERS["gpt2"]("sdpa")
+    plain = ref.twin(model)
+    patch(model)
+    clean = ref.inputs(model, pad=False, seed=1)
+    clean["labels"] = clean["input_ids"]
+    corrupted = {**clean, "input_ids": ref.inputs(model, pad=False, seed=2)["input_ids"]}
+    h = model.config.num_attention_heads
+    want = brute_force(plain, clean, corrupted, lambda out: out.loss, h)
+    got = head_effects(model, clean, corrupted, lambda out: out.loss, batch_heads=batch_heads,
+                       share_prefix=share_prefix)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (want - want.mean(1, keepdim=True)).abs().max() > 20 * 1e-5  # the heads of a layer do differ
+
+
 def test_sweep_refuses_bad_input():
     model = torch.nn.Sequential(MultiHeadAttention(8, 2)).eval()
     x = torch.randn(2, 3, 8)
@@ -268,3 +286,49 @@ def test_direct_effects_position_must_lie_in_the_sequence():
     first = torch.stack([torch.stack([zs[li][:, 0, i].double() @ ref.w_o(mod)[0][:, i * 6:(i + 1) * 6].T.double()
                                       for i in range(4)], 1) for li, mod in enumerate(ref.w_o_modules(plain))], 1)
     torch.testing.assert_close(raw.double(), first @ direction.double(), rtol=1e-4, atol=1e-6)
+
+
+def _bart():
+    cfg = transformers.BartConfig(vocab_size=50, d_model=32, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("s_dec", [3, 6, 8])
+def test_direct_effects_of_an_encoder_decoder_read_the_decoders_stream(s_dec):
+    model = _bart()
+    plain = ref.twin(model)
+    patch(model)
+    torch.manual_seed(s_dec)
+    kw = {"input_ids": torch.randint(3, 50, (2, 6)), "decoder_input_ids": torch.randint(3, 50, (2, s_dec))}
+    norm = model.model.decoder.layers[-1].final_layer_norm  # the last norm before lm_head (BART is post-LN)
+    direction = logit_direction(model, 7, 11)
+    pos = torch.tensor([s_dec - 1, 1])
+    got = direct_effects(model, kw, direction, norm=norm, position=pos)
+    names = [name for name, _ in headwise.interop.layers(model)]
+    assert got.shape == (2, len(names), 4)
+    # the reference: each decoder attention's W_O input from hooks on the unpatched model, the norm in float64;
+    # an encoder head writes into the encoder's stream only, so it has no direct path to the logits
+    mods = {name: plain.get_submodule(name).out_proj for name in names if ".decoder." in name}
+    zs, hooks = {}, [m.register_forward_pre_hook(lambda m, a, name=name: zs.__setitem__(name, a[0]))
+                     for name, m in mods.items()]
+    _, x = _final_residual(plain, kw, plain.model.decoder.layers[-1].final_layer_norm)
+    for hook in hooks:
+        hook.remove()
+    rows = torch.arange(2)
+    x = x[rows, pos].double()
+    sigma = (x.var(-1, unbiased=False) + norm.eps).sqrt()[:, None]
+    want = torch.zeros(2, len(names), 4, dtype=torch.float64)
+    for li, name in enumerate(names):
+        if name in mods:
+            w = mods[name].weight.double()
+            for i in range(4):
+                r = zs[name][rows, pos, i * 8:(i + 1) * 8].double() @ w[:, i * 8:(i + 1) * 8].T  # (b, d)
+                want[:, li, i] = ((r - r.mean(-1, keepdim=True)) / sigma * norm.weight.double()) @ direction.double()
+    assert [".encoder." in name for name in names] == [True, True, False, False, False, False]
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    assert want.abs().max() > 1e-3
+    with pytest.raises(IndexError, match=rf"position must lie in \[-{s_dec}, {s_dec}\)"):
+        direct_effects(model, kw, direction, position=s_dec)

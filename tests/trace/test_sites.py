@@ -128,3 +128,34 @@ def test_output_attentions_of_a_patched_gpt2_are_the_edited_pattern():
     layer0[:, 2] = 0
     torch.testing.assert_close(got.attentions[0], layer0)
     torch.testing.assert_close(got.attentions[1], want.attentions[1])
+
+
+# PEFT asks transformers a deprecated question; not ours to fix.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("family, target", [("gpt2", "c_proj"), ("llama", "o_proj")])
+def test_result_is_refused_while_an_adapter_wraps_w_o_and_sums_to_w_os_output_once_merged(family, target):
+    peft = pytest.importorskip("peft")
+    base = ref.BUILDERS[family]("sdpa")
+    torch.manual_seed(3)
+    model = peft.get_peft_model(base, peft.LoraConfig(target_modules=[target], r=2, init_lora_weights=False,
+                                                      fan_in_fan_out=family == "gpt2")).eval()
+    patch(model)
+    kw = ref.inputs(base)
+    views = headwise.interop.layers(model)
+    with pytest.raises(ValueError, match=r"W_O is wrapped by an adapter \(peft\..*merge_and_unload\(\) first"):
+        with headwise.trace(model, capture={0: ("z",), 1: ("result",)}):
+            pass
+    assert all(v.tracer is None for _, v in views)  # the refused trace left nothing behind
+    with torch.no_grad(), headwise.trace(model, capture=("z",)) as t:  # z needs no W_O: still traced
+        model(**kw)
+    _, zs, _ = ref.hooked_run(base, kw, 4 if family == "gpt2" else 6)  # base: the model holding the adapters
+    for li in range(2):
+        torch.testing.assert_close(t[li].z, zs[li])
+    merged = model.merge_and_unload()
+    want, _, outs = ref.hooked_run(merged, kw, 4 if family == "gpt2" else 6)
+    with torch.no_grad(), headwise.trace(merged, capture=("result",)) as t:
+        got = merged(**kw)
+    torch.testing.assert_close(got.logits, want.logits)
+    for li, w_o in enumerate(ref.w_o_modules(merged)):
+        bias = ref.w_o(w_o)[1]
+        torch.testing.assert_close(t[li].result.sum(2) + (0 if bias is None else bias), outs[li])

@@ -18,6 +18,7 @@ capture is the tensor the forward used, after every edit, so with autograd on it
 * ``"z"`` (b, s_q, h, d_h): each head's context (what W_O reads).
 * ``"result"`` (b, s_q, h, d): each head's write into the residual stream, ``z_h @ W_O^h``, one batched
   GEMM over the heads; a bare layer's output is then their sum plus W_O's bias (no second W_O product).
+  Refused while an adapter (PEFT) wraps W_O, whose delta its weight lacks.
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..attention import MultiHeadAttention
 
-__all__ = ["find_layers", "in_place", "head_results"]
+__all__ = ["find_layers", "in_place", "head_results", "w_o_adapter"]
 
 
 def find_layers(module: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
@@ -91,3 +91,24 @@ def head_results(z: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     per_head = w_o.reshape(d, h, d_h).permute(1, 2, 0).to(z.dtype)  # (h, d_h, d): W_O^h
     rows = z.transpose(0, 1).reshape(h, b * s, d_h)  # (h, b * s, d_h)
     return torch.bmm(rows, per_head).view(h, b, s, d).permute(1, 2, 0, 3)  # (b, s, h, d)
+
+
+def w_o_adapter(layer: MultiHeadAttention) -> str | None:
+    """The name of the adapter (a PEFT tuner layer, which keeps the layer it wraps as ``base_layer``) wrapping
+    ``layer``'s W_O, or None. Its delta is not in ``out_proj.weight``, so per-head writes computed from that
+    weight would not be the layer's output. A patched layer's W_O may hide behind a projection view (GPT-2's
+    ``Conv1D``): its ``sources()`` name the module itself.
+
+    Example:
+        >>> import headwise
+        >>> w_o_adapter(headwise.MultiHeadAttention(8, 2)) is None
+        True
+    """
+    modules = [layer.out_proj]
+    sources = getattr(layer, "sources", None)
+    if callable(sources):
+        modules += [m for name, m in sources() if name == "out_proj"]
+    for m in modules:
+        if isinstance(getattr(m, "base_layer", None), nn.Module):
+            return f"{type(m).__module__}.{type(m).__qualname__}"
+    return None

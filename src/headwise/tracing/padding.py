@@ -156,6 +156,9 @@ class InertWhenCopied:
         return (_inert, ())
 
 
+_BLIND = "the traced module takes no attention_mask"
+
+
 class _HostMask(InertWhenCopied):
     """A pre-hook (``before``) or post-hook on a patched layer's host module: the mask the module is given as
     ``name`` is what reaches the layer during that call, and nothing after it (a later call never reads it).
@@ -175,12 +178,20 @@ class _HostMask(InertWhenCopied):
             Unseen(f"the {self.name} reaching layer {self.entry.record.index} is a {type(mask).__name__}")
 
 
-def watch_hosts(layers: list, entries: list, unseen: Unseen | None = None) -> list:
+def _may_read_another_sequence(host: nn.Module) -> bool:
+    """Whether ``host`` may be a decoder's attention (transformers' ``is_decoder``, GPT-2's
+    ``is_cross_attention``): in cross-attention the mask reaching it is the encoder's, not its queries'."""
+    return getattr(host, "is_decoder", False) is True or getattr(host, "is_cross_attention", False) is True
+
+
+def watch_hosts(layers: list, entries: list, unseen: Unseen | None = None, blind: bool = False) -> list:
     """Hooks that let each entry read the mask reaching its layer, for the layers of a patched Hugging Face
     model (views with a ``host`` module whose forward takes one of :data:`MASK_NAMES`): the padding of a call
     made past the traced model's own forward (``model.forward``, ``torch.compile(model.forward)``, a submodule,
-    T5's encoder under ``generate``), which the trace's pre-hook never sees. A view whose host takes none of
-    them gets ``unseen`` (the trace's refusal) saying so. Returns the hook handles."""
+    T5's encoder under ``generate``), which the trace's pre-hook never sees, or of every call where the traced
+    module takes no mask (``blind``: one patched layer, a plain wrapper). A view whose host takes none of them
+    gets ``unseen`` (the trace's refusal) saying so; under ``blind`` so does a view whose host may be a
+    decoder's cross-attention. Returns the hook handles."""
     views = sys.modules.get("headwise.interop.views")  # only a patched model has hosts (interop imported)
     handles = []
     for (_, layer), entry in zip(layers, entries):
@@ -189,10 +200,15 @@ def watch_hosts(layers: list, entries: list, unseen: Unseen | None = None) -> li
             continue
         name = next((n for n in MASK_NAMES if takes(n, host)), None)
         if name is None:
-            if unseen is not None:  # read only while the trace's own padding is unseen (Entry.padding)
-                entry.reached = Unseen(f"{unseen.why}, and layer {entry.record.index}'s module "
-                                       f"{type(host).__name__}.forward takes none of {list(MASK_NAMES)}, the "
-                                       "parameters a layer's mask is read from")
+            if unseen is not None or blind:  # read only while the trace's own padding is unseen (Entry.padding)
+                entry.reached = Unseen(f"{unseen.why if unseen is not None else _BLIND}, and layer "
+                                       f"{entry.record.index}'s module {type(host).__name__}.forward takes none "
+                                       f"of {list(MASK_NAMES)}, the parameters a layer's mask is read from")
+            continue
+        if blind and _may_read_another_sequence(host):
+            entry.reached = Unseen(f"{_BLIND}, and layer {entry.record.index}'s module {type(host).__name__} is a "
+                                   "decoder's attention, whose mask may be another sequence's (cross-attention); "
+                                   "trace the whole model")
             continue
         at = position_of(name, host)
         handles.append(host.register_forward_pre_hook(_HostMask(entry, name, at, True), with_kwargs=True))

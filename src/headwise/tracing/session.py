@@ -6,6 +6,7 @@ Shapes:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Iterator, Mapping
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from ..attention import MultiHeadAttention
 from .edits import SITES, SitePlan, UnknownPadding, Unseen, parse_value
-from .layers import find_layers, in_place
+from .layers import find_layers, in_place, w_o_adapter
 from .padding import InertWhenCopied, ReachedMask, inert_hook, padding_of, position_of, takes, watch_hosts
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
 from .tracer import Entry, LayerTracer
@@ -95,6 +96,7 @@ class Trace:
             self.records[i].decoder = True
         self._plans = self._parse_edits(edit)
         self._active = False
+        self._thread: int | None = None  # the thread that entered it
         self._hooks: list = []
         self._mask_at: int | None = None
         self._decoder_mask_at: int | None = None
@@ -177,22 +179,41 @@ class Trace:
         foreign = [n for (n, _), t in zip(self.layers, current) if t is not None and not isinstance(t, LayerTracer)]
         if foreign:
             raise RuntimeError(f"layers {foreign} carry a tracer that is not a headwise trace")
+        # A layer's traces see every call of it, from any thread: a trace open in another thread would apply its
+        # edits to this thread's calls and record them (and this one theirs). Checked here, never per call.
+        me = threading.get_ident()
+        shared = [i for i, t in enumerate(current)
+                  if t is not None and any(e.session._thread != me for e in t.entries)]
+        if shared:
+            raise ValueError(f"trace: layers {shared} (of {len(current)}) have a trace open that another thread "
+                             "entered; a trace sees every call of its layers from any thread, so two threads' "
+                             "traces would edit and record each other's calls: trace from one thread at a time "
+                             "(or trace a copy of the model per thread)")
+        for (name, layer), record in zip(self.layers, self.records):
+            adapter = w_o_adapter(layer) if "result" in record.capture else None
+            if adapter is not None:
+                raise ValueError(f"trace: capture 'result' of layer {record.index} ({name or type(layer).__name__}) "
+                                 f"computes each head's write from W_O's weight, but W_O is wrapped by an adapter "
+                                 f"({adapter}, PEFT) whose delta is not in that weight; merge_and_unload() first, "
+                                 "or capture 'z' and apply W_O (the adapter included) yourself")
+        blind = not takes("attention_mask", self.module)  # its layers read the mask that reaches them, if any
         entries = []
         for (_, layer), tracer, record, plans in zip(self.layers, current, self.records, self._plans):
             if tracer is None:
                 tracer = layer.tracer = LayerTracer()
             record.clear()
-            entries.append(Entry(self, record, plans, decoder=record.index in self._decoder))
+            entries.append(Entry(self, record, plans, decoder=record.index in self._decoder, blind=blind))
             tracer.entries.append(entries[-1])
         self._mask_at = position_of("attention_mask", self.module)
         self._decoder_mask_at = position_of("decoder_attention_mask", self.module)
-        self._unseen = Unseen(f"{type(self.module).__name__} was run past its own call (model.forward, "
-                              "torch.compile(model.forward) or a submodule), so the trace never saw its "
-                              "attention_mask") if takes("attention_mask", self.module) else None
+        self._unseen = None if blind else Unseen(
+            f"{type(self.module).__name__} was run past its own call (model.forward, torch.compile(model.forward) "
+            "or a submodule), so the trace never saw its attention_mask")
         self.padding = self.decoder_padding = self._unseen
+        self._thread = me
         self._hooks = [self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True),
                        self.module.register_forward_hook(_BeforeCall(self, after=True), always_call=True),
-                       *watch_hosts(self.layers, entries, self._unseen)]
+                       *watch_hosts(self.layers, entries, self._unseen, blind)]
         self._active = True
         return self
 

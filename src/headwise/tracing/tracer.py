@@ -28,8 +28,10 @@ def _no_tracer() -> None:
 class Entry:
     """One active trace on one layer: its record, its per-site plans and its session (for the padding)."""
 
-    def __init__(self, session: Any, record: LayerRecord, plans: dict[str, SitePlan], decoder: bool = False) -> None:
+    def __init__(self, session: Any, record: LayerRecord, plans: dict[str, SitePlan], decoder: bool = False,
+                 blind: bool = False) -> None:
         self.session, self.record, self.plans, self.decoder = session, record, plans, decoder
+        self.blind = blind  # the traced module takes no attention_mask (one patched layer, a plain wrapper)
         self.pending: dict[str, torch.Tensor] = {}
         #: The mask reaching the layer in the running call of its patched host module (padding.watch_hosts).
         self.reached: DeferredPadding | Unseen | None = None
@@ -38,9 +40,11 @@ class Entry:
     def padding(self) -> Any:
         """The real-token mask of the sequence this layer's queries come from: an encoder-decoder's decoder
         layers read the decoder's tokens, never the encoder's ``attention_mask``. In a call the trace's
-        pre-hook did not see, the mask that reached the layer, where a patched host module showed it."""
+        pre-hook did not see, or when the traced module shows no mask of its own, the mask that reached the
+        layer, where a patched host module showed it."""
         padding = self.session.decoder_padding if self.decoder else self.session.padding
-        if isinstance(padding, Unseen) and not self.decoder and self.reached is not None:
+        if self.reached is not None and not self.decoder and (
+                isinstance(padding, Unseen) or (padding is None and self.blind)):
             return self.reached
         return padding
 
