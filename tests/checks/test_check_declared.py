@@ -125,3 +125,31 @@ def test_a_softcap_the_scores_never_reach_is_reported_not_checked():
         detail = report["softmax_sanity"].detail
         assert "softcap 5 not checked (the scores never reach its nonlinear range)" in detail, detail
         assert "fitted on every head, softcap" not in detail
+
+
+def test_deepseek_yarn_mscale_all_dim_is_the_declared_scale_and_a_layer_ignoring_it_fails():
+    import math
+
+    factor, mscale_all_dim = 4.0, 0.7
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v3", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+        first_k_dense_replace=1, max_position_embeddings=64, pad_token_id=0,
+        rope_parameters={"rope_type": "yarn", "factor": factor, "mscale": mscale_all_dim,
+                         "mscale_all_dim": mscale_all_dim, "original_max_position_embeddings": 16,
+                         "rope_theta": 10000.0, "beta_fast": 32, "beta_slow": 1})
+    torch.manual_seed(0)
+    module = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval() \
+        .model.layers[0].self_attn
+    # YaRN's attention factor 0.1 * mscale_all_dim * ln(factor) + 1, squared, on 1/sqrt(nope 4 + rope 4)
+    want = (0.1 * mscale_all_dim * math.log(factor) + 1) ** 2 / math.sqrt(8)
+    report = check(module)
+    assert report.failed == [] and "head_independence" not in _ran(report), str(report)  # latent: NOT VERIFIED
+    assert "yarn_apply_mscale" in report["softmax_sanity"].detail
+    module.scaling = 8 ** -0.5  # the plain 1/sqrt(d_qk), without the mscale its config declares
+    report = check(module)
+    assert report.failed == ["softmax_sanity"], str(report)
+    cex = report["softmax_sanity"].counterexample
+    torch.testing.assert_close(cex["expected_scale"], want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(cex["fitted_scale"], 8 ** -0.5, rtol=1e-4, atol=0)

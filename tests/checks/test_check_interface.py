@@ -326,3 +326,80 @@ def test_attention_sinks_and_yarn_scaling_pass_and_a_wrong_scale_still_fails(for
     assert "at most 1" in report["softmax_sanity"].detail
     module.scaling = 2 * module.scaling
     assert check(layer).failed == ["softmax_sanity"]
+
+
+# -- the T5 family: its forward takes the mask as `mask=` -----------------------------------------------------
+def _t5():
+    cfg = transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, num_heads=4, d_ff=32, num_layers=2,
+                                attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.T5Model(cfg).eval()
+
+
+def _t5_hooked(model, module, batch):
+    """What the model hands its first block's attention (which computes its own relative bias) and gets back."""
+    got = {}
+    pre = module.register_forward_pre_hook(lambda m, args, kwargs: got.update(x=args[0]), with_kwargs=True)
+    post = module.register_forward_hook(lambda m, args, out: got.update(y=out[0]))
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        pre.remove()
+        post.remove()
+    return got
+
+
+@pytest.mark.parametrize("stack", ["encoder", "decoder"])
+def test_t5_attention_gets_its_mask_through_the_mask_keyword_as_its_model_does(stack):
+    model = _t5()
+    module = getattr(model, stack).block[0].layer[0].SelfAttention
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[1, 4:] = False  # right padding of the encoder's input; the decoder's is causal and unpadded
+    ids = torch.randint(3, 32, (2, 6), generator=torch.Generator().manual_seed(0))
+    got = _t5_hooked(model, module, {"input_ids": ids, "attention_mask": keep.long(), "decoder_input_ids": ids})
+    adapter = HFAdapter(module)
+    assert adapter.accepts_mask and adapter.claims_causal == (stack == "decoder")
+    with torch.no_grad():
+        y = adapter.run(got["x"], keep=keep if stack == "encoder" else None)
+    torch.testing.assert_close(y, got["y"])
+    report = check(module, properties=["causality", "padding_invariance"])
+    ran = {"padding_invariance"} | ({"causality"} if stack == "decoder" else set())
+    assert report.failed == [] and _ran(report) == ran, str(report)
+    # the same module ignoring its mask is caught
+    _wrap_forward(module, lambda kw: {k: v for k, v in kw.items() if k != "mask"})
+    report = check(module, properties=["causality", "padding_invariance"])
+    assert report.failed == (["causality", "padding_invariance"] if stack == "decoder" else ["padding_invariance"]), \
+        str(report)
+
+
+def test_a_causal_module_without_a_mask_keyword_is_refused_by_the_adapter_not_as_failing_on_x():
+    module = _t5().decoder.block[1].layer[0].SelfAttention
+    original = type(module).forward
+
+    def forward(self, hidden_states, **kwargs):  # a forward with no mask keyword at all
+        return original(self, hidden_states)
+    module.forward = types.MethodType(forward, module)
+    with pytest.raises(ValueError, match=r"is causal, but its forward takes no mask \(attention_mask or mask\)") \
+            as info:
+        check(module)
+    assert "fails on x" not in str(info.value)
+
+
+def test_a_scale_folded_into_both_q_and_k_is_the_scale_of_the_scores():
+    # OpenAI's privacy filter multiplies q and k each by d_qk**-0.25 (after a YaRN rotary) and passes scaling=1
+    cfg = transformers.AutoConfig.for_model("openai_privacy_filter", vocab_size=32, hidden_size=16,
+                                            intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=4, num_local_experts=2,
+                                            num_experts_per_tok=1, pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    module = transformers.AutoModel.from_config(cfg, attn_implementation="eager").eval().layers[0].self_attn
+    assert module.scaling == 4 ** -0.25
+    report = check(module)
+    assert report.ok, str(report)
+    assert "scale 1/sqrt(4)" in report["softmax_sanity"].detail
+    module.scaling = 2 * 4 ** -0.25  # q and k each twice too large: scores four times 1/sqrt(d_qk)
+    report = check(module)
+    assert report.failed == ["softmax_sanity"], str(report)
+    cex = report["softmax_sanity"].counterexample
+    torch.testing.assert_close(cex["fitted_scale"], module.scaling ** 2, rtol=1e-4, atol=0)

@@ -72,3 +72,55 @@ def test_a_layer_that_reads_past_its_window_fails_causality():
     result = report["causality"]
     assert result.failed and "past its sliding window of 3" in result.detail, str(report)
     assert result.counterexample["output_token"] - result.counterexample["changed_token"] >= WINDOW
+
+
+CHUNK = 3
+
+
+def tiny_llama4(impl="eager"):
+    cfg = transformers.AutoConfig.for_model(
+        "llama4_text", vocab_size=32, hidden_size=16, intermediate_size=32, intermediate_size_mlp=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=2,
+        num_experts_per_tok=1, attention_chunk_size=CHUNK, no_rope_layers=[1, 0], pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_chunked_attention_layer_is_masked_and_decoded_as_its_model_does(impl):
+    model = tiny_llama4(impl)
+    assert model.config.layer_types[0] == "chunked_attention"
+    attn = model.model.layers[0].self_attn
+    keep = torch.ones(2, SEQ, dtype=torch.bool)
+    keep[1, :2] = False  # left padding: the model counts chunks from the first real token
+    seen = {}
+
+    def hook(module, args, kwargs, out):  # plain PyTorch hook: what the model itself fed and got
+        seen["x"], seen["y"] = kwargs["hidden_states"], out[0]
+    handle = attn.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(3, 32, (2, SEQ), generator=torch.Generator().manual_seed(1)), attention_mask=keep.long())
+    handle.remove()
+    adapter = HFAdapter(attn)
+    assert adapter.chunk == CHUNK
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.run(seen["x"], keep=keep)[keep], seen["y"][keep])
+        # the model's DynamicCache keeps only the current chunk: prefill then decode gives the full pass
+        torch.testing.assert_close(adapter.decode(seen["x"][:1], 4), adapter.run(seen["x"][:1]))
+    report = check(attn, seq_len=SEQ)
+    assert report.ok, str(report)
+    assert "decode" in report["causality"].detail
+
+
+def test_a_chunked_layer_that_reads_past_its_chunk_fails_causality():
+    attn = tiny_llama4().model.layers[0].self_attn
+    forward = attn.forward
+
+    def whole(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kw):
+        s_q, s_kv = attention_mask.shape[-2:]  # ignore the chunks: plain bottom-right causal
+        blocked = ~torch.ones(s_q, s_kv, dtype=torch.bool).tril(s_kv - s_q)
+        mask = torch.zeros_like(attention_mask).masked_fill(blocked, torch.finfo(attention_mask.dtype).min)
+        return forward(hidden_states, position_embeddings, mask, cache, **kw)
+    attn.forward = whole
+    report = check(attn, seq_len=SEQ, properties=["causality"])
+    assert report.failed == ["causality"], str(report)

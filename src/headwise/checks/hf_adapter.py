@@ -5,14 +5,15 @@ W_O (BERT's ``BertAttention``).
 
 Such a module projects, normalises and rotates its own Q/K/V, then calls the function registered for its
 ``config._attn_implementation`` in ``ALL_ATTENTION_FUNCTIONS``. :class:`HFAdapter` calls the module the way its
-model does, whatever its forward's keywords: the 4-D mask in the form its implementation's mask function builds
-(bool, True = may attend, for ``"headwise"`` and ``"sdpa"``; additive ``finfo.min`` for ``"eager"``), the rotary
+model does, whatever its forward's keywords: the 4-D mask (``attention_mask``, or T5's ``mask``) in the form its
+implementation's mask function builds (bool, True = may attend, for ``"headwise"`` and ``"sdpa"``; additive
+``finfo.min`` for ``"eager"``; with the layer's sliding window or Llama 4 chunk), the rotary
 ``(cos, sin)`` from the family's own rotary class (with the layer's type where it takes one: Gemma 3),
 ``position_ids`` / ``cache_position`` where it takes them, and the library's ``DynamicCache`` for the decode path.
 Attention weights, and the q / k the scores see, are read at the seam: for one call the module's implementation is
 a thin wrapper (registered in the local mapping of the interface its family's forward reads, removed afterwards)
 around the family's eager function, or around headwise's when the module runs headwise (patched). A scale the
-module folds into q before the call is found and counted in; the scale and softcap the family declares in its
+module folds into q or k before the call is found and counted in; the scale and softcap the family declares in its
 config are what the scores are checked against (:func:`~headwise.checks.hf_module.declared`).
 
 Heads come from the module's :class:`~headwise.interop.hf.layer.HFView` (where the registry locates Q/K/V and W_O):
@@ -38,8 +39,8 @@ from ..interop.hf import HFView
 from ..interop.hf.attention_function import NAME as HEADWISE
 from ..interop.hf.layer import family_entry, view_of
 from .adapters import Adapter, capture_input, check_rotary_scaling, copy_adapter, split
-from .hf_module import CACHE_KW, attention_of, cross_reason, declared, folded_scale, hf_class, keywords, \
-    sliding_window_of
+from .hf_module import CACHE_KW, MASK_KW, attention_of, chunk_of, cross_reason, declared, folded_scale, hf_class, \
+    keywords, sliding_window_of
 
 __all__ = ["HFAdapter"]
 
@@ -53,7 +54,8 @@ class HFAdapter(Adapter):
     ``causal=None``: the module's own ``is_causal`` (else its config's ``is_decoder``); a sliding window from the
     config (:func:`~headwise.checks.hf_module.sliding_window_of`). Raises ``TypeError`` for a module that is
     not on the interface or a forward needing inputs the adapter cannot build, ``ValueError`` for
-    cross-attention or a rotary module whose family has no rotary class.
+    cross-attention, a causal module whose forward takes no mask, or a rotary module whose family has no rotary
+    class.
 
     Shapes:
         module: hidden_states (b, s, d) -> (b, s, d)
@@ -92,9 +94,18 @@ class HFAdapter(Adapter):
                              "own input")
         self.sinks = isinstance(getattr(attention, "sinks", None), torch.Tensor)  # gpt-oss: a sink logit per head
         self.window = sliding_window_of(attention, self.config)
+        self.chunk = chunk_of(attention, self.config)
+        if self.window is None and self.chunk is not None:
+            # a chunked query reads at most chunk - 1 keys back: a window bound for the properties, which the
+            # mask then narrows to the query's chunk
+            self.window = self.chunk
         self.scale, self.scale_source, self.softcap = declared(attention, self.config)
         self.claims_causal = self._own_claim() if causal is None else bool(causal)
-        self.accepts_mask = self.accepts_causal = "attention_mask" in self.params
+        self.mask_kw = next((k for k in MASK_KW if k in self.params), None)
+        self.accepts_mask = self.accepts_causal = self.mask_kw is not None
+        if self.claims_causal and not self.accepts_mask:
+            raise ValueError(f"{self.name} is causal, but its forward takes no mask ({' or '.join(MASK_KW)}) to "
+                             "run it causally with: headwise.check cannot run it as its model does")
         cache_kw = [k for k in CACHE_KW if k in self.params]
         self.cache_kw = cache_kw[0] if cache_kw else None
         self.has_cache = self.cache_kw is not None and isinstance(getattr(attention, "layer_idx", None), int) \
@@ -167,14 +178,19 @@ class HFAdapter(Adapter):
     def _mask(self, b: int, q_pos: torch.Tensor, k_pos: torch.Tensor, keep: torch.Tensor | None, causal: bool,
               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The model's mask for queries at ``q_pos`` over keys at ``k_pos`` (absolute positions): causal (and the
-        layer's sliding window, which HF builds into the mask, not the module), padding; additive ``finfo.min`` for
-        eager, bool (True = may attend) for the others."""
+        layer's sliding window or chunk, which HF builds into the mask, not the module), padding; additive
+        ``finfo.min`` for eager, bool (True = may attend) for the others."""
         allowed = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=device)
         if causal:
             allowed = k_pos[None, :] <= q_pos[:, None]
             if self.window is not None:
                 allowed = allowed & (k_pos[None, :] > q_pos[:, None] - self.window)
         allowed = allowed.expand(b, 1, -1, -1)
+        if causal and self.chunk is not None:
+            # chunks start at each sample's first real token, as transformers' chunked mask counts them
+            left = torch.zeros(b, 1, 1, 1, dtype=torch.long, device=device) if keep is None else \
+                (keep.long().cumsum(-1) == 0).sum(-1).view(b, 1, 1, 1)
+            allowed = allowed & ((k_pos[None, :] - left) // self.chunk == (q_pos[:, None] - left) // self.chunk)
         if keep is not None:
             allowed = allowed & keep[:, k_pos][:, None, None, :]
         if (self.seam_impl or self._impl()) != "eager":
@@ -194,8 +210,8 @@ class HFAdapter(Adapter):
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
         kw: dict[str, Any] = {}
-        if self.accepts_mask:
-            kw["attention_mask"] = mask
+        if self.mask_kw is not None:
+            kw[self.mask_kw] = mask
         if self.rope is not None:
             kw["position_embeddings"] = self._position_embeddings(x, positions)
         if "position_ids" in self.params:
@@ -244,7 +260,7 @@ class HFAdapter(Adapter):
         if positions is not None and not self.positional:
             raise ValueError(f"{self.name} takes no positions")
         if not self.accepts_mask and (keep is not None or self.causal_flag(causal)):
-            raise ValueError(f"{self.name} takes no attention_mask")
+            raise ValueError(f"{self.name} takes no mask ({' or '.join(MASK_KW)})")
         causal = self.causal_flag(causal)
         pos = torch.arange(x.shape[1], device=x.device)
         return self._forward(x, self._mask(x.shape[0], pos, pos, keep, causal, x.dtype, x.device), positions)[0]
@@ -275,8 +291,9 @@ class HFAdapter(Adapter):
 
     def qk(self, x):  # type: ignore[no-untyped-def]
         """q and k as the interface gets them (after the module's norms and rotary), with a scale the module folded
-        into q before the call (OPT, Whisper, ESM multiply q by 1/sqrt(d_qk) and pass scaling=1) taken back out,
-        so that the fitted scale is the whole scale of the scores."""
+        into q or k before the call (OPT, Whisper, ESM multiply q by 1/sqrt(d_qk), OpenAI's privacy filter q and k
+        each by d_qk**-0.25, and pass scaling=1) taken back out, so that the fitted scale is the whole scale of the
+        scores."""
         pos = torch.arange(x.shape[1], device=x.device)
         outs: list[torch.Tensor] = []
         hooks = [m.register_forward_hook(lambda mod, args, out: outs.append(out)) for m in self.attention.modules()
@@ -291,8 +308,12 @@ class HFAdapter(Adapter):
         # A rotary attention_scaling (YaRN: cos and sin times mscale) scales q and k alike and is part of the
         # scores the kernel sees, not a factor the module folded into q.
         rotary = 1.0 if self.rope is None else float(getattr(self.rope, "attention_scaling", None) or 1.0)
-        folded = folded_scale(q, outs) / rotary
-        return (q if abs(folded - 1) < 1e-4 else q / folded), k
+
+        def unfolded(t: torch.Tensor) -> torch.Tensor:
+            found = folded_scale(t, outs)  # 1.0 where no projection's norms match: nothing to take out
+            folded = 1.0 if found == 1.0 else found / rotary
+            return t if abs(folded - 1) < 1e-4 else t / folded
+        return unfolded(q), unfolded(k)
 
     def contexts(self, x, *, causal=None):  # type: ignore[no-untyped-def]
         if self.out is None:  # W_O is applied by the parent: the module's output is the merged contexts

@@ -13,17 +13,21 @@ Shapes:
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["hf_class", "attention_of", "sliding_window_of", "cross_reason", "keywords", "folded_scale", "declared",
-           "CACHE_KW", "SUPPLIED"]
+__all__ = ["hf_class", "attention_of", "sliding_window_of", "chunk_of", "cross_reason", "keywords", "folded_scale",
+           "declared", "CACHE_KW", "MASK_KW", "SUPPLIED"]
 
 CACHE_KW = ("cache", "past_key_values", "past_key_value", "layer_past")
+# The keyword the forward takes its 4-D mask by, in the form the model's mask function builds: T5's family
+# (T5, mT5, LongT5, SwitchTransformers, Pop2Piano, UDOP, Pix2Struct) calls it ``mask``
+MASK_KW = ("attention_mask", "mask")
 _CROSS_KW = ("key_value_states", "encoder_hidden_states")
-SUPPLIED = {"attention_mask", "position_embeddings", "position_ids", "cache_position", *CACHE_KW}
+SUPPLIED = {*MASK_KW, "position_embeddings", "position_ids", "cache_position", *CACHE_KW}
 
 
 def hf_class(module: Any) -> type | None:
@@ -58,6 +62,20 @@ def sliding_window_of(module: nn.Module, config: Any) -> int | None:
                 and types[index] != "sliding_attention":
             window = None
     return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
+def chunk_of(module: nn.Module, config: Any) -> int | None:
+    """The chunk of the model's chunked causal mask for this layer (Llama 4: a query reads only the keys of its own
+    ``attention_chunk_size`` chunk), or None: ``config.layer_types`` says ``"chunked_attention"`` for it, or, with no
+    layer types, the config sets a chunk size (the cache then treats every layer as chunked)."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+        return None
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if isinstance(types, (list, tuple)):
+        return chunk if isinstance(index, int) and index < len(types) and types[index] == "chunked_attention" \
+            else None
+    return chunk
 
 
 def cross_reason(module: nn.Module, params: set[str], where: str, causal: bool | None) -> str:
@@ -125,10 +143,25 @@ def _gpt2_scale(module: nn.Module, config: Any) -> tuple[float | None, str]:
     return scale, f"1/sqrt({d_qk}) / (layer_idx + 1) (scale_attn_by_inverse_layer_idx, layer {index})"
 
 
+def _yarn_scale(module: nn.Module, config: Any) -> tuple[float | None, str]:
+    """Multi-head latent attention under YaRN (DeepSeek-V2/V3 and the families built like them): the family's own
+    ``yarn_apply_mscale`` multiplies 1/sqrt(qk_head_dim) by mscale**2 from ``config.rope_parameters``
+    (``mscale_all_dim``); (None, "") where the family has no such function or it leaves the scale as it was."""
+    family = hf_class(module)
+    apply = None if family is None else getattr(sys.modules.get(family.__module__), "yarn_apply_mscale", None)
+    d_qk, params = getattr(module, "qk_head_dim", None), getattr(config, "rope_parameters", None)
+    if not callable(apply) or not isinstance(d_qk, int) or d_qk <= 0 or not isinstance(params, dict):
+        return None, ""
+    scale = _positive(apply(params, d_qk ** -0.5))
+    if scale is None or abs(scale * d_qk ** 0.5 - 1) < 1e-12:
+        return None, ""
+    return scale, f"1/sqrt({d_qk}) * mscale**2 = {scale:g} (yarn_apply_mscale of the config's rope_parameters)"
+
+
 def declared(module: nn.Module, config: Any) -> tuple[float | None, str, float | None]:
     """``(scale, where it is declared, softcap)`` as the family declares them in its config (the registry's
     ``scale_fields``: ``query_pre_attn_scalar ** -0.5`` for Gemma 2 and 3; ``multiplier_fields``: Granite's
-    ``attention_multiplier``; GPT-2's ``scale_attn_by_inverse_layer_idx``;
+    ``attention_multiplier``; GPT-2's ``scale_attn_by_inverse_layer_idx``; DeepSeek's YaRN ``mscale_all_dim``;
     ``softcap_fields``: Gemma 2's ``attn_logit_softcapping``), or ``(None, "", None)``: the check then expects
     ``1/sqrt(d_qk)`` and no softcap. The module's own ``scaling`` is what is checked, never
     what it is checked against."""
@@ -148,5 +181,7 @@ def declared(module: nn.Module, config: Any) -> tuple[float | None, str, float |
             break
     if scale is None:
         scale, where = _gpt2_scale(module, config)
+    if scale is None:
+        scale, where = _yarn_scale(module, config)
     softcap = next((v for n in entry.softcap_fields if (v := _positive(getattr(config, n, None))) is not None), None)
     return scale, where, softcap

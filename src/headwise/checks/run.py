@@ -49,12 +49,15 @@ def _refuse_meta(layer: Any) -> None:
 
 def _working_adapter(adapter: Adapter, x64: torch.Tensor) -> tuple[Adapter, torch.Tensor]:
     """The adapter in float64 when the layer runs in it (else float32, else its own dtype), and x in that dtype."""
-    errors = []
+    errors, tried = [], set()
     for dtype in (torch.float64, torch.float32, None):
         # always a copy where the layer can be copied (its own dtype too): the check writes into the working
         # module's weights and runs it in eval mode; the caller's module must stay as it was
         work = adapter.converted(dtype) or adapter
         dt = dtype or work.dtype
+        if dt in tried:  # its own dtype is one already tried: running it again would only repeat the error
+            continue
+        tried.add(dt)
         x = x64.to(dt).to(work.device)
         try:
             with torch.no_grad():

@@ -34,7 +34,7 @@ SOFTMAX_FLOOR = torch.finfo(torch.float32).tiny
 
 
 def allowed_keys(a: Adapter, b: int, s: int, keep: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Which keys each query may read: the causal mask (and sliding window) the layer claims, and padding.
+    """Which keys each query may read: the causal mask (and sliding window, or chunk) the layer claims, and padding.
 
     Shapes: keep (b, s) bool -> (b, 1, s, s) bool"""
     allowed = torch.ones(b, 1, s, s, dtype=torch.bool, device=device)
@@ -42,6 +42,12 @@ def allowed_keys(a: Adapter, b: int, s: int, keep: torch.Tensor | None, device: 
         allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=device).tril()
         if a.window is not None:  # query p reads keys p - window + 1 .. p
             allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=device).triu(1 - a.window)
+        chunk = getattr(a, "chunk", None)
+        if chunk is not None:  # Llama 4: only its own chunk, counted from the sample's first real token
+            left = torch.zeros(b, 1, 1, 1, dtype=torch.long, device=device) if keep is None else \
+                (keep.long().cumsum(-1) == 0).sum(-1).view(b, 1, 1, 1)
+            pos = torch.arange(s, device=device)
+            allowed = allowed & ((pos[None, :] - left) // chunk == (pos[:, None] - left) // chunk)
     if keep is not None:
         allowed = allowed & keep[:, None, None, :]
     return allowed
