@@ -181,9 +181,6 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
             out.append("causal chunks: a fully read key prefix and the kernel's is_causal on the square diagonal "
                        "block, merged by log-sum-exp" if plan.lse_chunks else
                        "causal chunks: an explicit bottom-right mask per chunk")
-    elif plan.hooked:
-        out.append("q_proj or out_proj has forward hooks: one pass, not query chunks, so each hook sees every "
-                   "row in one call")
     elif plan.backend == "statistics" and plan.causal:
         out.append("causal (bottom-right): a query block reads keys only up to its last query and masks the "
                    "diagonal itself")
@@ -194,6 +191,9 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
                                                         else "the eager path")
         out.append(f"causal and {why}: an explicit bottom-right (s_q, s_kv) mask"
                    + (", because SDPA's is_causal is top-left aligned" if plan.backend == "sdpa" else ""))
+    if plan.hooked:
+        out.append("q_proj or out_proj has forward hooks: one pass, not query chunks, so each hook sees every "
+                   "row in one call")
     if plan.backend == "sdpa" and plan.device_type != "cpu" and plan.chunk is None and plan.cached is False \
             and s_q > 1:
         out.append(f"no query chunks on {plan.device_type}: its fused kernels already hold O(s) memory")

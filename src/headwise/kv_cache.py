@@ -398,7 +398,7 @@ class KVCache:
     def _overflow_in_graph(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The traced overflow branch: a graph that raises the eager ValueError when it runs, writing nothing."""
         # The op's output is what the caller attends over, so no compiler can drop it as dead code.
-        k = torch.ops.headwise.kv_cache_overflow(k, self._length, self.max_len)
+        k = torch.ops.headwise.kv_cache_overflow(k, self.position, self.max_len)
         return (torch.cat([self.keys[:, :, :self._length], k], 2),  # (b, h_kv, length + s, d_h)
                 torch.cat([self.values[:, :, :self._length], v], 2))
 

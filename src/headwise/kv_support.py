@@ -67,11 +67,13 @@ def short_name(obj: object) -> str:
 # branch is only traced after the length guard fails), so it costs nothing per decoding step.
 if not hasattr(torch.ops.headwise, "kv_cache_overflow"):
     @torch.library.custom_op("headwise::kv_cache_overflow", mutates_args=())
-    def _overflow_op(new: torch.Tensor, cached: int, max_len: int) -> torch.Tensor:
-        raise ValueError(overflow_message(cached, new.shape[-2], max_len))
+    def _overflow_op(new: torch.Tensor, cached: torch.Tensor, max_len: int) -> torch.Tensor:
+        # ``cached`` is the cache's position tensor, read when the graph runs: compiled steps advance it on the
+        # device, not the host's length
+        raise ValueError(overflow_message(int(cached), new.shape[-2], max_len))
 
     @_overflow_op.register_fake
-    def _(new: torch.Tensor, cached: int, max_len: int) -> torch.Tensor:
+    def _(new: torch.Tensor, cached: torch.Tensor, max_len: int) -> torch.Tensor:
         return torch.empty_like(new)
 
     # AOTAutograd (aot_eager, inductor) traces the backward of a step that autograd records while compiling it,

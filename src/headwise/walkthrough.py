@@ -79,7 +79,9 @@ def walk(config: AttentionConfig, *, seq_len: int = 128, batch: int = 1, device:
                          f"kdim={config.kdim}, vdim={config.vdim}")
     if attn is not None:  # x is built where the layer's weights are, in their dtype
         w = attn.q_proj.weight
-        if (dtype is not None and dtype != w.dtype) or (device is not None and torch.device(device) != w.device):
+        want = None if device is None else torch.device(device)  # "cuda" names cuda:0 as well: index if given
+        if (dtype is not None and dtype != w.dtype) or (want is not None and (
+                want.type != w.device.type or want.index is not None and want.index != w.device.index)):
             raise ValueError(f"walk: dtype={dtype}, device={device} do not match attn's weights ({w.dtype} on "
                              f"{w.device}); leave them None to use attn's")
         dtype, device = w.dtype, w.device

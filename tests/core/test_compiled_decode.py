@@ -256,3 +256,10 @@ def test_a_compiled_call_with_more_new_tokens_than_max_len_raises_the_eager_over
     assert cache.length == 0
     with torch.no_grad():  # the cache still works: a call that fits equals the uncached layer
         torch.testing.assert_close(attn(x[:, :8], cache=cache), attn(x[:, :8], causal=True))
+    # After compiled writes (which advance the device's position, not the host's length) the message counts them.
+    cache.reset()
+    with torch.no_grad():
+        call(x[:, :3], cache)
+        with pytest.raises(ValueError, match=r"^cache overflow: 3 cached \+ 10 new > max_len=8;"):
+            call(x, cache)
+    assert cache.length == 3

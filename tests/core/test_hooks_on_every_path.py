@@ -76,6 +76,7 @@ def test_hooks_on_a_chunked_forward_see_every_row_once_as_on_one_pass(monkeypatc
             assert info.query_chunk is None
             # The reason is given where chunks would otherwise run (forced here), not on a plain one pass.
             assert any("forward hooks" in r for r in info.reasons) is bool(setting), info.reasons
+            assert any("kernel's own is_causal" in r for r in info.reasons), info.reasons  # and how it is causal
             outputs[setting] = attn(x, causal=True)
         for h in handles + [steer]:
             h.remove()

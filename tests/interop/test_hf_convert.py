@@ -5,6 +5,8 @@ against the model's weights of that head (read with a plain forward hook on an e
 
 from __future__ import annotations
 
+import copy
+
 import warnings
 
 import pytest
@@ -168,6 +170,9 @@ def test_to_hf_refuses_a_rotary_other_than_the_modules_and_writes_the_modules_ow
     _, x, want, _ = _model_inputs(model, "llama")
     with torch.no_grad():
         torch.testing.assert_close(attn(x, causal=True), want)
+    # A layer cast to half precision, its rotary with it, is still the module's rotary.
+    to_hf(copy.deepcopy(attn).to(torch.bfloat16), like=llama)
+    to_hf(from_hf(llama, rotary_emb=copy.deepcopy(model.model.rotary_emb).to(torch.bfloat16)), like=llama)
 
 
 # PEFT asks transformers a deprecated question; not ours to fix.

@@ -271,6 +271,8 @@ def test_one_rank_unbatched_input_and_bad_masks(one_rank_group):
         sp(inp["x"], mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="rotary embeddings apply to self-attention only"):
         sp(inp["x"], inp["x"])
+    with pytest.raises(ValueError, match=r"^positions are on meta, but the inputs are on cpu$"):
+        sp(inp["x"], causal=True, positions=inp["positions"].to("meta"))
     plain = sequence_parallel(MultiHeadAttention(16, 4, dtype=worker.DTYPE))
     with pytest.raises(ValueError, match="positions= is for rotary layers"):
         plain(inp["x"], positions=torch.arange(inp["x"].shape[1]))

@@ -331,7 +331,21 @@ def test_padding_query_rows_of_headwise_layers_add_nothing_to_key_weight(causal,
         scores = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~allowed, float("-inf"))  # d_h 4: scale 1/2
         p.append(scores[:, real].softmax(-1))  # (h, real rows, s)
     p = torch.stack(p)  # (L, h, real rows, s)
-    st = model_statistics(model, {"x": x, "attention_mask": am})
+    import headwise.attention as attention_module
+
+    backends, real_attend = [], attention_module.attend_with_statistics
+
+    def seen(plan, *args, **kwargs):
+        backends.append(plan.backend)
+        return real_attend(plan, *args, **kwargs)
+
+    attention_module.attend_with_statistics = seen
+    try:
+        st = model_statistics(model, {"x": x, "attention_mask": am})
+    finally:
+        attention_module.attend_with_statistics = real_attend
+    # the padded calls keep the statistics path: no (b, h, s, s) pattern is materialised for them
+    assert backends == ["statistics"] * len(model.attn), backends
     torch.testing.assert_close(st.key_weight.double(), p.sum(-2), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(st.entropy[..., real].double(), -(p * p.clamp_min(1e-300).log()).sum(-1),
                                rtol=1e-4, atol=1e-5)
@@ -404,3 +418,10 @@ def test_statistics_pictures_refuse_heads_that_are_not_pairs_of_ints(tmp_path, p
     with pytest.raises(TypeError, match=message):
         save_statistics_png(st, tmp_path / "s.png", heads=[pair])
     assert not (tmp_path / "s.png").exists()
+
+
+def test_statistics_pictures_take_numpy_integer_pairs_as_ints():
+    np = pytest.importorskip("numpy")
+    st = model_statistics(planted(), {"input_ids": ids(5)})
+    # the pair a user gets from np.argwhere over a grid draws the same page as plain ints
+    assert render_statistics_html(st, heads=[(np.int64(0), np.int64(1))]) == render_statistics_html(st, heads=[(0, 1)])

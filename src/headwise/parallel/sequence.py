@@ -213,7 +213,7 @@ class SequenceParallelAttention(nn.Module):
             validate_mask(mask, (b, h, *(1,) * (2 - len(own)), *own), w.dtype, w.device)
         if positions is not None:
             s = positions.shape[-1] if isinstance(positions, torch.Tensor) and positions.dim() else 0
-            check_positions(positions, b, s)
+            check_positions(positions, b, s, w.device)
         return x, key, value, batched
 
     def _lengths(self, x: Any, context: Any, key: Any, value: Any, mask: Any, causal: Any, positions: Any,

@@ -35,6 +35,8 @@ Shapes:
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +119,7 @@ class HeadStatistics:
         ``TypeError`` for one that is not two ints (a float would pass ``head in held`` and fail at indexing)."""
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2
-                    and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)):
+                    and all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in pair)):
                 raise TypeError(f"heads must be (layer, head) pairs of ints, got {pair!r}")
             layer, head = pair
             if not 0 <= layer < self.n_layers:

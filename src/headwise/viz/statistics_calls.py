@@ -99,7 +99,8 @@ def padding_reads_nothing(layers: list, attention_mask: Any) -> Iterator[None]:
                 if plan is not None:
                     # forward planned the call on its own mask (no row reading nothing): attend plans it again on
                     # this one; a cached call is not re-planned, as its keys are read the way its plan says
-                    kwargs = {**kwargs, "plan": None, "causal": plan.causal}
+                    # (the weights only where the plan built them: forward asks attend for them on every call)
+                    kwargs = {**kwargs, "plan": None, "causal": plan.causal, "return_weights": plan.return_weights}
             return attend(q, k, v, mask=mask, **kwargs)
 
         return attend_real_rows

@@ -144,10 +144,13 @@ def _check_rotary(owner: str, view: HFView, attn: MultiHeadAttention) -> None:
     want, got = view.rotary, attn.rotary
     if want is None or got is None:  # nothing to compare (no rotary, or none the config alone determines)
         return
-    # float32 frequencies from the same formula; a model's own rotary_emb (passed to from_hf) may differ in the last bit
+    # The same formula's frequencies up to bfloat16's rounding, the coarsest they are held in: a cast layer
+    # (.half(), .to(bfloat16)) or a model's own rotary_emb cast with its model. Another base or rope scaling
+    # moves them by far more.
+    rtol = torch.finfo(torch.bfloat16).eps
     same = (want.rotary_dim == got.rotary_dim
             and math.isclose(want.attention_scaling, got.attention_scaling, rel_tol=1e-6)
-            and torch.allclose(want.inv_freq, got.inv_freq.detach().to("cpu", torch.float32), rtol=1e-5, atol=0))
+            and torch.allclose(want.inv_freq, got.inv_freq.detach().to("cpu", torch.float32), rtol=rtol, atol=0))
     if not same:
         raise ValueError(f"cannot write this MultiHeadAttention into {owner}: its rotary differs from the one the "
                          f"model's config gives (rotary_dim {want.rotary_dim}, attention_scaling "
