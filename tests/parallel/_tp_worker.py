@@ -255,34 +255,46 @@ def _out_proj_hooks() -> dict:
 
 
 def _shard_state(rank: int, world: int) -> dict:
-    """Every rank's shard state dict loaded into this rank's shard: only its own may load."""
+    """Every rank's shard state dict loaded into this rank's shard: only its own may load, as saved, after
+    torch.save / torch.load(weights_only=True), and cast to bfloat16 (its metadata kept)."""
     import io
+    from collections import OrderedDict
 
     import torch.distributed as dist
 
     from headwise.parallel import tensor_parallel
 
+    def weights_only(sd: dict) -> dict:
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)
+
+    def bfloat16(sd: dict) -> dict:
+        cast = OrderedDict((k, v.to(torch.bfloat16)) for k, v in sd.items())
+        cast._metadata = sd._metadata  # type: ignore[attr-defined]
+        return cast
+
     attn, _ = build(HOOKS)
     tp = tensor_parallel(attn)
     mine = tp.state_dict()
     shards: list = [None] * world
-    dist.all_gather_object(shards, {k: v.clone() for k, v in mine.items()})  # plain dicts: no metadata
-    out: dict = {"loads": {}}
-    for r, sd in enumerate(shards):
-        try:
-            tp.load_state_dict(sd)
-            out["loads"][r] = None
-        except ValueError as err:
-            out["loads"][r] = str(err)
-        out.setdefault("states", {})[r] = {k: v.detach().clone() for k, v in tp.state_dict().items()}
-    buf = io.BytesIO()
-    torch.save(mine, buf)
-    buf.seek(0)
-    tp.load_state_dict(torch.load(buf, weights_only=True))  # the record survives a weights-only round trip
-    bare = {k: v for k, v in mine.items() if not k.endswith("_extra_state")}
-    missing, unexpected = tp.load_state_dict(bare)  # a shard saved without the record loads as before
+    dist.all_gather_object(shards, mine)  # pickled with its metadata
+    own = {k: v.clone() for k, v in mine.items()}  # mine's tensors share the parameters' storage
+    out: dict = {"loads": {}, "states": {}}
+    for variant, convert in (("saved", lambda sd: sd), ("weights_only", weights_only), ("bfloat16", bfloat16)):
+        for r, sd in enumerate(shards):
+            try:
+                tp.load_state_dict(convert(sd))
+                out["loads"][variant, r] = None
+            except ValueError as err:
+                out["loads"][variant, r] = str(err)
+            out["states"][variant, r] = {k: v.detach().clone() for k, v in tp.state_dict().items()}
+            tp.load_state_dict(own)
+    missing, unexpected = tp.load_state_dict(dict(mine))  # a plain dict, without the record, loads as before
     out["bare"] = (list(missing), list(unexpected))
     out["keys"] = sorted(mine)
+    out["record"] = mine._metadata[""]["headwise_shard"]
     return out
 
 

@@ -9,6 +9,8 @@ gradients on every replica, the input gradient on every rank, and KV-cache decod
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 
@@ -301,25 +303,73 @@ def test_hooks_on_out_proj_run_on_every_rank_and_act_as_on_the_unsharded_layer(w
 
 
 def test_a_shard_state_dict_loads_only_into_the_shard_of_the_same_rank(world):
+    """As saved, through torch.save / torch.load(weights_only=True), and cast to bfloat16 (metadata kept)."""
     world_size, ranks = world
     attn, _ = worker.build(worker.HOOKS)
     h, h_kv = worker.HOOKS["n_heads"], worker.HOOKS["n_kv_heads"]
     for r, res in enumerate(ranks):
         got = res["shard_state"]
         q, kv = _owned(worker.HOOKS, world_size, r)
-        assert got["keys"] == ["_extra_state", "k_proj.bias", "k_proj.weight", "out_proj.bias", "out_proj.weight",
-                               "q_proj.bias", "q_proj.weight", "v_proj.bias", "v_proj.weight"]
+        assert got["keys"] == sorted(attn.state_dict())  # exactly the projections' tensors
+        assert got["record"] == {"world_size": world_size, "rank": r, "n_heads": h, "n_kv_heads": h_kv,
+                                 "q_heads": q, "kv_heads": kv}
         want = {n: t[_rows(q, attn.d_head)] for n, t in attn.state_dict().items() if n.startswith("q_proj")}
-        for other, error in got["loads"].items():
-            # Refused or not, the layer holds its own slices afterwards.
-            for name, t in want.items():
-                assert torch.equal(got["states"][other][name], t), (r, other, name)
+        assert sorted(got["loads"]) == [(v, o) for v in ("bfloat16", "saved", "weights_only")
+                                        for o in range(world_size)]
+        for (variant, other), error in got["loads"].items():
+            state = got["states"][variant, other]
             if other == r:
-                assert error is None
+                assert error is None, (r, variant, error)
+                for name, t in want.items():
+                    t = t.to(torch.bfloat16).to(t.dtype) if variant == "bfloat16" else t
+                    torch.testing.assert_close(state[name], t, rtol=0, atol=0)
                 continue
+            for name, t in want.items():  # refused: the layer holds its own slices, untouched
+                torch.testing.assert_close(state[name], t, rtol=0, atol=0)
             q_o, kv_o = _owned(worker.HOOKS, world_size, other)
-            assert error is not None, f"rank {r} accepted rank {other}'s shard"
+            assert error is not None, f"rank {r} accepted rank {other}'s shard ({variant})"
             assert (f"holds the tensor-parallel shard of rank {other} of {world_size} (query heads {q_o}, K/V "
                     f"heads {kv_o} of a layer with {h} query, {h_kv} K/V heads), but this layer is the shard of "
                     f"rank {r} of {world_size} (query heads {q}, K/V heads {kv} of") in error, error
         assert got["bare"] == ([], [])
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_shard_state_dict_is_plain_tensors_and_loads_into_a_plain_layer(one_rank_group):
+    attn, inp = worker.build(worker.HOOKS)
+    tp = tensor_parallel(attn)
+    sd = tp.state_dict()
+    assert list(sd) == list(attn.state_dict())
+    plain = MultiHeadAttention(config=tp.config, dtype=worker.DTYPE)
+    assert not plain.load_state_dict(sd, strict=True).unexpected_keys  # the record is metadata, ignored here
+    torch.testing.assert_close(plain(inp["x"], causal=True), attn(inp["x"], causal=True))
+    # A copy whose tensors were cast or averaged keeps the record intact.
+    half = OrderedDict((k, v.to(torch.bfloat16)) for k, v in sd.items())
+    half._metadata = sd._metadata
+    tp16 = tensor_parallel(attn).to(torch.bfloat16)
+    tp16.load_state_dict(half)
+    for name, t in attn.state_dict().items():
+        torch.testing.assert_close(tp16.state_dict()[name], t.to(torch.bfloat16), rtol=0, atol=0)
+    tp.load_state_dict({k: 0.5 * v + 0.5 * v for k, v in sd.items()})
+    # Nested, another shard's record is refused under its prefix, and a malformed one names what it expects.
+    model = torch.nn.Sequential(tensor_parallel(attn))
+    msd = model.state_dict()
+    other = {"world_size": 2, "rank": 1, "n_heads": 8, "n_kv_heads": 2, "q_heads": [4, 5, 6, 7], "kv_heads": [1]}
+    before = {k: v.clone() for k, v in msd.items()}
+    for record, message in ((other, "at '0' holds the tensor-parallel shard of rank 1 of 2"),
+                            ({"rank": "1"}, "must be a dict of ints")):
+        bad = OrderedDict((k, torch.zeros_like(v)) for k, v in msd.items())
+        bad._metadata = {k: dict(v) for k, v in msd._metadata.items()}
+        bad._metadata["0"]["headwise_shard"] = record
+        with pytest.raises(ValueError, match=message):
+            model.load_state_dict(bad)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, before[k], rtol=0, atol=0)

@@ -237,8 +237,8 @@ class TensorParallelAttention(ShardState, MultiHeadAttention):
         """This rank's heads, in global order (see :meth:`head`)."""
         return [self.head(i) for i in self.partition.q_heads]
 
-    def shard_record(self) -> torch.Tensor:
-        """Which heads this shard holds, saved in its state dict (:mod:`headwise.parallel.shard_state`)."""
+    def shard_record(self) -> dict[str, Any]:
+        """Which heads this shard holds, for its state dict's metadata (:mod:`headwise.parallel.shard_state`)."""
         p, cfg = self.partition, self.global_config
         return shard_record(self.world_size, self.rank, cfg.n_heads, cfg.n_kv_heads, p.q_heads, p.kv_heads)
 
