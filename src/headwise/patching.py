@@ -125,9 +125,10 @@ def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[
     layer of a forward run once, at batch b: the copies split off at the block (the numbered child of a
     ``ModuleList``/``Sequential``) holding that layer, whose batch-b tensor inputs are repeated; where no such
     block is found, or the model refuses the split batch, every copy runs the whole forward. An output tensor
-    without the copies on dim 0 (a ``loss`` reduced over the batch, when ``labels`` are among the inputs) cannot
-    be split among them, so then each copy runs alone. The model runs in eval mode for the duration (dropout
-    off; every module's mode is given back afterwards).
+    without the batch on dim 0 (a ``loss`` reduced over the batch, when ``labels`` are among the inputs; MoE
+    router logits, token-major) cannot be split among copies: where the corrupted run's output holds one, each
+    copy runs alone from the start. The model runs in eval mode for the duration (dropout off; every module's
+    mode is given back afterwards).
 
     Args:
         model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
@@ -157,7 +158,11 @@ def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[
         with trace(model, capture=(site,)) as t_clean:
             call(model, clean)
         with trace(model, capture=(site,)) as t_bad:
-            base = _scalar(measure(call(model, corrupted), corrupted))
+            out = call(model, corrupted)
+            base = _scalar(measure(out, corrupted))
+        # a tensor mixing the batch (a loss reduced over it) would mix the copies of a forward: run them alone
+        alone = not _batch_major(out, b)
+        del out  # the sweep's outputs need the memory
         sources = []
         for rc, rb in zip(t_clean, t_bad):
             zc, zb = rc.get(site), rb.get(site)
@@ -170,7 +175,7 @@ def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[
         lengths = [src[0].shape[1] for src in sources]
         pairs = [(li, i, p) for li, h in enumerate(heads) for i in range(h)
                  for p in (range(lengths[li]) if per_position else [None])]
-        per = heads[0] if batch_heads is None else batch_heads
+        per = 1 if alone else heads[0] if batch_heads is None else batch_heads
         blocks = _blocks(model, [name for name, _ in t_clean.layers]) if share_prefix else None
         shape = (len(heads), max(heads), max(lengths)) if per_position else (len(heads), max(heads))
         effects = torch.full(shape, float("nan"), dtype=torch.float64)
@@ -202,7 +207,7 @@ def _patched_outputs(model: nn.Module, corrupted: Any, chunk: list[tuple[int, in
         with trace(model, edit=edit):
             out = call(model, repeat(corrupted, n))
     if n > 1 and not _batch_major(out, n * b):
-        # a tensor mixing the copies (e.g. the loss, averaged over them) cannot be split: run each copy alone
+        # a tensor whose dim 0 was b by chance in the corrupted run, not the copies': run each copy alone
         return [_patched_outputs(model, corrupted, [pair], sources, site, blocks, b)[0] for pair in chunk]
     return _split(out, n, b)
 

@@ -209,12 +209,73 @@ def test_a_trace_of_one_patched_layer_means_over_the_real_tokens_that_reach_its_
     torch._dynamo.reset()
 
 
-def test_a_trace_of_one_decoder_layer_refuses_mean_as_its_mask_may_be_another_sequences():
-    _, model = _t5()
-    names = [name for name, _ in headwise.interop.layers(model)]
-    kw = dict(input_ids=T5_IDS, attention_mask=T5_MASK, decoder_input_ids=T5_IDS[:, :3])
-    for name in ("decoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.1.EncDecAttention"):
-        view = headwise.interop.layers(model)[names.index(name)][1]
-        with torch.no_grad(), headwise.trace(view, edit={(0, 1): "mean"}):
-            with pytest.raises(ValueError, match=r"T5Attention is a decoder's attention.*cross-attention"):
-                model(**kw)
+def _decoders():
+    """Per model: (unpatched, patched, inputs, the real tokens of the traced layer's queries, the layer's name,
+    the unpatched W_O module of that layer, d_h), for decoders whose self-attention module says is_decoder."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, 40, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0  # left padding
+    biogpt = transformers.BioGptForCausalLM(transformers.BioGptConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=16,
+        max_position_embeddings=32, pad_token_id=0)).eval()
+    bert = transformers.BertLMHeadModel(transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=16,
+        is_decoder=True, pad_token_id=0)).eval()
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=32,
+        pad_token_id=0)).eval()
+    t5, _ = _t5()
+    dec = dict(input_ids=T5_IDS, attention_mask=T5_MASK, decoder_input_ids=ids, decoder_attention_mask=mask)
+    return {
+        "biogpt": (biogpt, dict(input_ids=ids, attention_mask=mask), "biogpt.layers.0.self_attn",
+                   lambda m: m.biogpt.layers[0].self_attn.out_proj, 4),
+        "bert is_decoder": (bert, dict(input_ids=ids, attention_mask=mask), "bert.encoder.layer.0.attention.self",
+                            lambda m: m.bert.encoder.layer[0].attention.output.dense, 4),
+        "bart decoder": (bart, dec, "model.decoder.layers.0.self_attn",
+                         lambda m: m.model.decoder.layers[0].self_attn.out_proj, 4),
+        "t5 decoder": (t5, dec, "decoder.block.0.layer.0.SelfAttention",
+                       lambda m: m.decoder.block[0].layer[0].SelfAttention.o, 8),
+    }
+
+
+@pytest.mark.parametrize("case", ["biogpt", "bert is_decoder", "bart decoder", "t5 decoder"])
+def test_a_trace_of_one_decoder_self_attention_means_over_its_own_real_tokens(case):
+    plain, kw, name, w_o, d_h = _decoders()[case]
+    model = patch(copy.deepcopy(plain))
+    real = kw.get("decoder_attention_mask", kw["attention_mask"]).bool()  # the queries' sequence
+    head = 1
+    cols = slice(head * d_h, (head + 1) * d_h)
+
+    def mean_over_real(module, args):  # W_O's input: the head's slice, each row's float64 mean over real tokens
+        x = args[0].clone()
+        x[..., cols] = _real_mean64(x[..., cols], real).to(x.dtype).expand_as(x[..., cols])
+        return (x,)
+
+    handle = w_o(plain).register_forward_pre_hook(mean_over_real)
+    try:
+        with torch.no_grad():
+            want = plain(**kw).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        unedited = plain(**kw).logits
+    view = dict(headwise.interop.layers(model))[name]  # the layer alone takes no attention_mask
+    with torch.no_grad(), headwise.trace(view, edit={(0, head): "mean"}):
+        got = model(**kw).logits
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(want, unedited)  # the edit matters
+
+
+@pytest.mark.parametrize("case,name", [("bart decoder", "model.decoder.layers.0.encoder_attn"),
+                                       ("t5 decoder", "decoder.block.0.layer.1.EncDecAttention")])
+def test_a_trace_of_one_cross_attention_layer_refuses_mean_as_its_mask_is_the_encoders(case, name):
+    plain, kw, *_ = _decoders()[case]
+    model = patch(plain)
+    view = dict(headwise.interop.layers(model))[name]
+    with torch.no_grad(), headwise.trace(view, capture=("z",), edit={(0, 1): "mean"}) as t:
+        with pytest.raises(ValueError, match=r"takes no attention_mask, and layer 0's module \w+ was called as "
+                                             r"cross-attention, whose mask is the other sequence's"):
+            model(**kw)
+    assert not t[0].calls  # the refused call left nothing behind

@@ -123,10 +123,23 @@ def test_sweep_of_the_loss_reduced_over_the_batch_equals_the_loop(batch_heads, s
     corrupted = {**clean, "input_ids": ref.inputs(model, pad=False, seed=2)["input_ids"]}
     h = model.config.num_attention_heads
     want = brute_force(plain, clean, corrupted, lambda out: out.loss, h)
-    got = head_effects(model, clean, corrupted, lambda out: out.loss, batch_heads=batch_heads,
-                       share_prefix=share_prefix)
+    batches = []  # the batch of every forward of the model, and of its first block (copies split off there)
+
+    def count(module, args, kwargs):
+        batches.append((args[0] if args else kwargs.get("input_ids", kwargs.get("hidden_states"))).shape[0])
+
+    hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for m in (model, model.transformer.h[0])]
+    try:
+        got = head_effects(model, clean, corrupted, lambda out: out.loss, batch_heads=batch_heads,
+                           share_prefix=share_prefix)
+    finally:
+        for hook in hooks:
+            hook.remove()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert (want - want.mean(1, keepdim=True)).abs().max() > 20 * 1e-5  # the heads of a layer do differ
+    # the loss shows in the corrupted run: every copy runs alone from the start, no batched forward thrown away
+    b, forwards = clean["input_ids"].shape[0], 2 + model.config.n_layer * h
+    assert batches == [b] * 2 * forwards
 
 
 def test_sweep_refuses_bad_input():

@@ -21,12 +21,15 @@ from torch import nn
 from .edits import CachePadding, DeferredPadding, UnknownPadding, Unseen
 
 __all__ = ["padding_of", "padding_of_4d", "reads", "position_of", "takes", "watch_hosts", "ReachedMask",
-           "InertWhenCopied", "inert_hook", "MASK_NAMES"]
+           "InertWhenCopied", "inert_hook", "MASK_NAMES", "CROSS_NAMES"]
 
 #: What an attention module's forward calls the padding mask that reaches it, in the families of transformers
 #: 5.24: most ``attention_mask``; T5 and its kin (mT5, UMT5, LongT5, Switch Transformers, Pop2Piano, UDOP)
 #: ``mask``. Others (``attn_mask`` of ``nn.MultiheadAttention``: True there masks) are not padding masks.
 MASK_NAMES = ("attention_mask", "mask")
+#: What such a forward calls the other sequence its keys and values are read from, given (not None) only in a
+#: cross-attention call: BART's and T5's ``key_value_states``, BERT's and GPT-2's ``encoder_hidden_states``.
+CROSS_NAMES = ("key_value_states", "encoder_hidden_states")
 
 
 def reads(mask: torch.Tensor) -> torch.Tensor | None:
@@ -161,27 +164,35 @@ _BLIND = "the traced module takes no attention_mask"
 
 class _HostMask(InertWhenCopied):
     """A pre-hook (``before``) or post-hook on a patched layer's host module: the mask the module is given as
-    ``name`` is what reaches the layer during that call, and nothing after it (a later call never reads it).
-    A copy of the host (``copy.deepcopy``, pickling) keeps :func:`inert_hook` in its place."""
+    ``name`` is what reaches the layer during that call, and nothing after it (a later call never reads it);
+    in a cross-attention call (the module's ``is_cross_attention``, or one of ``cross``, (name, position) of
+    :data:`CROSS_NAMES`, given) it is the other sequence's, so the layer gets ``refuse`` instead. A copy of the
+    host (``copy.deepcopy``, pickling) keeps :func:`inert_hook` in its place."""
 
-    def __init__(self, entry: Any, name: str, at: int | None, before: bool) -> None:
+    def __init__(self, entry: Any, name: str, at: int | None, before: bool, cross: tuple = (),
+                 refuse: Unseen | None = None) -> None:
         self.entry, self.name, self.at, self.before = entry, name, at, before
+        self.cross, self.refuse = cross, refuse
 
     def __call__(self, module: nn.Module, args: tuple, more: Any) -> None:
         if not self.before:
             self.entry.reached = None
             return
-        mask = more.get(self.name) if isinstance(more, dict) else None
-        if mask is None and self.at is not None and len(args) > self.at:
-            mask = args[self.at]
+        if getattr(module, "is_cross_attention", False) is True or any(
+                _given(args, more, n, at) is not None for n, at in self.cross):
+            self.entry.reached = self.refuse
+            return
+        mask = _given(args, more, self.name, self.at)
         self.entry.reached = ReachedMask(mask, self.name) if mask is None or isinstance(mask, torch.Tensor) else \
             Unseen(f"the {self.name} reaching layer {self.entry.record.index} is a {type(mask).__name__}")
 
 
-def _may_read_another_sequence(host: nn.Module) -> bool:
-    """Whether ``host`` may be a decoder's attention (transformers' ``is_decoder``, GPT-2's
-    ``is_cross_attention``): in cross-attention the mask reaching it is the encoder's, not its queries'."""
-    return getattr(host, "is_decoder", False) is True or getattr(host, "is_cross_attention", False) is True
+def _given(args: tuple, kwargs: Any, name: str, at: int | None) -> Any:
+    """The argument ``name`` of a call, by keyword or at position ``at``; None when not given."""
+    value = kwargs.get(name) if isinstance(kwargs, dict) else None
+    if value is None and at is not None and len(args) > at:
+        value = args[at]
+    return value
 
 
 def watch_hosts(layers: list, entries: list, unseen: Unseen | None = None, blind: bool = False) -> list:
@@ -190,9 +201,10 @@ def watch_hosts(layers: list, entries: list, unseen: Unseen | None = None, blind
     made past the traced model's own forward (``model.forward``, ``torch.compile(model.forward)``, a submodule,
     T5's encoder under ``generate``), which the trace's pre-hook never sees, or of every call where the traced
     module takes no mask (``blind``: one patched layer, a plain wrapper). A view whose host takes none of them
-    gets ``unseen`` (the trace's refusal) saying so; under ``blind`` so does a view whose host may be a
-    decoder's cross-attention. Returns the hook handles."""
+    gets ``unseen`` (the trace's refusal) saying so, and so does each cross-attention call of a host (decided
+    per call: a decoder's self-attention reads its own sequence's mask). Returns the hook handles."""
     views = sys.modules.get("headwise.interop.views")  # only a patched model has hosts (interop imported)
+    why = unseen.why if unseen is not None else _BLIND
     handles = []
     for (_, layer), entry in zip(layers, entries):
         host = getattr(layer, "host", None) if views is not None and isinstance(layer, views.LayerView) else None
@@ -201,16 +213,17 @@ def watch_hosts(layers: list, entries: list, unseen: Unseen | None = None, blind
         name = next((n for n in MASK_NAMES if takes(n, host)), None)
         if name is None:
             if unseen is not None or blind:  # read only while the trace's own padding is unseen (Entry.padding)
-                entry.reached = Unseen(f"{unseen.why if unseen is not None else _BLIND}, and layer "
-                                       f"{entry.record.index}'s module {type(host).__name__}.forward takes none "
-                                       f"of {list(MASK_NAMES)}, the parameters a layer's mask is read from")
+                entry.reached = Unseen(f"{why}, and layer {entry.record.index}'s module {type(host).__name__}"
+                                       f".forward takes none of {list(MASK_NAMES)}, the parameters a layer's mask "
+                                       "is read from")
             continue
-        if blind and _may_read_another_sequence(host):
-            entry.reached = Unseen(f"{_BLIND}, and layer {entry.record.index}'s module {type(host).__name__} is a "
-                                   "decoder's attention, whose mask may be another sequence's (cross-attention); "
-                                   "trace the whole model")
-            continue
+        cross = tuple((n, position_of(n, host)) for n in CROSS_NAMES if takes(n, host))
+        # one object for every such call, so compiled code guarding on it sees the same one at every step
+        refuse = Unseen(f"{why}, and layer {entry.record.index}'s module {type(host).__name__} was called as "
+                        "cross-attention, whose mask is the other sequence's (the encoder's), not its queries'; "
+                        "trace the whole model")
         at = position_of(name, host)
-        handles.append(host.register_forward_pre_hook(_HostMask(entry, name, at, True), with_kwargs=True))
+        handles.append(host.register_forward_pre_hook(_HostMask(entry, name, at, True, cross, refuse),
+                                                      with_kwargs=True))
         handles.append(host.register_forward_hook(_HostMask(entry, name, at, False), always_call=True))
     return handles
