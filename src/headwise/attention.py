@@ -373,19 +373,22 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         return (y, weights) if return_weights else y
 
     def explain_dispatch(
-        self, x: torch.Tensor, *, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-        causal: bool = False, cache: KVCache | None = None, return_weights: bool = False,
-        warn_bytes: int | None = None, statistics: tuple[str, ...] = (),
+        self, x: torch.Tensor, *, context: torch.Tensor | None = None, key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None, mask: torch.Tensor | None = None, causal: bool = False,
+        cache: KVCache | None = None, return_weights: bool = False, warn_bytes: int | None = None,
+        statistics: tuple[str, ...] = (),
     ) -> DispatchInfo:
-        """Which backend and kernel :meth:`forward` would run for these inputs, and why (nothing is computed).
+        """Which backend and kernel :meth:`forward` would run for these inputs, and why (nothing is computed):
+        the same :class:`~headwise.plan.Plan` that ``forward`` executes.
 
-        It formats the same :class:`~headwise.plan.Plan` that ``forward`` executes. Warns
-        (:class:`headwise.MaterializationWarning`) if the path would materialise more than ``warn_bytes``
-        (default :data:`headwise.dispatch.WARN_BYTES`) of probabilities. ``statistics`` names per-head statistics a
-        trace would capture (:data:`headwise.plan.STATISTICS`): the plan then says how they are computed.
+        Args:
+            x, context, key, value, mask, causal, cache, return_weights: as given to :meth:`forward`.
+            warn_bytes: a MaterializationWarning above this many probability bytes (None: ``dispatch.WARN_BYTES``).
+            statistics: per-head statistics a trace would capture (:data:`headwise.plan.STATISTICS`).
 
         Shapes:
-            x: (b, s_q, d) or (s_q, d); context: (b, s_kv, kdim); mask: broadcastable to (b, h, s_q, s_kv)
+            x: (b, s_q, d) or (s_q, d); context, key: (b, s_kv, kdim); value: (b, s_kv, vdim)
+            mask: broadcastable to (b, h, s_q, s_kv)
 
         Example:
             >>> attn = MultiHeadAttention(d_model=32, n_heads=4)
@@ -395,7 +398,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             >>> attn.explain_dispatch(torch.randn(2, 6, 32), return_weights=True).probability_bytes
             1152
         """
-        return explain_forward(self, x, context=context, mask=mask, causal=causal, cache=cache,
+        return explain_forward(self, x, context=context, key=key, value=value, mask=mask, causal=causal, cache=cache,
                                return_weights=return_weights, warn_bytes=warn_bytes, statistics=statistics)
 
     # -- copies: a trace's tracer belongs to the layer it was put on, never to a copy ------------------

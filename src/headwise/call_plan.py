@@ -124,13 +124,14 @@ def plan_attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 
 def explain_forward(layer: Any, x: torch.Tensor, *, context: torch.Tensor | None, mask: torch.Tensor | None,
                     causal: bool, cache: Any, return_weights: bool, warn_bytes: int | None,
-                    statistics: tuple[str, ...]) -> DispatchInfo:
+                    statistics: tuple[str, ...], key: torch.Tensor | None = None,
+                    value: torch.Tensor | None = None) -> DispatchInfo:
     """``layer.explain_dispatch(...)``: the forward's checks and plan on these inputs, formatted; nothing is
     computed and no cache is bound.
 
     Args:
         layer: the ``MultiHeadAttention``.
-        x, context, mask, causal, cache, return_weights: as given to its forward.
+        x, context, key, value, mask, causal, cache, return_weights: as given to its forward.
         warn_bytes: warn above this many bytes of probabilities (None: ``headwise.dispatch.WARN_BYTES``).
         statistics: per-head statistics a trace would capture.
     """
@@ -140,7 +141,7 @@ def explain_forward(layer: Any, x: torch.Tensor, *, context: torch.Tensor | None
         raise ValueError(f"warn_bytes must be None or a non-negative int (bytes), got {warn_bytes}")
     w = layer.q_proj.weight
     x, key, _, mask, _, _ = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None, x,
-                                          context, None, None, mask, causal, cache, None, return_weights)
+                                          context, key, value, mask, causal, cache, None, return_weights)
     if cache is not None and cache.owner is not None:
         cache.claim(layer)  # only checks: explaining never binds a cache
     if cache is not None:

@@ -39,7 +39,7 @@ def check_dropout(p: object) -> None:
     """A dropout probability in [0, 1)."""
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise TypeError(f"dropout must be a float in [0, 1), got {p!r} ({type_name(p)})")
-    if not 0.0 <= float(p) < 1.0:  # NaN fails both comparisons
+    if not 0 <= p < 1:  # NaN fails both; no float(): an int beyond any float (10**400) would overflow
         raise ValueError(f"dropout must be in [0, 1), got {p}")
 
 

@@ -68,6 +68,15 @@ class DispatchInfo:
     plan: Plan | None = None
 
 
+def _math_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per probability of SDPA's math kernel: it upcasts half precision to float32 unless PyTorch's
+    fp16/bf16 reduction flag is on."""
+    allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
+    if dtype in (torch.float16, torch.bfloat16) and not (allowed is not None and allowed()):
+        return 4
+    return dtype.itemsize
+
+
 def _sdpa_kernel(plan: Plan, d_head: int, n_kv_heads: int, dtype: torch.dtype, device: torch.device,
                  mask_shape: tuple[int, ...] | None, mask_dtype: torch.dtype | None, grad: bool) -> tuple[str, str]:
     b, h, s_q, s_kv = plan.shape
@@ -111,7 +120,7 @@ def _sdpa_kernel(plan: Plan, d_head: int, n_kv_heads: int, dtype: torch.dtype, d
     return "fused", f"rule: on {device.type} PyTorch picks a fused kernel (flash, efficient or cudnn)"
 
 
-def _statistics_reasons(plan: Plan) -> list[str]:
+def _statistics_reasons(plan: Plan, dtype: torch.dtype) -> list[str]:
     """How the plan computes its per-head statistics (plan rule 10), and what that costs."""
     b, h, s_q, s_kv = plan.shape
     names = ", ".join(plan.statistics)
@@ -122,7 +131,8 @@ def _statistics_reasons(plan: Plan) -> list[str]:
                    + ("; key_weight from a second pass over key blocks that recomputes the scores with the lse "
                       "(about half a forward more)" if "key_weight" in plan.statistics else ""))
         return out
-    rows = statistics_rows(b, h, s_q, s_kv)
+    # The chunks accumulate in float32, float64 for a float64 layer (headwise.statistics.chunks).
+    rows = statistics_rows(b, h, s_q, s_kv, 8 if dtype == torch.float64 else 4)
     chunk = f"{rows} query rows at a time ({b}*{h}*{rows}*{s_kv} scores, never the {b}*{h}*{s_q}*{s_kv} pattern)"
     if plan.statistics_via is Statistics.BESIDE:
         why = ("the call returns its probabilities" if plan.return_weights else
@@ -137,7 +147,7 @@ def _statistics_reasons(plan: Plan) -> list[str]:
     return out
 
 
-def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
+def _reasons(plan: Plan, causal_given: bool, cache_length: int, dtype: torch.dtype) -> list[str]:
     b, h, s_q, s_kv = plan.shape
     out = []
     if plan.cached and not causal_given:
@@ -146,7 +156,7 @@ def _reasons(plan: Plan, causal_given: bool, cache_length: int) -> list[str]:
     if plan.backend == "empty":
         return out + [f"empty input (b={b}, s_q={s_q}, s_kv={s_kv}): no kernel runs, the context is zeros"]
     if plan.statistics:
-        out += _statistics_reasons(plan)
+        out += _statistics_reasons(plan, dtype)
     if plan.backend == "eager":
         if plan.return_weights:
             out.append("return_weights=True: only the eager path returns per-head probabilities")
@@ -224,7 +234,7 @@ def describe(plan: Plan, *, d_head: int, n_kv_heads: int, dtype: torch.dtype, de
         plan.shape: (b, h, s_q, s_kv); mask: broadcastable to it
     """
     b, h, s_q, s_kv = plan.shape
-    reasons = _reasons(plan, causal_given, cache_length)
+    reasons = _reasons(plan, causal_given, cache_length, dtype)
     if plan.backend == "empty":
         kernel, nbytes = "none", 0
     elif plan.backend == "eager":
@@ -236,7 +246,7 @@ def describe(plan: Plan, *, d_head: int, n_kv_heads: int, dtype: torch.dtype, de
                                    None if mask is None else tuple(mask.shape),
                                    None if mask is None else mask.dtype, grad)
         reasons.append(why)
-        nbytes = b * h * s_q * s_kv * dtype.itemsize if kernel == "math" else 0
+        nbytes = b * h * s_q * s_kv * _math_itemsize(dtype) if kernel == "math" else 0
         reasons.append(f"the math kernel materialises b*h*s_q*s_kv = {b}*{h}*{s_q}*{s_kv} probabilities "
                        f"({nbytes} bytes)" if nbytes else "the fused kernel never materialises the probabilities")
     info = DispatchInfo(plan.backend, kernel, nbytes > 0, nbytes, plan.causal_via.value, plan.shape, tuple(reasons),

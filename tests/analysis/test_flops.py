@@ -76,7 +76,8 @@ def test_calculators_need_no_torch_and_no_time_at_huge_sizes() -> None:
             "from headwise.analysis import summarize\n"
             "from headwise.presets import get_preset\n"
             "s = summarize(get_preset('llama-2-7b').config, 10 ** 30, dtype='bf16', n_layers=32)\n"
-            "assert s['probabilities']['materialised'] == 32 * 10 ** 60 * 2, s['probabilities']\n"
+            # bf16 probabilities take float32's 4 bytes on the eager path
+            "assert s['probabilities']['materialised'] == 32 * 10 ** 60 * 4, s['probabilities']\n"
             "assert s['flops']['layer_attention_causal_skip'] == 4 * 32 * 128 * (10 ** 30 * (10 ** 30 + 1) // 2)\n"
             "assert 'torch' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from headwise import AttentionConfig, MultiHeadAttention
 from headwise.analysis import (attention_memory, dtype_itemsize, kv_cache_bytes, kv_cache_bytes_per_token,
@@ -39,6 +40,18 @@ def test_materialised_matches_eager_weights(kw: dict) -> None:
     mem = attention_memory(cfg, 7, batch=2, dtype=torch.float32)
     assert mem.materialised == w.nbytes
     assert mem.fused == 2 * cfg.n_heads * 7 * 4  # one float32 log-sum-exp per (b, h, query): no s^2 term
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_materialised_is_what_the_eager_path_allocates(dtype: torch.dtype) -> None:
+    cfg = AttentionConfig(d_model=32, n_heads=4)
+    attn = MultiHeadAttention.from_config(cfg, backend="eager", dtype=dtype)
+    x = torch.randn(2, 64, 32, dtype=dtype)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        attn(x)
+    allocated = max(e.cpu_memory_usage for e in prof.events() if e.name == "aten::_softmax")
+    mem = attention_memory(cfg, 64, batch=2, dtype=dtype)
+    assert mem.materialised == allocated == attn.explain_dispatch(x).probability_bytes
 
 
 def test_fused_has_no_quadratic_term() -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from headwise import AttentionConfig
+from headwise import AttentionConfig, MultiHeadAttention
 from headwise.analysis import forward_flops, kv_cache_bytes, param_count
 from headwise.cli import main
 
@@ -52,6 +53,16 @@ def test_explain_preset_json_uses_meta_for_huge_sizes(capsys) -> None:
     assert r["kv_cache"]["context_bytes"] == kv_cache_bytes(cfg, 8192, dtype="bf16", n_layers=80)
     scores = next(s for s in r["steps"] if s["name"].startswith("scores"))
     assert scores["shape"] == [1, 64, 8192, 8192]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_explain_eager_probabilities_are_what_the_layer_materialises(capsys, dtype: str) -> None:
+    code, out, _ = _run(capsys, "explain", "--d-model", "64", "--n-heads", "4", "--seq", "32", "--batch", "2",
+                        "--dtype", dtype, "--json")
+    assert code == 0
+    attn = MultiHeadAttention(64, 4, dtype=getattr(torch, dtype))
+    info = attn.explain_dispatch(torch.randn(2, 32, 64, dtype=getattr(torch, dtype)), return_weights=True)
+    assert json.loads(out)["probabilities"]["materialised"] == info.probability_bytes
 
 
 def test_explain_overrides_preset(capsys) -> None:

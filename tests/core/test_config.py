@@ -142,6 +142,8 @@ def test_sizes_beyond_torch_sizes_are_refused():
         (dict(dropout=True), TypeError, r"dropout must be a float in \[0, 1\), got True \(bool\)"),
         (dict(dropout=np.float32(0.1)), TypeError, r"dropout must be a float in \[0, 1\), got .*\(numpy.float32\)"),
         (dict(dropout=math.nan), ValueError, r"dropout must be in \[0, 1\), got nan"),
+        (dict(dropout=10**400), ValueError, r"dropout must be in \[0, 1\), got 10{400}$"),  # beyond any float
+        (dict(dropout=-10**400), ValueError, r"dropout must be in \[0, 1\), got -10{400}$"),
     ],
 )
 def test_scale_bias_dropout_types(kwargs, exc, message):

@@ -112,6 +112,8 @@ def test_functional_attention_refuses_int_masks_and_string_causal():
         hwf.attention(q, k, v, return_weights="no")
     with pytest.raises(ValueError, match="dropout must be in"):
         hwf.attention(q, k, v, dropout_p=1.5)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 10{400}$"):  # an int beyond any float
+        hwf.attention(q, k, v, dropout_p=10**400)
     with pytest.raises(ValueError, match="scale must be a positive finite float"):
         hwf.attention(q, k, v, scale=float("nan"))
 

@@ -7,9 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 import headwise
-from headwise import MaterializationWarning, MultiHeadAttention
+from headwise import AttentionConfig, MaterializationWarning, MultiHeadAttention
 from headwise import dispatch
 from headwise import functional as hwf
 from headwise import masks as hwm
@@ -91,6 +92,51 @@ def test_dropout_in_training_uses_the_math_kernel_on_cpu():
     assert attn.eval().explain_dispatch(torch.randn(2, 5, D)).kernel == "flash"
 
 
+def softmax_bytes(run) -> int:
+    """Bytes PyTorch's CPU allocator gives the largest softmax while ``run()`` executes."""
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return max(e.cpu_memory_usage for e in prof.events() if e.name == "aten::_softmax")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduce_in_half", [False, True])
+def test_math_kernel_bytes_are_what_pytorch_allocates(dtype, reduce_in_half):
+    attn = make(dropout=0.1, dtype=dtype).train()
+    x = torch.randn(1, 64, D, dtype=dtype)
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduce_in_half)
+    try:
+        info = attn.explain_dispatch(x)
+        allocated = softmax_bytes(lambda: attn(x))
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+    assert info.kernel == "math" and info.probability_bytes == allocated
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_statistics_chunks_are_the_ones_stated(monkeypatch, dtype):
+    b, h, s = 1, 12, 1024
+    attn = MultiHeadAttention(96, h, dtype=dtype).eval()
+    x = torch.randn(b, s, 96, dtype=dtype)
+    with torch.no_grad():
+        info = attn.explain_dispatch(x, statistics=("entropy",))
+    stated = [r for r in info.reasons if "query rows at a time" in r]
+    rows = []
+    real_exp = torch.exp
+
+    def spy_exp(t, *a, **k):  # each chunk exponentiates its (b, h, rows, s_kv) scores once
+        if t.dim() == 4 and t.shape[-1] == s:
+            rows.append(t.shape[2])
+        return real_exp(t, *a, **k)
+
+    monkeypatch.setattr(torch, "exp", spy_exp)
+    with torch.no_grad(), headwise.trace(attn, capture=("entropy",)):
+        attn(x)
+    assert len(rows) > 1 and len(stated) == 1
+    assert f" {max(rows)} query rows at a time ({b}*{h}*{max(rows)}*{s} scores" in stated[0]
+
+
 def test_cache_forces_causal_and_counts_cached_positions():
     attn = make()
     cache = attn.new_cache(2, 8)
@@ -117,7 +163,9 @@ def test_unbatched_input():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(mask=True), dict(mask=True, causal=True),
-                                dict(return_weights=True), dict(cross=True, causal=True), dict(decode=True)])
+                                dict(return_weights=True), dict(cross=True, causal=True), dict(decode=True),
+                                dict(key_value=True), dict(key_value=True, causal=True),
+                                dict(key_value=True, mask=True), dict(key_value=True, return_weights=True)])
 def test_explanation_predicts_what_forward_runs(monkeypatch, kw):
     """Spy on the kernels forward calls: backend, is_causal and the presence of a mask must match."""
     calls = []
@@ -138,7 +186,12 @@ def test_explanation_predicts_what_forward_runs(monkeypatch, kw):
     attn = make()
     x = torch.randn(2, 4, D)
     ctx = torch.randn(2, 6, D) if kw.get("cross") else None
-    s_kv = 6 if ctx is not None else 4
+    key = value = None
+    if kw.get("key_value"):  # kdim != vdim: only key=/value= can describe such a layer's cross-attention
+        torch.manual_seed(0)
+        attn = MultiHeadAttention.from_config(AttentionConfig(d_model=D, n_heads=H, kdim=8, vdim=12)).eval()
+        key, value = torch.randn(2, 6, 8), torch.randn(2, 6, 12)
+    s_kv = 6 if ctx is not None or key is not None else 4
     mask = hwm.padding_mask(lengths=[s_kv, 2], s_kv=s_kv) if kw.get("mask") else None
     cache = None
     if kw.get("decode"):
@@ -148,14 +201,27 @@ def test_explanation_predicts_what_forward_runs(monkeypatch, kw):
         calls.clear()
     args = dict(context=ctx, mask=mask, causal=kw.get("causal", False), cache=cache,
                 return_weights=kw.get("return_weights", False))
-    info = attn.explain_dispatch(x, **args)
-    attn(x, ctx, mask=mask, causal=args["causal"], cache=cache, return_weights=args["return_weights"])
+    info = attn.explain_dispatch(x, key=key, value=value, **args)
+    attn(x, ctx, key=key, value=value, mask=mask, causal=args["causal"], cache=cache,
+         return_weights=args["return_weights"])
     assert len(calls) == 1
     backend, is_causal, has_mask = calls[0]
     assert backend == info.backend
+    if key is not None:
+        assert info.scores_shape == (2, H, 4, 6)
     if backend == "sdpa":
         assert is_causal == (info.causal_via == "kernel is_causal")
         assert has_mask == (mask is not None or info.causal_via == "explicit mask")
+
+
+def test_explain_refuses_key_value_as_forward_does():
+    attn = MultiHeadAttention.from_config(AttentionConfig(d_model=D, n_heads=H, kdim=8, vdim=12))
+    x, k, v = torch.randn(2, 4, D), torch.randn(2, 6, 8), torch.randn(2, 6, 12)
+    for kw, message in [(dict(key=k), "pass both key= and value="), (dict(context=k, key=k, value=v), "not both"),
+                        (dict(key=k, value=torch.randn(2, 6, 8)), "vdim"), (dict(context=k), "kdim=8 != vdim=12")]:
+        for call in (attn, attn.explain_dispatch):
+            with pytest.raises(ValueError, match=message):
+                call(x, **kw)
 
 
 # ---- warnings -------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ KV cache: every layer keeps, per token, one key and one value vector per K/V hea
 batch, the context length and the number of layers.
 
 Attention probabilities: the eager path materialises ``softmax(Q K^T)`` for every head,
-``b * h * s_q * s_kv * itemsize`` bytes per layer (it also holds the scores while the softmax runs, and
-in training keeps the probabilities of every layer for the backward pass). The fused path
+``b * h * s_q * s_kv * itemsize`` bytes per layer, with 4-byte entries for float16/bfloat16 (it computes them in
+float32, as PyTorch's math kernel does). It also holds the scores while the softmax runs, and in training keeps
+the probabilities of every layer for the backward pass. The fused path
 (``scaled_dot_product_attention`` with a flash / memory-efficient kernel) never stores the ``s_q x s_kv``
 matrix: it streams K/V blocks and keeps, besides the output ``(b, h, s_q, d_h)`` that both paths produce,
 one float32 log-sum-exp per query row and head (``b * h * s_q * 4`` bytes) for the backward pass.
@@ -42,6 +43,8 @@ DTYPE_NAMES: dict[str, tuple[str, int]] = {
 
 # Bytes of the fused path's per-row statistic (log-sum-exp), kept in float32 whatever the input dtype.
 _LSE_BYTES = 4
+# Half-precision inputs get float32 probabilities on the eager path (headwise.plan rule 2).
+_UPCAST = ("float16", "bfloat16")
 
 
 def __getattr__(name: str) -> Any:
@@ -160,7 +163,7 @@ class AttentionMemory:
 
     @property
     def ratio(self) -> float:
-        """How many times more the eager path holds (``s_kv * itemsize / 4``)."""
+        """How many times more the eager path holds (``s_kv * itemsize / 4``, itemsize 4 for half precision)."""
         return self.materialised / self.fused
 
     def to_dict(self) -> dict[str, float]:
@@ -173,12 +176,12 @@ def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, k
     """Memory of the attention probabilities on the eager path versus the fused path (module doc).
 
     Shapes:
-        materialised: b * h * s_q * s_kv * itemsize; fused: b * h * s_q * 4
+        materialised: b * h * s_q * s_kv * itemsize (4 for float16/bfloat16); fused: b * h * s_q * 4
 
     Example:
         >>> from headwise import AttentionConfig
         >>> m = attention_memory(AttentionConfig(d_model=4096, n_heads=32), 4096, dtype="float16")
-        >>> m.materialised == 32 * 4096 ** 2 * 2, m.fused == 32 * 4096 * 4
+        >>> m.materialised == 32 * 4096 ** 2 * 4, m.fused == 32 * 4096 * 4
         (True, True)
     """
     check_config(config)
@@ -187,5 +190,6 @@ def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, k
     s_kv = s_q if kv_len is None else check_positive("kv_len", kv_len)
     n_layers = check_positive("n_layers", n_layers)
     rows = b * config.n_heads * s_q
-    return AttentionMemory(materialised=rows * s_kv * dtype_itemsize(dtype), fused=rows * _LSE_BYTES,
+    name, itemsize = dtype_info(dtype)
+    return AttentionMemory(materialised=rows * s_kv * (4 if name in _UPCAST else itemsize), fused=rows * _LSE_BYTES,
                            n_layers=n_layers)
