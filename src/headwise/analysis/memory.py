@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the calculators themselves never import torch: they are pla
     import torch
 
 __all__ = ["AttentionMemory", "attention_memory", "kv_cache_bytes", "kv_cache_bytes_per_token", "dtype_itemsize",
-           "dtype_info", "parse_dtype", "DTYPES", "DTYPE_NAMES"]
+           "dtype_info", "probability_itemsize", "parse_dtype", "DTYPES", "DTYPE_NAMES"]
 
 # Names accepted for dtypes (the CLI's --dtype): name -> (torch's name for it, bytes per element).
 DTYPE_NAMES: dict[str, tuple[str, int]] = {
@@ -171,6 +171,18 @@ class AttentionMemory:
                                "fused_all_layers": self.fused_all_layers, "ratio": self.ratio}
 
 
+def probability_itemsize(dtype: "torch.dtype | str") -> int:
+    """Bytes per attention probability on headwise's eager path for ``dtype`` (a name such as ``"bf16"`` or a
+    ``torch.dtype``): float32's 4 for float16/bfloat16, which it computes in float32, else the dtype's own.
+
+    Example:
+        >>> probability_itemsize("bf16"), probability_itemsize("float64")
+        (4, 8)
+    """
+    name, itemsize = dtype_info(dtype)
+    return 4 if name in _UPCAST else itemsize
+
+
 def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, kv_len: int | None = None,
                      dtype: "torch.dtype | str" = "float32", n_layers: int = 1) -> AttentionMemory:
     """Memory of the attention probabilities on the eager path versus the fused path (module doc).
@@ -190,6 +202,5 @@ def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, k
     s_kv = s_q if kv_len is None else check_positive("kv_len", kv_len)
     n_layers = check_positive("n_layers", n_layers)
     rows = b * config.n_heads * s_q
-    name, itemsize = dtype_info(dtype)
-    return AttentionMemory(materialised=rows * s_kv * (4 if name in _UPCAST else itemsize), fused=rows * _LSE_BYTES,
+    return AttentionMemory(materialised=rows * s_kv * probability_itemsize(dtype), fused=rows * _LSE_BYTES,
                            n_layers=n_layers)

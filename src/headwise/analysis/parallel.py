@@ -27,7 +27,7 @@ from ..config import AttentionConfig
 from ..parallel.plan import plan_heads
 from ..parallel.sequence_plan import plan_sequence_parallel
 from .flops import check_positive
-from .memory import dtype_info
+from .memory import dtype_info, probability_itemsize
 from .params import check_config, param_count
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
     return 2 * (ranks - 1) * nbytes // ranks
 
 
-def _tp(c: AttentionConfig, b: int, s: int, p: int, item: int) -> dict[str, Any]:
+def _tp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int) -> dict[str, Any]:
     part = plan_heads(c.n_heads, c.n_kv_heads, p)
     h_r, kv_r, d_h = part.n_local_heads, part.n_local_kv_heads, c.d_head
     q = c.d_model * h_r * d_h + (h_r * d_h if c.bias else 0)
@@ -59,7 +59,7 @@ def _tp(c: AttentionConfig, b: int, s: int, p: int, item: int) -> dict[str, Any]
     return {
         "heads": h_r, "kv_heads": kv_r, "weights": (q + kv + out) * item, "input_output": 2 * io,
         "qkv_context": b * s * (2 * h_r + 2 * kv_r) * d_h * item,
-        "probabilities_eager": b * h_r * s * s * item, "lse_fused": b * h_r * s * _LSE_BYTES,
+        "probabilities_eager": b * h_r * s * s * p_item, "lse_fused": b * h_r * s * _LSE_BYTES,
         "kv_cache": 2 * b * s * kv_r * d_h * item,
         "sent_forward": ring_all_reduce_bytes(io, p), "sent_backward": ring_all_reduce_bytes(io, p),
         "weight_grad_all_reduce": ring_all_reduce_bytes(kv_grads, p),
@@ -67,7 +67,7 @@ def _tp(c: AttentionConfig, b: int, s: int, p: int, item: int) -> dict[str, Any]
     }
 
 
-def _sp(c: AttentionConfig, b: int, s: int, p: int, item: int) -> dict[str, Any]:
+def _sp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int) -> dict[str, Any]:
     plan = plan_sequence_parallel(c.n_heads, c.n_kv_heads, sp=p)
     s_loc = -(-s // p)  # ceil: uneven slices are padded to the longest for the all-to-alls
     h_r = max(len(r.q_heads) for r in plan.ranks)
@@ -82,7 +82,7 @@ def _sp(c: AttentionConfig, b: int, s: int, p: int, item: int) -> dict[str, Any]
     return {
         "heads": h_r, "kv_heads": kv_r, "weights": weights, "input_output": 2 * b * s_loc * c.d_model * item,
         "qkv_context": b * s_loc * p * attended * c.d_head * item,
-        "probabilities_eager": b * h_r * s * s * item, "lse_fused": b * h_r * s * _LSE_BYTES,
+        "probabilities_eager": b * h_r * s * s * p_item, "lse_fused": b * h_r * s * _LSE_BYTES,
         "kv_cache": None,
         "sent_forward": sent["forward"], "sent_backward": sent["backward"],
         "weight_grad_all_reduce": ring_all_reduce_bytes(weights, p),
@@ -117,7 +117,7 @@ def parallel_costs(config: AttentionConfig, seq_len: int, ranks: int, *, batch: 
     out: dict[str, Any] = {"ranks": p, "seq_len": s, "batch": b, "itemsize": item}
     for name, fn in (("tp", _tp), ("sp", _sp)):
         try:
-            out[name] = fn(config, b, s, p, item)
+            out[name] = fn(config, b, s, p, item, probability_itemsize(dtype))
         except ValueError as err:
             out[name] = {"error": str(err)}
     return out

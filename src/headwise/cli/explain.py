@@ -133,7 +133,8 @@ def cost_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         (f"KV cache, {r['seq_len']} tokens x batch {r['batch']}", human_bytes(kv["context_bytes"] / n),
          human_bytes(kv["context_bytes"]), ""),
         ("probabilities, eager (materialised)", human_bytes(m["materialised"]), human_bytes(m["materialised_all_layers"]),
-         f"b x h x s^2 x itemsize; all layers = kept for backward"),
+         f"b x h x s^2 x {m['materialised'] // (r['batch'] * c['n_heads'] * r['seq_len'] ** 2)} B (float32 for half "
+         f"precision); all layers = kept for backward"),
         ("probabilities, fused (SDPA/flash)", human_bytes(m["fused"]), human_bytes(m["fused_all_layers"]),
          f"one float32 log-sum-exp per (b, h, query); {m['ratio']:,.0f}x less"),
     ]
