@@ -241,6 +241,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         start, room = 0, None
         if cache is not None:  # the plan says which keys the call reads (headwise.plan, rule 8)
             if plan.cache_read is CacheRead.POSITION:  # compiled: written at the device position
+                start = cache.position.clone()  # a tensor: no host read in a compiled step
                 k, v, mask, room = cache.write_static(k, v, q.requires_grad)  # (.., max_len, ..), (1, 1, s_q, max_len)
             else:
                 start = cache.length
@@ -265,9 +266,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                 z, weights = tracer.context(self, z, weights)  # a pattern edit: the weights z was made of
         except BaseException:
             # A failed step after the cache write rolls the cache back to the length it had: the positions
-            # it reads are exactly as before (the write's slots are past the length again, never read).
-            if cache is not None and room is None:
-                cache.crop(start)
+            # it reads are exactly as before (the write's slots are zeroed past the length, as a new cache's).
+            if cache is not None:  # a compiled step rewinds on the device, reading nothing back
+                cache.crop(start) if room is None else cache.rewind(start)
             raise
         return z, weights if return_weights is True else None
 
@@ -316,6 +317,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             return_weights: also return every head's probabilities (the eager path; after dropout in training).
                 With a cache under ``torch.compile`` they span the cache's whole buffer, (b, h, s_q, max_len),
                 zero past the written positions (one graph serves every position); eagerly (b, h, s_q, length).
+                So do a trace's ``pattern`` and ``key_weight`` ((b, h, max_len)) captured in such a call.
 
         Shapes:
             x: (b, s_q, d) or (s_q, d); context: (b, s_kv, d); key: (b, s_kv, kdim); value: (b, s_kv, vdim)
@@ -354,8 +356,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         q, k, v = self.project_qkv(x) if key is None else (self.project_q(x), *self.project_kv(key, value))
         if self.rotary is not None:
             q, k = self.rotary.rotate(q, k, positions)
-        # The length a failed call puts back (compiled steps write at the device position and roll back there).
-        start = None if cache is None or plan.cache_read is CacheRead.POSITION else cache.length
+        # The length a failed call puts back (a compiled step's: the device position, never read on the host).
+        start = None if cache is None else \
+            cache.position.clone() if plan.cache_read is CacheRead.POSITION else cache.length
         # Attend: every head on its own (the step a trace sees), over the cache's positions too when there is one.
         z, weights = self.attend(q, k, v, mask=mask, return_weights=True, plan=plan, cache=cache)  # (b, h, s_q, d_h)
         del q, k, v  # without autograd, freed before W_O allocates the output
@@ -364,7 +367,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
         except BaseException:  # a hook, an edit of the results or W_O failed after the cache write
             if start is not None:
-                cache.crop(start)
+                cache.rewind(start) if isinstance(start, torch.Tensor) else cache.crop(start)
             if tracer is not None:  # the trace keeps completed calls only, as the cache does
                 tracer.discard(self)
             raise

@@ -341,12 +341,14 @@ class KVCache:
         write fitted. A write that does not fit changes nothing (the slots are rewritten with their own values,
         the position stays); the caller gives that step a zero context, and the cache's next host-side use raises the
         overflow ``ValueError`` (no host code runs between compiled steps, so none can raise at the step).
-        Inputs are trusted (the layer checked them against the cache).
+        ``k`` and ``v`` are checked as :meth:`update` checks them: a trace's edit may reshape them after the
+        layer's checks. :meth:`rewind` undoes the write.
 
         Shapes:
             k, v: (b, h_kv, s, d_h) -> keys, values (b, h_kv, max_len, d_h), mask (1, 1, s, max_len) bool,
             room () bool
         """
+        check_write(self.keys, k, v)  # metadata only: compiled code pays for it when tracing, not per step
         s = k.shape[-2]
         if s > self.max_len:  # overflows at any position, known when tracing: the graph raises, writing nothing
             keys, values = self._overflow_in_graph(k, v)
@@ -370,6 +372,19 @@ class KVCache:
         self._refused.add_((~room).long())
         self._device_writes = True
         return keys, values, mask, room
+
+    def rewind(self, before: torch.Tensor) -> None:
+        """Undo the writes of :meth:`write_static` since ``before`` (a clone of :attr:`position`): zero their slots,
+        as :meth:`crop` does, and put the position back, on the device only (a failed compiled step calls it).
+
+        Args:
+            before: ``cache.position.clone()``, taken before the writes to undo.
+        """
+        with torch.no_grad():
+            written = ((self._slots >= before) & (self._slots < self.position)).view(1, 1, self.max_len, 1)
+            self.keys.masked_fill_(written, 0)
+            self.values.masked_fill_(written, 0)
+        self.position.copy_(before)
 
     def read_mask(self, s: int) -> torch.Tensor:
         """The keys each of the last ``s`` written positions may read, over the whole buffer: query i (at

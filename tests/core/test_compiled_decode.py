@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+import headwise
 from headwise import DecodeStep, MultiHeadAttention, RotaryEmbedding
 
 
@@ -263,3 +264,65 @@ def test_a_compiled_call_with_more_new_tokens_than_max_len_raises_the_eager_over
         with pytest.raises(ValueError, match=r"^cache overflow: 3 cached \+ 10 new > max_len=8;"):
             call(x, cache)
     assert cache.length == 3
+
+
+@pytest.mark.parametrize("failure", ["a hook on W_O", "a refused pattern edit"])
+def test_a_compiled_step_that_fails_after_its_write_rolls_back_and_its_retry_equals_a_first_try_bitwise(failure):
+    # Plain torch.compile runs the failure's handler in compiled code: the write at the device position must be
+    # undone there (the position put back, the slot zeroed), or a retry stores the token twice.
+    torch._dynamo.reset()
+    attn = _layer(2, False)
+    x = torch.randn(1, 7, 32)
+    fail = [False]
+
+    def hook(module, args, output):
+        if fail[0]:
+            raise RuntimeError("hook failure")
+
+    attn.out_proj.register_forward_hook(hook)
+    cache, clean = attn.new_cache(1, 8), attn.new_cache(1, 8)
+    step = torch.compile(DecodeStep(attn, cache), backend="eager", dynamic=False)
+    clean_step = torch.compile(DecodeStep(attn, clean), backend="eager", dynamic=False)
+    with torch.no_grad():
+        got = [attn(x[:, :4], cache=cache), step(x[:, 4:5])]
+        want = [attn(x[:, :4], cache=clean), clean_step(x[:, 4:5])]
+        if failure == "a hook on W_O":
+            fail[0] = True
+            with pytest.raises(RuntimeError, match="hook failure"):
+                step(x[:, 5:6])
+            fail[0] = False
+        else:
+            with pytest.raises(ValueError, match="a pattern edit needs every value"), \
+                    headwise.trace(attn, edit={(0, 1, "pattern"): "zero"}):
+                step(x[:, 5:6])
+        assert cache.length == 5
+        assert torch.equal(cache.keys, clean.keys) and torch.equal(cache.values, clean.values)
+        got += [step(x[:, t:t + 1]) for t in (5, 6)]  # the failed token again, then the next
+        want += [clean_step(x[:, t:t + 1]) for t in (5, 6)]
+        one_pass = attn(x, causal=True)
+    assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
+    assert torch.equal(cache.keys, clean.keys) and torch.equal(cache.values, clean.values)
+    torch.testing.assert_close(torch.cat(got, 1), one_pass)
+
+
+def test_a_compiled_step_refuses_a_key_edit_of_one_query_head_of_a_gqa_cache_as_eager_does():
+    # The edit reshapes k to the query heads after the layer's checks: the cache's write checks it again.
+    # (Under fullgraph=True dynamo refuses to compile any Python raise, so there it cannot be the ValueError.)
+    attn = _layer(2, False)
+    x = torch.randn(1, 5, 32)
+    errors = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        cache = attn.new_cache(1, 8)
+        with torch.no_grad():
+            attn(x[:, :4], cache=cache)
+        keys, values = cache.keys.clone(), cache.values.clone()
+        step = DecodeStep(attn, cache)
+        if compiled:
+            step = torch.compile(step, backend="eager", dynamic=False)
+        with pytest.raises(ValueError) as error, torch.no_grad(), headwise.trace(attn, edit={(0, 1, "k"): 0.5}):
+            step(x[:, 4:5])
+        errors.append(str(error.value))
+        assert cache.length == 4
+        assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
+    assert errors[1] == errors[0] == "cache keys must have shape (b=1, h_kv=2, s, d_h=8), got (1, 4, 1, 8)"

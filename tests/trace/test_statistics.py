@@ -354,3 +354,27 @@ def test_statistics_with_a_mask_compile_in_one_graph_to_the_eager_numbers():
         assert counter.frame_count == 1
         close({n: compiled[0].get(n) for n in capture}, {n: want[n] for n in capture})
     torch._dynamo.reset()
+
+
+def test_compiled_decode_steps_capture_key_weight_and_pattern_over_the_whole_cache_buffer():
+    # One graph serves every position, so a compiled step reads the whole buffer: its captures span max_len,
+    # equal to one causal pass on the written positions and zero past them (docs/statistics.md, "Compiled").
+    from headwise import DecodeStep
+
+    torch._dynamo.reset()
+    attn = headwise.MultiHeadAttention(24, 4, 2, dtype=torch.float64).eval()
+    x = torch.randn(2, 9, 24, dtype=torch.float64)
+    cache = attn.new_cache(2, 12)
+    with torch.no_grad(), headwise.trace(attn, capture=("key_weight", "pattern")) as whole:
+        attn(x, causal=True)
+    with torch.no_grad(), headwise.trace(attn, capture=("key_weight", "pattern")) as steps:
+        attn(x[:, :4], cache=cache)
+        step = torch.compile(DecodeStep(attn, cache), backend="eager", fullgraph=True, dynamic=False)
+        for i in range(4, 9):
+            step(x[:, i:i + 1])
+    key_weight, pattern = steps[0].key_weight, steps[0].calls[-1]["pattern"]
+    assert key_weight.shape == (2, 4, 12) and pattern.shape == (2, 4, 1, 12)
+    torch.testing.assert_close(key_weight[..., :9], whole[0].key_weight)
+    torch.testing.assert_close(pattern[..., :9], whole[0].pattern[:, :, 8:9])
+    assert not key_weight[..., 9:].any() and not pattern[..., 9:].any()
+    torch._dynamo.reset()
