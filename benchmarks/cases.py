@@ -35,6 +35,7 @@ class Sizes:
     family: tuple[int, int, int, int, int]  # (d, h, layers, intermediate, vocab) of every other family
     hf_batch: tuple[int, int]  # (b, s) of the patched forwards
     generate: tuple[int, int]  # (prompt length, new tokens)
+    prefill: tuple[int, int]  # (b, s) of the surgery case's cached prefill (its decoder: llama)
     rounds: int
     decode_rounds: int
     stats: tuple[int, int, int, int, int]  # the statistics group's GPT-2 (d, h, layers, b, s)
@@ -47,11 +48,12 @@ FULL = Sizes(forward=(8, 512, 768, 12), gqa=(1, 2048, 2048, 16, 4), decode=(2048
              trace=(768, 12, 4, 50257, 2, 384), sweep=(768, 12, 12, 50257, 1, 32),
              bert=(512, 8, 4, 2048, 8192),
              llama=(1024, 16, 4, 4, 2816, 8192), family=(512, 8, 2, 1024, 4096), hf_batch=(4, 128), generate=(32, 16),
+             prefill=(4, 256),
              rounds=10, decode_rounds=40, sweep_rounds=3, block_s=0.25, stats=(768, 12, 4, 1, 8192), stats_rounds=3)
 QUICK = Sizes(forward=(2, 32, 64, 4), gqa=(1, 64, 128, 8, 2), decode=(64, 4, 16, 4),
               trace=(64, 4, 2, 256, 2, 16), sweep=(64, 4, 2, 256, 1, 8),
               bert=(64, 4, 2, 128, 256), llama=(64, 4, 2, 2, 128, 256),
-              family=(64, 4, 2, 128, 256), hf_batch=(2, 16), generate=(4, 4), rounds=3, decode_rounds=6,
+              family=(64, 4, 2, 128, 256), hf_batch=(2, 16), generate=(4, 4), prefill=(1, 8), rounds=3, decode_rounds=6,
               sweep_rounds=3, block_s=0.01, stats=(64, 4, 2, 1, 128), stats_rounds=3)
 
 

@@ -1,4 +1,5 @@
-"""The goals, and ``RESULTS.md``: every goal is a ratio of two entries of one group, measured in the same run.
+"""The goals, the checks, and ``RESULTS.md``: every goal is a ratio of two entries of one group, measured in
+the same run; every check is exact (bytes a call leaves held, counted, not timed).
 
 A ratio is the median of the per-round ratios (:func:`benchmarks.ratios.paired_ratio`); below 1 means the
 first entry is faster.
@@ -15,7 +16,8 @@ from pathlib import Path
 from .hf import FAMILIES
 from .ratios import paired_ratio, process_spread
 
-__all__ = ["Goal", "GOALS", "ENV_VARS", "evaluate", "environment", "write_results", "group_rows"]
+__all__ = ["Goal", "GOALS", "ENV_VARS", "evaluate", "held_checks", "check_rows", "environment", "write_results",
+           "group_rows"]
 
 #: The environment every side of every comparison shares, recorded in RESULTS.md.
 ENV_VARS = ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -66,6 +68,8 @@ GOALS = (
          tuple(f"HF {n} (unpatched)" for n in _FAMILIES), 1.02),
     Goal("patched generate vs unpatched, every family", tuple(f"patched {n} generate" for n in _FAMILIES), _PATCHED,
          tuple(f"HF {n} (unpatched)" for n in _FAMILIES), 1.02),
+    Goal("surgery: forward with half the heads removed vs unpruned", "surgery prune", "headwise, half the heads",
+         ("headwise, every head",), 0.60),
 )
 
 
@@ -106,11 +110,49 @@ def evaluate(groups: list[dict], goals: tuple[Goal, ...] = GOALS) -> list[dict]:
             if any(e.get("matches") is False for pair in pairs for e in pair):
                 row["status"] = "output mismatch"
             else:
+                # a goal is an upper bound, so a miss is always by a positive amount
                 row["status"] = "met" if ratio <= goal.target else f"missed by {100 * (ratio / goal.target - 1):.1f} %"
             if absent and len(keys) > 1:
                 row["status"] += f" (not run: {', '.join(absent)})"
         out.append(row)
     return out
+
+
+def held_checks(groups: list[dict]) -> list[dict]:
+    """The exact checks of the groups whose entries record what they leave held (``Entry.held``: a K/V cache's
+    bytes and its K/V heads): each such entry's bytes must be ``units / top`` of the bytes of the entry holding
+    the most units (``top`` of them: the MHA cache), to the byte.
+
+    Counted, not timed, so no spread applies: a check that fails is a fault of what the entry measures (a
+    surgery that left the wrong cache), and the run says so.
+
+    Args:
+        groups: the groups of a run, as :func:`benchmarks.timing.run_group` returns them.
+
+    Returns:
+        One row per entry that holds bytes: ``group``, ``entry``, ``bytes``, ``units``, ``of`` (the reference
+        entry), ``expected`` (its bytes times ``units / top``) and ``holds``.
+    """
+    rows = []
+    for g in groups:
+        held = [e for e in g["entries"] if e.get("held")]
+        if not held:
+            continue
+        top = max(held, key=lambda e: e["held"][1])
+        top_bytes, top_units = top["held"]
+        for e in held:
+            nbytes, units = e["held"]
+            rows.append({"group": g["key"], "entry": e["name"], "bytes": nbytes, "units": f"{units}/{top_units}",
+                         "of": top["name"], "expected": top_bytes * units / top_units,
+                         "holds": nbytes * top_units == top_bytes * units})
+    return rows
+
+
+def check_rows(checks: list[dict]) -> list[list[str]]:
+    """Table rows of :func:`held_checks`' rows: group, entry, bytes held, the share of the reference it must be,
+    status."""
+    return [[c["group"], c["entry"], f"{c['bytes']:,}", f"{c['units']} of `{c['of']}`'s",
+             "holds" if c["holds"] else f"FAILS: {c['expected']:,.0f} expected"] for c in checks]
 
 
 def environment() -> dict[str, str]:
@@ -192,6 +234,11 @@ def write_results(path: str | Path, groups: list[dict], goals: list[dict], *, co
     lines += _table(["goal", "target", "ratio", "per-process range", "worst against", "status"],
                     [[g["goal"], g["target"], "" if g["ratio"] is None else f"{g['ratio']:.3f}",
                       _range(g["spread"]), g["vs"] or "", g["status"]] for g in goals])
+    checks = held_checks(groups)
+    if checks:
+        lines += ["", "## Checks", "", "Exact, counted, not timed: the K/V cache bytes a cached prefill leaves, "
+                  "against n_kv_heads / n_heads of the MHA cache's.", ""]
+        lines += _table(["group", "entry", "K/V cache bytes", "must be", "status"], check_rows(checks))
     for g in groups:
         lines += ["", f"## {g['title']}", "",
                   f"Ratios: time / `{g['base']}`'s time, paired per round; {g['threads']} torch threads."]

@@ -18,18 +18,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 __all__ = ["CASES", "main", "run_cases", "merge_processes", "resolve_only"]
 
-CASES = ("forward", "backward", "gqa", "decode", "trace", "stats", "sweep", "patched", "families")
+CASES = ("forward", "backward", "gqa", "decode", "trace", "stats", "sweep", "patched", "families", "surgery")
 #: The folder holding the ``benchmarks`` package: child processes run there.
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def resolve_only(only: str | None, cases: tuple[str, ...] = CASES) -> list[str]:
-    """Case names to run, in suite order, from a comma-separated ``--only`` value (None: every case);
-    empty names between commas are dropped, and a value that names no case is refused.
+    """Case names to run, in suite order, from a comma-separated ``--only`` value (None: every case); a value
+    that names no case, or with an empty name between its commas (a typo, not a wish for fewer cases), is refused.
 
     Example:
         >>> resolve_only("decode,forward")
@@ -37,9 +37,13 @@ def resolve_only(only: str | None, cases: tuple[str, ...] = CASES) -> list[str]:
     """
     if only is None:
         return list(cases)
-    wanted = {p.strip() for p in only.split(",") if p.strip()}
+    names = [p.strip() for p in only.split(",")]
+    wanted = set(names) - {""}
     if not wanted:
         raise ValueError(f"--only takes case names from {', '.join(cases)}, got no name in {only!r}")
+    if "" in names:
+        raise ValueError(f"--only takes comma-separated case names from {', '.join(cases)}, got an empty name in "
+                         f"{only!r}")
     unknown = sorted(wanted - set(cases))
     if unknown:
         raise ValueError(f"--only takes case names from {', '.join(cases)}, got {', '.join(unknown)}")
@@ -50,11 +54,13 @@ def run_cases(sizes, cases: list[str], *, show: Callable[[dict], None] | None = 
     """Every group of ``cases`` at ``sizes``, one after the other, in this process."""
     from .cases import layer_groups
     from .hf import hf_groups
+    from .surgery import surgery_groups
     from .timing import run_group
     from .sweep import sweep_groups
     from .trace import trace_groups
 
-    factories = {**layer_groups(sizes), **trace_groups(sizes), **sweep_groups(sizes), **hf_groups(sizes)}
+    factories = {**layer_groups(sizes), **trace_groups(sizes), **sweep_groups(sizes), **hf_groups(sizes),
+                 **surgery_groups(sizes)}
     results = []
     for case in cases:
         for factory in factories[case]:
@@ -166,11 +172,19 @@ def _main_cuda(args: argparse.Namespace, argv: list[str], cases: list[str], ever
     return 1 if any(e["matches"] is False for g in groups for e in g["entries"]) else 0
 
 
-def _show_goals(goals: list[dict]) -> None:
+def _show_goals(goals: list[dict], checks: list[dict] | None = None) -> None:
     print(f"\n{'goal':<66} {'target':<8} {'ratio':<7} status")
     for g in goals:
         ratio = "" if g["ratio"] is None else f"{g['ratio']:.3f}"
         print(f"{g['goal']:<66} {g['target']:<8} {ratio:<7} {g['status']}")
+    if checks:
+        from .report import check_rows
+
+        rows = [["check (exact)", "entry", "K/V cache bytes", "must be", "status"]] + check_rows(checks)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        print()
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 def _count(text: str) -> int:
@@ -197,9 +211,16 @@ def _check_out(out: str | None) -> str | None:
     return None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors on one line (the usage itself stays in --help), as the headwise CLI's."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"benchmarks: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m benchmarks``."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, under a minute (a check of the machinery)")
     p.add_argument("--only", metavar="CASES", help=f"comma-separated cases: {', '.join(CASES)}")
     p.add_argument("--processes", type=_count, default=1, metavar="N", help="run the suite N times, each in a "
@@ -237,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .cases import FULL, QUICK
-    from .report import environment, evaluate, write_results
+    from .report import environment, evaluate, held_checks, write_results
 
     if args.threads or args.quick:
         torch.set_num_threads(args.threads or 1)  # tiny ops on many threads time thread wake-ups
@@ -263,12 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     default = _default_out("RESULTS.md", "quick" if args.quick else "subset" if subset else None)
     path = write_results(args.out or default, groups, goals, command=command.strip(), env=env,
                          processes=args.processes, quick=args.quick)
-    _show_goals(goals)
+    checks = held_checks(groups)
+    _show_goals(goals, checks)
     print(f"\nwrote {path}" + (" (quick: tiny shapes, the ratios say nothing about the goals)" if args.quick else
                                " (a subset: benchmarks/RESULTS.md keeps the last whole run)" if subset and
                                not args.out else ""))
     different = [f"{g['title']}: {e['name']}" for g in groups for e in g["entries"] if e["matches"] is False]
     if different:  # a peer that computes something else makes the run no measurement
         print("outputs differ from the reference entry: " + "; ".join(different), file=sys.stderr)
-        return 1
-    return 0
+    failed = [f"{c['group']}: {c['entry']}" for c in checks if not c["holds"]]
+    if failed:
+        print("K/V cache bytes are not n_kv_heads / n_heads of the MHA cache's: " + "; ".join(failed),
+              file=sys.stderr)
+    return 1 if different or failed else 0

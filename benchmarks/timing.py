@@ -31,6 +31,8 @@ class Entry:
     ``fn`` is the timed call. Its first call's output is compared with entry ``ref``'s (default: the group's
     first entry) unless ``compare`` is False. ``reset`` (untimed) runs before the warm-up and before every
     block (a decoder rewinds its cache there). ``number`` fixes the calls per block (else calibrated).
+    ``held`` is what the call leaves held, as (bytes, units), measured by the case (a K/V cache's bytes and its
+    K/V heads), for goals of metric "held".
     """
 
     name: str
@@ -40,6 +42,7 @@ class Entry:
     reset: Callable[[], None] | None = None
     number: int | None = None
     note: str = ""
+    held: tuple[int, int] | None = None
 
 
 @dataclass
@@ -207,6 +210,7 @@ def run_group(group: Group) -> dict:
             peak = (group.peak or peak_rss_above)(e.fn)
         rows.append({"name": e.name, "note": e.note, "round_s": [times[e.name]], "calls": numbers[e.name],
                      "median_s": statistics.median(times[e.name]), "checked_against": ref,
-                     "max_abs_diff": diff, "matches": ok, "peak_bytes": peak})
+                     "max_abs_diff": diff, "matches": ok, "peak_bytes": peak,
+                     "held": None if e.held is None else list(e.held)})
     return {"key": group.key, "title": group.title, "base": group.base, "threads": torch.get_num_threads(),
             "notes": list(group.notes), "entries": rows}

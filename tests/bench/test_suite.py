@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from benchmarks.cases import QUICK
-from benchmarks.hf import FAMILIES, GENERATE_ROUNDS, family_model, sharing_weights
-from benchmarks.report import GOALS, evaluate, write_results
+from benchmarks.hf import FAMILIES, GENERATE_ROUNDS, family_model, llama_model, sharing_weights
+from benchmarks.report import GOALS, Goal, evaluate, held_checks, write_results
 from benchmarks.suite import CASES, ROOT, main, resolve_only, run_cases
 from benchmarks.suite import _show as show_group
 from benchmarks.timing import Entry, Group, run_group
@@ -43,7 +43,8 @@ def test_every_case_times_its_groups(groups):
     assert [g["key"] for g in groups] == [
         "forward", "forward causal", "fwd+bwd", "gqa", "decode", "decode step", "trace result", "trace pattern+z",
         "trace statistics", "sweep",
-        "patched BERT forward", "patched Llama forward", "patched Llama generate", *families]
+        "patched BERT forward", "patched Llama forward", "patched Llama generate", *families, "surgery prune",
+        "surgery kv"]
     for g in groups:
         assert any(e["name"] == g["base"] for e in g["entries"]), g["key"]
         refused = any("patch refused it" in n for n in g["notes"])
@@ -77,7 +78,9 @@ def test_every_peer_computes_what_headwise_computes(groups):
                 ("trace result", "headwise patched, no trace"), ("trace pattern+z", "hooks"),
                 ("patched BERT forward", "HF BERT (unpatched)"), ("patched Llama forward", "HF Llama (unpatched)"),
                 ("patched Llama generate", "HF Llama (unpatched)"), ("patched GPT-2 forward", "HF GPT-2 (unpatched)"),
-                ("patched GPT-2 generate", "HF GPT-2 (unpatched)"), ("sweep", "hooks, a batch per layer")}
+                ("patched GPT-2 generate", "HF GPT-2 (unpatched)"), ("sweep", "hooks, a batch per layer"),
+                ("surgery prune", "packed SDPA, half the heads"), ("surgery kv", "headwise, to_mha"),
+                ("surgery kv", "headwise, checkpoint"), ("surgery kv", "HF Llama (unpatched), 1 K/V head")}
     if HAS["transformer_lens"]:
         expected |= {("trace result", "TransformerLens run_with_cache"), ("trace result", "TransformerLens forward"),
                      ("trace pattern+z", "TransformerLens run_with_cache"), ("sweep", "TransformerLens run_with_hooks")}
@@ -89,6 +92,77 @@ def test_every_peer_computes_what_headwise_computes(groups):
     # the trace and sweep groups measured every entry's peak memory (the sweep's on its warm-up call)
     assert all(e["peak_bytes"] is not None for g in groups if g["key"].startswith(("trace", "sweep"))
                for e in g["entries"])
+
+
+def test_surgery_case_counts_parameters_and_cache_bytes(groups):
+    by_key = {g["key"]: g for g in groups}
+    b, s, d, h = TINY.forward
+    d_h = d // h
+    for e in by_key["surgery prune"]["entries"]:
+        kept = h // 2 if e["name"].startswith("packed") else int(e["note"].split(" of ")[0])
+        assert f"{4 * d * kept * d_h + 3 * kept * d_h + d:,} parameters" in e["note"], e  # Q, K, V, O; biases
+    d, h, h_kv, layers, _, _ = TINY.llama
+    kv = by_key["surgery kv"]["entries"]
+    assert [e["held"][1] for e in kv] == [h, h_kv, 1, h_kv, 1]  # h_kv / 2 is 1 at these sizes: one entry
+    b, s = TINY.prefill
+    for e in kv:  # keys and values, float32
+        assert e["held"][0] == 2 * layers * b * e["held"][1] * s * (d // h) * 4, e
+    checks = held_checks(groups)
+    assert [(c["entry"], c["of"], c["holds"]) for c in checks] == [(e["name"], "headwise, to_mha", True) for e in kv]
+    rows = {r["goal"]: r for r in evaluate(groups)}
+    assert rows["surgery: forward with half the heads removed vs unpruned"]["vs"] == "headwise, every head"
+    assert not any("K/V cache" in label for label in rows)  # an exact check, not beside the timed goals
+
+
+def test_a_cache_of_other_bytes_than_its_share_fails_its_check(tmp_path):
+    def group(held: list[tuple[int, int]]) -> dict:
+        return {"key": "kv", "title": "kv", "base": "a", "threads": 1, "notes": [], "entries": [
+            {"name": n, "note": "", "round_s": [[1.0]], "median_s": 1.0, "checked_against": None,
+             "max_abs_diff": None, "matches": None, "held": list(x)} for n, x in zip("abc", held)]}
+
+    good = held_checks([group([(1600, 16), (400, 4), (100, 1)])])
+    assert [(c["entry"], c["units"], c["holds"]) for c in good] == [("a", "16/16", True), ("b", "4/16", True),
+                                                                    ("c", "1/16", True)]
+    bad = held_checks([group([(1600, 16), (400, 4), (101, 1)])])  # a byte more: no spread excuses it
+    assert [c["holds"] for c in bad] == [True, True, False] and bad[2]["expected"] == 100
+    path = write_results(tmp_path / "R.md", [group([(1600, 16), (404, 4)])], [], command="c",
+                         env={}, processes=1)
+    assert "| kv | b | 404 | 4/16 of `a`'s | FAILS: 400 expected |" in path.read_text()
+
+
+def test_a_missed_goal_says_by_how_much_above_its_target():
+    rounds = {"mine": [1.1, 2.2, 3.3], "other": [1.0, 2.0, 3.0]}
+    group = {"key": "g", "entries": [{"name": n, "round_s": [r], "matches": None} for n, r in rounds.items()]}
+    for target, status in ((1.05, "missed by 4.8 %"), (1.20, "met"), (1.00, "missed by 10.0 %")):
+        [row] = evaluate([group], (Goal("mine vs other", "g", "mine", ("other",), target),))
+        assert row["status"] == status, row
+
+
+def test_surgery_case_times_what_it_names():
+    from benchmarks.surgery import kv_group, prune_group
+    from tests.reference import reference_heads
+
+    prune = {e.name: e for e in prune_group(TINY).entries}
+    full, x = prune["headwise, every head"].fn.args
+    b, s, d, h = TINY.forward
+    d_h, kept = d // h, h // 2
+
+    def heads(lin: torch.nn.Linear) -> torch.Tensor:  # (b, h, s, d_h), float64
+        return (x.double() @ lin.weight.double().T + lin.bias.double()).view(b, s, h, d_h).transpose(1, 2)
+
+    z, _ = reference_heads(heads(full.q_proj), heads(full.k_proj), heads(full.v_proj))
+    z[:, kept:] = 0  # the half-pruned layer is the full one with its last heads removed
+    w_o = full.out_proj
+    want = z.transpose(1, 2).reshape(b, s, d) @ w_o.weight.double().T + w_o.bias.double()
+    for name in ("headwise, half the heads", "packed SDPA, half the heads"):
+        torch.testing.assert_close(prune[name].fn().double(), want, rtol=1e-4, atol=1e-5)
+    kv = {e.name: e for e in kv_group(TINY).entries}
+    ids = kv["headwise, checkpoint"].fn.args[1]
+    with torch.no_grad():  # the checkpoint computes what a fresh, never patched model of the same seed computes
+        torch.testing.assert_close(kv["headwise, checkpoint"].fn(), llama_model(*TINY.llama)(ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv["headwise, to_mha"].fn(), kv["headwise, checkpoint"].fn(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kv["HF Llama (unpatched), 1 K/V head"].fn(), kv["headwise, to_gqa, 1 K/V head"].fn())
 
 
 def test_a_peer_that_computes_something_else_is_caught():
@@ -145,10 +219,13 @@ def test_the_patched_entry_shares_the_unpatched_models_weights_and_only_them():
 
 def test_only_takes_case_names():
     assert resolve_only("decode,forward") == ["forward", "decode"]
-    assert resolve_only("decode,") == ["decode"]  # an empty name between commas is dropped
+    assert resolve_only(" decode , forward ") == ["forward", "decode"]
     assert resolve_only(None) == list(CASES)
     with pytest.raises(ValueError, match="--only takes case names"):
         resolve_only("forward,nope")
+    for typo in ("decode,", "surgery,,", ",forward", "forward, ,decode"):
+        with pytest.raises(ValueError, match=f"got an empty name in {typo!r}"):
+            resolve_only(typo)
     for blank in ("", ",", " , "):
         with pytest.raises(ValueError, match="got no name in"):
             resolve_only(blank)
@@ -160,6 +237,7 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 @pytest.mark.parametrize("argv, bad", [
     (["--only", ","], "got no name in ','"),
     (["--only", ""], "got no name in ''"),
+    (["--only", "surgery,,"], "got an empty name in 'surgery,,'"),
     (["--only", "forward,bogus"], "got bogus"),
     (["--threads", "-1"], "--threads: takes a whole number >= 1, got -1"),
     (["--threads", "0"], "--threads: takes a whole number >= 1, got 0"),
@@ -167,6 +245,7 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
     (["--device", "cuda", "--only", "bogus"], "got bogus (--device cuda)"),
     (["--device", "cuda", "--only", "forward,sweep"], "got sweep (--device cuda)"),
     (["--device", "cuda", "--only", ","], "got no name in ','"),
+    (["--device", "cuda", "--only", "forward,"], "got an empty name in 'forward,'"),
     (["--device", "cuda", "--quick"], "it takes no --quick"),
     (["--device", "cuda", "--processes", "2"], "it takes no --processes"),
     (["--device", "cuda", "--threads", "2"], "it takes no --threads"),
@@ -177,8 +256,9 @@ def test_command_line_refuses_bad_input_before_running_anything(argv, bad, capsy
     out = tmp_path / "R.md"
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--out", str(out)])
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert exc.value.code == 2 and len(errors) == 1 and bad in errors[0], errors
+    errors = capsys.readouterr().err.splitlines()  # one line, argparse's usage lines left to --help
+    assert exc.value.code == 2 and len(errors) == 1 and errors[0].startswith("benchmarks: error: "), errors
+    assert bad in errors[0], errors
     assert not out.exists() and RESULTS.stat().st_mtime_ns == before
 
 
@@ -188,7 +268,7 @@ def test_command_line_refuses_an_out_it_cannot_write_as_a_file(capsys, tmp_path)
                      (tmp_path / "f" / "R.md", f"(under the file {tmp_path / 'f'})")):
         with pytest.raises(SystemExit) as exc:
             main(["--quick", "--only", "gqa", "--out", str(out)])
-        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        errors = capsys.readouterr().err.splitlines()
         assert exc.value.code == 2 and len(errors) == 1 and bad in errors[0], errors
 
 
@@ -235,4 +315,5 @@ def test_command_line_sets_huge_pages_and_pools_processes(tmp_path):
     assert "| decode vs the x @ W preallocated loop | <= 1.05 |" in text
     bad = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "nope"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--only takes case names" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("benchmarks: error: --only takes case names")
+    assert len(bad.stderr.splitlines()) == 1, bad.stderr
