@@ -241,7 +241,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         start, room = 0, None
         if cache is not None:  # the plan says which keys the call reads (headwise.plan, rule 8)
             if plan.cache_read is CacheRead.POSITION:  # compiled: written at the device position
-                start = cache.position.clone()  # a tensor: no host read in a compiled step
+                start = cache.mark()  # tensors: no host read in a compiled step
                 k, v, mask, room = cache.write_static(k, v, q.requires_grad)  # (.., max_len, ..), (1, 1, s_q, max_len)
             else:
                 start = cache.length
@@ -358,7 +358,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             q, k = self.rotary.rotate(q, k, positions)
         # The length a failed call puts back (a compiled step's: the device position, never read on the host).
         start = None if cache is None else \
-            cache.position.clone() if plan.cache_read is CacheRead.POSITION else cache.length
+            cache.mark() if plan.cache_read is CacheRead.POSITION else cache.length
         # Attend: every head on its own (the step a trace sees), over the cache's positions too when there is one.
         z, weights = self.attend(q, k, v, mask=mask, return_weights=True, plan=plan, cache=cache)  # (b, h, s_q, d_h)
         del q, k, v  # without autograd, freed before W_O allocates the output
@@ -367,7 +367,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             y = self.project_out(z, None if tracer is None else tracer.results(self))  # (b, s_q, d)
         except BaseException:  # a hook, an edit of the results or W_O failed after the cache write
             if start is not None:
-                cache.rewind(start) if isinstance(start, torch.Tensor) else cache.crop(start)
+                cache.rewind(start) if isinstance(start, tuple) else cache.crop(start)
             if tracer is not None:  # the trace keeps completed calls only, as the cache does
                 tracer.discard(self)
             raise

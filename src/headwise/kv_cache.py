@@ -373,18 +373,25 @@ class KVCache:
         self._device_writes = True
         return keys, values, mask, room
 
-    def rewind(self, before: torch.Tensor) -> None:
-        """Undo the writes of :meth:`write_static` since ``before`` (a clone of :attr:`position`): zero their slots,
-        as :meth:`crop` does, and put the position back, on the device only (a failed compiled step calls it).
+    def mark(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device state a failed compiled step goes back to with :meth:`rewind`: copies of :attr:`position` and
+        of the count of refused steps (tensors: nothing is read back to the host)."""
+        return self.position.clone(), self._refused.clone()
+
+    def rewind(self, before: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Undo the writes of :meth:`write_static` since ``before``: zero their slots, as :meth:`crop` does, and
+        put the position and the count of refused steps back, on the device only (a failed compiled step calls it).
 
         Args:
-            before: ``cache.position.clone()``, taken before the writes to undo.
+            before: what :meth:`mark` returned before the writes to undo.
         """
+        position, refused = before
         with torch.no_grad():
-            written = ((self._slots >= before) & (self._slots < self.position)).view(1, 1, self.max_len, 1)
+            written = ((self._slots >= position) & (self._slots < self.position)).view(1, 1, self.max_len, 1)
             self.keys.masked_fill_(written, 0)
             self.values.masked_fill_(written, 0)
-        self.position.copy_(before)
+        self.position.copy_(position)
+        self._refused.copy_(refused)
 
     def read_mask(self, s: int) -> torch.Tensor:
         """The keys each of the last ``s`` written positions may read, over the whole buffer: query i (at

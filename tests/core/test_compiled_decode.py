@@ -303,6 +303,22 @@ def test_a_compiled_step_that_fails_after_its_write_rolls_back_and_its_retry_equ
     assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
     assert torch.equal(cache.keys, clean.keys) and torch.equal(cache.values, clean.values)
     torch.testing.assert_close(torch.cat(got, 1), one_pass)
+    # A failed step on a full cache (its write refused for lack of room) leaves no refusal behind either: the
+    # next host use finds the cache as it was, not an overflow of a step that never completed.
+    full = attn.new_cache(1, 4)
+    full_step = torch.compile(DecodeStep(attn, full), backend="eager", dynamic=False)
+    with torch.no_grad():
+        attn(x[:, :4], cache=full)
+        if failure == "a hook on W_O":
+            fail[0] = True
+            with pytest.raises(RuntimeError, match="hook failure"):
+                full_step(x[:, 4:5])
+            fail[0] = False
+        else:
+            with pytest.raises(ValueError, match="a pattern edit needs every value"), \
+                    headwise.trace(attn, edit={(0, 1, "pattern"): "zero"}):
+                full_step(x[:, 4:5])
+    assert full.length == 4
 
 
 def test_a_compiled_step_refuses_a_key_edit_of_one_query_head_of_a_gqa_cache_as_eager_does():
