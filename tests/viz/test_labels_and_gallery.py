@@ -48,6 +48,30 @@ def test_positional_scores_equal_a_float64_loop():
     assert all(bool(v.isnan().all()) for v in positional_scores(w[:, :1, :1], ["x"]).values())
 
 
+def test_a_left_padded_row_summarises_as_the_same_text_run_alone():
+    model = ref.llama()
+    ids = torch.randint(3, ref.VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    alone = model_layers_head_maps(model, {"input_ids": ids, "attention_mask": torch.ones(1, 6, dtype=torch.long)})
+    batch = {"input_ids": torch.cat([torch.randint(3, ref.VOCAB, (1, 9)),
+                                     torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)]),
+             "attention_mask": torch.tensor([[1] * 9, [0, 0, 0] + [1] * 6])}
+    padded = model_layers_head_maps(model, batch, row=1)
+    for a, p in zip(alone, padded):
+        torch.testing.assert_close(p.weights[:, 3:, 3:], a.weights)  # the model did the same on the real tokens
+        assert p.real.tolist() == [False] * 3 + [True] * 6
+        got, want = positional_scores(p.weights, p.tokens, p.real), positional_scores(a.weights, a.tokens)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])
+        for x, y in zip(a.summary(), p.summary()):
+            for key, value in x.items():
+                if key.endswith("_index"):  # indices are of the drawn row, 3 pads to the right
+                    assert y[key] == value + 3, key
+                elif isinstance(value, float):
+                    torch.testing.assert_close(y[key], value, atol=1e-5, rtol=1e-4, msg=key)
+                else:
+                    assert y[key] == value, key
+
+
 @pytest.mark.parametrize("token, sep", [("[SEP]", True), ("</s>", True), ("<|endoftext|>", True), (".", True),
                                         ("Ġ,", True), ("▁!", True), ("...", True), ("[PAD]", False),
                                         ("<pad>", False), ("##s", False), ("Ġthe", False), ("", False), ("a.", False)])
@@ -77,8 +101,14 @@ def test_tokens_come_from_the_tokenizer_or_the_ids(minilm):
     assert model_layers_head_maps(model, enc, layers=[0])[0].tokens == [str(i) for i in ids]
     given = [f"t{i}" for i in range(len(ids))]
     assert model_layers_head_maps(model, enc, layers=[0], tokens=given, tokenizer=tokenizer)[0].tokens == given
+    # positional inputs: the first integer tensor is input_ids, as the model takes them
+    as_tuple = model_layers_head_maps(model, (enc["input_ids"], enc["attention_mask"]), layers=[0],
+                                      tokenizer=tokenizer)[0]
+    assert as_tuple.tokens == labelled.tokens
+    torch.testing.assert_close(as_tuple.weights, labelled.weights)
     stack = torch.nn.Sequential(headwise.MultiHeadAttention(8, 2))
     assert model_layers_head_maps(stack, torch.randn(1, 3, 8))[0].tokens == ["0", "1", "2"]  # no ids: positions
+    assert model_layers_head_maps(stack, (torch.randn(1, 3, 8),))[0].tokens == ["0", "1", "2"]
     with pytest.raises(ValueError, match="row must be an int in \\[-1, 1\\)"):
         model_layers_head_maps(model, enc, row=1)
 

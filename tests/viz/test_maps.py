@@ -311,3 +311,24 @@ def test_model_layers_head_maps_takes_lists_naming_each_head_once() -> None:
     torch.testing.assert_close(m.weights, weights[0, [1]])
     (m,) = model_layers_head_maps(attn, x, heads={0: "a", 1: "b"}.keys())
     torch.testing.assert_close(m.weights, weights[0])
+
+
+def test_model_layers_head_maps_refuses_attention_whose_queries_and_keys_differ() -> None:
+    from headwise.viz import model_layers_head_maps
+
+    class Cross(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = MultiHeadAttention(8, 2)
+            self.memory = torch.nn.Parameter(torch.randn(1, 5, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, context=self.memory)
+
+    torch.manual_seed(0)
+    model, x = Cross(), torch.randn(1, 3, 8)
+    with torch.no_grad():
+        _, weights = model.attn(x, context=model.memory, return_weights=True)
+    assert weights.shape[-2:] == (3, 5)  # the layer itself does run cross-attention
+    with pytest.raises(ValueError, match=r"self-attention over one sequence.*\(s_q, s_kv\) = \(3, 5\)"):
+        model_layers_head_maps(model, x)

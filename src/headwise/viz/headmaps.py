@@ -41,6 +41,7 @@ class HeadMaps:
     writes_missing: str = ""  # why writes and value_norms are None ("" when they are known)
     original_heads: tuple[int, ...] | None = None  # each row's index before head surgery (None: unchanged)
     layers: tuple[int, ...] | None = None  # a gallery: the layer of each row (None: every row is of ``layer``)
+    real: torch.Tensor | None = None  # (s,) bool: which positions hold text, not padding (None: all)
 
     def __repr__(self) -> str:
         # one line, as the other main objects print: the dataclass default would print every tensor
@@ -91,35 +92,40 @@ class HeadMaps:
         """Per head: what it does by position (mean weight on the previous / same / next / first token and on
         separators, :mod:`headwise.viz.positions`, and the largest of them), the token it reads most from (mean
         weight over queries) and the token it writes most from (share of the head's total writes), and the
-        range of its value norms (those None without writes).
+        range of its value norms (those None without writes). Padding (``real`` False) is neither a query nor a
+        key here, so a padded batch row summarises as the same text alone; indices stay those of the drawn row.
 
         Shapes:
-            reads: weights[h].mean(0), (s_kv,); writes: writes[h].sum(0) / total, (s_kv,)
+            reads: weights[h].mean(0) over real queries and keys, (s_kv,); writes: writes[h].sum(0) / total
         """
         out = []
-        positions = positional_scores(self.weights, self.tokens)
+        positions = positional_scores(self.weights, self.tokens, self.real)
+        # padding is neither a query nor a key here: a padded row summarises as the same text alone
+        keep = torch.arange(len(self.tokens)) if self.real is None else self.real.cpu().nonzero()[:, 0]
         for h in range(self.n_heads):
-            reads = self.weights[h].mean(0)  # (s,)
-            r = int(reads.argmax())
+            reads = self.weights[h][keep][:, keep].mean(0)  # (s_real,)
+            r = int(keep[int(reads.argmax())])
+            reads_r = float(reads.max())
             by_position = {name: float(positions[name][h]) for name in POSITIONS}
             known = {k: v for k, v in by_position.items() if v == v}  # NaN: no query to score
             top = max(known, key=known.get) if known else None
             row = {"layer": self.layer_ids[h], "head": self.head_labels[h], "index": self.head_ids[h],
                    **by_position, "positional": top, "positional_weight": known.get(top),
-                   "reads_most": self.tokens[r], "reads_most_index": r, "reads_most_weight": float(reads[r])}
+                   "reads_most": self.tokens[r], "reads_most_index": r, "reads_most_weight": reads_r}
             if self.writes is None or self.value_norms is None:
                 row.update(dict.fromkeys(("writes_most", "writes_most_index", "writes_most_share",
                                           "weight_on_reads_most_share_of_writes", "value_norm_min",
                                           "value_norm_max")))
             else:
-                writes = self.writes[h].sum(0)  # (s,)
+                writes = torch.zeros_like(self.value_norms[h])  # (s,), padding's share left at 0
+                writes[keep] = self.writes[h][keep][:, keep].sum(0)
                 share = writes / writes.sum().clamp_min(1e-30)
                 w = int(share.argmax())
+                norms = self.value_norms[h][keep]
                 row.update({"writes_most": self.tokens[w], "writes_most_index": w,
                             "writes_most_share": float(share[w]),
                             "weight_on_reads_most_share_of_writes": float(share[r]),
-                            "value_norm_min": float(self.value_norms[h].min()),
-                            "value_norm_max": float(self.value_norms[h].max())})
+                            "value_norm_min": float(norms.min()), "value_norm_max": float(norms.max())})
             out.append(row)
         return out
 

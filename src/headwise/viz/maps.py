@@ -18,6 +18,7 @@ Shapes:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -38,9 +39,10 @@ __all__ = ["HeadMaps", "head_maps", "model_head_maps", "model_layers_head_maps",
 
 
 
-def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int] | None = None) -> HeadMaps:
-    """HeadMaps of batch row ``row`` (of the heads ``heads``, default all) from a trace record that captured
-    "pattern" and "v"."""
+def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int] | None = None,
+          real: torch.Tensor | None = None) -> HeadMaps:
+    """HeadMaps of batch row ``row`` (of the heads ``heads``, default all; ``real`` its non-padding positions)
+    from a trace record that captured "pattern" and "v"."""
     attn = record.layer
     h, d_h = attn.n_heads, attn.d_head
     origin = _origin(attn)
@@ -50,7 +52,7 @@ def _maps(record: Any, row: int, tokens: list[str], layer: int, heads: list[int]
     v = record.v[row].detach()  # (h_kv, s_kv, d_h)
     original = None if origin is None else tuple(origin[i] for i in chosen)
     common = dict(tokens=list(tokens), layer=layer, heads=None if heads is None else tuple(chosen),
-                  original_heads=original)
+                  original_heads=original, real=real)
     try:
         w_o = output_weight(attn)  # (d, h * d_h), an adapter's update merged: what the forward applied
     except ValueError as exc:  # W_O not located (headwise.interop.hf.locate says why): the reads still are
@@ -141,12 +143,14 @@ def _as_list(name: str, value: Any) -> list | None:
 
 def _labels(inputs: Any, row: int, s: int, tokens: Any, tokenizer: Any) -> list[str]:
     """The token labels of row ``row``: ``tokens`` as given, else the tokenizer's tokens of the row's
-    ``input_ids``, else the ids themselves, else the positions."""
+    ``input_ids`` (of a tuple, its first integer tensor), else the ids themselves, else the positions."""
     from ..tracing.inputs import token_ids
 
     if tokens is not None:
         labels = [str(t) for t in tokens]
     else:
+        if isinstance(inputs, (tuple, list)):  # positional inputs: input_ids come first to a Hugging Face model
+            inputs = next((t for t in inputs if token_ids(t) is not None), None)
         ids = token_ids(inputs)
         ids = None if ids is None or ids.shape[-1] != s else ids[row].tolist()
         if ids is not None and tokenizer is not None:
@@ -167,8 +171,9 @@ def model_layers_head_maps(model: torch.nn.Module, inputs: Any, *, layers: list[
     ``layers`` and ``heads`` are lists of ints naming each layer (head) once: a repeat is a ValueError (the
     command's ``--heads 0,0`` is text, read as a set).
 
-    Tokens are labelled with ``tokens`` when given, else with ``tokenizer``'s tokens of the row's ``input_ids``,
-    else with the ids themselves (then positions, for inputs without token ids).
+    Tokens are labelled with ``tokens`` when given, else with ``tokenizer``'s tokens of the row's ``input_ids`` (a
+    tuple's first integer tensor, as a Hugging Face model takes them positionally), else with the ids themselves
+    (then positions, for inputs without token ids).
 
     Shapes:
         inputs: batch b on dim 0, s tokens -> len(layers) HeadMaps with (h, s, s) arrays of row ``row``
@@ -232,9 +237,17 @@ def _capture(model: torch.nn.Module, hw_layers: list, inputs: Any, layers: Any, 
         raise ValueError(f"row must be an int in [-{b}, {b}) for this batch of {b}, got {row!r}")
     with torch.no_grad(), eval_mode(model), trace(model, capture={layer: ("pattern", "v") for layer in chosen}) as t:
         call(model, inputs)
-    s = t[chosen[0]].pattern.shape[-1]
+    for layer in chosen:  # cross-attention or a cached call: one label row could not name both queries and keys
+        s_q, s = t[layer].pattern.shape[-2:]
+        if s_q != s:
+            raise ValueError(f"the maps draw self-attention over one sequence (queries and keys the same tokens), "
+                             f"but layer {layer}'s pattern is (s_q, s_kv) = ({s_q}, {s}) (cross-attention or a "
+                             "cached call?)")
     labels = _labels(inputs, row, s, tokens, tokenizer)
-    return [_maps(t[layer], row, labels, layer, heads) for layer in chosen]
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    real = mask[row].detach().cpu() != 0 if isinstance(mask, torch.Tensor) and mask.shape == (b, s) else None
+    real = real if real is not None and bool(real.any()) else None  # a row of no text: nothing to leave out
+    return [_maps(t[layer], row, labels, layer, heads, real) for layer in chosen]
 
 
 def head_gallery(model: torch.nn.Module, inputs: Any, pairs: Sequence[tuple[int, int]], *,

@@ -11,6 +11,9 @@ query 0 can only read itself), each query's weight on the key(s) in question:
 * ``separators``: the summed weight on separator tokens after position 0: special tokens such as ``[SEP]``,
   ``</s>``, ``<|endoftext|>`` (padding excluded) and tokens made only of punctuation (``.``, ``,``, ``Ġ.``).
 
+Given which positions are real (``real``, from the attention mask), padding is dropped first: neither a query nor
+a key, so "first" is the first real token and a padded row scores as the same text alone.
+
 Shapes:
     weights: (h, s, s), rows = queries -> five (h,) tensors
 """
@@ -45,11 +48,19 @@ def is_separator(token: str) -> bool:
     return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
 
 
-def positional_scores(weights: torch.Tensor, tokens: list[str]) -> dict[str, torch.Tensor]:
+def positional_scores(weights: torch.Tensor, tokens: list[str],
+                      real: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Each head's mean weight on the previous / same / next / first token and on separators (module doc).
 
+    Args:
+        weights: the heads' attention weights, queries on dim 1.
+        tokens: the label of each position.
+        real: which positions hold text (False: padding), or None for all: padding is neither a query nor a key
+            here, so a padded row scores as the same text alone ("first" is its first real token).
+
     Shapes:
-        weights: (h, s, s) -> {name: (h,) float64}, NaN where a score has no query (s < 2; next: s < 3)
+        weights: (h, s, s), real: (s,) bool -> {name: (h,) float64}, NaN where a score has no query (fewer than 2
+        real positions; next: 3)
 
     Example:
         >>> w = torch.zeros(1, 4, 4); w[0, 0, 0] = 1
@@ -58,6 +69,9 @@ def positional_scores(weights: torch.Tensor, tokens: list[str]) -> dict[str, tor
         {'previous': 1.0, 'same': 0.0, 'next': 0.0, 'first': 0.33, 'separators': 0.0}
     """
     w = weights.detach().double()
+    if real is not None:
+        keep = real.to(device=w.device, dtype=torch.bool)
+        w, tokens = w[:, keep][:, :, keep], [t for t, k in zip(tokens, keep.tolist()) if k]
     h, s = w.shape[0], w.shape[-1]
     nan = torch.full((h,), float("nan"), dtype=torch.float64)
     if s < 2:
