@@ -58,15 +58,21 @@ def test_the_checked_window_is_the_one_the_unpatched_model_applies():
         assert not torch.allclose(HFAdapter(full).run(seen["x"]), seen["y"])  # the window matters here
 
 
+def _plain_causal(attention_mask: torch.Tensor) -> torch.Tensor:
+    """A bottom-right causal additive mask of ``attention_mask``'s shape and dtype: what a layer that ignores
+    its window or chunks would read."""
+    s_q, s_kv = attention_mask.shape[-2:]
+    blocked = ~torch.ones(s_q, s_kv, dtype=torch.bool).tril(s_kv - s_q)
+    return torch.zeros_like(attention_mask).masked_fill(blocked, torch.finfo(attention_mask.dtype).min)
+
+
 def test_a_layer_that_reads_past_its_window_fails_causality():
     attn = tiny_mistral().model.layers[0].self_attn
     forward = attn.forward
 
     def wide(hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
-        s_q, s_kv = attention_mask.shape[-2:]  # ignore the window: plain bottom-right causal
-        blocked = ~torch.ones(s_q, s_kv, dtype=torch.bool).tril(s_kv - s_q)
-        mask = torch.zeros_like(attention_mask).masked_fill(blocked, torch.finfo(attention_mask.dtype).min)
-        return forward(hidden_states, position_embeddings, mask, past_key_values, **kw)
+        # ignore the window: plain bottom-right causal
+        return forward(hidden_states, position_embeddings, _plain_causal(attention_mask), past_key_values, **kw)
     attn.forward = wide
     report = check(attn, seq_len=SEQ, properties=["causality"])
     result = report["causality"]
@@ -117,10 +123,8 @@ def test_a_chunked_layer_that_reads_past_its_chunk_fails_causality():
     forward = attn.forward
 
     def whole(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kw):
-        s_q, s_kv = attention_mask.shape[-2:]  # ignore the chunks: plain bottom-right causal
-        blocked = ~torch.ones(s_q, s_kv, dtype=torch.bool).tril(s_kv - s_q)
-        mask = torch.zeros_like(attention_mask).masked_fill(blocked, torch.finfo(attention_mask.dtype).min)
-        return forward(hidden_states, position_embeddings, mask, cache, **kw)
+        # ignore the chunks: plain bottom-right causal
+        return forward(hidden_states, position_embeddings, _plain_causal(attention_mask), cache, **kw)
     attn.forward = whole
     report = check(attn, seq_len=SEQ, properties=["causality"])
     assert report.failed == ["causality"], str(report)

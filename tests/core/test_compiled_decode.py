@@ -280,21 +280,25 @@ def test_a_compiled_step_that_fails_after_its_write_rolls_back_and_its_retry_equ
             raise RuntimeError("hook failure")
 
     attn.out_proj.register_forward_hook(hook)
+
+    def fail_at(step, token):  # the step fails after its write: the hook raises, or a trace refuses the edit
+        if failure == "a hook on W_O":
+            fail[0] = True
+            with pytest.raises(RuntimeError, match="hook failure"):
+                step(token)
+            fail[0] = False
+        else:
+            with pytest.raises(ValueError, match="a pattern edit needs every value"), \
+                    headwise.trace(attn, edit={(0, 1, "pattern"): "zero"}):
+                step(token)
+
     cache, clean = attn.new_cache(1, 8), attn.new_cache(1, 8)
     step = torch.compile(DecodeStep(attn, cache), backend="eager", dynamic=False)
     clean_step = torch.compile(DecodeStep(attn, clean), backend="eager", dynamic=False)
     with torch.no_grad():
         got = [attn(x[:, :4], cache=cache), step(x[:, 4:5])]
         want = [attn(x[:, :4], cache=clean), clean_step(x[:, 4:5])]
-        if failure == "a hook on W_O":
-            fail[0] = True
-            with pytest.raises(RuntimeError, match="hook failure"):
-                step(x[:, 5:6])
-            fail[0] = False
-        else:
-            with pytest.raises(ValueError, match="a pattern edit needs every value"), \
-                    headwise.trace(attn, edit={(0, 1, "pattern"): "zero"}):
-                step(x[:, 5:6])
+        fail_at(step, x[:, 5:6])
         assert cache.length == 5
         assert torch.equal(cache.keys, clean.keys) and torch.equal(cache.values, clean.values)
         got += [step(x[:, t:t + 1]) for t in (5, 6)]  # the failed token again, then the next
@@ -309,15 +313,7 @@ def test_a_compiled_step_that_fails_after_its_write_rolls_back_and_its_retry_equ
     full_step = torch.compile(DecodeStep(attn, full), backend="eager", dynamic=False)
     with torch.no_grad():
         attn(x[:, :4], cache=full)
-        if failure == "a hook on W_O":
-            fail[0] = True
-            with pytest.raises(RuntimeError, match="hook failure"):
-                full_step(x[:, 4:5])
-            fail[0] = False
-        else:
-            with pytest.raises(ValueError, match="a pattern edit needs every value"), \
-                    headwise.trace(attn, edit={(0, 1, "pattern"): "zero"}):
-                full_step(x[:, 4:5])
+        fail_at(full_step, x[:, 4:5])
     assert full.length == 4
 
 
