@@ -289,6 +289,26 @@ def test_head_results_is_h_gemms_of_the_right_heads():
     torch.testing.assert_close(head_results(z, w), want)
 
 
+def test_a_capture_dict_naming_one_layer_twice_is_refused_naming_both_keys():
+    # 0, -2 and "0" all name layer 0 of two; keeping one key's spec would silently drop the other's.
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([MultiHeadAttention(16, 4), MultiHeadAttention(16, 4)]).eval()
+    x = torch.randn(1, 3, 16)
+    for spec, keys in (({0: ("z",), -2: ("q",)}, r"keys 0 and -2 both name layer 0"),
+                       ({0: ("z",), "0": ("q",)}, r"keys 0 and '0' both name layer 0")):
+        with pytest.raises(ValueError, match=keys):
+            headwise.trace(model, capture=spec)
+        assert all(layer.tracer is None for layer in model)
+    seen = []
+    handle = model[0].out_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad(), headwise.trace(model, capture={0: ("z", "q")}) as t:
+        model[0](x)
+    handle.remove()
+    torch.testing.assert_close(t[0].z.flatten(2), seen[0])  # (b, s, h, d_h) -> W_O's input (b, s, h * d_h)
+    q = model[0].q_proj(x).view(1, 3, 4, 4).transpose(1, 2)
+    torch.testing.assert_close(t[0].q, q)
+
+
 def test_captured_results_give_the_layer_output_with_and_without_edits():
     # Capturing every head's write lets the layer sum them instead of a second W_O product: the traced
     # output must still be the layer's output (reference: the untraced layer, with the edit as a pre-hook).

@@ -57,3 +57,18 @@ def test_captures_of_calls_with_different_batch_sizes_are_refused_naming_both_sh
     with torch.no_grad(), headwise.trace(attn, capture=("z",)) as alone:
         attn(x2)
     torch.testing.assert_close(t[0].calls[1]["z"], alone[0].z)  # each call's own stays readable
+
+
+def test_keys_values_and_patterns_of_several_calls_are_not_joined_even_of_one_length():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    x1, x2 = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    with torch.no_grad(), headwise.trace(attn, capture=("k", "v", "pattern")) as t:
+        attn(x1)
+        attn(x2)
+    for name in ("k", "v", "pattern"):
+        with pytest.raises(ValueError, match=rf"'{name}' of several calls is not joined, since their key lengths "
+                                             rf"may differ: use \.calls\[i\]"):
+            t[0].get(name)
+    k2 = attn.k_proj(x2).view(2, 3, 4, 4).transpose(1, 2)
+    torch.testing.assert_close(t[0].calls[1]["k"], k2)  # each call's own stays readable

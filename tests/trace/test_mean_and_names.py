@@ -213,3 +213,18 @@ def test_as_dict_of_a_decode_gives_each_calls_tensors_or_a_clear_refusal():
         attn(torch.randn(2, 3, 16))
     with pytest.raises(ValueError, match=r"call 0 is \(1, 3, 4, 4\) and call 1 is \(2, 3, 4, 4\)"):
         t.as_dict()
+
+
+def test_as_dict_refuses_a_call_that_is_not_an_int_before_reading_anything():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    x1, x2 = torch.randn(1, 3, 16), torch.randn(1, 1, 16)
+    with torch.no_grad(), headwise.trace(attn, capture=("z",)) as t:
+        attn(x1)
+        attn(x2)
+    for call, name in (("0", "str"), (1.0, "float"), (True, "bool")):  # True would read call 1
+        with pytest.raises(TypeError, match=rf"call must be an int .* got {name}"):
+            t.as_dict(call=call)
+    with torch.no_grad(), headwise.trace(attn, capture=("z",)) as alone:
+        attn(x2)
+    torch.testing.assert_close(t.as_dict(call=1)["blocks.0.attn.hook_z"], alone[0].z)

@@ -99,6 +99,24 @@ def test_bad_sites_are_refused():
             attn(torch.randn(1, 1, 16), cache=cache)
 
 
+def test_a_pattern_replacement_needs_the_key_axis_and_broadcasts_only_over_leading_axes():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).double().eval()
+    x = torch.randn(2, 3, 16, dtype=torch.float64)  # head 1's pattern slice: (2, 3, 3)
+    for shape in ((1,), (3, 1), (2, 3, 1)):  # one value spread over every key is not what the shape says
+        with headwise.trace(attn, edit={(0, 1, "pattern"): torch.full(shape, 0.5, dtype=torch.float64)}):
+            with pytest.raises(ValueError, match=rf"replacement \({shape[0]},.*n = 3"):
+                attn(x)
+        assert attn.tracer is None
+    mask = torch.ones(2, 1, 3, 3, dtype=torch.bool)
+    for shape in ((3,), (1, 3), (1, 1, 3), (3, 3), (2, 1, 3)):
+        p = torch.rand(shape, dtype=torch.float64)
+        want = per_head_reference(attn, x, mask, {(1, "pattern"): lambda pat: p.expand_as(pat)})
+        with torch.no_grad(), headwise.trace(attn, edit={(0, 1, "pattern"): p}):
+            got = attn(x)
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 def test_returned_weights_are_the_edited_pattern_the_output_was_made_of(n_kv_heads):
     torch.manual_seed(3)

@@ -211,9 +211,13 @@ def replacement(t: torch.Tensor, where: str, width: int | None) -> Callable[...,
     def replace(x_h: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
         # Checked on the sizes (plain ints), never by catching a failed broadcast: compiled code raises its own
         # error type for that.
-        fits = t.dim() <= x_h.dim() and all(a == 1 or a == n for a, n in zip(reversed(t.shape), reversed(x_h.shape)))
+        # The last axis must match (for pattern it is this call's s_kv, unknown before the call): spreading one
+        # value over every key is a different edit from the one the shape describes. Leading axes may be 1.
+        fits = (t.dim() <= x_h.dim() and t.shape[-1] == x_h.shape[-1]
+                and all(a == 1 or a == n for a, n in zip(reversed(t.shape[:-1]), reversed(x_h.shape[:-1]))))
         if not fits:
             raise ValueError(f"{where}: replacement {tuple(t.shape)} does not broadcast to this call's "
-                             f"{tuple(x_h.shape)}")
+                             f"{tuple(x_h.shape)}: expected (n,), (s, n) or (b, s, n) with n = {x_h.shape[-1]} and "
+                             f"s, b equal to the slice's or 1")
         return t.to(device=x_h.device, dtype=x_h.dtype).expand_as(x_h)
     return replace

@@ -149,8 +149,8 @@ class LayerRecord:
             return concatenate(what, [c[what] for c in self.calls], queries)
         if what not in _BY_POSITION:
             raise ValueError(f"layer {self.index} ran {len(self.calls)} times (e.g. decoding) and {what!r} of "
-                             f"different calls differ in length: use .calls[i][{what!r}] (Trace.as_dict(call=i) for "
-                             f"every layer's)")
+                             f"several calls is not joined, since their key lengths may differ: use "
+                             f".calls[i][{what!r}] (Trace.as_dict(call=i) for every layer's)")
         parts, axis = [c[what] for c in self.calls], _BY_POSITION[what]
         first = parts[0].shape[:axis] + parts[0].shape[axis + 1:]
         for i, t in enumerate(parts[1:], 1):

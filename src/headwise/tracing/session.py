@@ -150,6 +150,8 @@ class Trace:
 
         ``call``: one call's captures (``t[l].calls[call]``, e.g. one decoding step), in every layer called that
         often; None joins every call as ``t[l].get`` does, refused (``ValueError``) for what does not join."""
+        if call is not None and (isinstance(call, bool) or not isinstance(call, int)):
+            raise TypeError(f"as_dict: call must be an int (a call's position) or None, got {type(call).__name__}")
         out = {}
         for record in self.records:
             calls = record.calls
@@ -270,7 +272,16 @@ class Trace:
             return frozenset(value)
 
         if isinstance(capture, Mapping):
-            return {self.index(ref): names(v) for ref, v in capture.items()}
+            # two keys can name one layer (0 and -n, an index and a name); keeping either would drop the other
+            parsed: dict[int, frozenset[str]] = {}
+            keys: dict[int, Any] = {}
+            for ref, v in capture.items():
+                li = self.index(ref)
+                if li in parsed:
+                    raise ValueError(f"capture: keys {keys[li]!r} and {ref!r} both name layer {li}; give each layer "
+                                     f"once, with every name it captures")
+                parsed[li], keys[li] = names(v), ref
+            return parsed
         every = names(capture)
         return {i: every for i in range(len(self.layers))}
 
