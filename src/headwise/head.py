@@ -388,6 +388,20 @@ class LayerHeads:
         return index
 
     @classmethod
+    def packed_parts(cls, heads: Sequence[AttentionHead]) -> dict[str, nn.Module]:
+        """Constructor arguments for what ``heads`` compute beyond W_Q/W_K/W_V (a layer with more parts overrides
+        this): none here, so heads with per-head QK-norms are refused rather than silently dropped.
+
+        Args:
+            heads: the heads :meth:`from_heads` packs."""
+        for i, h in enumerate(heads):
+            if norms := [n for n in ("q_norm", "k_norm") if getattr(h, n, None) is not None]:
+                raise ValueError(f"head {i} normalises its queries and keys ({', '.join(norms)}), which "
+                                 f"{cls.__name__} has no place for; pack such heads with "
+                                 "headwise.interop.hf.qk_norm.QKNormAttention.from_heads")
+        return {}
+
+    @classmethod
     def from_heads(
         cls, heads: Sequence[AttentionHead], *, out_proj: nn.Linear, n_kv_heads: int | None = None,
         backend: str | None = None,
@@ -410,11 +424,12 @@ class LayerHeads:
             True
         """
         config, tensors = pack_heads(heads, out_proj=out_proj, n_kv_heads=n_kv_heads)
+        extras = cls.packed_parts(heads)
         if backend is None:
             backend = getattr(source_layer(heads), "backend", "sdpa")
         w = tensors["q_proj.weight"]
-        attn = cls(config=config, rotary=heads[0].rotary, backend=backend, device=w.device, dtype=w.dtype)
+        attn = cls(config=config, rotary=heads[0].rotary, backend=backend, device=w.device, dtype=w.dtype, **extras)
         with torch.no_grad():
-            for name, p in attn.named_parameters():
-                p.copy_(tensors[name])
+            for name, t in tensors.items():  # the projections; extras came built
+                attn.get_parameter(name).copy_(t)
         return attn

@@ -84,6 +84,10 @@ def test_gpt_neox_heads_read_and_write_the_interleaved_query_key_value():
     new = torch.randn(16, 4)
     head.w_k = new
     torch.testing.assert_close(qkv.weight[2 * 12 + 4:2 * 12 + 8], new.T, rtol=0, atol=0)  # the model's weight
+    before = qkv.weight.clone()
+    with pytest.raises(TypeError, match="w_q must be a torch.Tensor, got list"):
+        head.w_q = head.w_q.tolist()
+    assert torch.equal(qkv.weight, before)
 
 
 def test_captured_values_are_the_located_value_weights_applied_to_the_module_input():

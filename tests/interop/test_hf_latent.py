@@ -213,3 +213,13 @@ def test_latent_heads_refuse_what_they_do_not_have():
     host.kv_b_proj = torch.nn.Linear(R_KV, 3, bias=False)
     with pytest.raises(ValueError, match=r"kv_b_proj: expected an nn.Linear with weight \(36, 6\).*got \(3, 6\)"):
         attn.head(0)
+
+
+def test_latent_heads_do_not_run_alone_and_project_checks_its_input():
+    head = layers(patch(model_of("v3")))[0][1].head(1)
+    with pytest.raises(TypeError, match="does not run alone: rotary, the mask and the softmax .* head.project"):
+        head(torch.randn(1, 3, D))
+    with pytest.raises(TypeError, match="x has dtype torch.float64 but the weights are torch.float32"):
+        head.project(torch.randn(1, 3, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x must have shape \(b, s, d_model=16\).*got \(1, 3, 15\)"):
+        head.project(torch.randn(1, 3, D - 1))

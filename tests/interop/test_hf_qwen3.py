@@ -158,3 +158,50 @@ def test_qk_norm_heads_run_alone_on_separate_key_and_value_and_sum_to_the_layer(
             val = v @ attn.v_proj.weight[sl].T + attn.v_proj.bias[sl]
             torch.testing.assert_close(z, torch.softmax(q @ key.transpose(1, 2) / 8 ** 0.5, -1) @ val)
         torch.testing.assert_close(attn.out_proj(torch.cat(contexts, -1)), attn(x, key=k, value=v))
+
+
+def _random_norm(width: int) -> nn.LayerNorm:
+    norm = nn.LayerNorm(width, dtype=torch.float64)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.add_(torch.randn_like(p))
+    return norm
+
+
+def test_from_heads_packs_the_heads_norms_and_a_plain_layer_refuses_them():
+    torch.manual_seed(0)
+    attn = QKNormAttention(d_model=16, n_heads=4, n_kv_heads=2, q_norm=_random_norm(4), k_norm=_random_norm(4),
+                           dtype=torch.float64).eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        want = attn(x, causal=True)
+        for heads in (attn.heads(), [h.detach_copy() for h in attn.heads()]):  # views, and standalone copies
+            packed = QKNormAttention.from_heads(heads, out_proj=attn.out_proj)
+            assert packed.q_norm is not attn.q_norm  # copied: the new layer owns its norms
+            torch.testing.assert_close(packed(x, causal=True), want)
+    with pytest.raises(ValueError, match=r"head 0 normalises its queries and keys \(q_norm, k_norm\), which "
+                                         r"MultiHeadAttention .*QKNormAttention\.from_heads"):
+        MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj)
+    odd = [h.detach_copy() for h in attn.heads()]
+    with torch.no_grad():
+        odd[3].k_norm.weight.mul_(2)
+    with pytest.raises(ValueError, match="head 3 has k_norm=.* but head 0 has k_norm="):
+        QKNormAttention.from_heads(odd, out_proj=attn.out_proj)
+
+
+def test_from_heads_on_a_patched_layer_builds_a_standalone_layer_with_the_modules_norms():
+    torch.manual_seed(0)
+    model = build("qwen3", "eager").double()
+    module = model.model.layers[0].self_attn
+    x = torch.randn(2, 6, 24, dtype=torch.float64)
+    pos = torch.arange(6)[None].expand(2, -1)
+    causal = torch.full((6, 6), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        want, _ = module(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=causal)
+    view = layers(patch(model))[0][1]
+    out_proj = nn.Linear(view.n_heads * view.d_head, 24, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        out_proj.weight.copy_(module.o_proj.weight)
+        packed = view.from_heads(view.heads(), out_proj=out_proj)
+        assert type(packed) is QKNormAttention and packed.q_norm is not module.q_norm
+        torch.testing.assert_close(packed(x, causal=True), want)

@@ -338,6 +338,19 @@ def test_shared_layer_is_a_view_gradients_and_steps_reach_both(kw):
     assert not torch.allclose(copied(x, key=k, value=v, mask=mask), torch_own())  # the copy went stale
 
 
+def test_from_heads_on_a_shared_layer_packs_a_standalone_layer():
+    m = _mha(dtype=torch.float64)
+    view = from_torch(m, share=True)
+    out_proj = nn.Linear(16, 16, dtype=torch.float64)
+    out_proj.load_state_dict(m.out_proj.state_dict())
+    packed = view.from_heads(view.heads(), out_proj=out_proj)
+    assert type(packed) is MultiHeadAttention
+    assert not {id(p) for p in packed.parameters()} & {id(p) for p in m.parameters()}  # copies, not views
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), m(x, x, x, need_weights=False)[0])
+
+
 def test_shared_layer_heads_write_through_and_follow_train_mode():
     m = _mha(dropout=0.5)
     view = from_torch(m, share=True)

@@ -151,6 +151,16 @@ class LayerView(MultiHeadAttention):
         k, v = self.project_kv(x)
         return self.project_q(x), k, v
 
+    @classmethod
+    def from_heads(cls, heads: Any, **kwargs: Any) -> MultiHeadAttention:
+        """Heads packed into a standalone :class:`~headwise.MultiHeadAttention` (see its ``from_heads``): a view
+        needs a host module, and packed heads have none.
+
+        Args:
+            heads, kwargs: as :meth:`MultiHeadAttention.from_heads`.
+        """
+        return MultiHeadAttention.from_heads(heads, **kwargs)
+
     # -- module protocol: the host's modules are this layer's children ---------------------------------
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         seen: set[int] = set()

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ...validation import check_input
 from .registry import Latent
 
 __all__ = ["LatentHead"]
@@ -188,6 +189,8 @@ class LatentHead:
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This head's Q, K, V from the module input, before rotary, laid out as the module lays them out
         (``[nope | rope]``). Shapes: x (b, s, d) -> (b, s, d_nope + d_rope) x2, (b, s, d_v)."""
+        w = getattr(self.host, self._latent.kv_down).weight  # every slice reads x through modules of its dtype
+        check_input("x", x, self.d_model, "d_model", w.dtype, w.device)
         q_lat, kv_lat = self.q_latent(x), self.kv_latent(x)
         q = torch.cat([F.linear(q_lat, self.w_q_nope.T, self.b_q_nope), F.linear(q_lat, self.w_q_rope.T,
                                                                                   self.b_q_rope)], -1)
@@ -198,6 +201,11 @@ class LatentHead:
     @property
     def is_view(self) -> bool:
         return True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a LatentHead does not run alone: rotary, the mask and the softmax live in the module's "
+                        "forward; trace the model for this head's pattern and output, or call head.project(x) for "
+                        "its Q, K, V before rotary")
 
     def __repr__(self) -> str:
         return (f"LatentHead(head {self.index} of {self.layer._hw_name or type(self.host).__name__}: "

@@ -33,10 +33,11 @@ from torch import nn
 from ...config import AttentionConfig
 from ...head import AttentionHead
 from ...rotary import RotaryEmbedding
+from ...validation import check_tensor
 from ..views import LayerView
 from .latent import LatentHead
 from .locate import Located, is_conv1d, locate
-from .qk_norm import QKNormMixin
+from .qk_norm import QKNormAttention, QKNormMixin
 from .registry import Entry, entry_for
 from .rope import rotary_from_hf
 from .surgery import SurgerySeam
@@ -280,6 +281,16 @@ class QKNormHFView(QKNormMixin, HFView):
     def source_names(self) -> dict[str, str]:
         return {**super().source_names(), "q_norm": self.entry.qk_norm[0], "k_norm": self.entry.qk_norm[1]}
 
+    @classmethod
+    def from_heads(cls, heads: Any, **kwargs: Any) -> QKNormAttention:
+        """Heads packed into a standalone :class:`~headwise.interop.hf.qk_norm.QKNormAttention` with copies of
+        their norms (see ``MultiHeadAttention.from_heads``).
+
+        Args:
+            heads, kwargs: as :meth:`MultiHeadAttention.from_heads`.
+        """
+        return QKNormAttention.from_heads(heads, **kwargs)
+
 
 class InterleavedHead(AttentionHead):
     """A head of a head-interleaved fused Q/K/V (GPT-NeoX ``query_key_value``): its weights are live views of that
@@ -298,7 +309,8 @@ class InterleavedHead(AttentionHead):
         w = fused.weight.T if is_conv1d(fused) else fused.weight  # (out, in)
         return w.unflatten(0, (h, 3, d_h))[self.index, j].T  # (d, d_h)
 
-    def _write(self, j: int, bias: bool, value: torch.Tensor) -> None:
+    def _write(self, name: str, j: int, bias: bool, value: torch.Tensor) -> None:
+        check_tensor(name, value)
         target = self._view(j, bias)
         if target is None:
             raise ValueError("this head has no bias (the fused projection has none)")
@@ -307,10 +319,10 @@ class InterleavedHead(AttentionHead):
         with torch.no_grad():
             target.copy_(value)
 
-    w_q = property(lambda self: self._view(0, False), lambda self, v: self._write(0, False, v))
-    w_k = property(lambda self: self._view(1, False), lambda self, v: self._write(1, False, v))
-    w_v = property(lambda self: self._view(2, False), lambda self, v: self._write(2, False, v))
-    b_q = property(lambda self: self._view(0, True), lambda self, v: self._write(0, True, v))
-    b_k = property(lambda self: self._view(1, True), lambda self, v: self._write(1, True, v))
-    b_v = property(lambda self: self._view(2, True), lambda self, v: self._write(2, True, v))
+    w_q = property(lambda self: self._view(0, False), lambda self, v: self._write("w_q", 0, False, v))
+    w_k = property(lambda self: self._view(1, False), lambda self, v: self._write("w_k", 1, False, v))
+    w_v = property(lambda self: self._view(2, False), lambda self, v: self._write("w_v", 2, False, v))
+    b_q = property(lambda self: self._view(0, True), lambda self, v: self._write("b_q", 0, True, v))
+    b_k = property(lambda self: self._view(1, True), lambda self, v: self._write("b_k", 1, True, v))
+    b_v = property(lambda self: self._view(2, True), lambda self, v: self._write("b_v", 2, True, v))
 

@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -112,3 +112,32 @@ class QKNormAttention(QKNormMixin, MultiHeadAttention):
         super().__init__(*args, **kwargs)
         self.q_norm = nn.Identity() if q_norm is None else q_norm
         self.k_norm = nn.Identity() if k_norm is None else k_norm
+
+    @classmethod
+    def packed_parts(cls, heads: Sequence[AttentionHead]) -> dict[str, nn.Module]:
+        """Copies of the norms every one of ``heads`` applies (None: identity), for :meth:`from_heads`; heads whose
+        norms differ are refused, naming them, since a layer's heads share one pair of norms.
+
+        Args:
+            heads: the heads :meth:`from_heads` packs.
+        """
+        parts = {}
+        for name in ("q_norm", "k_norm"):
+            first = getattr(heads[0], name, None)
+            for i, h in enumerate(heads[1:], 1):
+                norm = getattr(h, name, None)
+                if not _same_norm(first, norm):
+                    raise ValueError(f"head {i} has {name}={norm!r} but head 0 has {name}={first!r}; a layer's "
+                                     "heads share one pair of norms")
+            parts[name] = None if first is None else copy.deepcopy(first)
+        return parts
+
+
+def _same_norm(a: nn.Module | None, b: nn.Module | None) -> bool:
+    """Whether two norms compute alike: the same module, or the same kind, settings and weights."""
+    if a is b:
+        return True
+    if a is None or b is None or type(a) is not type(b) or repr(a) != repr(b):
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k]) for k in sa)
