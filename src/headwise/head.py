@@ -395,7 +395,9 @@ class LayerHeads:
         Args:
             heads: the heads :meth:`from_heads` packs."""
         for i, h in enumerate(heads):
-            if norms := [n for n in ("q_norm", "k_norm") if getattr(h, n, None) is not None]:
+            # an identity norm (QKNormAttention(q_norm=None)) computes what a plain head does
+            if norms := [n for n in ("q_norm", "k_norm")
+                         if getattr(h, n, None) is not None and not isinstance(getattr(h, n), nn.Identity)]:
                 raise ValueError(f"head {i} normalises its queries and keys ({', '.join(norms)}), which "
                                  f"{cls.__name__} has no place for; pack such heads with "
                                  "headwise.interop.hf.qk_norm.QKNormAttention.from_heads")

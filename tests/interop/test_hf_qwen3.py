@@ -182,6 +182,11 @@ def test_from_heads_packs_the_heads_norms_and_a_plain_layer_refuses_them():
     with pytest.raises(ValueError, match=r"head 0 normalises its queries and keys \(q_norm, k_norm\), which "
                                          r"MultiHeadAttention .*QKNormAttention\.from_heads"):
         MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj)
+    # identity norms (q_norm=None) compute what plain heads do: a plain layer packs them
+    plain = QKNormAttention(d_model=16, n_heads=4, n_kv_heads=2, dtype=torch.float64).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(MultiHeadAttention.from_heads(plain.heads(), out_proj=plain.out_proj)(x, causal=True),
+                                   plain(x, causal=True))
     odd = [h.detach_copy() for h in attn.heads()]
     with torch.no_grad():
         odd[3].k_norm.weight.mul_(2)

@@ -56,6 +56,9 @@ def test_a_left_padded_row_summarises_as_the_same_text_run_alone():
                                      torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)]),
              "attention_mask": torch.tensor([[1] * 9, [0, 0, 0] + [1] * 6])}
     padded = model_layers_head_maps(model, batch, row=1)
+    # positional inputs: the mask is read where the model's forward takes it (LlamaForCausalLM: second)
+    positional = model_layers_head_maps(model, (batch["input_ids"], batch["attention_mask"]), row=1)
+    assert [p.summary() for p in positional] == [p.summary() for p in padded]
     for a, p in zip(alone, padded):
         torch.testing.assert_close(p.weights[:, 3:, 3:], a.weights)  # the model did the same on the real tokens
         assert p.real.tolist() == [False] * 3 + [True] * 6

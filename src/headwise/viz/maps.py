@@ -244,7 +244,12 @@ def _capture(model: torch.nn.Module, hw_layers: list, inputs: Any, layers: Any, 
                              f"but layer {layer}'s pattern is (s_q, s_kv) = ({s_q}, {s}) (cross-attention or a "
                              "cached call?)")
     labels = _labels(inputs, row, s, tokens, tokenizer)
+    from ..tracing.padding import position_of
+
     mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    if isinstance(inputs, (tuple, list)):  # positional inputs: the mask where the model's forward takes it
+        at = position_of("attention_mask", model)
+        mask = inputs[at] if at is not None and at < len(inputs) else None
     real = mask[row].detach().cpu() != 0 if isinstance(mask, torch.Tensor) and mask.shape == (b, s) else None
     real = real if real is not None and bool(real.any()) else None  # a row of no text: nothing to leave out
     return [_maps(t[layer], row, labels, layer, heads, real) for layer in chosen]
