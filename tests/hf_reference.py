@@ -104,3 +104,24 @@ def hooked_run(model: nn.Module, kw: dict, n_heads: int, edit: dict | None = Non
 def twin(model: nn.Module) -> nn.Module:
     """An unpatched copy with the same weights (taken before patching the original)."""
     return copy.deepcopy(model)
+
+
+def traced_twice(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict[bool, tuple]:
+    """Two calls of a patched ``model`` inside one capture-and-edit trace (z captured, head 2 of layer 1 zeroed),
+    eagerly (key False) and compiled whole with ``fullgraph=True`` (key True): {compiled: (trace, logits of the
+    first call)}. The compiled calls must share one graph: the trace's per-call checks trace once."""
+    import headwise
+    from torch._dynamo.testing import CompileCounter
+
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        run = torch.compile(model, backend=counter, fullgraph=True) if compiled else model
+        with torch.no_grad(), headwise.trace(model, capture=("z",), edit={(1, 2): "zero"}) as t:
+            logits = run(ids, attention_mask=mask).logits
+            frames = counter.frame_count
+            run(ids, attention_mask=mask)
+            assert counter.frame_count == frames  # one graph for both calls
+        runs[compiled] = t, logits
+    return runs

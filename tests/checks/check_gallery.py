@@ -54,10 +54,13 @@ class RefAttention(nn.Module):
         b, h, s, d_h = ctx.shape
         return ctx.transpose(1, 2).reshape(b, s, h * d_h)  # (b, s, h * d_h)
 
+    def value_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
     def forward(self, x, *, mask=None, causal=False, return_weights=False):
         q = self.split(self.q_proj(x), self.n_heads)
         k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
+        v = self.split(self.v_proj(self.value_input(x)), self.n_kv_heads)[:, self.kv_head_of()]
         scores = q @ k.transpose(-2, -1) * self.scale()
         if causal:
             scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))

@@ -20,20 +20,9 @@ class ValuesOfOneSample(RefAttention):
         super().__init__()
         self.source = source
 
-    def forward(self, x, *, mask=None, causal=False, return_weights=False):
-        q = self.split(self.q_proj(x), self.n_heads)
-        k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
+    def value_input(self, x):
         # (b, s, d): the bug; modulo the batch, so that a sample run alone reads itself (and the layer runs)
-        shared = x[self.source % x.shape[0]].expand_as(x)
-        v = self.split(self.v_proj(shared), self.n_kv_heads)[:, self.kv_head_of()]
-        scores = q @ k.transpose(-2, -1) * self.scale()
-        if causal:
-            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
-        if mask is not None:
-            scores = self.apply_padding(scores, mask)
-        w = self.softmax(scores)
-        y = self.out_proj(self.merge(w @ v))
-        return (y, w) if return_weights else y
+        return x[self.source % x.shape[0]].expand_as(x)
 
 
 @pytest.mark.parametrize("batch,source", [(3, 0), (3, 1), (3, 2), (4, 0), (4, 2), (4, 3)])

@@ -37,25 +37,13 @@ def _causal_4d(real: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_a_model_compiled_whole_with_fullgraph_takes_a_4d_mask_inside_a_capture_trace():
-    from torch._dynamo.testing import CompileCounter
-
     model = ref.llama("sdpa")
     patch(model)
     ids = torch.randint(3, ref.VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
     real = torch.ones(2, 6, dtype=torch.bool)
     real[1, :2] = False  # left padding
     mask = _causal_4d(real)
-    runs = {}
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        counter = CompileCounter()
-        run = torch.compile(model, backend=counter, fullgraph=True) if compiled else model
-        with torch.no_grad(), headwise.trace(model, capture=("z",), edit={(1, 2): "zero"}) as t:
-            logits = run(ids, attention_mask=mask).logits
-            frames = counter.frame_count
-            run(ids, attention_mask=mask)
-            assert counter.frame_count == frames  # one graph for both calls
-        runs[compiled] = t, logits
+    runs = ref.traced_twice(model, ids, mask)
     assert runs[True][0][0].calls  # the compiled calls were traced
     for layer in range(2):
         torch.testing.assert_close(runs[True][0][layer].z, runs[False][0][layer].z)

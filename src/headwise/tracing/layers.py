@@ -93,11 +93,11 @@ def head_results(z: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     return torch.bmm(rows, per_head).view(h, b, s, d).permute(1, 2, 0, 3)  # (b, s, h, d)
 
 
-def w_o_adapter(layer: MultiHeadAttention) -> str | None:
-    """The name of the adapter (a PEFT tuner layer, which keeps the layer it wraps as ``base_layer``) wrapping
-    ``layer``'s W_O, or None. Its delta is not in ``out_proj.weight``, so per-head writes computed from that
-    weight would not be the layer's output. A patched layer's W_O may hide behind a projection view (GPT-2's
-    ``Conv1D``): its ``sources()`` name the module itself.
+def w_o_adapter(layer: MultiHeadAttention) -> nn.Module | None:
+    """The adapter (a PEFT tuner layer, which keeps the layer it wraps as ``base_layer``) wrapping ``layer``'s
+    W_O, or None. Its delta is not in ``out_proj.weight``, so per-head writes computed from that weight would not
+    be the layer's output. A patched layer's W_O may hide behind a projection view (GPT-2's ``Conv1D``): its
+    ``sources()`` name the module itself.
 
     Example:
         >>> import headwise
@@ -108,7 +108,4 @@ def w_o_adapter(layer: MultiHeadAttention) -> str | None:
     sources = getattr(layer, "sources", None)
     if callable(sources):
         modules += [m for name, m in sources() if name == "out_proj"]
-    for m in modules:
-        if isinstance(getattr(m, "base_layer", None), nn.Module):
-            return f"{type(m).__module__}.{type(m).__qualname__}"
-    return None
+    return next((m for m in modules if isinstance(getattr(m, "base_layer", None), nn.Module)), None)

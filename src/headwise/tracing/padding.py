@@ -86,9 +86,7 @@ def padding_of(args: tuple, kwargs: dict, name: str, at: int | None,
     :class:`UnknownPadding`, which "mean" refuses. With ``defer`` such a mask is kept, as a copy, in a
     :class:`ReachedMask`, read only when a mean needs it: reading it is data-dependent, which a call compiled
     with ``fullgraph=True`` cannot trace."""
-    mask = kwargs.get(name)
-    if mask is None and at is not None and len(args) > at:
-        mask = args[at]  # passed by position
+    mask = _given(args, kwargs, name, at)
     if isinstance(mask, Mapping):  # a mask per layer type (sliding, full): each layer's keys differ
         return UnknownPadding(f"the model's {name} is a dict of masks per layer type ({sorted(map(str, mask))})")
     if not isinstance(mask, torch.Tensor):

@@ -196,7 +196,8 @@ class Trace:
             if adapter is not None:
                 raise ValueError(f"trace: capture 'result' of layer {record.index} ({name or type(layer).__name__}) "
                                  f"computes each head's write from W_O's weight, but W_O is wrapped by an adapter "
-                                 f"({adapter}, PEFT) whose delta is not in that weight; merge_and_unload() first, "
+                                 f"({type(adapter).__module__}.{type(adapter).__qualname__}, PEFT) whose delta is "
+                                 "not in that weight; merge_and_unload() first, "
                                  "or capture 'z' and apply W_O (the adapter included) yourself")
         blind = not takes("attention_mask", self.module)  # its layers read the mask that reaches them, if any
         entries = []

@@ -15,18 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-__all__ = ["output_weight", "adapter_of"]
-
-
-def adapter_of(attn: Any) -> nn.Module | None:
-    """The module applying ``attn``'s W_O where an adapter wraps it (it has a ``base_layer``), else None."""
-    out = attn.out_proj
-    if not isinstance(out, nn.Module):  # a view of a host's projection: the host module it calls
-        sources = getattr(attn, "sources", None)
-        out = dict(sources()).get("out_proj") if callable(sources) else None
-    return out if isinstance(getattr(out, "base_layer", None), nn.Module) else None
+__all__ = ["output_weight"]
 
 
 def output_weight(attn: Any) -> torch.Tensor:
@@ -44,9 +34,10 @@ def output_weight(attn: Any) -> torch.Tensor:
         (torch.Size([8, 8]), True)
     """
     from ..tracing.inputs import eval_mode
+    from ..tracing.layers import w_o_adapter
 
     w_o = attn.out_proj.weight.detach()  # (d, h * d_h); ValueError where it is not located
-    wrapper = adapter_of(attn)
+    wrapper = w_o_adapter(attn)
     if wrapper is None:
         return w_o
     n = w_o.shape[1]
