@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["calls_forward_only", "has_forward_hooks", "bare_linear"]
+__all__ = ["calls_forward_only", "has_forward_hooks", "bare_linear", "adapter_base"]
 
 
 def calls_forward_only(module: nn.Module) -> bool:
@@ -33,3 +33,16 @@ def bare_linear(module: Any) -> bool:
     """Whether calling ``module`` is exactly ``F.linear`` with its weight and bias: an ``nn.Linear`` (not a
     subclass such as a LoRA wrapper) without forward hooks."""
     return type(module) is nn.Linear and not has_forward_hooks(module)
+
+
+def adapter_base(module: Any) -> nn.Module | None:
+    """The layer an adapter wraps (a PEFT tuner layer keeps it as ``base_layer``), or None for a module that
+    wraps none. An adapter's delta is not in its base layer's weight: code that reads or rewrites that weight
+    must refuse the wrapper or go through it.
+
+    Example:
+        >>> adapter_base(nn.Linear(2, 2)) is None
+        True
+    """
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Module) else None

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..module_calls import adapter_base
 from .weights import HeadWeights, as_projections
 
 __all__ = ["is_view", "has_seam", "apply", "refusal", "rebuilds", "config_update", "quiet", "patch_root",
@@ -94,7 +95,7 @@ def _shapes(module: nn.Module, adapters: bool = False) -> dict[str, tuple[int, .
     shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     if not adapters:
         return shapes
-    wrappers = [n for n, m in module.named_modules() if isinstance(getattr(m, "base_layer", None), nn.Module)]
+    wrappers = [n for n, m in module.named_modules() if adapter_base(m) is not None]
     for name in sorted(wrappers, key=len, reverse=True):  # innermost first: a wrapper may wrap a wrapper
         pre = f"{name}." if name else ""
         base = pre + "base_layer."

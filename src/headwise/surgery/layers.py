@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
+from ..module_calls import adapter_base
 from ..tracing import find_layers
 from . import hosts, origin
 from .weights import HeadWeights
@@ -32,9 +33,10 @@ def read(layer: MultiHeadAttention) -> HeadWeights:
     """The layer's current weights (detached; views, no copy) as :class:`HeadWeights`."""
     projs = [getattr(layer, n) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
     for name, p in zip(("q_proj", "k_proj", "v_proj", "out_proj"), projs):
-        if isinstance(getattr(p, "base_layer", None), nn.Module):  # a value to refuse, as every family's seam does
+        base = adapter_base(p)
+        if base is not None:  # a value to refuse, as every family's seam does
             raise ValueError(f"surgery: {name} of this layer is wrapped by an adapter ({type(p).__name__} around "
-                             f"{type(p.base_layer).__name__}, PEFT): merge_and_unload() first, so that the resized "
+                             f"{type(base).__name__}, PEFT): merge_and_unload() first, so that the resized "
                              "projections keep what the adapter adds")
         if type(p) is not nn.Linear and type(p).__name__ != "ProjectionView":
             raise TypeError(f"surgery: {name} of this layer is a {type(p).__name__} (an adapter wrapper?); "

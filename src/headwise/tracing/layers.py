@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
+from ..module_calls import adapter_base
 
 __all__ = ["find_layers", "in_place", "head_results", "w_o_adapter"]
 
@@ -108,4 +109,4 @@ def w_o_adapter(layer: MultiHeadAttention) -> nn.Module | None:
     sources = getattr(layer, "sources", None)
     if callable(sources):
         modules += [m for name, m in sources() if name == "out_proj"]
-    return next((m for m in modules if isinstance(getattr(m, "base_layer", None), nn.Module)), None)
+    return next((m for m in modules if adapter_base(m) is not None), None)

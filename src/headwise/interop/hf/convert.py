@@ -22,6 +22,7 @@ from torch import nn
 
 from ...attention import MultiHeadAttention
 from ...config import AttentionConfig
+from ...module_calls import adapter_base
 from .layer import HFView, QKNormHFView, is_target, view_of
 from .qk_norm import QKNormAttention, QKNormMixin
 from .rope import rotary_from_hf
@@ -55,7 +56,7 @@ def _view(module: object, what: str) -> HFView:
         raise ValueError(f"{what}: {type(target).__name__} cannot be converted: {view._hw_odd}")
     # A PEFT wrapper's weight is its base layer's: copying or writing it would drop (or leave) the adapter's delta.
     wrapped = [f"{n} ({type(m).__module__}.{type(m).__qualname__})" for n, m in view.sources()
-               if isinstance(getattr(m, "base_layer", None), nn.Module)]
+               if adapter_base(m) is not None]
     if wrapped:
         raise ValueError(f"{what}: {type(target).__name__} cannot be converted: {', '.join(wrapped)} wrapped by an "
                          "adapter (PEFT), whose delta is not in the base weight: merge_and_unload() first")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...module_calls import adapter_base
 from ..views import ProjectionView
 from .registry import Entry
 
@@ -34,8 +35,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 def _base(module: Any) -> Any:
     """The layer a PEFT wrapper wraps (its ``base_layer``), else the module itself."""
-    base = getattr(module, "base_layer", None)
-    return base if isinstance(base, nn.Module) else module
+    return adapter_base(module) or module
 
 
 def is_conv1d(module: Any) -> bool:

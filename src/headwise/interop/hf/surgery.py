@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ...module_calls import adapter_base
 from .locate import PROJECTIONS, is_conv1d
 from .registry import Entry, entry_for
 
@@ -90,7 +91,7 @@ class SurgerySeam:
                 self.resolve(name)  # type: ignore[attr-defined]
             except ValueError as e:
                 return str(e)
-        wrapped = [n for n, m in self.sources() if isinstance(getattr(m, "base_layer", None), nn.Module)]  # type: ignore[attr-defined]
+        wrapped = [n for n, m in self.sources() if adapter_base(m) is not None]  # type: ignore[attr-defined]
         if wrapped:
             return (f"{where}: {', '.join(wrapped)} are wrapped by an adapter (PEFT): merge_and_unload() first, so "
                     "that the resized projections keep what the adapter adds")
