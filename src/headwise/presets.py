@@ -51,12 +51,19 @@ class Preset:
                 "config": c.to_dict() | {"kind": c.kind}}
 
 
+def _config(d_model: int, n_heads: int, n_kv_heads: int | None, d_head: int | None, *, bias: bool) -> AttentionConfig:
+    """The config of cited numbers; a cited ``d_head`` that is ``d_model / n_heads`` is left to the default, so that
+    a preset overridden with other ``n_heads`` or ``d_model`` rescales it, as for a preset that cites none."""
+    if d_head is not None and d_head * n_heads == d_model:
+        d_head = None
+    return AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, bias=bias)
+
+
 def _hf(name: str, title: str, url: str, cited: dict[str, Any], *, bias: bool) -> Preset:
     """A preset from Hugging Face ``config.json`` field names."""
     n_heads = cited.get("num_attention_heads", cited.get("n_head"))
     d_model = cited.get("hidden_size", cited.get("n_embd"))
-    cfg = AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=cited.get("num_key_value_heads"),
-                          d_head=cited.get("head_dim"), bias=bias)
+    cfg = _config(d_model, n_heads, cited.get("num_key_value_heads"), cited.get("head_dim"), bias=bias)
     return Preset(name=name, title=title, config=cfg,
                   n_layers=cited.get("num_hidden_layers", cited.get("n_layer")), citation=url,
                   cited=MappingProxyType(dict(cited)), rope_theta=cited.get("rope_theta"),
@@ -71,7 +78,7 @@ _LIST = [
         {"n_embd": 1600, "n_head": 25, "n_layer": 48, "n_positions": 1024}, bias=True),
     Preset(
         name="gpt3-175b", title="GPT-3 175B",
-        config=AttentionConfig(d_model=12288, n_heads=96, d_head=128, bias=True), n_layers=96,
+        config=_config(12288, 96, None, 128, bias=True), n_layers=96,
         citation="https://arxiv.org/abs/2005.14165 (Brown et al. 2020, Language Models are Few-Shot Learners, "
                  "Table 2.1)",
         cited=MappingProxyType({"n_params": "175.0B", "n_layers": 96, "d_model": 12288, "n_heads": 96,

@@ -103,7 +103,7 @@ def walk(config: AttentionConfig, *, seq_len: int = 128, batch: int = 1, device:
         rec("split Q: view", f"q.view(b, s, {h}, {d_h})", q4, _kind(q4, q), "relabels features as (head, d_head)")
         qh = q4.transpose(1, 2)  # (b, h, s, d_h)
         rec("split Q: transpose", "q.transpose(1, 2)", qh, _kind(qh, q4), "each head's (s, d_h) block")
-        k = rec("K = x W_K", "k_proj(x)", attn.k_proj(x), "new", f"{h_kv} K/V heads")
+        k = rec("K = x W_K", "k_proj(x)", attn.k_proj(x), "new", f"{h_kv} K/V head" + ("" if h_kv == 1 else "s"))
         kh = k.view(b, s, h_kv, d_h).transpose(1, 2)  # (b, h_kv, s, d_h)
         rec("split K", f"k.view(b, s, {h_kv}, {d_h}).transpose(1, 2)", kh, _kind(kh, k))
         v = attn.v_proj(x)

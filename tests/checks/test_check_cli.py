@@ -33,6 +33,16 @@ def test_broken_layer_exits_1_naming_the_failures(capsys):
     assert "FAILED: permutation_equivariance, padding_invariance, head_independence" in out
 
 
+def test_a_property_named_twice_runs_once(capsys):
+    argv = ["check", f"{GALLERY}:reference", "--json"]
+    assert main([*argv, "--property", "causality", "--property", "softmax_sanity", "--property", "causality"]) == 0
+    twice = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--property", "causality", "--property", "softmax_sanity"]) == 0
+    once = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in twice["results"]] == ["causality", "softmax_sanity"]
+    assert twice["results"] == once["results"]
+
+
 def test_json_output(capsys):
     assert main(["check", f"{GALLERY}:FlattenNoTranspose", "--json", "--seed", "1"]) == 1  # a class is a factory
     payload = json.loads(capsys.readouterr().out)
@@ -59,7 +69,7 @@ def test_the_docs_property_example_runs(capsys):
     argv = [f"{GALLERY}:LAYER", "--causal", "--property", "causality", "--seed", "3", "--seq", "12", "--batch", "4"]
     assert main(["check", *argv]) == 0
     out = capsys.readouterr().out
-    assert "causality" in out and "OK. 1 properties: 1 ran (1 passed, 0 failed), 0 skipped" in out
+    assert "causality" in out and "OK. 1 property: 1 ran (1 passed, 0 failed), 0 skipped" in out
     # without --causal the layer claims nothing: the one property asked for is skipped, and that is said
     assert main(["check", *argv[:1], *argv[2:]]) == 1
     out, err = capsys.readouterr()

@@ -128,6 +128,8 @@ def test_custom_adapter_is_used_as_is():
     (lambda: check(lambda x: x), "d_model"),
     (lambda: check(_make(RefAttention), d_model=16), "d_model=16"),
     (lambda: check(_make(RefAttention), properties=["nope"]), "unknown properties"),
+    (lambda: check(_make(RefAttention), properties=["softmax_sanity", "causality", "softmax_sanity"]),
+     r"properties must name each property once, got \['softmax_sanity', 'causality', 'softmax_sanity'\]"),
     (lambda: check(lambda x: x[..., :3], d_model=8), r"shape \(b, s, d_model\)"),
     (lambda: check(lambda x: x @ torch.ones(5, 5), d_model=8), "fails on x"),
     (lambda: check(_make(RefAttention), seq_len=1), "seq_len"),

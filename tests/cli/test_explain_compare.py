@@ -133,3 +133,86 @@ def test_compare_list_refuses_what_the_listing_would_ignore(capsys, argv: list[s
     code, out, _ = _run(capsys, "compare", "llama-2-7b", "--seq", "4096", "--json")
     default_code, default_out, _ = _run(capsys, "compare", "llama-2-7b", "--json")  # the defaults are unchanged
     assert code == default_code == 0 and out == default_out
+
+
+def _walked_on(monkeypatch, capsys, *argv: str) -> tuple[str, torch.dtype]:
+    """(device, dtype) explain walks on, the walk itself stubbed out (nothing allocated)."""
+    import headwise.walkthrough
+
+    seen = []
+    monkeypatch.setattr(headwise.walkthrough, "walk", lambda config, **kw: seen.append(kw) or [])
+    code, out, _ = _run(capsys, "explain", *argv, "--json")
+    assert code == 0 and json.loads(out)["walk_device"] == seen[0]["device"]
+    return seen[0]["device"], seen[0]["dtype"]
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "float16", "float32", "float64"])
+def test_explain_walks_real_tensors_only_within_the_limit_counted_in_the_walks_float32(monkeypatch, capsys,
+                                                                                     dtype: str) -> None:
+    from headwise.cli.explain import REAL_TENSOR_LIMIT
+
+    cfg = AttentionConfig(d_model=512, n_heads=64)
+
+    def float32_bytes(s: int) -> int:  # weights, six (b, s, d) activations, scores and probabilities (b, h, s, s)
+        return 4 * (param_count(cfg).total + 6 * s * 512 + 2 * 64 * s * s)
+
+    assert float32_bytes(706) <= REAL_TENSOR_LIMIT < float32_bytes(707)
+    sizes = ["--d-model", "512", "--n-heads", "64", "--dtype", dtype]
+    assert _walked_on(monkeypatch, capsys, *sizes, "--seq", "706") == ("cpu", torch.float32)
+    assert _walked_on(monkeypatch, capsys, *sizes, "--seq", "707")[0] == "meta"
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--seq", "64", "--dtype", "float32"], "64x less"),  # eager 2 x 64^2 x 4 B, fused 2 x 64 x 4 B
+    (["--seq", "1", "--dtype", "float32"], "the same"),  # 2 x 1 x 4 B both
+    (["--seq", "2", "--dtype", "fp8"], "2x more"),  # eager 2 x 2^2 x 1 B = 8 B, fused 2 x 2 x 4 B = 16 B
+    (["--seq", "3", "--dtype", "float32"], "3x less"),
+    (["--seq", "6", "--dtype", "fp8"], "1.5x less"),  # 2 x 36 x 1 = 72 B vs 48 B
+])
+def test_explain_says_how_the_fused_path_compares_with_the_eager_one(capsys, argv: list[str], said: str) -> None:
+    code, out, _ = _run(capsys, "explain", "--d-model", "8", "--n-heads", "2", *argv)
+    row = next(ln for ln in out.splitlines() if "fused (SDPA" in ln)
+    assert code == 0 and row.rstrip().endswith(f"per (b, h, query); {said}"), row
+
+
+def test_a_preset_override_rescales_d_head_as_the_help_says(capsys) -> None:
+    from headwise.presets import PRESETS
+
+    for p in PRESETS.values():  # every preset's numbers are its source's
+        cited = dict(p.cited)
+        d_model = cited.get("hidden_size", cited.get("n_embd", cited.get("d_model")))
+        n_heads = cited.get("num_attention_heads", cited.get("n_head", cited.get("n_heads")))
+        assert (p.config.d_model, p.config.n_heads) == (d_model, n_heads)
+        assert p.config.d_head == cited.get("head_dim", cited.get("d_head", d_model // n_heads)), p.name
+    for preset in ("gpt3-175b", "gpt2-xl"):  # both cite d_head = d_model / n_heads
+        c = get_preset(preset).config
+        code, out, _ = _run(capsys, "explain", "--preset", preset, "--n-heads", str(c.n_heads * 2), "--seq", "8",
+                            "--json")
+        assert code == 0 and json.loads(out)["config"]["d_head"] == c.d_model // (c.n_heads * 2)
+    code, out, _ = _run(capsys, "explain", "--preset", "gpt3-175b", "--d-head", "64", "--seq", "8", "--json")
+    assert code == 0 and json.loads(out)["config"]["d_head"] == 64  # given: kept
+
+
+def test_sizes_that_round_up_to_the_next_unit_are_written_in_it() -> None:
+    from headwise.cli._sizes import human_bytes, human_count
+
+    assert [human_bytes(n) for n in (1023, 2 ** 20 - 1, 2 ** 20 - 52, 2 ** 30 - 1, 1536)] == [
+        "1023 B", "1.0 MiB", "1023.9 KiB", "1.0 GiB", "1.5 KiB"]
+    assert [human_count(n, "FLOP") for n in (999, 999_994_999, 999_999_999, 10 ** 21 - 1, 2_362_368)] == [
+        "999 FLOP", "999.99 MFLOP", "1.00 GFLOP", "1.00e+21 FLOP", "2.36 MFLOP"]
+
+
+@pytest.mark.parametrize("command", ["compare --list", "compare llama-2-7b llama-3-8b mistral-7b gpt3-175b --seq 1024"])
+def test_the_compare_examples_of_the_docs_are_the_commands_output_at_80_columns(capsys, monkeypatch,
+                                                                                 command: str) -> None:
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("rich")  # the docs show rich's tables
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    shown = re.search(rf"^\$ headwise {re.escape(command)}\n(.*?)^```", docs, re.S | re.M).group(1).splitlines()
+    if shown[-1] == "...":  # the example stops there
+        shown = shown[:-1]
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = _run(capsys, *command.split())
+    assert code == 0 and out.splitlines()[:len(shown)] == shown

@@ -40,6 +40,8 @@ ROWS = [
      "'{tmp}/dangling.html' is a symlink into directory '/nonexistent-headwise-dir', which does not exist", None),
     ("out-unwritable-dir", ["heads", T, "--out", "{tmp}/ro/h.png"], 2, "cannot create files in", None),
     ("out-bad-suffix", ["heads", T, "--out", "{tmp}/h.jpg"], 2, "must end in .png or .html", None),
+    ("out-only-a-suffix", ["heads", T, "--out", "{tmp}/.png"], 2,
+     "--out '{tmp}/.png' is only a suffix; name the file, e.g. '{tmp}/heads.png'", None),
     ("heads-layer-6", ["heads", T, "--layer", "6"], 2, "[-6, 6) for the 6-layer bundled model", None),
     ("heads-max-tokens-past-positions", ["heads", T, "--max-tokens", "1000"], 2, "at most 512", None),
     ("heads-empty-text", ["heads", " "], 2, "text must not be empty", None),

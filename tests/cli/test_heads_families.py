@@ -300,6 +300,28 @@ def test_a_pruned_checkpoint_draws_with_its_pruned_head_counts(capsys, tmp_path,
     assert code == 0, err
 
 
+def test_the_table_of_a_pruned_checkpoint_says_its_head_counts(capsys, tmp_path) -> None:
+    from headwise.interop import patch
+    from headwise.surgery import load_pretrained, prune_heads, save_pretrained
+
+    path = tmp_path / "pruned"
+    save_tokenizer(path)
+    model = tiny("gpt2", dict(n_embd=12, n_head=4, n_layer=2, n_positions=64))
+    prune_heads(patch(model), {0: [0, 1], 1: [3]})
+    save_pretrained(model, path)
+    enc = {"input_ids": torch.tensor([[WORDS.index(w) for w in TEXT.split()]])}
+    with torch.no_grad():  # the unpatched model as saved: its own head counts per layer
+        counts = [a.shape[1] for a in load_pretrained(path, type(model), attn_implementation="eager")(
+            **enc, output_attentions=True).attentions]
+    assert counts == [2, 3]
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--all-layers")
+    lines = out.splitlines()
+    assert code == 0 and "all 2 layers, 2-3 heads per layer, " in lines[0], lines[0]
+    assert len([ln for ln in lines if ln.split()[:1] and ln.split()[0][:2] in ("0.", "1.")]) == sum(counts)
+    code, out, err = run(capsys, TEXT, "--model", str(path), "--layer", "1")
+    assert code == 0 and ", layer 1, 3 heads, " in out.splitlines()[0]
+
+
 def test_a_pruned_checkpoint_the_config_describes_loads_as_any_other(capsys, tmp_path) -> None:
     from headwise.interop import patch
     from headwise.surgery import prune_heads, save_pretrained

@@ -154,3 +154,78 @@ def test_a_terminal_narrower_than_the_minimum_gets_the_minimum_width_the_docs_na
     assert main(["explain", "--d-model", "64", "--n-heads", "4", "--seq", "8"]) == 0
     widths = [len(ln) for ln in capsys.readouterr().out.splitlines()]
     assert max(widths) <= MIN_WIDTH and max(widths) > 20
+
+
+@pytest.mark.parametrize("rich", [True, False], ids=["rich", "plain"])
+@pytest.mark.parametrize("columns", [40, 60, 80, 100])
+def test_a_table_too_wide_for_its_columns_is_split_and_loses_none(capsys, monkeypatch, columns: int,
+                                                                     rich: bool) -> None:
+    from headwise.cli.format import MIN_COLUMN
+    from headwise.presets import PRESETS
+
+    if rich:
+        pytest.importorskip("rich")
+    else:
+        _block_rich(monkeypatch)
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert main(["compare", *PRESETS]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= columns
+    # every preset's figures, in order, across the parts: none lost, no line cut
+    row = lambda label: [cell for ln in lines if ln.split()[:1] == [label] for cell in ln.split()[1:]]  # noqa: E731
+    assert row("kind") == [p.config.kind for p in PRESETS.values()]
+    assert row("d_model") == [str(p.config.d_model) for p in PRESETS.values()]
+    parts = [ln for ln in lines if "(part " in ln]
+    assert len(parts) > 1 and f"(part {len(parts)} of {len(parts)})" in parts[-1]
+    docs = " ".join((ROOT / "docs" / "cli.md").read_text().split())
+    assert f"narrower than {MIN_COLUMN} characters" in docs
+
+
+def test_a_table_that_fits_is_not_split(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["compare", "llama-2-7b", "llama-3-8b", "mistral-7b", "gpt3-175b"]) == 0
+    assert "(part " not in capsys.readouterr().out
+
+
+# A command with bad input (answered before torch loads), and valid ones.
+BAD = ["explain", "--d-model", "8", "--n-heads", "3"]
+BAD_MESSAGE = "headwise explain: error: n_heads=3 does not divide d_model=8"
+
+
+@pytest.mark.parametrize("fd", [1, 2], ids=["stdout", "stderr"])
+def test_a_closed_stream_changes_nothing_but_where_the_text_goes(fd: int) -> None:
+    def run(argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "headwise", *argv], cwd=ROOT, env=ENV, capture_output=True,
+                              text=True, timeout=60, preexec_fn=lambda: os.close(fd))  # as `>&-` / `2>&-`
+
+    bad, listing = run(BAD), run(["compare", "--list"])
+    assert (bad.returncode, listing.returncode) == (2, 0), (bad.stderr, listing.stderr)
+    assert "Traceback" not in bad.stdout + bad.stderr + listing.stdout + listing.stderr
+    if fd == 1:  # the one-line error still reaches stderr
+        assert bad.stderr.startswith(BAD_MESSAGE) and len(bad.stderr.splitlines()) == 1
+        assert listing.stderr == ""
+    else:  # nothing of the error leaks onto stdout
+        assert bad.stdout == "" and listing.stdout.startswith("Presets")
+
+
+def test_commands_that_show_progress_run_with_stderr_closed(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "stderr", None)  # what Python makes of `2>&-`
+    assert main(["explain", "--d-model", "8", "--n-heads", "2", "--seq", "2"]) == 0
+    assert "Shape walk" in capsys.readouterr().out
+    assert main(BAD) == 2  # the message has nowhere to go, and goes nowhere (not onto stdout)
+    assert capsys.readouterr().out == "" and sys.stderr is None
+
+
+def test_commands_run_with_stdout_closed(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "stdout", None)  # what Python makes of `>&-`
+    assert main(["explain", "--d-model", "8", "--n-heads", "2", "--seq", "2"]) == 0
+    assert main(BAD) == 2 and sys.stdout is None
+    assert capsys.readouterr().err.startswith(BAD_MESSAGE)
+
+
+def test_progress_is_off_without_a_stderr(monkeypatch) -> None:
+    from headwise.cli._progress import steps
+
+    monkeypatch.setattr(sys, "stderr", None)  # closed, and main() not there to stand in for it
+    with steps(2) as step:
+        step("importing torch")

@@ -79,3 +79,9 @@ def test_tour_names_why_the_parameters_are_not_four_d_squared(capsys, monkeypatc
         assert line.endswith(f"(not 4 x 64^2: {'; '.join(reasons)})") and count != 4 * 64 ** 2
     else:
         assert line.endswith("= 4 x 64^2") and count == 4 * 64 ** 2
+
+
+def test_a_preset_resized_gets_d_head_from_the_new_sizes(capsys) -> None:
+    code = main(["tour", "--preset", "gpt3-175b", "--d-model", "768", "--n-heads", "12", "--seq", "4"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert code == 0 and "d_head = 768 / 12 = 64," in first and "given" not in first

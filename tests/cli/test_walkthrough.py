@@ -17,6 +17,12 @@ def test_the_walk_computes_the_layers_own_output_shapes():
     assert shapes["split K"] == (2, 2, 5, 4) and shapes["scores = Q K^T * scale"] == (2, 4, 5, 5)
 
 
+@pytest.mark.parametrize("n_kv_heads, note", [(1, "1 K/V head"), (2, "2 K/V heads")])
+def test_the_walk_counts_the_kv_heads_it_projects(n_kv_heads, note):
+    steps = {s.name: s for s in walk(AttentionConfig(d_model=16, n_heads=4, n_kv_heads=n_kv_heads), seq_len=3)}
+    assert steps["K = x W_K"].note == note and steps["K = x W_K"].shape[-1] == 4 * n_kv_heads
+
+
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(seq_len=-1), ValueError, "walk: seq_len must be a positive int, got -1"),
     (dict(seq_len=0), ValueError, "seq_len must be a positive int, got 0"),

@@ -109,7 +109,8 @@ class Report:
     def tally(self) -> str:
         """``"7 properties: 5 ran (5 passed, 0 failed), 2 skipped"``."""
         n = self.counts
-        return (f"{len(self.results)} properties: {n[PASS] + n[FAIL]} ran ({n[PASS]} passed, {n[FAIL]} failed), "
+        noun = "property" if len(self.results) == 1 else "properties"
+        return (f"{len(self.results)} {noun}: {n[PASS] + n[FAIL]} ran ({n[PASS]} passed, {n[FAIL]} failed), "
                 f"{n[SKIPPED]} skipped")
 
     @property

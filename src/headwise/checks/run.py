@@ -118,6 +118,8 @@ def _validate(causal: Any, seed: Any, properties: Any) -> list[str]:
     unknown = [n for n in names if not isinstance(n, str) or n not in PROPERTIES]
     if unknown:
         raise ValueError(f"unknown properties {unknown}; choose from {list(PROPERTIES)}")
+    if len(set(names)) < len(names):  # the report holds one result per name (report[name])
+        raise ValueError(f"properties must name each property once, got {names!r}")
     return names
 
 
@@ -136,10 +138,10 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
             Face decoders yes, everything else no).
         batch, seq_len: input size (batch >= 3 and seq_len >= 4 exercise left and right padding).
         seed: an int in [0, 2**63 - 1]; every input and perturbation is drawn from it; the report is deterministic.
-        properties: a list of names to run (default all, in order: ``PROPERTY_NAMES``).
+        properties: a list of names to run, each once (default all, in order: ``PROPERTY_NAMES``).
 
     Raises ``TypeError`` / ``ValueError`` for an argument of the wrong kind or range (``causal`` must be a bool or
-    None, ``seed`` an int, ``properties`` a list of names, not one string).
+    None, ``seed`` an int, ``properties`` a list of names, not one string, without repeats).
 
     Modules are copied (float64 when they run in it, else their own dtype; eval mode; without the caller's
     hooks; parametrizations baked in); the layer passed in is not changed, and one that cannot be deep-copied is

@@ -100,6 +100,21 @@ def _one_line(text: str, limit: int = 400) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 a check failed, 2 anything else)."""
+    # A stream the shell closed (`>&-`, `2>&-`) is None in Python: what would go to it goes nowhere, as to a
+    # reader that left, and the command runs as it would otherwise (exit code included)
+    nowhere = {name: open(os.devnull, "w") for name in ("stdout", "stderr") if getattr(sys, name) is None}
+    for name, stream in nowhere.items():
+        setattr(sys, name, stream)
+    try:
+        return _main(argv)
+    finally:
+        for name, stream in nowhere.items():
+            if getattr(sys, name) is stream:
+                setattr(sys, name, None)
+            stream.close()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser.command = argv[0] if argv else None  # for the hint of its errors (only heads reads text)

@@ -35,6 +35,9 @@ def check_out(out: str, suffixes: Sequence[str], option: str = "--out") -> Path:
     path = Path(out)
     if path.is_dir():
         raise CliError(f"{option} {out!r} is a directory; name a file in it, e.g. {str(path / ('heads' + suffixes[0]))!r}")
+    if not path.suffix and path.name.lower() in suffixes:  # ".png" is a hidden file without a suffix to Path
+        raise CliError(f"{option} {out!r} is only a suffix; name the file, e.g. "
+                       f"{str(path.with_name('heads' + path.name.lower()))!r}")
     if path.suffix.lower() not in suffixes:
         raise CliError(f"{option} must end in {' or '.join(suffixes)}, got {out!r}")
     real = Path(os.path.realpath(path))

@@ -22,7 +22,7 @@ def steps(total: int, *, enabled: bool = True) -> Iterator[Callable[[str], None]
     Shown only when ``enabled`` and stderr is a terminal; otherwise ``step`` does nothing.
     """
     stream = sys.stderr
-    if not (enabled and stream.isatty()):
+    if not (enabled and stream is not None and stream.isatty()):  # None: stderr closed (`2>&-`)
         yield lambda description: None
         return
     state = {"i": 0, "what": "", "t0": time.monotonic()}

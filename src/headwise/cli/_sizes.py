@@ -94,19 +94,27 @@ def refuse_unrepresentable(config: "AttentionConfig", seq: int, batch: int, item
 
 
 def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if abs(n) < 1024 or unit == "EiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """1536 -> '1.5 KiB'; a value that rounds to 1024 of a unit is written in the next (never '1024.0 KiB').
+
+    >>> human_bytes(1536), human_bytes(1023), human_bytes(2 ** 20 - 1), human_bytes(1023.6)
+    ('1.5 KiB', '1023 B', '1.0 MiB', '1.0 KiB')
+    """
+    for unit, digits in (("B", 0), ("KiB", 1), ("MiB", 1), ("GiB", 1), ("TiB", 1), ("PiB", 1), ("EiB", 1)):
+        if abs(round(n, digits)) < 1024 or unit == "EiB":
+            return f"{n:.{digits}f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
 
 def human_count(n: float, unit: str = "") -> str:
-    """2_362_368 -> '2.36 M'; with unit 'FLOP' -> '2.36 MFLOP'; beyond 1e21, scientific notation."""
-    if abs(n) >= 1e21:
-        return f"{float(n):.2e} {unit}".rstrip()
-    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {prefix}{unit}"
-    return f"{n:.0f} {unit}".rstrip()
+    """2_362_368 -> '2.36 M'; with unit 'FLOP' -> '2.36 MFLOP'; beyond 1e21, scientific notation; a value that
+    rounds to 1000 of a prefix is written with the next (never '1000.00 M').
+
+    >>> human_count(2_362_368, "FLOP"), human_count(999_999_999), human_count(999.6), human_count(996)
+    ('2.36 MFLOP', '1.00 G', '1.00 k', '996')
+    """
+    for prefix, scale, digits in (("", 1, 0), ("k", 1e3, 2), ("M", 1e6, 2), ("G", 1e9, 2), ("T", 1e12, 2),
+                                  ("P", 1e15, 2), ("E", 1e18, 2)):
+        if abs(round(n / scale, digits)) < 1000:
+            return f"{n / scale:.{digits}f} {prefix}{unit}".rstrip()
+    return f"{float(n):.2e} {unit}".rstrip()

@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every input and perturbation, in [0, 2**63 - 1] "
                                                         "(default 0)")
     p.add_argument("--property", action="append", dest="properties", metavar="NAME", choices=PROPERTY_NAMES,
-                   help=f"run only this property (repeatable): {', '.join(PROPERTY_NAMES)}")
+                   help=f"run only this property (repeatable; each runs once): {', '.join(PROPERTY_NAMES)}")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run)
 
@@ -128,8 +128,10 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(str(exc)) from None
         step("checking the properties")
         try:
+            # a property named twice runs once, as `heads --heads 0,0` draws head 0 once
+            properties = None if args.properties is None else list(dict.fromkeys(args.properties))
             report = check(layer, d_model=args.d_model, causal=args.causal, batch=args.batch, seq_len=args.seq,
-                           seed=args.seed, properties=args.properties)
+                           seed=args.seed, properties=properties)
         except (ValueError, TypeError) as exc:
             raise CliError(_as_option(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__) from None
     if args.json:

@@ -15,6 +15,9 @@ from ._sizes import add_layer_options, human_bytes, human_count, layer_from_args
 
 # Above this many bytes of weights + activations + scores the walk runs on meta tensors (shapes only).
 REAL_TENSOR_LIMIT = 256 * 2 ** 20
+# The dtype of a walk on real CPU tensors, whatever --dtype says (strides do not depend on the dtype): its
+# tensors, not --dtype's, are what the limit is about.
+CPU_WALK_DTYPE = "float32"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +55,7 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
                            f"n_heads={config.n_heads}")
     summary = summarize(config, seq, batch=batch, dtype=dtype, n_layers=n_layers)
     live = (summary["params"]["layer"]["total"] + 6 * batch * seq * max(config.d_model, config.inner_dim)
-            + 2 * batch * config.n_heads * seq * seq) * itemsize
+            + 2 * batch * config.n_heads * seq * seq) * dtype_info(CPU_WALK_DTYPE)[1]
     device = "meta" if live > REAL_TENSOR_LIMIT else "cpu"
     with steps(2, enabled=not args.json) as step:
         step("importing torch")
@@ -60,7 +63,7 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         from ..walkthrough import walk
 
         step(f"walking the layer on {device} tensors")
-        walk_dtype = parse_dtype(dtype if device == "meta" else "float32")  # strides do not depend on dtype
+        walk_dtype = parse_dtype(dtype if device == "meta" else CPU_WALK_DTYPE)
         walked = walk(config, seq_len=seq, batch=batch, device=device, dtype=walk_dtype)
     extra = {} if parallel is None else {"parallel": parallel}
     return summary | {"preset": preset, "walk_device": device, "steps": [s.to_dict() for s in walked]} | extra
@@ -136,5 +139,15 @@ def cost_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
          f"b x h x s^2 x {m['materialised'] // (r['batch'] * c['n_heads'] * r['seq_len'] ** 2)} B (float32 for half "
          f"precision); all layers = kept for backward"),
         ("probabilities, fused (SDPA/flash)", human_bytes(m["fused"]), human_bytes(m["fused_all_layers"]),
-         f"one float32 log-sum-exp per (b, h, query); {m['ratio']:,.0f}x less"),
+         f"one float32 log-sum-exp per (b, h, query); {_than_eager(m['fused'], m['materialised'])}"),
     ]
+
+
+def _than_eager(fused: int, eager: int) -> str:
+    """How the fused path's bytes compare with the eager path's: "4,096x less", "2x more" or "the same" (at one
+    token, or in fp8 at short lengths, the float32 log-sum-exp is as large as the probabilities or larger)."""
+    if fused == eager:
+        return "the same"
+    ratio = max(fused, eager) / min(fused, eager)
+    times = f"{ratio:,.0f}" if ratio >= 100 else f"{ratio:.3g}"
+    return f"{times}x {'less' if fused < eager else 'more'}"

@@ -2,7 +2,9 @@
 when rich is installed, aligned plain text otherwise), and JSON for ``--json``.
 
 The width is ``$COLUMNS``, else the terminal's, else 80. A table wider than that first drops its
-``optional`` columns (saying so), then wraps its cells; no line is ever wider than the width.
+``optional`` columns (saying so), then wraps its cells; where its columns would still be narrower than
+``MIN_COLUMN``, it is split into parts of whole columns, each repeating the first (the row labels). No
+column is lost without a note and no line is ever wider than the width or cut.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from ..viz.numbers import plural  # noqa: F401 - the CLI writes counts as the pi
 
 # Narrower than this and a table cannot show anything legibly; the width is clamped up to it.
 MIN_WIDTH = 40
+# Narrower than this a wrapped column is hard to read (and rich would shrink it to nothing): the table is split.
+MIN_COLUMN = 10
+# Characters a table adds to its cells, at most, per column: rich's padding (one each side, none at the edges),
+# its dividers and two edges; plain text needs less (two spaces between columns), so what fits rich fits both.
+_PER_COLUMN = 3
 
 
 def width() -> int:
@@ -77,8 +84,15 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
         if name in columns and columns.index(name) in keep and len(keep) > 1:
             keep.remove(columns.index(name))
             dropped.append(name)
-    cols = [str(columns[i]) for i in keep]
-    body = [[r[i] for i in keep] for r in cells]
+    parts = _parts([str(columns[i]) for i in keep], [[r[i] for i in keep] for r in cells])
+    for n, (cols, body) in enumerate(parts, 1):
+        _render(title if len(parts) == 1 else f"{title} (part {n} of {len(parts)})", cols, body)
+    if dropped:
+        line(f"(columns left out to fit {width()} columns: {', '.join(dropped)}; a wider terminal or --json "
+             f"shows them)")
+
+
+def _render(title: str, cols: list[str], body: list[list[str]]) -> None:
     try:
         from rich import box
         from rich.console import Console
@@ -94,9 +108,29 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
         buffer = io.StringIO()  # rendered off-terminal (no colour codes), so trailing padding can be cut
         Console(file=buffer, width=width(), soft_wrap=False).print(t)
         sys.stdout.write("".join(ln.rstrip() + "\n" for ln in buffer.getvalue().splitlines()))
-    if dropped:
-        line(f"(columns left out to fit {width()} columns: {', '.join(dropped)}; a wider terminal or --json "
-             f"shows them)")
+
+
+def _parts(columns: list[str], rows: list[list[str]]) -> list[tuple[list[str], list[list[str]]]]:
+    """The table as one part, or, where its columns would not fit at ``MIN_COLUMN`` each (or their own
+    width where less), as parts of consecutive columns, each led by the first column, as even as fit."""
+    floors = [min(MIN_COLUMN, max([len(c)] + [len(r[i]) for r in rows])) for i, c in enumerate(columns)]
+
+    def fits(group: Sequence[int]) -> bool:
+        return floors[0] + sum(floors[i] for i in group) + _PER_COLUMN * (len(group) + 1) <= width()
+
+    rest = list(range(1, len(columns)))
+    if len(columns) < 3 or fits(rest):
+        return [(columns, rows)]
+    groups: list[list[int]] = [[]]
+    for i in rest:  # greedy: the fewest parts
+        if groups[-1] and not fits(groups[-1] + [i]):
+            groups.append([])
+        groups[-1].append(i)
+    size = -(-len(rest) // len(groups))  # the same number of parts, as even as they come
+    even = [rest[k:k + size] for k in range(0, len(rest), size)]
+    if len(even) == len(groups) and all(fits(g) for g in even):
+        groups = even
+    return [([columns[0]] + [columns[i] for i in g], [[r[0]] + [r[i] for i in g] for r in rows]) for g in groups]
 
 
 def _natural_width(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> int:
@@ -108,13 +142,12 @@ def _natural_width(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> int
 def _plain(title: str, columns: list[str], rows: list[list[str]]) -> None:
     avail = width()
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
-    floor = max(4, (avail - 2 * (len(widths) - 1)) // max(1, len(widths)) // 2)
-    while sum(widths) + 2 * (len(widths) - 1) > avail and max(widths) > floor:
-        widths[widths.index(max(widths))] -= 1  # shrink the widest column; its cells wrap
+    while sum(widths) + 2 * (len(widths) - 1) > avail and max(widths) > 1:
+        widths[widths.index(max(widths))] -= 1  # shrink the widest column; its cells wrap (_parts made room)
     line(title)
     for r in [columns, ["-" * w for w in widths], *rows]:
         wrapped = [textwrap.wrap(c, width=w, break_long_words=True, break_on_hyphens=False) or [""]
                    for c, w in zip(r, widths)]
         for k in range(max(len(w) for w in wrapped)):
             text = "  ".join((w[k] if k < len(w) else "").ljust(wd) for w, wd in zip(wrapped, widths)).rstrip()
-            sys.stdout.write(text[:avail] + "\n")
+            sys.stdout.write(text + "\n")

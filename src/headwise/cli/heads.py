@@ -254,6 +254,13 @@ def _what(args: argparse.Namespace, info: Any) -> str:
     return layers + (f", heads {','.join(map(str, args.heads))}" if args.heads is not None else "")
 
 
+def _head_count(counts: list[int]) -> str:
+    """The heads drawn per layer: "12 heads", or after head surgery left layers uneven, "2-4 heads per layer"."""
+    if min(counts) == max(counts):
+        return fmt.plural(counts[0], "head")
+    return f"{min(counts)}-{max(counts)} heads per layer"
+
+
 def _token_list(tokens: list[str]) -> str:
     if len(tokens) <= _LIST_TOKENS:
         return " ".join(tokens)
@@ -283,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         fmt.emit_json(head | {"layers": layers} if args.all_layers else layers[0] | head)
         return 0
     first = maps[0]
-    what = (f"{r['model']}, {_what(args, info_of(args.model))}, {fmt.plural(first.n_heads, 'head')}, "
+    what = (f"{r['model']}, {_what(args, info_of(args.model))}, {_head_count([m.n_heads for m in maps])}, "
             f"{fmt.plural(len(first.tokens), 'token')}")
     if r["out"]:  # the picture is the answer: say where it is, not the table again
         fmt.line(f"Wrote {r['out']} ({what})")
