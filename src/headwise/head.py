@@ -286,9 +286,24 @@ def pack_heads(heads: Sequence[AttentionHead], *, out_proj: nn.Linear,
     """
     from .config import AttentionConfig
 
-    heads = list(heads)
-    if not heads or not all(isinstance(h, AttentionHead) for h in heads):
-        raise TypeError("from_heads needs a non-empty sequence of AttentionHead")
+    expected = "from_heads needs a non-empty sequence of AttentionHead"
+    given = type(heads).__name__
+    try:  # a string iterates, but its items are no heads
+        items = None if isinstance(heads, (str, bytes, AttentionHead)) else iter(heads)
+    except TypeError:
+        items = None
+    if items is None:
+        one = "; pass a list: [head]" if isinstance(heads, AttentionHead) else ""
+        raise TypeError(f"{expected}, got {given}{one}")
+    heads = list(items)
+    if not heads:
+        raise TypeError(f"{expected}, got an empty {given}")
+    for i, h in enumerate(heads):
+        if not isinstance(h, AttentionHead):
+            # Matched by name: this core module cannot import the interop package that defines LatentHead.
+            latent = (": heads of multi-head latent attention (LatentHead) cannot be packed, their Q, K and V read "
+                      "latents shared by every head, not x" if type(h).__name__ == "LatentHead" else "")
+            raise TypeError(f"{expected}, got {type(h).__name__} at position {i}{latent}")
     if not isinstance(out_proj, nn.Linear):
         raise TypeError(f"out_proj must be an nn.Linear, got {type(out_proj).__name__}")
     first = heads[0]

@@ -109,6 +109,17 @@ def test_from_heads_checks_out_proj_shape():
         MultiHeadAttention.from_heads(attn.heads(), out_proj=attn.out_proj.weight)
 
 
+def test_from_heads_refusals_name_what_they_received_and_where():
+    attn = MultiHeadAttention(16, 4)
+    expected = "from_heads needs a non-empty sequence of AttentionHead"
+    cases = [([], "got an empty list"), ((), "got an empty tuple"), ("abc", "got str$"), (3, "got int$"),
+             (attn.head(0), r"got AttentionHead; pass a list: \[head\]"),
+             ([attn.head(0), nn.Linear(2, 2)], "got Linear at position 1$")]
+    for heads, received in cases:
+        with pytest.raises(TypeError, match=f"^{expected}, {received}"):
+            MultiHeadAttention.from_heads(heads, out_proj=attn.out_proj)
+
+
 def test_head_index_errors():
     attn = MultiHeadAttention(16, 4)
     with pytest.raises(IndexError, match=r"head index must be in \[0, 4\), got 4"):

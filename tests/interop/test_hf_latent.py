@@ -4,12 +4,15 @@ outputs, o_proj's input and output) or transformers' own rotary functions."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 import headwise  # noqa: E402
+import headwise.surgery  # noqa: E402
 from headwise.interop import layers, patch  # noqa: E402
 from headwise.interop.hf.latent import LatentHead  # noqa: E402
 from tests.interop.tiny_models import build, inputs  # noqa: E402
@@ -223,3 +226,157 @@ def test_latent_heads_do_not_run_alone_and_project_checks_its_input():
         head.project(torch.randn(1, 3, D, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"x must have shape \(b, s, d_model=16\).*got \(1, 3, 15\)"):
         head.project(torch.randn(1, 3, D - 1))
+
+
+def dense64(case: str, impl: str = "sdpa") -> torch.nn.Module:
+    """The case's model in float64 (exact comparisons), its MLPs dense (the MoE kernel has no float64)."""
+    family, kw = CASES[case]
+    return build(family, impl, **kw, first_k_dense_replace=2).double()
+
+
+def test_head_w_o_assignment_writes_its_o_proj_columns():
+    model = dense64("v2_bias")
+    by_hand, batch = copy.deepcopy(model), inputs()
+    new = torch.randn(D_V, D, dtype=torch.float64)
+    with torch.no_grad():
+        by_hand.model.layers[1].self_attn.o_proj.weight[:, 2 * D_V:3 * D_V] = new.T
+        want = by_hand(**batch).logits
+    patch(model)
+    head, o = layers(model)[1][1].head(2), model.model.layers[1].self_attn.o_proj
+    before = o.weight.clone()
+    with pytest.raises(ValueError, match=r"w_o must have shape \(5, 16\), got \(16, 5\)"):
+        head.w_o = new.T
+    with pytest.raises(TypeError, match="w_o must be a torch.Tensor, got float"):
+        head.w_o = 1.0
+    assert torch.equal(o.weight, before)  # a refused assignment writes nothing
+    head.w_o = new
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, want)
+
+
+def test_importance_scores_equal_gating_o_proj_input_columns_in_the_unpatched_model():
+    model = dense64("v3")
+    plain, batch = copy.deepcopy(model), inputs()
+    n_layers = len(plain.model.layers)
+
+    def metric(out):  # noqa: ANN001, ANN202
+        return out.logits.square().mean()
+
+    def run(gates: torch.Tensor) -> torch.Tensor:  # each head's o_proj input columns times its gate
+        def gate(li: int):  # noqa: ANN202
+            return lambda m, args: ((args[0].unflatten(-1, (H, D_V)) * gates[li, :, None]).flatten(-2),)
+        handles = [plain.model.layers[li].self_attn.o_proj.register_forward_pre_hook(gate(li))
+                   for li in range(n_layers)]
+        try:
+            return metric(plain(**batch))
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    ones = torch.ones(n_layers, H, dtype=torch.float64)
+    with torch.no_grad():
+        base = run(ones)
+        ablated = torch.stack([torch.stack([run(ones.index_put((torch.tensor(li), torch.tensor(h)),
+                                                               torch.tensor(0.0, dtype=torch.float64))) - base
+                                            for h in range(H)]) for li in range(n_layers)])
+    gates = ones.clone().requires_grad_(True)
+    grad, = torch.autograd.grad(run(gates), gates)
+    patch(model)
+    torch.testing.assert_close(headwise.surgery.ablation_importance(model, batch, metric, progress=False), ablated)
+    torch.testing.assert_close(headwise.surgery.gradient_importance(model, batch, metric, progress=False),
+                               grad.abs())
+    assert ablated.abs().min() > 0 and grad.abs().min() > 0  # every head matters
+
+
+def test_q_and_k_edits_replace_the_d_nope_plus_d_rope_wide_slice_handed_to_attention(monkeypatch):
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    model = dense64("v3", "eager")  # the family's own eager_attention_forward, wrapped below
+    plain, batch = copy.deepcopy(model), inputs()
+    real = batch["attention_mask"].bool()  # (b, s)
+    eager = v3.eager_attention_forward
+    seen: list = []
+
+    def run(edit=None):  # noqa: ANN001, ANN202 - edit(query, key) in place, on layer 0's call
+        def wrapped(module, query, key, value, *args, **kwargs):  # noqa: ANN001, ANN202
+            query, key = query.clone(), key.clone()  # (b, h, s, d_nope + d_rope), after rotary
+            if module.layer_idx == 0:
+                seen.append((query.clone(), key.clone()))
+                if edit is not None:
+                    edit(query, key)
+            return eager(module, query, key, value, *args, **kwargs)
+        monkeypatch.setattr(v3, "eager_attention_forward", wrapped)
+        try:
+            with torch.no_grad():
+                return plain(**batch).logits
+        finally:
+            monkeypatch.setattr(v3, "eager_attention_forward", eager)
+
+    run()
+    q0, k0 = seen[0]
+    mean_q, mean_k = q0[:, 2][real].mean(0), k0[:, 1][real].mean(0)  # over the real tokens, by hand
+    t_q, t_k = torch.randn(NOPE + ROPE, dtype=torch.float64), torch.randn(NOPE + ROPE, dtype=torch.float64)
+
+    def by_hand(head_q: int, value_q: torch.Tensor, head_k: int, value_k: torch.Tensor) -> torch.Tensor:
+        def edit(query, key):  # noqa: ANN001, ANN202
+            query[:, head_q], key[:, head_k] = value_q, value_k
+        return run(edit)
+
+    want_tensor, want_mean = by_hand(2, t_q, 1, t_k), by_hand(2, mean_q, 1, mean_k)
+    patch(model)
+    with torch.no_grad(), headwise.trace(model, capture={0: ("q", "k")}) as ref:
+        model(**batch)
+    assert ref[0].q.shape[-1] == ref[0].k.shape[-1] == NOPE + ROPE  # wider than v (D_V)
+    for edits, want in (({(0, 2, "q"): t_q, (0, 1, "k"): t_k}, want_tensor),
+                        ({(0, 2, "q"): ("mean", ref), (0, 1, "k"): ("mean", ref)}, want_mean)):
+        with torch.no_grad(), headwise.trace(model, edit=edits):
+            torch.testing.assert_close(model(**batch).logits, want)
+    with pytest.raises(ValueError, match=r"replacement \(5,\) does not broadcast to this call's \(2, 6, 6\): "
+                                         r"expected .* with n = 6"):
+        with torch.no_grad(), headwise.trace(model, edit={(0, 2, "q"): torch.zeros(D_V)}):
+            model(**batch)
+
+
+def test_packing_latent_heads_is_refused_naming_them():
+    heads = layers(patch(model_of("v3")))[0][1].heads()
+    with pytest.raises(TypeError, match=r"from_heads needs a non-empty sequence of AttentionHead, got LatentHead at "
+                                        r"position 0: heads of multi-head latent attention \(LatentHead\) cannot be "
+                                        "packed"):
+        headwise.MultiHeadAttention.from_heads(heads, out_proj=torch.nn.Linear(H * D_V, D))
+
+
+def mistral4(original_max_position_embeddings: int) -> torch.nn.Module:
+    """A tiny Mistral 4 (MLA whose queries are scaled by position past ``original_max_position_embeddings``)."""
+    cfg = transformers.Mistral4Config(vocab_size=40, hidden_size=D, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=H, num_key_value_heads=H, q_lora_rank=R_Q,
+                                      kv_lora_rank=R_KV, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE,
+                                      v_head_dim=D_V, n_routed_experts=2, moe_intermediate_size=8,
+                                      num_experts_per_tok=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+    cfg.rope_parameters["original_max_position_embeddings"] = original_max_position_embeddings
+    torch.manual_seed(0)
+    return transformers.Mistral4Model(cfg).eval()
+
+
+def test_mistral4_project_applies_the_llama4_query_scale_at_each_position():
+    from transformers.models.mistral4 import modeling_mistral4 as m4
+
+    model, s = mistral4(2), 7  # positions 2.. scale their queries (1 + 0.1 log 2 at 2 and 3, ...)
+    attn = model.layers[0].self_attn
+    seen: list = []
+    attn.register_forward_pre_hook(lambda m, a, kw: seen.append((kw["hidden_states"], kw["position_embeddings"])),
+                                   with_kwargs=True)
+    patch(model)
+    ids = torch.randint(3, 40, (2, s), generator=torch.Generator().manual_seed(0))
+    rotate = m4.apply_rotary_pos_emb_interleave if model.config.rope_interleave else m4.apply_rotary_pos_emb
+    heads = layers(model)[0][1].heads()
+    for positions in (None, torch.arange(5, 5 + s).expand(2, s)):
+        seen.clear()
+        with torch.no_grad(), headwise.trace(model, capture={0: ("q",)}) as t:
+            model(ids, position_ids=positions)
+        x, (cos, sin) = seen[0]
+        with torch.no_grad():
+            q = torch.stack([head.project(x, positions)[0] for head in heads], 1)  # (b, h, s, d_nope + d_rope)
+            q_rope, _ = rotate(q[..., NOPE:], q[:, :1, :, NOPE:], cos, sin)
+        torch.testing.assert_close(t[0].q, torch.cat([q[..., :NOPE], q_rope], -1))
+    with pytest.raises(ValueError, match=r"positions must have shape \(s_q=7,\) or \(b=2, s_q=7\), got \(6,\)"):
+        heads[0].project(x, torch.arange(6))

@@ -54,7 +54,10 @@ def _scalar(value: Any, what: str) -> torch.Tensor:
 def _grid(model: nn.Module) -> tuple[list[int], torch.Tensor, torch.device]:
     found = find_layers(model)
     heads = [layer.n_heads for _, layer in found]
-    device = found[0][1].q_proj.weight.device
+    # Not a layer's q_proj: multi-head latent attention (and CodeGen's sharded qkv) has none located, and a
+    # trace edit needs none. The gates live where the model's parameters do.
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
     return heads, torch.full((len(heads), max(heads)), float("nan"), dtype=torch.float64), device
 
 

@@ -52,6 +52,14 @@ def _global_heads(layer: MultiHeadAttention) -> tuple[int, tuple[int, ...] | Non
     return layer.n_heads, None
 
 
+def _width(layer: MultiHeadAttention, site: str) -> int | None:
+    """A head's ``site`` width where known before a call (d_h); None for q and k of a patched module whose Q/K
+    are not located (multi-head latent attention's are wider than v): each call's slice decides there."""
+    located = getattr(layer, "located", None)  # a patched Hugging Face layer's: {projection: "" or why not}
+    unsure = site in ("q", "k") and isinstance(located, Mapping) and any(located.get(p) for p in ("q_proj", "k_proj"))
+    return None if unsure else layer.d_head
+
+
 # What models pickled inside a trace by earlier versions name in place of the trace's hook.
 inert = inert_hook
 
@@ -311,7 +319,7 @@ class Trace:
                                  "supported: its keys are the decoder's tokens (self-attention) or the encoder's "
                                  "(cross-attention), so whose padding to average over is unknown; pass a tensor "
                                  "of the means instead")
-            width = None if site == "pattern" else layer.d_head
+            width = None if site == "pattern" else _width(layer, site)
             reference = None
             if site != "pattern":
                 reference = (lambda value=value, li=li, head=head, site=site:  # noqa: E731

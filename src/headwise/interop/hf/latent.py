@@ -5,7 +5,8 @@ heads, through rows of two up-projections, and shares one rope key (names as in 
 entry :class:`~headwise.interop.hf.registry.Latent`)::
 
     q_lat        = q_a_layernorm(q_a_proj(x))                 (x itself where the module has q_proj instead)
-    q_h          = q_lat @ [w_q_nope | w_q_rope]              rows of q_b_proj (or q_proj); rotary on the rope part
+    q_h          = q_lat @ [w_q_nope | w_q_rope]              rows of q_b_proj (or q_proj); rotary on the rope part;
+                                                              Mistral 4 then scales it by position (below)
     c_kv, k_in   = split(kv_a_proj_with_mqa(x), [r_kv, d_rope])
     kv_lat       = kv_a_layernorm(c_kv)
     k_h          = [kv_lat @ w_k_nope | rotary(k_in)]         rows of kv_b_proj; k_in = x @ w_k_rope + b_k_rope is
@@ -16,7 +17,10 @@ entry :class:`~headwise.interop.hf.registry.Latent`)::
 So a head's W_Q / W_K / W_V are not ``(d_model, d_head)`` maps of x (the contract of
 :class:`~headwise.AttentionHead`): :class:`LatentHead` names each slice and the space it reads (``inputs``).
 Rotary differs by family (V2 rotates interleaved pairs as complex numbers; V3 ``rope_interleave`` or rotate-half)
-and runs in the module's forward only, so every rope slice here is *before* rotary.
+and runs in the module's forward only, so every rope slice here is *before* rotary. Mistral 4 (its config's
+``rope_parameters`` hold ``llama_4_scaling_beta``) also multiplies every query, both parts, by the position's
+llama-4 scale ``1 + beta * log(1 + floor(position / original_max_position_embeddings))`` (1 before that many
+tokens; a number per position, so it commutes with rotary): :meth:`LatentHead.project` applies it.
 
 Shapes:
     b: batch, s: sequence, h: heads, d: model width, r_q: query latent width (d where q_proj reads x),
@@ -40,13 +44,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ...validation import check_input
+from ...validation import check_input, check_positions, check_tensor
 from .registry import Latent
 
 __all__ = ["LatentHead"]
@@ -105,7 +109,8 @@ class LatentHead:
     Shapes:
         w_q_nope (r_q, d_nope), w_q_rope (r_q, d_rope), w_k_nope (r_kv, d_nope), w_v (r_kv, d_v),
         w_k_rope (d, d_rope) shared, w_o (d_v, d); b_*: (width,) or None;
-        project: x (b, s, d) -> q (b, s, d_nope + d_rope), k (b, s, d_nope + d_rope), v (b, s, d_v), before rotary
+        project: x (b, s, d), positions (s,) or (b, s) -> q (b, s, d_nope + d_rope), k (b, s, d_nope + d_rope),
+        v (b, s, d_v), before rotary
     """
 
     def __init__(self, layer: nn.Module, index: int, latent: Latent) -> None:
@@ -174,6 +179,15 @@ class LatentHead:
         d_v = self.d_v
         return self.layer.out_proj.weight[:, self.index * d_v:(self.index + 1) * d_v].T
 
+    @w_o.setter
+    def w_o(self, value: torch.Tensor) -> None:
+        target = self.w_o
+        check_tensor("w_o", value)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"w_o must have shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+
     # -- the shared latents, through the module's own shared modules -------------------------------------
     def q_latent(self, x: torch.Tensor) -> torch.Tensor:
         """What the query slices read. Shapes: x (b, s, d) -> (b, s, r_q)."""
@@ -186,14 +200,29 @@ class LatentHead:
         c_kv = getattr(self.host, self._latent.kv_down)(x)[..., :self.r_kv]
         return getattr(self.host, self._latent.kv_norm)(c_kv)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This head's Q, K, V from the module input, before rotary, laid out as the module lays them out
-        (``[nope | rope]``). Shapes: x (b, s, d) -> (b, s, d_nope + d_rope) x2, (b, s, d_v)."""
+        (``[nope | rope]``); q times the module's per-position query scale where it has one (Mistral 4's
+        llama-4 scale, see the module docstring), at ``positions`` (default ``0 .. s - 1``, a call without a cache).
+
+        Shapes: x (b, s, d) or (s, d); positions (s,), (1, s) or (b, s) -> (b, s, d_nope + d_rope) x2, (b, s, d_v)
+        """
         w = getattr(self.host, self._latent.kv_down).weight  # every slice reads x through modules of its dtype
         check_input("x", x, self.d_model, "d_model", w.dtype, w.device)
+        s = x.shape[-2]
+        if positions is not None:
+            check_positions(positions, x.shape[0] if x.dim() == 3 else 1, s, x.device)
         q_lat, kv_lat = self.q_latent(x), self.kv_latent(x)
         q = torch.cat([F.linear(q_lat, self.w_q_nope.T, self.b_q_nope), F.linear(q_lat, self.w_q_rope.T,
                                                                                   self.b_q_rope)], -1)
+        rope = getattr(getattr(self.host, "config", None), "rope_parameters", None)
+        beta = rope.get("llama_4_scaling_beta") if isinstance(rope, Mapping) else None
+        if beta is not None:
+            pos = torch.arange(s, device=x.device) if positions is None else positions
+            # As transformers computes it: float32, then the queries' dtype.
+            scale = 1 + beta * torch.log(1 + torch.floor(pos / rope["original_max_position_embeddings"]))
+            q = q * scale.to(q.dtype).reshape(*(pos.shape if x.dim() == 3 else (s,)), 1)  # (b | 1, s, 1) or (s, 1)
         k = torch.cat([F.linear(kv_lat, self.w_k_nope.T, self.b_k_nope), F.linear(x, self.w_k_rope.T,
                                                                                    self.b_k_rope)], -1)
         return q, k, F.linear(kv_lat, self.w_v.T, self.b_v)
