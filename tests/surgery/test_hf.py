@@ -326,6 +326,20 @@ def test_a_view_fetched_before_surgery_refuses_every_use():
     assert kept.head(2).w_q.data_ptr() == layers(model)[1][1].head(2).w_q.data_ptr()  # unchanged layer: still good
 
 
+def test_a_view_of_a_layer_surgery_left_alone_still_traces_and_edits_the_model():
+    model = build("llama")
+    batch = inputs()
+    want = output(zero_ablated(model, "llama", {0: [1], 1: [0]}), batch)  # the pruned head, and the edited one
+    patch(model)
+    kept = layers(model)[1][1]
+    prune_heads(model, {0: [1]})
+    assert layers(model)[1][1] is kept  # still the view the module's forward calls
+    with torch.no_grad(), headwise.trace(kept, capture=("z",), edit={(0, 0): "zero"}) as t:
+        got = output(model, batch)
+    torch.testing.assert_close(got, want)
+    assert len(t[0].calls) == 1 and t[0].calls[0]["z"][:, :, 0].abs().max() == 0  # z: (b, s, h, d_h)
+
+
 def test_to_gqa_on_a_patched_model_with_an_emptied_layer():
     model = build("llama")
     with torch.no_grad():  # layer 1: both K/V heads alike, so pooling them into one is exact

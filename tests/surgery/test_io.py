@@ -171,6 +171,28 @@ def test_the_untampered_folders_still_load(saved):
         torch.testing.assert_close(output(load_pretrained(path, LLAMA), inputs()), want)
 
 
+@pytest.mark.parametrize("drop, plain", [({0: [0, 1, 2], 1: [3, 4, 5]}, True), (DROP, False)],
+                         ids=["plain_hf", "rebuilt"])
+def test_a_missing_weight_is_refused_and_a_task_head_the_folder_never_had_is_initialised(tmp_path, drop, plain):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = prune_heads(patch(build("llama")), drop)
+    assert save_pretrained(model, tmp_path) is plain
+    task = load_pretrained(tmp_path, transformers.LlamaForSequenceClassification)  # a head the LM never had
+    batch = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(task.model(**batch).last_hidden_state, model.model(**batch).last_hidden_state)
+    assert tuple(task.score.weight.shape) == (task.config.num_labels, 24) and task.score.weight.abs().sum() > 0
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    del state[f"{ATTN}.q_proj.weight"]  # an incomplete folder: a weight the saving class has
+    save_file(state, weights, metadata={"format": "pt"})
+    for cls in (LLAMA, transformers.LlamaForSequenceClassification):
+        with pytest.raises(ValueError, match=rf"does not match .*: missing keys \['{ATTN}.q_proj.weight'\]"):
+            load_pretrained(tmp_path, cls)
+
+
 def test_a_damaged_weight_file_of_a_plain_folder_is_a_value_error(tmp_path):
     build("bert").save_pretrained(tmp_path)  # no sidecar: transformers' own loader
     weights = tmp_path / "model.safetensors"

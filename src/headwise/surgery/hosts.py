@@ -8,9 +8,11 @@ surgery seam (:mod:`headwise.interop.hf.surgery`), with no knowledge of families
    from the config (checked by building it on the meta device: :func:`rebuilds`); plain ``from_pretrained``
    then loads a saved copy.
 3. The model is patched again, so its views describe the new shapes; the old views of the changed modules
-   refuse every use (:class:`StaleView`). A plain module wrapping the patched model (a training module) is
-   changed through the transformers model inside (:func:`patch_root`), and a PEFT wrapper's config is
-   checked on the transformers model it wraps, adapters looked through.
+   refuse every use (:class:`StaleView`), and the modules left alone get their old views back
+   (:func:`reattach`), so a view or head fetched before surgery still computes, captures and edits. A plain
+   module wrapping the patched model (a training module) is changed through the transformers model inside
+   (:func:`patch_root`), and a PEFT wrapper's config is checked on the transformers model it wraps, adapters
+   looked through.
 
 Shapes:
     per layer: (n_heads, n_kv_heads, d_head)
@@ -29,7 +31,7 @@ from ..module_calls import adapter_base
 from .weights import HeadWeights, as_projections
 
 __all__ = ["is_view", "has_seam", "apply", "refusal", "rebuilds", "config_update", "quiet", "patch_root",
-           "transformers_model", "StaleView", "retire"]
+           "transformers_model", "StaleView", "retire", "reattach"]
 
 
 def is_view(layer: Any) -> bool:
@@ -212,8 +214,9 @@ def retire(view: Any, what: str) -> None:
 
 def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int, HeadWeights], what: str) -> nn.Module:
     """Write ``new[i]`` into the module of layer ``i`` of the patched ``model`` (everything checked first);
-    returns ``model``, patched again. The old views of the changed layers are retired (:func:`retire`)."""
-    from ..interop import patch, unpatch
+    returns ``model``, patched again. The old views of the changed layers are retired (:func:`retire`); every
+    other module gets its old view back (:func:`reattach`)."""
+    from ..interop import layers as patched, patch, unpatch
 
     plain = [layers[i][0] for i in new if not is_view(layers[i][1])]
     if plain:
@@ -232,6 +235,7 @@ def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int,
     counts = [_counts(new[i]) if i in new else view.head_params() for i, view in enumerate(views)]
     configs = list({id(c): c for c in [getattr(inner, "config", None)] + [v.hf_config() for v in views]
                     if c is not None}.values())
+    before = [view for _, view in patched(root)]
     unpatch(root)
     for i, hw in new.items():
         views[i].write_heads(as_projections(hw), hw.n_heads, hw.n_kv_heads, heads_from=hw.heads_from)
@@ -243,6 +247,29 @@ def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int,
         fields.update({n: h_kv for n in kv if _is_count(getattr(views[0].hf_config(), n, None))})
     _set(configs, fields)
     patch(root)
-    for i in new:
-        retire(views[i], what)
+    reattach(root, before, {id(views[i].host) for i in new}, what)
     return model
+
+
+def _same(old: Any, now: Any) -> bool:
+    """Whether ``now``, a module's view from re-patching, describes the module exactly as ``old`` did."""
+    return (type(old) is type(now) and old.host is now.host and old.host_name == now.host_name
+            and old.config == now.config and old.rule == now.rule and old.source_names() == now.source_names())
+
+
+def reattach(root: nn.Module, before: Sequence[Any], changed: set[int], what: str) -> None:
+    """After ``root`` was unpatched and patched again: give each module surgery left alone (its id not in
+    ``changed``) its view from ``before`` back in place of the new one, and retire (:func:`retire`) the old
+    views of the changed modules. A view held across surgery is then the one the module's forward calls, so
+    traces and edits through it (hooks, backend and heads included) still reach the model; one that no longer
+    describes its module is retired rather than left computing nothing."""
+    from ..interop import layers as patched
+    from ..interop.hf.patch import restore_view
+
+    now = {id(view.host): view for _, view in patched(root)}
+    for old in before:
+        fresh = now.get(id(old.host))
+        if id(old.host) not in changed and fresh is not None and _same(old, fresh):
+            restore_view(old.host, old)
+        else:
+            retire(old, what)

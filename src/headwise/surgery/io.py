@@ -16,6 +16,7 @@ Shapes:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,7 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
     sidecar = read_json(path, "sidecar")
     modules = _check_sidecar(sidecar, path)
     if sidecar.get("plain_hf"):
-        return _plain(model_class, directory, extra, modules)
+        return _plain(model_class, directory, extra, modules, sidecar=True)
     saved = saved_shapes(weight_files(directory))
     read_json(directory / "config.json", "config")  # a regular, readable file (from_pretrained reads it again)
     config = model_class.config_class.from_pretrained(str(directory))
@@ -188,12 +189,49 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
         model, info = safetensors_call(directory, lambda d: resized.from_pretrained(d, output_loading_info=True,
                                                                                      **extra), plain=True)
     model.__class__ = model_class
+    _check_loaded(model, info, directory, "the rebuilt model")
+    return _with_origins(model.eval(), modules)
+
+
+def _check_loaded(model: nn.Module, info: dict[str, Any], directory: Path, what: str) -> None:
+    """``ValueError`` naming what transformers' load report (``output_loading_info``) says went wrong: a weight
+    the saving class has and the folder lacks (:func:`_saved_by`), a checkpoint weight under the model's own
+    modules that the model does not build (:func:`_own`), a weight of another shape."""
     wrong = {k: list(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     wrong["unexpected_keys"] = _own(model, wrong["unexpected_keys"])
+    wrong["missing_keys"] = _saved_by(model, wrong["missing_keys"])
     if any(wrong.values()):
-        raise ValueError(f"load_pretrained: {directory} does not match the rebuilt model: "
+        raise ValueError(f"load_pretrained: {directory} does not match {what}: "
                          + ", ".join(f"{k.replace('_', ' ')} {v[:5]}" for k, v in wrong.items() if v))
-    return _with_origins(model.eval(), modules)
+
+
+def _saved_by(model: nn.Module, keys: list[str]) -> list[str]:
+    """The weights among ``keys`` (missing from the folder) that the class which saved it has (the first of its
+    config's ``architectures``; ``model``'s own class when that names none transformers has): a folder without
+    them is incomplete. The others are a task head only ``model``'s class has (``score`` when a causal LM's
+    folder is loaded into ``...ForSequenceClassification``), newly initialised, as ``from_pretrained`` does.
+    The saving class is built on the meta device, so nothing is allocated."""
+    names = getattr(model.config, "architectures", None) or []
+    if not keys or not names or names[0] == type(model).__name__:
+        return keys
+    import transformers
+
+    saver = getattr(transformers, str(names[0]), None)
+    if not (isinstance(saver, type) and issubclass(saver, nn.Module)
+            and isinstance(model.config, getattr(saver, "config_class", ()))):
+        return keys
+    try:
+        with hosts.quiet(), torch.device("meta"):
+            held = saver(copy.deepcopy(model.config)).state_dict()  # building may set config fields
+    except Exception:  # noqa: BLE001 - a class this config cannot build: every missing weight counts
+        return keys
+    prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."
+
+    def bare(key: str) -> str:  # a task model's keys and its base model's differ by the prefix
+        return key[len(prefix):] if prefix != "." and key.startswith(prefix) else key
+
+    has = {bare(k) for k in held}
+    return [k for k in keys if bare(k) in has]
 
 
 def _own(model: nn.Module, keys: list[str]) -> list[str]:
@@ -336,12 +374,17 @@ def shape_mismatch(directory: str | Path, model_class: type) -> str:
     return ""
 
 
-def _plain(model_class: type, directory: Path, extra: dict[str, Any], modules: dict[str, dict[str, Any]]) -> nn.Module:
+def _plain(model_class: type, directory: Path, extra: dict[str, Any], modules: dict[str, dict[str, Any]], *,
+           sidecar: bool = False) -> nn.Module:
     """``model_class.from_pretrained`` (a weight of another shape than config.json gives, or a damaged
-    safetensors file, as a ValueError naming it), with the sidecar's original head indices put back."""
+    safetensors file, as a ValueError naming it), with the sidecar's original head indices put back; a folder
+    with a sidecar is held to what the rebuilt path checks (:func:`_check_loaded`)."""
     why = shape_mismatch(directory, model_class) if not modules else ""
     if why:
         raise ValueError(f"load_pretrained: {why}")
     with hosts.quiet(messages=False):
-        model = safetensors_call(directory, lambda d: model_class.from_pretrained(d, **extra), plain=True)
+        model, info = safetensors_call(directory, lambda d: model_class.from_pretrained(
+            d, output_loading_info=True, **extra), plain=True)
+    if sidecar:  # saved by save_pretrained, so checked as the rebuilt path checks; any other folder is transformers'
+        _check_loaded(model, info, directory, f"{model_class.__name__} built from its config.json")
     return _with_origins(model.eval(), modules)

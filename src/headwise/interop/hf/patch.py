@@ -43,7 +43,7 @@ from torch import nn
 from .attention_function import NAME, head_factors, sdpa_rule
 from .layer import HFView, is_target, view_of
 
-__all__ = ["patch", "unpatch", "layers", "check_impl", "SUPPORTED_IMPLS"]
+__all__ = ["patch", "unpatch", "layers", "check_impl", "restore_view", "SUPPORTED_IMPLS"]
 
 SUPPORTED_IMPLS = ("eager", "sdpa", "headwise")
 
@@ -64,6 +64,16 @@ def view_on(module: nn.Module) -> HFView | None:
     """The layer :func:`patch` gave ``module`` (None if it has none)."""
     view = module.__dict__.get("attn")
     return view if isinstance(view, HFView) and view.__dict__.get("_hw_host") is module else None
+
+
+def restore_view(module: nn.Module, view: HFView) -> None:
+    """Make ``view``, a layer :func:`patch` gave ``module`` earlier, its layer again in place of the one a later
+    :func:`patch` gave it (surgery keeps the views of the modules it left alone, so that views held across it
+    still run the model's forward)."""
+    if view_on(module) is None or view.__dict__.get("_hw_host") is not module:
+        raise ValueError(f"restore_view: expected a view patch gave this {type(module).__name__} and a module "
+                         "patched now")
+    module.__dict__["attn"] = view
 
 
 def _targets(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None, str]]:
