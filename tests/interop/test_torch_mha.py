@@ -5,6 +5,8 @@ The peer is PyTorch's own nn.MultiheadAttention; every comparison is on whole te
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -224,6 +226,28 @@ def test_to_torch_refuses_per_head_qk_norms_and_overridden_forward_steps():
 
     with pytest.raises(ValueError, match=r"Sharpened\.project_q"):
         to_torch(Sharpened(16, 4))
+    patched = MultiHeadAttention(16, 4)  # a step assigned on the instance shadows the class's, as an override does
+    plain = MultiHeadAttention.project_out
+    patched.project_out = types.MethodType(lambda self, z, results=None: 2 * plain(self, z, results), patched)
+    with pytest.raises(ValueError, match=r"MultiHeadAttention overrides the forward steps project_out \(set on the "
+                                         r"instance\)"):
+        to_torch(patched)
+
+
+@pytest.mark.parametrize("bias,name,named", [(False, "q_proj", "q_proj has a bias but bias=False"),
+                                              (True, "k_proj", "k_proj has no bias but bias=True"),
+                                              (True, "out_proj", "out_proj has no bias but out_bias=True")])
+def test_to_torch_refuses_projection_biases_that_disagree_with_the_config(bias, name, named):
+    # nn.MultiheadAttention takes its biases from one flag: a swapped-in bias would be dropped, a missing one absent.
+    attn = MultiHeadAttention(16, 4, bias=bias)
+    setattr(attn, name, nn.Linear(16, 16, bias=not bias))
+    with pytest.raises(ValueError, match=f"projection biases that disagree with the config \\({named}\\)"):
+        to_torch(attn)
+    torch.manual_seed(0)
+    agreeing = MultiHeadAttention(16, 4, bias=bias).eval()
+    agreeing.v_proj = nn.Linear(16, 16, bias=bias)  # a swapped-in projection that agrees converts, output unchanged
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(to_torch(agreeing).eval()(x, x, x, need_weights=False)[0], agreeing(x))
 
 
 # PEFT asks transformers a deprecated question; not ours to fix.
@@ -271,6 +295,21 @@ def test_wrong_types_raise():
         to_torch(nn.MultiheadAttention(8, 2))
     with pytest.raises(ValueError, match="n_heads"):
         torch_masks_to_headwise(torch.zeros(8, 3, 3, dtype=torch.bool))
+    # A truthy str would silently pick batch-first (to_torch) or a shared view (from_torch).
+    with pytest.raises(TypeError, match=r"batch_first must be a bool, got 'False' \(str\)"):
+        to_torch(MultiHeadAttention(16, 4), batch_first="False")
+    with pytest.raises(TypeError, match=r"share must be a bool, got 'False' \(str\)"):
+        from_torch(nn.MultiheadAttention(16, 4), share="False")
+
+
+@pytest.mark.parametrize("n_heads,error,got", [(0, ValueError, "0"), (-4, ValueError, "-4"),
+                                              (2.0, TypeError, r"2\.0 \(float\)"), (True, TypeError, r"True \(bool\)"),
+                                              ("4", TypeError, r"'4' \(str\)")])
+def test_n_heads_of_a_3d_attn_mask_must_be_a_positive_int(n_heads, error, got):
+    per_head = torch.randn(8, 5, 5)  # (b * h, s_q, s_kv), b = 2, h = 4
+    with pytest.raises(error, match=f"n_heads must be a positive int.*, got {got}"):
+        torch_masks_to_headwise(per_head, n_heads=n_heads, query=torch.randn(2, 5, 16))
+    torch.testing.assert_close(torch_masks_to_headwise(per_head, n_heads=4), per_head.view(2, 4, 5, 5))
 
 
 # -- round trips ------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import combine_masks, padding_mask
+from ..validation import check_bool
 from .views import LayerView, ProjectionView
 
 __all__ = ["from_torch", "to_torch", "torch_masks_to_headwise", "TorchMHAView"]
@@ -71,6 +72,7 @@ def from_torch(m: nn.MultiheadAttention, *, backend: str = "sdpa", share: bool =
     """
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
+    check_bool("share", share)
     unsupported = []
     if m.bias_k is not None or m.bias_v is not None:
         unsupported.append("add_bias_kv=True (learned bias_k/bias_v appended as an extra key/value)")
@@ -111,9 +113,10 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
     Packed ``in_proj_weight`` when ``kdim == vdim == d_model``, else separate ``q/k/v_proj_weight``
     (torch decides the layout from kdim/vdim). Layers torch cannot express raise ``ValueError``:
     GQA/MQA, ``n_heads * d_head != d_model``, ``out_bias != bias``, a non-default scale, rotary, per-head
-    Q/K norms, a projection that is not an ``nn.Linear`` (a LoRA wrapper or another module; hooks are not copied), and any
-    subclass that overrides a step of the forward (``forward``, ``project_q``, ``project_kv``, ``project_qkv``,
-    ``rotate``, ``attend``, ``project_out``), naming it.
+    Q/K norms, a projection that is not an ``nn.Linear`` (a LoRA wrapper or another module; hooks are not copied)
+    or whose bias is present where the config's ``bias``/``out_bias`` says none (or the reverse), and any subclass
+    or instance attribute that overrides a step of the forward (``forward``, ``project_q``, ``project_kv``,
+    ``project_qkv``, ``rotate``, ``attend``, ``project_out``), naming it.
 
     Shapes:
         q_proj, k_proj, v_proj weights (d, d), (d, kdim), (d, vdim) -> in_proj_weight (3d, d) or
@@ -129,6 +132,7 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
     """
     if not isinstance(attn, MultiHeadAttention):
         raise TypeError(f"to_torch expects a headwise MultiHeadAttention, got {type(attn).__name__}")
+    check_bool("batch_first", batch_first)
     cfg = attn.config
     problems = []
     if cfg.n_kv_heads != cfg.n_heads:
@@ -189,6 +193,15 @@ def _forward_problems(attn: MultiHeadAttention) -> list[str]:
         problems.append("projections that are not an nn.Linear (" + ", ".join(
             f"{k}={v.__module__}.{v.__qualname__}" for k, v in odd.items()) + "); nn.MultiheadAttention applies only "
             "their weight and bias (merge an adapter first, e.g. PEFT's merge_and_unload())")
+    # nn.MultiheadAttention has a bias everywhere or nowhere, built from the config's flag: a swapped-in projection
+    # whose bias disagrees would have its bias dropped, or have none to copy.
+    flags = {"q_proj": "bias", "k_proj": "bias", "v_proj": "bias", "out_proj": "out_bias"}
+    has = {name: getattr(attn, name).bias is not None for name in flags if name not in odd}
+    wrong = [f"{name} has {'a bias' if b else 'no bias'} but {flags[name]}={not b}" for name, b in has.items()
+             if b != getattr(attn.config, flags[name])]
+    if wrong:
+        problems.append(f"projection biases that disagree with the config ({'; '.join(wrong)}); "
+                        "nn.MultiheadAttention gives every projection a bias or none, as the config says")
     norms = {name: getattr(attn, name, None) for name in ("q_norm", "k_norm")}
     if any(isinstance(n, nn.Module) for n in norms.values()):
         problems.append("per-head Q/K norms (" + ", ".join(f"{k}={type(v).__name__}" for k, v in norms.items())
@@ -207,6 +220,8 @@ def _forward_problems(attn: MultiHeadAttention) -> list[str]:
             plain = True  # that class's forward is the plain one, or the refusal handled above
         if not plain:
             overridden.append(f"{owner.__name__}.{step}")
+    # A step assigned on the instance (a notebook's monkeypatch) shadows every class's.
+    overridden += [f"{step} (set on the instance)" for step in _FORWARD_STEPS if step in vars(attn)]
     if overridden:
         problems.append(f"{type(attn).__name__} overrides the forward steps {', '.join(overridden)}; "
                         "nn.MultiheadAttention computes only the plain MultiHeadAttention forward")
@@ -289,6 +304,10 @@ def torch_masks_to_headwise(
         [[1, 0, 0], [1, 1, 0], [1, 1, 0]]
     """
     masks = []
+    if n_heads is not None and (isinstance(n_heads, bool) or not isinstance(n_heads, int)):
+        raise TypeError(f"n_heads must be a positive int or None, got {n_heads!r} ({type(n_heads).__name__})")
+    if n_heads is not None and n_heads <= 0:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads}")
     if attn_mask is not None:
         _check_mask("attn_mask", attn_mask)
     if key_padding_mask is not None:
