@@ -286,7 +286,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
         if results is not None and bare_linear(out):
             # Accumulated in float32, as W_O's own product accumulates: a half-precision sum of h rounded writes
             # would drift from the untraced output.
-            y = results.sum(2, dtype=torch.float32).to(results.dtype)  # (b, s_q, d)
+            y = results.sum(2, dtype=torch.promote_types(results.dtype, torch.float32)).to(results.dtype)  # (b, s_q, d)
             return y if out.bias is None else y + out.bias
         return out(hwf.merge_heads(z))  # (b, s_q, d)
 

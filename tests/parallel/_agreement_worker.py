@@ -10,6 +10,7 @@ hanging.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 
@@ -53,7 +54,7 @@ def _attempt(call) -> dict:
 # Sequence parallel: (case name, what rank 1 passes instead of rank 0's call). Rank 0's call is always
 # sp(x_slice, mask=window, causal=True).
 SP_CASES = ["bad_width", "bad_mask_heads", "mask_shape_differs", "causal_differs", "not_a_tensor",
-            "unknown_option", "trainable_differs"]
+            "unknown_option", "trainable_differs", "grad_reduction_differs", "traced"]
 
 
 def _sp_refused_call(case: str, rank: int, x: torch.Tensor, window: torch.Tensor) -> tuple[tuple, dict]:
@@ -84,6 +85,7 @@ def _short_group():
 
 
 def sp_cases(rank: int, world: int) -> dict:
+    import headwise
     from headwise.parallel import sequence_parallel
 
     out: dict = {}
@@ -94,10 +96,16 @@ def sp_cases(rank: int, world: int) -> dict:
         args, kw = _sp_refused_call(case, rank, mine(inp["x_refused"]), inp["window"])
         frozen = case == "trainable_differs" and rank == 1  # the gradient all-reduces would not pair up
         sp.layer.q_proj.weight.requires_grad_(not frozen)
+        if case == "grad_reduction_differs" and rank == 1:  # its backward would not all-reduce what rank 0's does
+            sp.grad_reduction = "none"
+        # Rank 1 alone traces: its heads are not the layer's first ones, which the trace would take them for.
+        traced = headwise.trace(sp, capture=("z",)) if case == "traced" and rank == 1 else contextlib.nullcontext()
         start = time.monotonic()
-        res = _attempt(lambda: sp(*args, **kw))
+        with traced:
+            res = _attempt(lambda: sp(*args, **kw))
         res["seconds"] = time.monotonic() - start
         sp.layer.q_proj.weight.requires_grad_(True)
+        sp.grad_reduction = "sum"
         res["state"] = _state(sp)
         res["grads"] = [n for n, p in sp.named_parameters() if p.grad is not None]
         res["good"] = _attempt(lambda: sp(mine(inp["x_good"]), mask=inp["window"], causal=True))
@@ -110,7 +118,7 @@ def sp_cases(rank: int, world: int) -> dict:
 # on rank 0 and two on rank 1; "cache_differs" crops rank 1's cache by one position before the step (then
 # rank 0's too, for the good step). "size_differs" is last: it aborted a rank when nothing checked it.
 TP_CASES = ["shape_differs", "causal_differs", "bad_width", "unknown_option", "decode_differs", "cache_differs",
-            "trainable_differs", "size_differs"]
+            "trainable_differs", "hooks_differ", "size_differs"]
 
 
 def _tp_refused_call(case: str, rank: int, x: torch.Tensor) -> tuple[tuple, dict]:
@@ -169,8 +177,16 @@ def tp_cases(rank: int, world: int) -> dict:
             frozen = case == "trainable_differs" and rank == 1
             tp.k_proj.requires_grad_(not frozen)
             tp.v_proj.requires_grad_(not frozen)
+            # A hook on rank 0's q_proj keeps its no-grad call in one pass, while rank 1 runs its queries in
+            # chunks of 2 (an all-reduce each); the good call below (with grad: never chunked) keeps the hook.
+            hooked = case == "hooks_differ"
+            if hooked:
+                tp.chunk_queries = 2
+                if rank == 0:
+                    tp.q_proj.register_forward_hook(lambda module, args, output: None)
             before = _snapshot(tp, None)
-            res |= _attempt(lambda: tp(*args, **kw))
+            with torch.no_grad() if hooked else contextlib.nullcontext():
+                res |= _attempt(lambda: tp(*args, **kw))
             res |= {"before": before, "after": _snapshot(tp, None)}
             tp.requires_grad_(True)
             res["good"] = _attempt(lambda: tp(x_good, causal=True))

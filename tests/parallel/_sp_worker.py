@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import importlib.util
 import time
 
 import torch
@@ -60,9 +61,17 @@ SCENARIOS: dict[int, list[dict]] = {
              phases=[CAUSAL, WINDOW]),
     ],
 }
+# Per-head Q/K norms (QKNormAttention, from the Hugging Face interop) on the (sp, tp) mesh: the tp shards keep
+# them, and their gradients are summed over both dimensions.
+if importlib.util.find_spec("transformers") is not None:
+    SCENARIOS[4].append(dict(name="mesh_qk_norm", d_model=16, n_heads=4, n_kv_heads=2, s=6, rotary=True,
+                             mesh=True, qk_norm=True, phases=[CAUSAL]))
 # Bytes of the all-to-alls at a fixed local length, the same on 2 and 4 ranks.
 BYTES = dict(name="bytes_mha", d_model=32, n_heads=8, n_kv_heads=8, s_local=4)
 BYTES_MQA = dict(name="bytes_mqa", d_model=32, n_heads=8, n_kv_heads=1, s_local=4)
+# On 4 ranks the ranks attend with 2, 2, 1, 1 query heads and K/V heads [0], [0, 1], [1], [1]: each rank sends
+# back in the backward what it received, not what it sent.
+BYTES_UNEVEN = dict(name="bytes_uneven", d_model=24, n_heads=6, n_kv_heads=2, s_local=4)
 # Peak live tensor bytes of one forward and backward at a fixed local length, on 2 and 4 ranks.
 PEAK = dict(name="peak_mha", d_model=64, n_heads=4, n_kv_heads=4, s_local=256)
 
@@ -88,8 +97,14 @@ def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
     torch.manual_seed(seed)
     d, h = spec["d_model"], spec["n_heads"]
     rotary = RotaryEmbedding(d // h) if spec.get("rotary") else None
-    attn = MultiHeadAttention(d, h, spec["n_kv_heads"], bias=spec.get("bias", True), rotary=rotary, dtype=DTYPE,
-                              kdim=spec.get("kdim"), vdim=spec.get("vdim"))
+    kind, extra = MultiHeadAttention, {}
+    if spec.get("qk_norm"):
+        from headwise.interop.hf.qk_norm import QKNormAttention
+
+        kind, extra = QKNormAttention, {"q_norm": torch.nn.RMSNorm(d // h, dtype=DTYPE),
+                                        "k_norm": torch.nn.RMSNorm(d // h, dtype=DTYPE)}
+    attn = kind(d, h, spec["n_kv_heads"], bias=spec.get("bias", True), rotary=rotary, dtype=DTYPE,
+                kdim=spec.get("kdim"), vdim=spec.get("vdim"), **extra)
     with torch.no_grad():  # biases away from their init so that the bias handling is visible
         for p in attn.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=DTYPE) * 0.3)
@@ -329,7 +344,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp"))
         for spec in SCENARIOS[world]:
             results[spec["name"]] = _run_scenario(spec, world, rank, mesh2d)
-        for spec in (BYTES, BYTES_MQA):
+        for spec in (BYTES, BYTES_MQA, BYTES_UNEVEN):
             results[spec["name"]] = _count_bytes(spec, world, rank)
         attn, inp = build(dict(PEAK, s=PEAK["s_local"] * world))
         x = torch.tensor_split(inp["x"], world, dim=1)[rank].clone().requires_grad_()

@@ -7,6 +7,8 @@ same unsharded layers and inputs from the same seeds and does all the comparing.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 
 import torch
 
@@ -35,6 +37,11 @@ SCENARIOS: dict[int, list[dict]] = {
         dict(name="gqa_partitioned", d_model=48, n_heads=8, n_kv_heads=4, d_head=4),
     ],
 }
+# Per-head Q/K norms (the QKNormAttention of Qwen3 / Gemma 3, from the Hugging Face interop): K/V heads
+# partitioned on 2 ranks, replicated on 4.
+if importlib.util.find_spec("transformers") is not None:
+    SCENARIOS[2].append(dict(name="qk_norm_gqa", d_model=32, n_heads=4, n_kv_heads=2, qk_norm=True, rotary=True))
+    SCENARIOS[4].append(dict(name="qk_norm_mqa", d_model=32, n_heads=4, n_kv_heads=1, qk_norm=True))
 # A layer that cannot be split over 4 ranks (6 % 4 != 0); only rank 0 tries.
 INVALID = dict(d_model=24, n_heads=6, n_kv_heads=2)
 
@@ -47,8 +54,14 @@ def build(spec: dict) -> tuple[MultiHeadAttention, dict]:
     d_head = spec.get("d_head") or spec["d_model"] // spec["n_heads"]
     rotary = RotaryEmbedding(d_head) if spec.get("rotary") else None
     h0, h_kv0, drop = spec.get("pruned_from", (spec["n_heads"], spec["n_kv_heads"], None))
-    attn = MultiHeadAttention(spec["d_model"], h0, h_kv0, d_head=spec.get("d_head"),
-                              bias=spec.get("bias", True), rotary=rotary, dtype=DTYPE)
+    kind, extra = MultiHeadAttention, {}
+    if spec.get("qk_norm"):
+        from headwise.interop.hf.qk_norm import QKNormAttention
+
+        kind, extra = QKNormAttention, {"q_norm": torch.nn.RMSNorm(d_head, dtype=DTYPE),
+                                        "k_norm": torch.nn.RMSNorm(d_head, dtype=DTYPE)}
+    attn = kind(spec["d_model"], h0, h_kv0, d_head=spec.get("d_head"), bias=spec.get("bias", True), rotary=rotary,
+                dtype=DTYPE, **extra)
     with torch.no_grad():  # biases away from their init so that the bias handling is visible
         for p in attn.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=DTYPE) * 0.3)
@@ -100,6 +113,13 @@ def _run_scenario(spec: dict, group, mesh) -> dict:
     out: dict = {"q_heads": tp.partition.q_heads, "kv_heads": tp.partition.kv_heads,
                  "local_n_heads": tp.config.n_heads, "local_n_kv_heads": tp.config.n_kv_heads,
                  "d_head": tp.config.d_head, "scale": tp.config.scale, "describe": tp.plan.describe()}
+
+    mask = inp["pad_mask"]
+    if mask.dim() >= 3 and mask.shape[-3] == spec["n_heads"]:  # a per-head mask laid out for the global heads
+        try:
+            out["explain"] = dataclasses.replace(tp.explain_dispatch(inp["x_pad"], mask=mask, causal=True), plan=None)
+        except ValueError as err:
+            out["explain"] = str(err)
 
     x = inp["x"].clone().requires_grad_()
     y = tp(x, causal=True)
@@ -254,6 +274,41 @@ def _out_proj_hooks() -> dict:
             "calls": (len(pre_calls), len(post_calls))}
 
 
+# An adapter on k_proj and a hook on v_proj of a layer whose one K/V head every rank holds (replicated).
+ADAPTER = dict(name="adapter_mqa", d_model=32, n_heads=4, n_kv_heads=1)
+
+
+class LoRALinear(torch.nn.Linear):
+    """``W x + b + B A x``: a LoRA-style adapter that keeps its base layer's weight and bias as its own."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 2) -> None:
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, dtype=base.weight.dtype)
+        self.load_state_dict(base.state_dict())
+        g = torch.Generator().manual_seed(7)
+        self.A = torch.nn.Parameter(torch.randn(rank, base.in_features, generator=g, dtype=DTYPE))
+        self.B = torch.nn.Parameter(torch.randn(base.out_features, rank, generator=g, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + x @ self.A.T @ self.B.T
+
+
+def _replicated_kv_adapter() -> dict:
+    from headwise.parallel import tensor_parallel
+
+    attn, inp = build(ADAPTER)
+    tp = tensor_parallel(attn)
+    tp.k_proj = LoRALinear(tp.k_proj)
+    calls: list[int] = []
+    tp.v_proj.register_forward_hook(lambda module, args, output: calls.append(1))
+    with torch.no_grad():
+        y_no_grad = tp(inp["x"], causal=True)
+    x = inp["x"].clone().requires_grad_()
+    y = tp(x, causal=True)
+    (y * inp["grad_y"]).sum().backward()
+    return {"y_no_grad": y_no_grad, "y": y.detach(), "x_grad": x.grad, "v_hook_calls": len(calls),
+            "k_grads": {n: None if p.grad is None else p.grad.clone() for n, p in tp.k_proj.named_parameters()}}
+
+
 def _shard_state(rank: int, world: int) -> dict:
     """Every rank's shard state dict loaded into this rank's shard: only its own may load, as saved, after
     torch.save / torch.load(weights_only=True), and cast to bfloat16 (its metadata kept)."""
@@ -311,6 +366,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             results[spec["name"]] = _run_scenario(spec, group, mesh)
         results["trace"] = _trace(rank)
         results["hooks"] = _out_proj_hooks()
+        results["adapter"] = _replicated_kv_adapter()
         results["shard_state"] = _shard_state(rank, world)
         if world == 4:
             results["submesh"] = _run_submesh(rank)

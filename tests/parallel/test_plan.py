@@ -100,6 +100,19 @@ def test_head_lookup_names_the_owner():
         plan_heads(8, 8, 4).owner_of(8)
 
 
+@pytest.mark.parametrize("bad", [0.5, 1.0, True, "1", None])
+def test_head_lookups_take_only_int_indices(bad):
+    # 1.0 and True compare equal to 1: accepted, they would return float indices or another head's ranks.
+    plan = plan_heads(8, 2, 4)
+    part = plan.partition(2)
+    for name, lookup in (("K/V head index", plan.ranks_holding_kv), ("query head", part.local_index),
+                         ("local head index", part.global_kv_head_of_local)):
+        with pytest.raises(TypeError, match=rf"^{name} must be an int, got {re.escape(repr(bad))} "
+                                            rf"\({type(bad).__name__}\)$"):
+            lookup(bad)
+    assert (plan.ranks_holding_kv(1), part.local_index(5), part.global_kv_head_of_local(1)) == ([2, 3], 1, 1)
+
+
 @pytest.mark.parametrize("args, exc", [((0, 1, 1), ValueError), ((4, 1, 0), ValueError), ((4, 3, 1), ValueError),
                                        ((4.0, 1, 1), TypeError), ((4, 1, True), TypeError)])
 def test_bad_counts_are_rejected(args, exc):

@@ -21,6 +21,9 @@ SP_MESSAGES = {
     "unknown_option": "refused on rank 1, so every rank of the 2 refuses the call: forward() got unexpected "
                       "keyword arguments ['casual']",
     "trainable_differs": "layer states (grad mode, trainable parameters as bits) differ by rank",
+    "grad_reduction_differs": "grad_reductions (0: sum, 1: none) differ by rank: [0, 1] (rank 1 differs from rank 0)",
+    "traced": "refused on rank 1, so every rank of the 2 refuses the call: headwise.trace does not run on a "
+              "sequence-parallel layer (each rank attends with only heads [2, 3]); trace the unsharded layer",
 }
 
 
@@ -74,6 +77,8 @@ TP_MESSAGES = {
     "size_differs": "inputs x differ by rank: [(2, 6, 16) float64, (2, 7, 16) float64] (rank 1 differs from rank 0)",
     "trainable_differs": "layer states (grad mode, training, traced, trainable parameters as bits, chunk_queries) "
                          "differ by rank: [(1, 1, 0, 255, -1), (1, 1, 0, 195, -1)] (rank 1 differs from rank 0)",
+    "hooks_differ": "query chunks turned off by forward hooks on q_proj or out_proj (0: no, 1: yes) differ by rank: "
+                    "[1, 0] (rank 1 differs from rank 0)",
 }
 
 

@@ -73,7 +73,8 @@ def _expected_grads(spec: dict, attn: MultiHeadAttention, res: dict) -> dict[str
     if attn.q_proj.bias is not None:
         out |= {"q_proj.bias": full["q_proj.bias"][q_rows], "k_proj.bias": full["k_proj.bias"][kv_rows],
                 "v_proj.bias": full["v_proj.bias"][kv_rows]}
-    return out
+    # Per-head Q/K norms: every shard holds them whole, read by all its heads over all tokens.
+    return out | {n: g for n, g in full.items() if n.startswith(("q_norm.", "k_norm."))}
 
 
 def test_slices_and_every_gradient_equal_one_process_on_the_whole_sequence(world):
@@ -185,6 +186,25 @@ def test_all_to_all_bytes_match_the_closed_form_and_do_not_grow_with_p_for_mha(r
     assert sent_mha[2] < sent_mha[4] < 4 * worker.B * 4 * 32 * 8
 
 
+def test_all_to_all_bytes_of_every_rank_equal_the_bytes_it_hands_over_each_way(world):
+    """The plan's count and parallel_costs' largest count against the bytes each rank handed to
+    all_to_all_single for other ranks, forward and backward, with uneven head counts (6 heads on 4 ranks)."""
+    from headwise import AttentionConfig
+    from headwise.analysis.parallel import parallel_costs
+
+    world_size, ranks = world
+    spec = worker.BYTES_UNEVEN
+    counted = [(res[spec["name"]]["forward_sent"], res[spec["name"]]["backward_sent"]) for res in ranks]
+    for r, res in enumerate(ranks):
+        plan = res[spec["name"]]["plan_bytes"]
+        assert (plan["forward"], plan["backward"]) == counted[r], (r, plan, counted[r])
+    cfg = AttentionConfig(d_model=spec["d_model"], n_heads=spec["n_heads"], n_kv_heads=spec["n_kv_heads"])
+    costs = parallel_costs(cfg, spec["s_local"] * world_size, world_size, batch=worker.B, dtype=torch.float64)["sp"]
+    assert (costs["sent_forward"], costs["sent_backward"]) == tuple(max(c) for c in zip(*counted))
+    if world_size == 4:  # the case that tells the two directions apart
+        assert any(f != b for f, b in counted)
+
+
 def test_qkv_context_closed_form_counts_the_heads_each_rank_attends_with(world):
     """parallel_costs' "Q, K, V, context" bytes against the shapes the layer hands to attention on each rank
     (K/V repeated per query head where a rank's heads do not follow the plain GQA pattern)."""
@@ -278,6 +298,10 @@ def test_one_rank_unbatched_input_and_bad_masks(one_rank_group):
         plain(inp["x"], positions=torch.arange(inp["x"].shape[1]))
     with pytest.raises(TypeError, match="already sequence-parallel"):
         sequence_parallel(sp)
+    sp.grad_reduction = "mean"  # set after building: refused at the call, as at construction
+    with pytest.raises(ValueError, match=r"^grad_reduction must be one of \('sum', 'none'\), got 'mean'$"):
+        sp(x, causal=True)
+    sp.grad_reduction = "sum"
     assert sp.layer is not attn and all(p is not q for p, q in zip(sp.parameters(), attn.parameters()))
 
 

@@ -46,13 +46,19 @@ def test_plan_matches_brute_force(h, h_kv, sp, tp):
         assert plan.global_q_heads(r, tp - 1) == tuple((tp - 1) * hs + i for i in q)
     assert plan.kv_replicated == (len({k for _, kv in want for k in kv}) < sum(len(kv) for _, kv in want))
     b, s_q, s_kv, d_h, item = 2, 5, 3, 4, 2
-    for r in range(sp):  # what rank r sends: each other rank's heads of its slice; its own heads' output back
-        others = [want[j] for j in range(sp) if j != r]
-        q = sum(len(qh) for qh, _ in others) * b * s_q * d_h * item
-        kv = sum(len(k) for _, k in others) * b * s_kv * d_h * item
-        out = len(want[r][0]) * (sp - 1) * b * s_q * d_h * item
+    row_q, row_kv = b * s_q * d_h * item, b * s_kv * d_h * item
+    # sent[(r, j)]: bytes rank r sends rank j in the forward: j's heads of r's slice (Q, K, V), r's heads of
+    # j's slice (the output); a backward sends the gradient of each of these back, from j to r.
+    sent = {}
+    for r in range(sp):
+        for j in range(sp):
+            if j != r:
+                sent[r, j] = (len(want[j][0]) * row_q, len(want[j][1]) * row_kv, len(want[r][0]) * row_q)
+    for r in range(sp):
+        q, kv, out = (sum(sent[r, j][i] for j in range(sp) if j != r) for i in range(3))
+        back = sum(sum(sent[j, r][i] * (2 if i == 1 else 1) for i in range(3)) for j in range(sp) if j != r)
         got = plan.all_to_all_bytes(batch=b, s_q=s_q, s_kv=s_kv, d_head=d_h, itemsize=item, sp_rank=r)
-        assert got == {"q": q, "k": kv, "v": kv, "out": out, "forward": q + 2 * kv + out, "backward": q + 2 * kv + out}
+        assert got == {"q": q, "k": kv, "v": kv, "out": out, "forward": q + 2 * kv + out, "backward": back}
 
 
 def test_layouts_and_bad_arguments():
@@ -66,6 +72,31 @@ def test_layouts_and_bad_arguments():
         plan_sequence_parallel(8, 2, sp=2).rank(2)
     text = str(plan_sequence_parallel(6, 2, sp=4))
     assert "2 or 1 query heads per rank" in text and "uneven" in text and "sp rank 3: query heads [5], K/V heads [1]" in text
+
+
+@pytest.mark.parametrize("name, value", [("batch", -1), ("batch", 0), ("s_q", 2.5), ("d_head", True),
+                                         ("itemsize", 4.0), ("s_kv", -3)])
+def test_all_to_all_bytes_takes_only_positive_int_sizes(name, value):
+    sizes = dict(batch=1, s_q=4, d_head=2, itemsize=4) | {name: value}
+    exc = TypeError if isinstance(value, (bool, float)) else ValueError
+    with pytest.raises(exc, match=rf"^{name} must be a positive int, got {value!r}"):
+        plan_sequence_parallel(8, 8, sp=2).all_to_all_bytes(**sizes)
+
+
+def test_the_documented_closed_form_holds_exactly_where_the_docs_say():
+    """docs/parallel.md: with P dividing h and the K/V heads splitting evenly (h_kv % P == 0, or P % h_kv == 0),
+    every rank sends (P - 1) / P * b s d_h * i * (2 h + 2 max(h_kv, P)) forward; elsewhere some rank sends more."""
+    b, s, d_h, item = 2, 5, 4, 2
+    for h, h_kv, sp, tp in CASES:
+        if tp != 1 or _brute(h, h_kv, sp, tp) is None or h % sp:
+            continue
+        plan = plan_sequence_parallel(h, h_kv, sp=sp)
+        sent = [plan.all_to_all_bytes(batch=b, s_q=s, d_head=d_h, itemsize=item, sp_rank=r) for r in range(sp)]
+        closed = (sp - 1) * b * s * d_h * item * (2 * h + 2 * max(h_kv, sp)) // sp
+        if h_kv % sp == 0 or sp % h_kv == 0:
+            assert all(n["forward"] == n["backward"] == closed for n in sent), (h, h_kv, sp)
+        else:
+            assert max(n["forward"] for n in sent) > closed, (h, h_kv, sp)
 
 
 @pytest.mark.parametrize("first", ["headwise.parallel.tensor", "headwise.parallel.sequence",

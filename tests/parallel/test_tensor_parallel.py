@@ -9,6 +9,7 @@ gradients on every replica, the input gradient on every rank, and KV-cache decod
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import pytest
@@ -99,6 +100,11 @@ def _check_grads(spec: dict, world_size: int, ranks: list[dict], phase: str, att
     if attn.out_proj.bias is not None:
         for g in grads:  # replicated, added once after the reduce: the full gradient on every rank
             torch.testing.assert_close(g["out_proj.bias"], attn.out_proj.bias.grad)
+    for name in ("q_norm.weight", "k_norm.weight"):  # per-head norms read by every rank's heads: whole everywhere
+        if name in dict(attn.named_parameters()):
+            for r, g in enumerate(grads):
+                torch.testing.assert_close(g[name], attn.get_parameter(name).grad,
+                                           msg=lambda m: f"rank {r} {name}: {m}")
     for g in grads:
         assert set(g) == {n for n, _ in attn.named_parameters()}
 
@@ -199,10 +205,65 @@ def test_unshard_gathers_the_whole_layer_on_every_rank(world):
         want = attn.state_dict()
         for r, res in enumerate(ranks):
             got = res[spec["name"]]["unshard"]
-            assert res[spec["name"]]["unshard_types"] == ("MultiHeadAttention", attn.config.to_dict())
+            assert res[spec["name"]]["unshard_types"] == (type(attn).__name__, attn.config.to_dict())
             assert set(got) == set(want)
             for name in want:  # gathered copies of the same numbers: exact
                 assert torch.equal(got[name], want[name]), (spec["name"], r, name)
+
+
+def test_qk_norm_layers_are_sharded_with_their_norms(world):
+    """QKNormAttention (Qwen3 / Gemma 3 from from_hf) keeps its per-head norms in every shard: the scenarios'
+    outputs, gradients (the norms' whole on every rank), head views, decoding and unshard are checked above."""
+    pytest.importorskip("transformers")
+    world_size, ranks = world
+    specs = [s for s in _specs(world_size) if s.get("qk_norm")]
+    assert len(specs) == 1
+    attn, _ = worker.build(specs[0])
+    assert type(attn).__name__ == "QKNormAttention"
+    for res in ranks:
+        assert res[specs[0]["name"]]["unshard_types"][0] == "QKNormAttention"
+
+
+def test_explaining_a_call_with_a_global_per_head_mask_explains_the_local_call_forward_runs(world):
+    """tp.explain_dispatch takes the mask tp(x, mask=...) takes (laid out for the global heads) and describes
+    what runs on the rank: a plain layer of the rank's heads on its rows of the mask."""
+    world_size, ranks = world
+    checked = 0
+    for spec in _specs(world_size):
+        if "explain" not in ranks[0][spec["name"]]:
+            continue
+        attn, inp = worker.build(spec)
+        for r, res in enumerate(ranks):
+            q, kv = _owned(spec, world_size, r)
+            cfg = attn.config.replace(n_heads=len(q), n_kv_heads=len(kv))
+            local = MultiHeadAttention(config=cfg, dtype=worker.DTYPE)
+            mask = inp["pad_mask"]
+            rows = mask.narrow(mask.dim() - 3, q[0], len(q))
+            want = local.explain_dispatch(inp["x_pad"], mask=rows, causal=True)
+            assert res[spec["name"]]["explain"] == dataclasses.replace(want, plan=None), (spec["name"], r)
+        checked += 1
+    assert checked >= 2
+
+
+def test_an_adapter_and_a_hook_on_replicated_kv_projections_run_with_grad_as_without(world):
+    """A LoRA-style k_proj and a hooked v_proj of an MQA layer (its one K/V head on every rank): the output with
+    grad equals the output without, and the same adapter on the unsharded layer; the adapter's gradients are
+    whole on every rank (summed over the replicas)."""
+    world_size, ranks = world
+    attn, inp = worker.build(worker.ADAPTER)
+    attn.k_proj = worker.LoRALinear(attn.k_proj)
+    x = inp["x"].clone().requires_grad_()
+    y = attn(x, causal=True)
+    (y * inp["grad_y"]).sum().backward()
+    for r, res in enumerate(ranks):
+        got = res["adapter"]
+        torch.testing.assert_close(got["y_no_grad"], y.detach(), msg=lambda m: f"rank {r} no grad: {m}")
+        torch.testing.assert_close(got["y"], y.detach(), msg=lambda m: f"rank {r} grad: {m}")
+        torch.testing.assert_close(got["x_grad"], x.grad, msg=lambda m: f"rank {r} dx: {m}")
+        assert got["v_hook_calls"] == 2, f"rank {r}"  # once without grad, once with
+        assert sorted(got["k_grads"]) == ["A", "B", "bias", "weight"]
+        for name, g in got["k_grads"].items():
+            torch.testing.assert_close(g, attn.k_proj.get_parameter(name).grad, msg=lambda m: f"rank {r} {name}: {m}")
 
 
 def test_tensor_parallel_inside_a_sub_group_of_a_2d_mesh(ranks4):
@@ -231,6 +292,29 @@ def test_needs_an_initialised_group_and_a_headwise_layer():
         tensor_parallel(MultiHeadAttention(16, 4))
     with pytest.raises(TypeError, match="MultiHeadAttention"):
         tensor_parallel(torch.nn.Linear(4, 4))
+
+
+class _ScaledOutput(MultiHeadAttention):
+    def project_out(self, z, results=None):
+        return 2 * super().project_out(z, results)
+
+
+def test_a_layer_computing_more_than_a_shard_carries_is_refused_before_any_group_is_read():
+    """A subclass with its own forward step, a projection that is an adapter, or a view of another module's
+    weights would lose what they compute in a shard: TypeError naming it (no process group is needed)."""
+    from headwise.interop import from_torch
+
+    with pytest.raises(TypeError, match=r"cannot shard _ScaledOutput: it overrides the forward step "
+                                        r"_ScaledOutput\.project_out; a shard computes only"):
+        tensor_parallel(_ScaledOutput(16, 4))
+    adapted = MultiHeadAttention(16, 4, dtype=worker.DTYPE)
+    adapted.k_proj = worker.LoRALinear(adapted.k_proj)
+    with pytest.raises(TypeError, match=r"its projections k_proj=LoRALinear are not nn\.Linear.*merge_and_unload"):
+        tensor_parallel(adapted)
+    view = from_torch(torch.nn.MultiheadAttention(16, 4, batch_first=True), share=True)
+    with pytest.raises(TypeError, match=r"cannot shard TorchMHAView: it overrides the forward step.*view of another "
+                                        r"module's weights: shard a standalone copy"):
+        tensor_parallel(view)
 
 
 def test_trace_edits_take_global_heads_and_equal_the_same_edits_on_the_unsharded_layer(world):

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from headwise.interop import layers, patch  # noqa: E402
 from tests import hf_reference as ref  # noqa: E402
+from tests.trace.per_head import per_head_reference  # noqa: E402
 
 FAMILIES = list(ref.BUILDERS)
 
@@ -331,6 +332,20 @@ def test_captured_results_give_the_layer_output_with_and_without_edits():
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(gx_got, gx_want)
         torch.testing.assert_close(t[0].result.sum(2) + attn.out_proj.bias, want)
+
+
+@pytest.mark.parametrize("n_kv_heads", [6, 2])
+def test_captured_results_sum_in_the_layers_own_precision_when_above_float32(n_kv_heads):
+    # A float64 layer's traced output keeps float64's precision: the heads' writes are summed in float64, not
+    # in float32 (reference: the float64 per-head formula, which the untraced layer meets to ~1e-16).
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(24, 6, n_kv_heads).double().eval()
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    want = per_head_reference(attn, x, torch.ones(2, 1, 5, 5, dtype=torch.bool), {})
+    with torch.no_grad(), headwise.trace(attn, capture=("result",)) as t:
+        got = attn(x)
+    assert t[0].result.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
 def test_a_hook_on_w_o_still_runs_under_a_result_trace():

@@ -11,8 +11,9 @@ Closed forms, no torch; the head split comes from :mod:`headwise.parallel.plan` 
 * sequence parallel (:func:`headwise.parallel.sequence_parallel`): all weights (replicated); a ``(b, S/P, d)``
   slice in and out; the attention step holds the whole (padded) sequence for ``ceil(h / P)`` heads (and for
   as many K/V heads where a rank repeats its K/V heads per query head); the all-to-alls send what
-  :meth:`~headwise.parallel.sequence_plan.SequenceParallelPlan.all_to_all_bytes` says (the same backward);
-  the weight gradients are all-reduced once per step.
+  :meth:`~headwise.parallel.sequence_plan.SequenceParallelPlan.all_to_all_bytes` says (the backward sends
+  back what a rank received: the same amount where every rank attends with as many heads); the weight
+  gradients are all-reduced once per step. Bytes sent are the largest over ranks, forward and backward each.
 
 Shapes:
     b: batch, S: sequence, P: ranks, h / h_kv: query / K/V heads, h_r / kv_r: those one rank attends with,
@@ -76,15 +77,16 @@ def _sp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int) -> d
     # head per query head before attending: it then holds len(q_heads) of each.
     attended = max(2 * len(r.q_heads) + 2 * (len(r.kv_heads) if r.grouped else len(r.q_heads))
                    for r in plan.ranks)
-    sent = max((plan.all_to_all_bytes(batch=b, s_q=s_loc, d_head=c.d_head, itemsize=item, sp_rank=r)
-                for r in range(p)), key=lambda x: x["forward"])
+    # The largest over ranks, each way on its own: with uneven head counts the rank that sends most in the
+    # forward is not the one that sends most in the backward (which returns what a rank received).
+    sent = [plan.all_to_all_bytes(batch=b, s_q=s_loc, d_head=c.d_head, itemsize=item, sp_rank=r) for r in range(p)]
     weights = param_count(c).total * item
     return {
         "heads": h_r, "kv_heads": kv_r, "weights": weights, "input_output": 2 * b * s_loc * c.d_model * item,
         "qkv_context": b * s_loc * p * attended * c.d_head * item,
         "probabilities_eager": b * h_r * s * s * p_item, "lse_fused": b * h_r * s * _LSE_BYTES,
         "kv_cache": None,
-        "sent_forward": sent["forward"], "sent_backward": sent["backward"],
+        "sent_forward": max(n["forward"] for n in sent), "sent_backward": max(n["backward"] for n in sent),
         "weight_grad_all_reduce": ring_all_reduce_bytes(weights, p),
         "plan": plan.describe().split("\n")[0],
     }

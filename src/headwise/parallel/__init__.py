@@ -3,7 +3,9 @@
 * :mod:`headwise.parallel.plan`: the head-partition arithmetic (:func:`plan_heads`, :class:`HeadPartition`,
   :class:`TensorParallelPlan`, :func:`valid_world_sizes`), pure Python, no process group needed.
 * :mod:`headwise.parallel.tensor`: :func:`tensor_parallel` turns a :class:`~headwise.MultiHeadAttention`
-  into this rank's :class:`TensorParallelAttention` (column-parallel Q/K/V, row-parallel W_O, one all-reduce).
+  into this rank's :class:`TensorParallelAttention` (column-parallel Q/K/V, row-parallel W_O, one all-reduce);
+  :mod:`headwise.parallel.source`: what a shard carries of the layer (per-head Q/K norms included) and the
+  layers it refuses; :mod:`headwise.parallel.tensor_call`: what its ranks compare before each forward.
 * :mod:`headwise.parallel.sequence_plan` and :mod:`headwise.parallel.sequence`: sequence parallelism by
   heads (:func:`sequence_parallel`, DeepSpeed-Ulysses style: all-to-alls swap sequence sharding for heads), also
   on a 2-D ("sp", "tp") mesh with tensor parallelism; :func:`plan_sequence_parallel` is its pure arithmetic.

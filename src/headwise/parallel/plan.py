@@ -36,6 +36,13 @@ def check_count(name: str, value: object) -> int:
     return value
 
 
+def check_index(name: str, value: object) -> int:
+    """``value`` if it is an int (not a bool, whose ``True == 1`` would pass as head 1); raises naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return value
+
+
 def head_config(n_heads: int, n_kv_heads: int | None = None) -> AttentionConfig:
     """The head counts as an :class:`~headwise.AttentionConfig` (head width 1: only the heads matter to a
     plan), so that the counts' checks and the MHA/GQA/MQA rule (``kind``, ``group_size``, ``kv_head_of``)
@@ -124,6 +131,7 @@ class HeadPartition:
 
     def local_index(self, head: int) -> int:
         """The local index of global query head ``head`` (raises if another rank owns it)."""
+        check_index("query head", head)
         if not self.owns(head):
             owner = head // self.n_local_heads if 0 <= head < self.n_heads else None
             where = f"rank {owner} owns it" if owner is not None else f"heads are 0..{self.n_heads - 1}"
@@ -133,6 +141,7 @@ class HeadPartition:
 
     def global_kv_head_of_local(self, j: int) -> int:
         """The global K/V head read by local query head ``j``."""
+        check_index("local head index", j)
         if not 0 <= j < self.n_local_heads:
             raise IndexError(f"local head index must be in [0, {self.n_local_heads}), got {j}")
         return self.kv_heads[j // self.local_group_size]
@@ -211,6 +220,7 @@ class TensorParallelPlan:
 
     def ranks_holding_kv(self, kv_head: int) -> list[int]:
         """Every rank holding global K/V head ``kv_head`` (several when replicated)."""
+        check_index("K/V head index", kv_head)
         if not 0 <= kv_head < self.n_kv_heads:
             raise IndexError(f"K/V head index must be in [0, {self.n_kv_heads}), got {kv_head}")
         return [p.rank for p in self.partitions if kv_head in p.kv_heads]

@@ -202,6 +202,12 @@ class SequenceParallelAttention(nn.Module):
         """Every check that needs no other rank: x, key, value batched; the mask and positions as far as
         they can be checked before the global lengths are known."""
         layer = self.layer
+        if layer.tracer is not None:
+            # A rank attends with some of the heads, which a trace would take for the layer's first ones.
+            raise ValueError("headwise.trace does not run on a sequence-parallel layer (each rank attends with "
+                             f"only heads {list(self.heads)}); trace the unsharded layer or a tensor_parallel shard")
+        if self.grad_reduction not in GRAD_REDUCTIONS:
+            raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {self.grad_reduction!r}")
         w = layer.q_proj.weight
         x, key, value, _, _, batched = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None,
                                                      x, context, key, value, None, causal, None, None, False)
@@ -239,6 +245,9 @@ class SequenceParallelAttention(nn.Module):
             "layer states (grad mode, trainable parameters as bits)": (
                 int(torch.is_grad_enabled()),
                 sum(1 << i for i, p in enumerate(self.layer.parameters()) if p.requires_grad)),
+            # It decides whether the backward all-reduces the parameters' (and a mask's) gradients.
+            f"grad_reductions ({', '.join(f'{i}: {r}' for i, r in enumerate(GRAD_REDUCTIONS))})": (
+                GRAD_REDUCTIONS.index(self.grad_reduction) if self.grad_reduction in GRAD_REDUCTIONS else -1,),
         }
         if self.check_group is None:
             got = agree(self.group, self.world_size, device, "sequence_parallel", error, same,

@@ -135,27 +135,39 @@ class SequenceParallelPlan:
                          sp_rank: int = 0) -> dict[str, int]:
         """Bytes rank ``sp_rank`` sends to *other* ranks in one layer's all-to-alls (its own part stays).
 
-        ``s_q`` / ``s_kv`` are the local lengths after padding (``ceil(S / sp)``). The backward pass sends
-        the same amounts in the other direction (the gradients of the same tensors).
+        ``s_q`` / ``s_kv`` are the local lengths after padding (``ceil(S / sp)``). ``q``, ``k``, ``v`` and
+        ``out`` are the forward's all-to-alls; ``backward`` runs each of them the other way, so a rank sends
+        there what it received in the forward: the same as ``forward`` only when every rank attends with as
+        many query and K/V heads.
 
         Shapes:
             q: sum over other ranks j of |q_heads_j| * b * s_q * d_h; k and v: |kv_heads_j| * b * s_kv * d_h
-            each; out: |q_heads_r| * (sp - 1) * b * s_q * d_h; all times itemsize
+            each; out: |q_heads_r| * (sp - 1) * b * s_q * d_h; all times itemsize. backward: |q_heads_r| *
+            (sp - 1) * b * s_q * d_h for Q, |kv_heads_r| * (sp - 1) * b * s_kv * d_h for K and V each, and
+            the sum over other ranks j of |q_heads_j| * b * s_q * d_h for the output
 
         Example:
             >>> p = plan_sequence_parallel(8, 8, sp=2)
             >>> p.all_to_all_bytes(batch=1, s_q=4, d_head=2, itemsize=4)
             {'q': 128, 'k': 128, 'v': 128, 'out': 128, 'forward': 512, 'backward': 512}
+            >>> p = plan_sequence_parallel(6, 2, sp=4)    # rank 1 reads K/V heads 0 and 1, rank 0 only 0
+            >>> [(n["forward"], n["backward"]) for n in (p.all_to_all_bytes(batch=1, s_q=4, d_head=2, itemsize=4,
+            ...                                                             sp_rank=r) for r in (0, 1))]
+            [(576, 512), (512, 704)]
         """
-        s_kv = s_q if s_kv is None else s_kv
+        batch, s_q = check_count("batch", batch), check_count("s_q", s_q)
+        d_head, itemsize = check_count("d_head", d_head), check_count("itemsize", itemsize)
+        s_kv = s_q if s_kv is None else check_count("s_kv", s_kv)
         me = self.rank(sp_rank)
         others = [r for r in self.ranks if r.rank != sp_rank]
         row_q, row_kv = batch * s_q * d_head * itemsize, batch * s_kv * d_head * itemsize
         q = sum(len(r.q_heads) for r in others) * row_q
         kv = sum(len(r.kv_heads) for r in others) * row_kv
         out = len(me.q_heads) * (self.sp - 1) * row_q
-        total = q + 2 * kv + out
-        return {"q": q, "k": kv, "v": kv, "out": out, "forward": total, "backward": total}
+        # Backward: the gradients of what this rank received: its own heads of every other rank's slice for
+        # Q, K and V, and every other rank's heads of its own slice for the output.
+        back = out + 2 * len(me.kv_heads) * (self.sp - 1) * row_kv + q
+        return {"q": q, "k": kv, "v": kv, "out": out, "forward": q + 2 * kv + out, "backward": back}
 
     def describe(self) -> str:
         """A human-readable account of the split, one line per sequence-parallel rank."""

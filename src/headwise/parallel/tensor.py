@@ -13,7 +13,9 @@ loss from the same (replicated) output. Then
 * the input ``x`` (``context``/``key``/``value``, a mask requiring grad) passes an identity whose backward
   all-reduces the gradient, because every rank's heads contribute a part of ``dL/dx``;
 * replicated K/V heads (fewer K/V heads than ranks) pass an identity whose backward sums the gradient over
-  the ranks that hold the same K/V head, so every replica ends with the full gradient and stays in sync.
+  the ranks that hold the same K/V head, so every replica ends with the full gradient and stays in sync;
+* per-head Q/K norms (QK-norm layers), whole on every rank and read by every rank's heads, sum theirs over
+  the group.
 
 After ``loss.backward()`` each local parameter's ``.grad`` is exactly its slice of the single-process
 gradient, and ``x.grad`` is the full input gradient on every rank. The same code runs on gloo (CPU) and NCCL
@@ -27,7 +29,6 @@ Shapes:
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import torch
@@ -38,12 +39,12 @@ from torch import nn
 from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..head import AttentionHead
-from ..kv_cache import KVCache
 from ..module_calls import bare_linear
-from .agreement import agree, flag, signature
 from .autograd import ReduceFromHeads, SumOverReplicas, copy_to_group
 from .plan import HeadPartition, TensorParallelPlan, plan_heads
 from .shard_state import ShardState, shard_record
+from .source import check_source, qk_norms
+from .tensor_call import agree_on_call
 
 __all__ = ["HeadNotLocalError", "TensorParallelAttention", "tensor_parallel"]
 
@@ -57,11 +58,6 @@ class HeadNotLocalError(ValueError):
 
 
 # -- the rank-local layer ------------------------------------------------------------------------------
-# The keyword options of MultiHeadAttention.forward besides the inputs and the mask (causal, cache, ...).
-_OPTIONS = tuple(n for n, p in inspect.signature(MultiHeadAttention.forward).parameters.items()
-                 if p.kind is p.KEYWORD_ONLY and n not in ("key", "value", "mask"))
-
-
 class TensorParallelAttention(ShardState, MultiHeadAttention):
     """The rank-local part of a :class:`MultiHeadAttention` split by whole heads; build it with
     :func:`tensor_parallel`.
@@ -101,48 +97,10 @@ class TensorParallelAttention(ShardState, MultiHeadAttention):
             -> (b, s_q, d) [, weights (b, h_local, s_q, s_kv)]
         """
         if self.check_inputs and self.world_size > 1:
-            self._agree_on_call(x, context, key, value, mask, kwargs)
+            agree_on_call(self, x, context, key, value, mask, kwargs)
         # A mask that requires grad (a learnable score bias) is read by every rank's heads, as x is.
         x, context, key, value, mask = (self.copy_to_heads(t) for t in (x, context, key, value, mask))
-        return super().forward(x, context, key=key, value=value, mask=self._local_mask(mask), **kwargs)
-
-    def _agree_on_call(self, x: Any, context: Any, key: Any, value: Any, mask: Any, options: dict) -> None:
-        """Every rank makes the same call, or every rank raises the same error (one all-gather).
-
-        With equal signatures the forward's own checks, which read only shapes, dtypes, devices and flags,
-        pass or refuse on every rank alike; what they cannot see from here is checked first, locally."""
-        error = None
-        try:
-            unknown = sorted(set(options) - set(_OPTIONS))
-            if unknown:
-                raise TypeError(f"forward() got unexpected keyword arguments {unknown}; it takes {list(_OPTIONS)}")
-            self._local_mask(mask)
-        except (ValueError, TypeError) as err:
-            error = err
-        w = self.q_proj.weight
-        cache, chunks = options.get("cache"), getattr(self, "chunk_queries", True)
-        same = {
-            "inputs x": signature(x, w.device), "inputs context": signature(context, w.device),
-            "inputs key": signature(key, w.device), "inputs value": signature(value, w.device),
-            "masks": signature(mask, w.device), "positions": signature(options.get("positions"), w.device),
-            "causal flags (0: False, 1: True, 2: not a bool)": flag(options.get("causal", False)),
-            "return_weights flags (0: False, 1: True, 2: not a bool)": flag(options.get("return_weights", False)),
-            "caches (0: none, 1: a KVCache, 2: not one; length; owner: 0 none, 1 this layer, 2 another)":
-                self._cache_state(cache),
-            "cache keys": signature(cache.keys if isinstance(cache, KVCache) else None, w.device),
-            # Bit i: parameter i is trainable. Replicated K/V heads enter the backward's sum over replicas
-            # only where they are, so every rank must freeze the same parameters or the sums would not pair.
-            "layer states (grad mode, training, traced, trainable parameters as bits, chunk_queries)": (
-                int(torch.is_grad_enabled()), int(self.training), int(self.tracer is not None),
-                sum(1 << i for i, p in enumerate(self.parameters()) if p.requires_grad),
-                -1 if chunks is True else int(chunks)),
-        }
-        agree(self.group, self.world_size, w.device, "tensor_parallel", error, same)
-
-    def _cache_state(self, cache: Any) -> tuple[int, int, int]:
-        if not isinstance(cache, KVCache):
-            return (0 if cache is None else 2, 0, 0)
-        return (1, cache.length, 0 if cache.owner is None else 1 if cache.owner is self else 2)
+        return super().forward(x, context, key=key, value=value, mask=self.local_mask(mask), **kwargs)
 
     def copy_to_heads(self, t: Any) -> Any:
         """``t`` unchanged, but its gradient is summed over the group in backward (every rank's heads read
@@ -150,7 +108,11 @@ class TensorParallelAttention(ShardState, MultiHeadAttention):
         themselves (e.g. :mod:`headwise.parallel.sequence`)."""
         return copy_to_group(t, self.group, self.world_size)
 
-    def _local_mask(self, mask: Any) -> Any:
+    def local_mask(self, mask: Any) -> Any:
+        """The mask :meth:`forward` applies on this rank: a per-head mask with the global h cut down to this
+        rank's heads; any other mask (or None) as it is. Raises ``ValueError`` for another head count.
+
+        Shapes: (..., h, s_q, s_kv) -> (..., h_local, s_q, s_kv); a mask without a head axis unchanged"""
         # Broadcasting aligns a mask's last three dims with (h, s_q, s_kv): its head axis is dim() - 3.
         if not isinstance(mask, torch.Tensor) or mask.dim() < 3 or mask.shape[-3] == 1:
             return mask
@@ -161,29 +123,61 @@ class TensorParallelAttention(ShardState, MultiHeadAttention):
         p = self.partition
         return mask.narrow(mask.dim() - 3, p.q_heads[0], p.n_local_heads)  # (b, h_local, s_q, s_kv)
 
+    def explain_dispatch(self, x: torch.Tensor, *, mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        """As :meth:`MultiHeadAttention.explain_dispatch`, for the call :meth:`forward` runs on this rank: a
+        per-head mask with the global h is cut down to this rank's heads first, as ``forward`` does.
+
+        Shapes: x (b, s_q, d) or (s_q, d); mask broadcastable to (b, h, s_q, s_kv), h global"""
+        return super().explain_dispatch(x, mask=self.local_mask(mask), **kwargs)
+
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's Q, K, V heads of self-attention: K/V through :meth:`project_kv` (replicas sum gradients).
 
         Shapes: x (b, s, d) -> (b, h_local, s, d_h), (b, kv_local, s, d_h) x2"""
         return (self.project_q(x), *self.project_kv(x))
 
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's query heads (normalised by ``q_norm`` where the layer has QK norms).
+
+        Shapes: x (b, s_q, d) -> (b, h_local, s_q, d_h)"""
+        return self._normed("q_norm", super().project_q(x))
+
     def project_kv(self, key: torch.Tensor, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's K/V heads. Shapes: key (b, s_kv, kdim), value (b, s_kv, vdim) -> (b, kv_local, s_kv, d_h)."""
-        if not self.plan.kv_replicated or not torch.is_grad_enabled():
-            return super().project_kv(key, value)
+        """This rank's K/V heads (keys normalised by ``k_norm`` where the layer has QK norms); replicated K/V
+        heads pass their projections' trainable parameters through a sum over the replicas' gradients.
+
+        Shapes: key (b, s_kv, kdim), value (b, s_kv, vdim) -> (b, kv_local, s_kv, d_h) each"""
+        trained = [(i, n, p) for i, m in enumerate((self.k_proj, self.v_proj)) for n, p in m.named_parameters()
+                   if p.requires_grad] if self.plan.kv_replicated and torch.is_grad_enabled() else []
+        if not trained:
+            k, v = super().project_kv(key, value)
+            return self._normed("k_norm", k), v
         value = key if value is None else value
-        params = [p for p in (self.k_proj.weight, self.k_proj.bias, self.v_proj.weight, self.v_proj.bias)
-                  if p is not None]
-        if not any(p.requires_grad for p in params):
-            return super().project_kv(key, value)
-        synced = list(SumOverReplicas.apply(self.group, self.plan.n_kv_heads, self.partition.kv_heads[0], *params))
-        w_k = synced.pop(0)
-        b_k = synced.pop(0) if self.k_proj.bias is not None else None
-        w_v = synced.pop(0)
-        b_v = synced.pop(0) if self.v_proj.bias is not None else None
-        k = hwf.split_heads(F.linear(key, w_k, b_k), self.config.n_kv_heads)  # (b, kv_local, s_kv, d_h)
-        v = hwf.split_heads(F.linear(value, w_v, b_v), self.config.n_kv_heads)  # (b, kv_local, s_kv, d_h)
-        return k, v
+        synced = SumOverReplicas.apply(self.group, self.plan.n_kv_heads, self.partition.kv_heads[0],
+                                       *(p for _, _, p in trained))
+        swapped: tuple[dict, dict] = ({}, {})
+        for (i, n, _), t in zip(trained, synced):
+            swapped[i][n] = t
+        # Through the modules, with the summed parameters in place of their own: an adapter or a hook on
+        # k_proj / v_proj runs as it does without grad.
+        k = torch.func.functional_call(self.k_proj, swapped[0], (key,))  # (b, s_kv, kv_local * d_h)
+        v = torch.func.functional_call(self.v_proj, swapped[1], (value,))
+        n = self.config.n_kv_heads
+        return self._normed("k_norm", hwf.split_heads(k, n)), hwf.split_heads(v, n)  # (b, kv_local, s_kv, d_h)
+
+    def _normed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` through the norm ``name`` if the layer has one. Every rank's heads read the same (replicated)
+        norm, so its trainable parameters pass a sum of their gradients over the group, as ``x`` does.
+
+        Shapes: (b, n, s, d_h) -> (b, n, s, d_h)"""
+        norm = self._modules.get(name)
+        if norm is None:
+            return t
+        trained = {n: p for n, p in norm.named_parameters() if p.requires_grad}
+        if not trained or self.world_size == 1 or not torch.is_grad_enabled():
+            return norm(t)
+        synced = SumOverReplicas.apply(self.group, 1, 0, *trained.values())
+        return torch.func.functional_call(norm, dict(zip(trained, synced)), (t,))
 
     def project_out(self, context: torch.Tensor, results: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's share of W_O, summed over ranks, then the bias once (``results``, this rank's heads
@@ -223,6 +217,12 @@ class TensorParallelAttention(ShardState, MultiHeadAttention):
                 f"{list(self.partition.q_heads)}); call head({index}) on rank {owner}", owner)
         local = self.partition.local_index(index)
         view = AttentionHead.view(self, local)
+        if "q_norm" in self._modules:  # the head applies the layer's QK norms, as the unsharded layer's head does
+            from ..interop.hf.qk_norm import QKNormHead  # loaded already: the unsharded layer's class needs it
+
+            view.__class__ = QKNormHead
+            object.__setattr__(view, "q_norm", self.q_norm)
+            object.__setattr__(view, "k_norm", self.k_norm)
         view.global_index = index
         view.global_kv_index = self.partition.global_kv_head_of_local(local)
         return view
@@ -253,8 +253,13 @@ class TensorParallelAttention(ShardState, MultiHeadAttention):
             q_proj: (h * d_h, d); k_proj, v_proj: (h_kv * d_h, kdim / vdim); out_proj: (d, h * d_h)
         """
         cfg = self.global_config
-        full = MultiHeadAttention(config=cfg, rotary=copy.deepcopy(self.rotary), backend=self.backend,
-                                  device="meta")
+        parts: dict[str, Any] = dict(config=cfg, rotary=copy.deepcopy(self.rotary), backend=self.backend, device="meta")
+        if "q_norm" in self._modules:  # every rank holds the whole norms
+            from ..interop.hf.qk_norm import QKNormAttention
+
+            full = QKNormAttention(**parts, q_norm=copy.deepcopy(self.q_norm), k_norm=copy.deepcopy(self.k_norm))
+        else:
+            full = MultiHeadAttention(**parts)
 
         def gather(t: torch.Tensor) -> list[torch.Tensor]:
             t = t.detach().contiguous()
@@ -291,8 +296,9 @@ class TensorParallelAttention(ShardState, MultiHeadAttention):
 
     def extra_repr(self) -> str:
         p = self.partition
+        norms = f", qk_norm=({self.q_norm}, {self.k_norm})" if "q_norm" in self._modules else ""
         return (f"rank={self.rank}/{self.world_size}, query heads={list(p.q_heads)}, K/V heads={list(p.kv_heads)}"
-                f"{' (replicated)' if p.kv_replicated else ''}, " + super().extra_repr())
+                f"{' (replicated)' if p.kv_replicated else ''}, " + super().extra_repr() + norms)
 
 
 def _resolve_group(mesh_or_group: Any) -> Any:
@@ -327,7 +333,8 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None, *,
     ``ValueError`` naming the valid world sizes on every rank, without entering a collective.
 
     Args:
-        attn: the unsharded layer (MHA, GQA or MQA; rotary, biases, kdim/vdim all kept).
+        attn: the unsharded layer (MHA, GQA or MQA; rotary, biases, kdim/vdim and per-head Q/K norms all kept);
+            a layer computing more than these parts is refused (:func:`~headwise.parallel.source.check_source`).
         mesh_or_group: a ``torch.distributed`` ProcessGroup, a 1-D ``DeviceMesh``, or None for the default
             group.
         check_inputs: before each forward's all-reduce, check in one small all-gather that every rank makes
@@ -362,6 +369,7 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None, *,
         raise TypeError("this layer is already tensor-parallel; pass the unsharded MultiHeadAttention")
     if not isinstance(attn, MultiHeadAttention):
         raise TypeError(f"tensor_parallel needs a headwise MultiHeadAttention, got {type(attn).__name__}")
+    check_source(attn)  # a shard computes every part of the layer, or the layer is refused here
     if not isinstance(check_inputs, bool):
         raise TypeError(f"check_inputs must be a bool, got {check_inputs!r} ({type(check_inputs).__name__})")
     group = _resolve_group(mesh_or_group)
@@ -393,6 +401,9 @@ def tensor_parallel(attn: MultiHeadAttention, mesh_or_group: Any = None, *,
         tp.v_proj.bias = take(attn.v_proj.bias, kv_rows)
     if cfg.out_bias:
         tp.out_proj.bias = take(attn.out_proj.bias, slice(None))
+    norms = qk_norms(attn)
+    if norms is not None:  # per-head norms act on every head alike: each shard holds them whole
+        tp.q_norm, tp.k_norm = (copy.deepcopy(n) for n in norms)
     tp.global_config = cfg
     tp.plan, tp.partition = plan, part
     tp.group, tp.rank, tp.world_size = group, rank, world_size
