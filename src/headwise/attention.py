@@ -338,11 +338,9 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             if cache.owner is None:
                 check_first_write(cache, x.shape[1], w.dtype, w.device)  # what the write would refuse
             cache.claim(self)
-        tracer = self.tracer  # headwise.trace: capture and edit (None outside a trace)
-        wants_weights = return_weights or (tracer is not None and tracer.wants_weights(self))
-        chunk, stats = (self._chunk_queries, ()) if tracer is None else (False, tracer.wants_statistics(self))
-        plan = plan_forward(self, x, key, mask, causal, cache, wants_weights, backend=self._backend,
-                           chunk_queries=chunk, statistics=stats)
+        tracer = self.tracer  # headwise.trace: capture and edit (None outside a trace); the plan allows for it
+        plan = plan_forward(self, x, key, mask, causal, cache, return_weights, backend=self._backend,
+                           chunk_queries=self._chunk_queries)
         if plan.warn:
             warnings.warn(forward_warning(plan), stacklevel=2)
         if self.rotary is not None and positions is None:  # the next positions: after the cache's, or from 0

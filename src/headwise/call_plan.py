@@ -3,8 +3,9 @@
 
 :class:`~headwise.MultiHeadAttention` plans each call here, from the layer's settings (config, mode, backend,
 chunking) and the call's checked inputs: :func:`plan_forward` for ``forward`` and ``explain_dispatch`` (the same
-plan, so the explanation is of what runs), :func:`plan_attend` for ``attend`` called on split heads. The
-functions read the layer through its public attributes only.
+plan, so the explanation is of what runs), :func:`plan_attend` for ``attend`` called on split heads. Both
+plan for the layer's active ``headwise.trace`` (:func:`traced`) and for the dtype the attention runs in (the
+autocast dtype under ``torch.autocast``). The functions read the layer through its public attributes only.
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
@@ -22,11 +23,23 @@ from .config import check_dropout, check_scale
 from .dispatch import DispatchInfo, describe
 from .masks import validate_mask
 from .module_calls import has_forward_hooks
-from .plan import CacheRead, Plan, cache_read, plan_attention
+from .plan import STATISTICS, CacheRead, Plan, cache_read, plan_attention
 from .statistics import check_statistics
-from .validation import check_bool, check_causal, check_forward, check_sinks, has_dead_rows
+from .validation import (autocast_dtype, check_bool, check_causal, check_first_write, check_forward, check_sinks,
+                         has_dead_rows)
 
-__all__ = ["plan_forward", "plan_attend", "explain_forward"]
+__all__ = ["plan_forward", "plan_attend", "explain_forward", "traced"]
+
+
+def traced(layer: Any, tracer: Any, return_weights: bool,
+           statistics: tuple[str, ...] = ()) -> tuple[bool, tuple[str, ...]]:
+    """What a call of ``layer`` computes inside ``tracer``, its active ``headwise.trace``: the weights where the
+    trace captures or edits the pattern, and the statistics it captures beside ``statistics``; returns
+    ``(return_weights, statistics)``, the statistics in :data:`STATISTICS` order. Outside a trace the caller's
+    own stand (callers ask only inside one: a default call runs no extra function)."""
+    wanted = tracer.wants_statistics(layer)
+    return (return_weights or tracer.wants_weights(layer),
+            tuple(n for n in STATISTICS if n in statistics or n in wanted))
 
 
 def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: torch.Tensor | None, causal: bool,
@@ -39,12 +52,21 @@ def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: to
         x: the queries' inputs (b, s_q, d); key: the keys' inputs (b, s_kv, kdim), None for self-attention.
         mask: the checked 4-D mask or None; causal: as given.
         cache: the layer's ``KVCache`` or None.
-        return_weights: weights wanted (by the caller or a trace).
-        backend: the layer's backend; chunk_queries: its chunking setting, False where chunking is not allowed
-            (inside a trace; also whenever q_proj or out_proj has forward hooks, decided here).
-        statistics: what a trace asks for.
+        return_weights: weights wanted by the caller (a trace's are added here).
+        backend: the layer's backend; chunk_queries: its chunking setting (off inside a trace, and whenever
+            q_proj or out_proj has forward hooks: decided here).
+        statistics: per-head statistics wanted besides those of the layer's trace.
     """
     cfg = layer.config
+    tracer = layer.tracer
+    if tracer is not None:  # a trace captures and edits each call's heads whole: one pass
+        return_weights, statistics = traced(layer, tracer, return_weights, statistics)
+        chunk_queries = False
+    # Under torch.autocast the projections write the autocast dtype: the attention runs in it, not in x's. The
+    # helper is asked only while autocast is on here, so a default call runs no extra function.
+    dtype, kind = x.dtype, x.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        dtype = autocast_dtype(dtype, x.device) or dtype
     # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
     grad = False
     if torch.is_grad_enabled():
@@ -57,13 +79,14 @@ def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: to
     if cache is None:
         s_kv = x.shape[1] if key is None else key.shape[1]
     else:
-        read = cache_read(x.device.type, x.dtype, x.shape[1], mask is not None,
-                          return_weights or backend == "eager" or grad, lambda: cache.length)
+        # Weights and statistics span the written keys only (a compiled call's alone span max_len).
+        read = cache_read(kind, dtype, x.shape[1], mask is not None,
+                          return_weights or bool(statistics) or backend == "eager" or grad, lambda: cache.length)
         whole = read is CacheRead.BUFFER or read is CacheRead.POSITION
         s_kv = cache.max_len if whole else cache.length + x.shape[1]
     sizes = dict(
         h=cfg.n_heads, h_kv=cfg.n_kv_heads, d_h=cfg.d_head, scale=cfg.scale, b=x.shape[0], s_q=x.shape[1],
-        s_kv=s_kv, dtype=x.dtype, device=x.device, backend=backend, causal=causal,
+        s_kv=s_kv, dtype=dtype, device=x.device, backend=backend, causal=causal,
         has_mask=mask is not None or read is CacheRead.BUFFER or read is CacheRead.POSITION,
         cached=cache is not None, return_weights=return_weights,
         dropout_p=cfg.dropout if layer.training else 0.0, records_grad=grad,
@@ -107,8 +130,7 @@ def plan_attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                          f"{tuple(head_scale.shape) if isinstance(head_scale, torch.Tensor) else head_scale}")
     if mask is not None:
         mask = validate_mask(mask, (b, h, s_q, k.shape[2]), q.dtype, q.device)
-    wants = return_weights or (tracer is not None and tracer.wants_weights(layer))
-    stats = () if tracer is None else tracer.wants_statistics(layer)
+    wants, stats = (return_weights, ()) if tracer is None else traced(layer, tracer, return_weights)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
     plan = plan_attention(
@@ -142,13 +164,15 @@ def explain_forward(layer: Any, x: torch.Tensor, *, context: torch.Tensor | None
     w = layer.q_proj.weight
     x, key, _, mask, _, _ = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None, x,
                                           context, key, value, mask, causal, cache, None, return_weights)
-    if cache is not None and cache.owner is not None:
-        cache.claim(layer)  # only checks: explaining never binds a cache
     if cache is not None:
-        cache.check_room(x.shape[1])  # forward refuses a call past max_len: so does its explanation
+        if cache.owner is not None:
+            cache.claim(layer)  # only checks: explaining never binds a cache
+        # What the write would refuse (the dtype written under autocast, room for the call), as forward does.
+        check_first_write(cache, x.shape[1], w.dtype, w.device)
     plan = plan_forward(layer, x, key, mask, causal, cache, return_weights, backend=layer.backend,
                         chunk_queries=layer.chunk_queries, statistics=check_statistics(statistics))
     cfg = layer.config
-    return describe(plan, d_head=cfg.d_head, n_kv_heads=cfg.n_kv_heads, dtype=w.dtype, device=w.device,
+    dtype = autocast_dtype(w.dtype, w.device) or w.dtype  # the attention's, as plan_forward plans it
+    return describe(plan, d_head=cfg.d_head, n_kv_heads=cfg.n_kv_heads, dtype=dtype, device=w.device,
                     mask=mask, grad=torch.is_grad_enabled(), causal_given=causal,
                     cache_length=0 if cache is None else cache.length, warn_bytes=warn_bytes)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .kv_support import KVCheckpoint, check_count, check_write, overflow_message, short_name
+from .kv_support import KVCheckpoint, check_count, check_device, check_write, overflow_message, short_name
 
 __all__ = ["KVCache", "KVCheckpoint"]
 
@@ -77,8 +77,10 @@ class KVCache:
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"device must be a torch.device or a string such as 'cpu' or 'cuda:0', "
                              f"got {device!r}") from exc
-        if device is not None and device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r} was requested but CUDA is not available here")
+        if device is not None:
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {str(device)!r} was requested but CUDA is not available here")
+            check_device("device", str(device))  # the layer's check: else the allocation's error says out of memory
         shape = (batch_size, n_kv_heads, max_len, d_head)
         numel = batch_size * n_kv_heads * max_len * d_head
         nbytes = 2 * numel * dtype.itemsize
@@ -183,8 +185,10 @@ class KVCache:
         refused = int(self._refused)
         if refused:
             self._refused.zero_()
+            # A refused step had fewer free positions than new tokens (all written, for a one-token step).
             raise ValueError(f"cache overflow: {refused} compiled step(s) found all max_len={self.max_len} positions "
-                             f"written and were refused (nothing was written; each attended to nothing: a zero context); allocate a "
+                             f"written or too few free for their new tokens ({self._length} written now) and were "
+                             f"refused (nothing was written; each attended to nothing: a zero context); allocate a "
                              f"larger cache or reset() it")
 
     @property

@@ -1,6 +1,7 @@
 """What :class:`~headwise.KVCache` is built from, below it: its messages and argument checks, the custom op that
 raises its overflow from compiled code, and :class:`KVCheckpoint`, what :meth:`~headwise.KVCache.checkpoint` saves.
-A leaf: it imports nothing from headwise.
+A leaf: it imports nothing from headwise. Its device and autocast checks serve the layer too (through
+:mod:`headwise.validation`), so a cache and a layer refuse the same devices with the same words.
 
 Shapes:
     b: batch, h_kv: key/value heads, n: saved positions, d_h: head width.
@@ -13,13 +14,49 @@ from typing import Any
 
 import torch
 
-__all__ = ["KVCheckpoint", "check_count", "check_write", "overflow_message", "short_name"]
+__all__ = ["KVCheckpoint", "autocast_dtype", "check_count", "check_device", "check_write", "overflow_message",
+           "short_name"]
 
 
 def overflow_message(cached: int, new: int, max_len: int) -> str:
     """The overflow ``ValueError``'s message, the same from eager and compiled code."""
     return (f"cache overflow: {cached} cached + {new} new > max_len={max_len}; "
             f"allocate a larger cache or reset() it")
+
+
+def check_device(name: str, device: object) -> None:
+    """``device`` is None or names a device this machine has (checked before anything is allocated there, so
+    a bad one is a ValueError naming it, not an error from inside the backend or an allocation)."""
+    if device is None:
+        return
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"{name} must be a torch.device, a str such as 'cpu' or 'cuda:0', or None, "
+                        f"got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+        if dev.type != "meta":
+            torch.empty(0, device=dev)  # zero bytes: asks the backend whether the device exists
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        # The backend's first sentence: a missing backend's message goes on to list every dispatch key.
+        reason = str(exc).splitlines()[0].split(". ")[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{name} must name an available device (e.g. 'cpu'), got {device!r}: {reason}") from None
+
+
+def autocast_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype the projections of a layer with parameters of ``dtype`` write on ``device`` under the
+    ``torch.autocast`` now active there (it casts every floating dtype but float64), or None outside one.
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_dtype(torch.float32, torch.device("cpu")), autocast_dtype(torch.float64, torch.device("cpu"))
+        (torch.bfloat16, None)
+        >>> autocast_dtype(torch.float32, torch.device("meta")) is None  # no autocast there: asking would raise
+        True
+    """
+    kind = device.type
+    if dtype == torch.float64 or not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
 
 
 def check_count(method: str, name: str, n: object, most: int | None) -> None:
@@ -44,8 +81,9 @@ def check_write(held: torch.Tensor, k: Any, v: Any) -> None:
             raise ValueError(f"cache {name} must have shape (b={b}, h_kv={h_kv}, s, d_h={d_h}), got {tuple(t.shape)}")
         if t.dtype != held.dtype:
             hint = ""
-            if torch.is_autocast_enabled(t.device.type) and t.dtype == torch.get_autocast_dtype(t.device.type):
-                # A layer's checks pass a cache of its parameters' dtype; autocast changes what it writes.
+            if autocast_dtype(t.dtype, t.device) == t.dtype:
+                # Keys of the autocast dtype: a layer's checks pass a cache of its parameters' dtype, and
+                # autocast changes what it writes.
                 hint = (f" (under torch.autocast the projections write {t.dtype}: make the cache with "
                         f"dtype={t.dtype})")
             raise TypeError(f"cache holds {held.dtype}, got {name} of dtype {t.dtype}{hint}")

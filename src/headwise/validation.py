@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .kv_cache import KVCache
+# The cache's device and autocast rules are the layer's too: one rule, so both refuse with the same words.
+from .kv_support import autocast_dtype, check_device  # noqa: F401 (check_device: the layer's, from here)
 from .masks import causal_mask, validate_mask
 
 
@@ -233,14 +235,6 @@ def check_forward(config: Any, dtype: torch.dtype, device: torch.device, rotary:
     return ForwardInputs(x, key, value, mask, positions, batched)
 
 
-def autocast_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
-    """The dtype the projections of a layer with parameters of ``dtype`` write on ``device`` under the
-    ``torch.autocast`` now active there (it casts every floating dtype but float64), or None outside one."""
-    if dtype == torch.float64 or not torch.is_autocast_enabled(device.type):
-        return None
-    return torch.get_autocast_dtype(device.type)
-
-
 def check_first_write(cache: KVCache, s: int, dtype: torch.dtype, device: torch.device) -> None:
     """What a cache's first write by a layer (with parameters of ``dtype`` on ``device``) would refuse, checked
     before the layer claims the cache, so that a refused call binds nothing: the dtype the projections write
@@ -272,23 +266,6 @@ def cache_dtype_message(held: torch.dtype, dtype: torch.dtype, device: torch.dev
         return f"the cache holds {held}, this layer writes {dtype} keys"
     return (f"the cache holds {held}, this layer writes {writes} keys under torch.autocast({device.type!r}, "
             f"dtype={writes}); make the cache with layer.new_cache(..., dtype={writes})")
-
-
-def check_device(name: str, device: object) -> None:
-    """``device`` is None or names a device this machine has (checked before any parameter is allocated, so
-    a bad one is a ValueError naming it, not an error from inside ``nn.Linear``)."""
-    if device is None:
-        return
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(f"{name} must be a torch.device, a str such as 'cpu' or 'cuda:0', or None, "
-                        f"got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-        if dev.type != "meta":
-            torch.empty(0, device=dev)  # zero bytes: asks the backend whether the device exists
-    except (RuntimeError, AssertionError, ValueError) as exc:
-        raise ValueError(f"{name} must name an available device (e.g. 'cpu'), got {device!r}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
 def _device_bytes(device: torch.device) -> int | None:

@@ -10,10 +10,15 @@ Shapes:
 
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+import headwise
 import headwise.attention
+import headwise.call_plan
 import headwise.token_step
 from headwise import DecodeStep, MultiHeadAttention
 from headwise import functional as hwf
@@ -174,3 +179,81 @@ def test_the_layer_plans_for_its_own_device():
     attn = MultiHeadAttention(64, 8, 2)
     info = attn.explain_dispatch(torch.randn(1, 4, 64))
     assert info.plan.device_type == "cpu" and not info.plan.avoid_cudnn
+
+
+_PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
+
+
+def _cuda_input(dtype, s_q):
+    """What plan_forward reads of x for a CUDA call (no tensor is made): its device, dtype, shape and grad flag."""
+    return SimpleNamespace(device=CUDA, dtype=dtype, shape=(1, s_q, 64), requires_grad=False)
+
+
+def test_under_autocast_the_layer_plans_for_the_dtype_its_attention_runs_in():
+    attn = MultiHeadAttention(64, 8, 2).eval()
+    cache = attn.new_cache(1, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(torch.randn(1, 10, 64), cache=cache)
+    was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    # torch.autocast("cuda") turns itself off without CUDA; its switches are what the layer reads.
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        with torch.no_grad():
+            steps = [_PLAN_FORWARD(attn, _cuda_input(torch.float32, s_q), None, None, False, cache, False,
+                                   backend="sdpa", chunk_queries=True) for s_q in (1, 4)]
+    finally:
+        torch.set_autocast_enabled("cuda", was[0])
+        torch.set_autocast_dtype("cuda", was[1])
+    with torch.no_grad():  # the kernel gets bfloat16 q, k, v: the plan of a bfloat16 call without autocast
+        expected = [_PLAN_FORWARD(attn, _cuda_input(torch.bfloat16, s_q), None, None, False, cache, False,
+                                  backend="sdpa", chunk_queries=True) for s_q in (1, 4)]
+    assert steps == expected
+    assert [p.cache_read for p in steps] == [CacheRead.BUFFER, CacheRead.BUFFER]  # one shape: one cuDNN plan
+    x = torch.randn(2, 64, 64)
+    attn.chunk_queries = 8
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            on_cpu = attn.explain_dispatch(x, causal=True)
+        half = copy.deepcopy(attn).to(torch.bfloat16).explain_dispatch(x.bfloat16(), causal=True)
+    assert on_cpu.plan == half.plan and on_cpu.plan.chunk == 8  # chunks merged by a mask: no bfloat16 lse merge
+    assert on_cpu.kernel == half.kernel
+
+
+def test_a_traced_eager_decode_step_reads_the_filled_prefix_for_its_statistics(monkeypatch):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(64, 4, 2).eval()
+    cache = attn.new_cache(1, 16)
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        attn(x[:, :4], cache=cache)
+        step = _PLAN_FORWARD(attn, _cuda_input(torch.bfloat16, 1), None, None, False, cache, False,
+                             backend="sdpa", chunk_queries=False, statistics=("key_weight",))
+    assert step.cache_read is CacheRead.PREFIX and step.shape == (1, 4, 1, 5)
+    # That route run on CPU tensors: the CUDA half-precision rule, as test_the_whole_buffer_route_... takes it.
+    whole = lambda device_type, dtype, s_q, has_mask, eager, length: (  # noqa: E731
+        CacheRead.PREFIX if has_mask or eager or (s_q > 1 and length() == 0) else CacheRead.BUFFER)
+    monkeypatch.setattr(headwise.call_plan, "cache_read", whole)
+    with torch.no_grad(), headwise.trace(attn, capture=["key_weight"]) as t:
+        attn(x[:, 4:5], cache=cache)
+    _, weights = reference_mha(attn, x, causal=True)  # (1, h, 5, 5): the step is the last query
+    torch.testing.assert_close(t[0].calls[0]["key_weight"].double(), weights[:, :, -1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("capture", [["pattern"], ["result"], ["entropy", "key_weight"]])
+def test_inside_a_trace_explain_dispatch_gives_the_plan_the_forward_runs(monkeypatch, capture):
+    attn = MultiHeadAttention(32, 4, 2).eval()
+    attn.chunk_queries = 2  # chunks of two positions, wherever the plan may chunk
+    x = torch.randn(1, 6, 32)
+    ran = []
+    planned = MultiHeadAttention.forward.__globals__["plan_forward"]
+    monkeypatch.setitem(MultiHeadAttention.forward.__globals__, "plan_forward",
+                        lambda *a, **k: ran.append(planned(*a, **k)) or ran[-1])
+    with torch.no_grad(), headwise.trace(attn, capture=capture):
+        explained = attn.explain_dispatch(x, causal=True)
+        attn(x, causal=True)
+    assert explained.plan == ran[-1]
+    assert explained.query_chunk is None  # a trace sees each call whole
+    assert (explained.backend == "eager") == (capture == ["pattern"])
+    with torch.no_grad():
+        assert attn.explain_dispatch(x, causal=True).query_chunk == 2  # outside the trace: chunks again

@@ -581,3 +581,63 @@ def test_read_mask_and_check_room_name_what_they_expect():
     for bad in ("a", 1.5, None):
         with pytest.raises(TypeError, match=r"check_room: n must be an int, got"):
             cache.check_room(bad)
+
+
+@pytest.mark.parametrize("device", ["xpu", "mps"])
+def test_a_cache_on_a_device_this_machine_lacks_is_refused_as_the_layer_refuses_it(device):
+    if (torch.xpu.is_available() if device == "xpu" else torch.backends.mps.is_available()):
+        pytest.skip(f"this machine has {device}")
+    with pytest.raises(ValueError) as layer:
+        MultiHeadAttention(16, 4, device=device)
+    with pytest.raises(ValueError) as cache:
+        KVCache(1, 4, 4, 4, device=device)
+    with pytest.raises(ValueError) as new:
+        MultiHeadAttention(16, 4).new_cache(1, 4, device=device)
+    assert str(cache.value).startswith(f"device must name an available device (e.g. 'cpu'), got '{device}': ")
+    assert str(cache.value) == str(new.value) == str(layer.value)
+
+
+def test_keys_of_another_dtype_on_a_device_without_autocast_are_a_type_error():
+    cache = KVCache(1, 4, 1, 2)
+    k = torch.empty(1, 1, 1, 2, dtype=torch.float64, device="meta")  # autocast has no meta device to ask about
+    for write in (cache.update, cache.check_update):
+        with pytest.raises(TypeError, match=r"^cache holds torch\.float32, got keys of dtype torch\.float64$"):
+            write(k, k)
+    assert cache.length == 0
+    attn = MultiHeadAttention(8, 2, device="meta")
+    with pytest.raises(TypeError, match=r"^the cache holds torch\.float64, this layer writes torch\.float32 keys$"):
+        attn(torch.empty(1, 1, 8, device="meta"), cache=KVCache(1, 4, 2, 4, dtype=torch.float64, device="meta"))
+
+
+def test_a_refused_compiled_write_of_several_tokens_says_too_few_positions_were_free():
+    cache = filled(KVCache(1, 8, 1, 2), 7)
+    snap = snapshot(cache)
+    k = torch.randn(1, 1, 2, 2)
+    *_, room = cache.write_static(k, k)  # what a compiled step calls (the same code eagerly): 7 + 2 > 8
+    assert not bool(room)
+    with pytest.raises(ValueError, match=r"^cache overflow: 1 compiled step\(s\) found all max_len=8 positions "
+                                         r"written or too few free for their new tokens \(7 written now\) and were "
+                                         r"refused \(nothing was written"):
+        cache.length
+    assert_same(cache, snap)
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_under_autocast_explaining_refuses_the_cache_the_forward_refuses(owned):
+    attn = MultiHeadAttention(16, 4, 2).eval()
+    cache = KVCache(2, 8, 2, 4)  # float32, the weights' dtype: not what the projections write under autocast
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        if owned:
+            attn(x, cache=cache)  # outside autocast: binds the cache
+        snap = snapshot(cache)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pytest.raises(TypeError, match="bfloat16"):
+                attn(x, cache=cache)
+            with pytest.raises(TypeError, match=r"^the cache holds torch\.float32, this layer writes torch\.bfloat16 "
+                                                r"keys under torch\.autocast\('cpu', dtype=torch\.bfloat16\)"):
+                attn.explain_dispatch(x, cache=cache)
+            fits = KVCache(2, 8, 2, 4, dtype=torch.bfloat16)
+            assert attn.explain_dispatch(x, cache=fits).scores_shape == (2, 4, 3, 3)  # the dtype written: explained
+    assert_same(cache, snap)
+    assert cache.owner is (attn if owned else None) and fits.owner is None
