@@ -106,11 +106,12 @@ def test_head_lookups_take_only_int_indices(bad):
     plan = plan_heads(8, 2, 4)
     part = plan.partition(2)
     for name, lookup in (("K/V head index", plan.ranks_holding_kv), ("query head", part.local_index),
-                         ("local head index", part.global_kv_head_of_local)):
+                         ("local head index", part.global_kv_head_of_local), ("query head", part.owns)):
         with pytest.raises(TypeError, match=rf"^{name} must be an int, got {re.escape(repr(bad))} "
                                             rf"\({type(bad).__name__}\)$"):
             lookup(bad)
     assert (plan.ranks_holding_kv(1), part.local_index(5), part.global_kv_head_of_local(1)) == ([2, 3], 1, 1)
+    assert part.owns(5) and not part.owns(1)
 
 
 @pytest.mark.parametrize("args, exc", [((0, 1, 1), ValueError), ((4, 1, 0), ValueError), ((4, 3, 1), ValueError),

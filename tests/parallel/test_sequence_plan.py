@@ -44,6 +44,9 @@ def test_plan_matches_brute_force(h, h_kv, sp, tp):
         g = hs // max(1, h_kv // tp)
         assert [part.kv_heads[j] for j in part.kv_index] == [i // g for i in q]  # local index -> right K/V head
         assert plan.global_q_heads(r, tp - 1) == tuple((tp - 1) * hs + i for i in q)
+    for bad in (tp, -1, True):  # a tensor-parallel rank the layout lacks names no heads
+        with pytest.raises(ValueError, match=rf"tp rank must be an int in \[0, {tp}\), got {bad!r}"):
+            plan.global_q_heads(0, bad)
     assert plan.kv_replicated == (len({k for _, kv in want for k in kv}) < sum(len(kv) for _, kv in want))
     b, s_q, s_kv, d_h, item = 2, 5, 3, 4, 2
     row_q, row_kv = b * s_q * d_h * item, b * s_kv * d_h * item

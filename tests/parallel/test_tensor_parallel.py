@@ -311,6 +311,10 @@ def test_a_layer_computing_more_than_a_shard_carries_is_refused_before_any_group
     adapted.k_proj = worker.LoRALinear(adapted.k_proj)
     with pytest.raises(TypeError, match=r"its projections k_proj=LoRALinear are not nn\.Linear.*merge_and_unload"):
         tensor_parallel(adapted)
+    hooked = MultiHeadAttention(16, 4, dtype=worker.DTYPE)
+    hooked.q_proj.register_forward_hook(lambda m, args, out: 2 * out)
+    with pytest.raises(TypeError, match=r"q_proj has forward hooks, which a shard does not carry"):
+        tensor_parallel(hooked)
     view = from_torch(torch.nn.MultiheadAttention(16, 4, batch_first=True), share=True)
     with pytest.raises(TypeError, match=r"cannot shard TorchMHAView: it overrides the forward step.*view of another "
                                         r"module's weights: shard a standalone copy"):

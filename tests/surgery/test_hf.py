@@ -326,13 +326,14 @@ def test_a_view_fetched_before_surgery_refuses_every_use():
     assert kept.head(2).w_q.data_ptr() == layers(model)[1][1].head(2).w_q.data_ptr()  # unchanged layer: still good
 
 
-def test_a_view_of_a_layer_surgery_left_alone_still_traces_and_edits_the_model():
+@pytest.mark.parametrize("inner", [False, True], ids=["patched-model", "its-base-model"])
+def test_a_view_of_a_layer_surgery_left_alone_still_traces_and_edits_the_model(inner):
     model = build("llama")
     batch = inputs()
     want = output(zero_ablated(model, "llama", {0: [1], 1: [0]}), batch)  # the pruned head, and the edited one
     patch(model)
     kept = layers(model)[1][1]
-    prune_heads(model, {0: [1]})
+    prune_heads(model.model if inner else model, {0: [1]})  # surgery on another root than the patched one
     assert layers(model)[1][1] is kept  # still the view the module's forward calls
     with torch.no_grad(), headwise.trace(kept, capture=("z",), edit={(0, 0): "zero"}) as t:
         got = output(model, batch)

@@ -127,7 +127,7 @@ class HeadPartition:
 
     def owns(self, head: int) -> bool:
         """True if global query head ``head`` lives on this rank."""
-        return head in self.q_heads
+        return check_index("query head", head) in self.q_heads
 
     def local_index(self, head: int) -> int:
         """The local index of global query head ``head`` (raises if another rank owns it)."""

@@ -128,6 +128,8 @@ class SequenceParallelPlan:
 
     def global_q_heads(self, sp_rank: int, tp_rank: int = 0) -> tuple[int, ...]:
         """The whole layer's indices of the query heads rank (sp_rank, tp_rank) attends to."""
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < self.tp:
+            raise ValueError(f"tp rank must be an int in [0, {self.tp}), got {tp_rank!r}")
         base = tp_rank * self.shard_heads
         return tuple(base + i for i in self.rank(sp_rank).q_heads)
 

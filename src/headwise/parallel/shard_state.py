@@ -8,8 +8,9 @@ holds where :mod:`headwise.checkpoint` records the config, in the state dict's m
 
     {"world_size": P, "rank": r, "n_heads": h, "n_kv_heads": h_kv, "q_heads": [...], "kv_heads": [...]}
 
-Not as a key: the state dict keeps exactly the projections' tensors, so it loads into a plain
-:class:`~headwise.MultiHeadAttention` of the shard's local config (which ignores the record), and casting or
+Not as a key: the state dict keeps exactly the layer's own tensors (the projections', and the norms' of a
+Q/K-norm shard), so it loads into a layer of the same kind and the shard's local config (which ignores the
+record), and casting or
 averaging its tensors (a bfloat16 copy, an EMA) cannot damage the record. ``torch.load(weights_only=True)``
 accepts it. Loading compares it before any weight is copied. A state dict without it (a plain layer's, or one
 rebuilt as a plain dict) loads with the config and shape checks only.

@@ -73,6 +73,11 @@ def check_source(attn: MultiHeadAttention) -> None:
         problems.append("its projections " + ", ".join(f"{k}={v.__qualname__}" for k, v in odd.items()) + " are not "
                         "nn.Linear, and a shard keeps only their weight and bias (merge an adapter first, e.g. "
                         "PEFT's merge_and_unload(), or wrap the shard's projections after tensor_parallel)")
+    hooked = [name for name, m in [("the layer", attn)] + [(n, getattr(attn, n, None)) for n in PROJECTIONS]
+              if isinstance(m, nn.Module) and (m._forward_hooks or m._forward_pre_hooks)]
+    if hooked:  # a shard is a new module: hooks stay on the modules they were registered on
+        problems.append(f"{', '.join(hooked)} {'has' if len(hooked) == 1 else 'have'} forward hooks, which a shard "
+                        "does not carry (register them on the shard's modules after tensor_parallel)")
     if not problems:
         return
     hint = ("; it is a view of another module's weights: shard a standalone copy "

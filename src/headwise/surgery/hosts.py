@@ -253,8 +253,8 @@ def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int,
 
 def _same(old: Any, now: Any) -> bool:
     """Whether ``now``, a module's view from re-patching, describes the module exactly as ``old`` did."""
-    return (type(old) is type(now) and old.host is now.host and old.host_name == now.host_name
-            and old.config == now.config and old.rule == now.rule and old.source_names() == now.source_names())
+    # Not the host's name: it is relative to the model patch() was given, which need not be surgery's root.
+    return (type(old) is type(now) and old.host is now.host and old.config == now.config and old.rule == now.rule and old.source_names() == now.source_names())
 
 
 def reattach(root: nn.Module, before: Sequence[Any], changed: set[int], what: str) -> None:
