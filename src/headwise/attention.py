@@ -340,7 +340,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
             cache.claim(self)
         tracer = self.tracer  # headwise.trace: capture and edit (None outside a trace); the plan allows for it
         plan = plan_forward(self, x, key, mask, causal, cache, return_weights, backend=self._backend,
-                           chunk_queries=self._chunk_queries)
+                           chunk_queries=self._chunk_queries, value=value)
         if plan.warn:
             warnings.warn(forward_warning(plan), stacklevel=2)
         if self.rotary is not None and positions is None:  # the next positions: after the cache's, or from 0

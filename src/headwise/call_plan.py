@@ -14,7 +14,6 @@ Shapes:
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from .module_calls import has_forward_hooks
 from .plan import STATISTICS, CacheRead, Plan, cache_read, plan_attention
 from .statistics import check_statistics
 from .validation import (autocast_dtype, check_bool, check_causal, check_first_write, check_forward, check_sinks,
-                         has_dead_rows)
+                         dead_rows_rule)
 
 __all__ = ["plan_forward", "plan_attend", "explain_forward", "traced"]
 
@@ -44,7 +43,7 @@ def traced(layer: Any, tracer: Any, return_weights: bool,
 
 def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: torch.Tensor | None, causal: bool,
                  cache: Any, return_weights: bool, *, backend: str, chunk_queries: bool | int,
-                 statistics: tuple[str, ...] = ()) -> Plan:
+                 statistics: tuple[str, ...] = (), value: torch.Tensor | None = None) -> Plan:
     """The plan of ``layer.forward`` on inputs ``check_forward`` returned.
 
     Args:
@@ -67,10 +66,12 @@ def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: to
     dtype, kind = x.dtype, x.device.type
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         dtype = autocast_dtype(dtype, x.device) or dtype
-    # Autograd records the call only if something in it can take a gradient (a frozen layer chunks).
+    # Autograd records the call only if something in it can take a gradient (a frozen layer chunks); a floating
+    # mask can (a learned bias).
     grad = False
     if torch.is_grad_enabled():
-        grad = x.requires_grad or (key is not None and key.requires_grad)
+        grad = x.requires_grad or (key is not None and key.requires_grad) or (mask is not None and mask.requires_grad) \
+            or (value is not None and value.requires_grad)
         for p in layer.parameters():  # a plain loop: no generator frame on every call
             if grad:
                 break
@@ -90,7 +91,7 @@ def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: to
         has_mask=mask is not None or read is CacheRead.BUFFER or read is CacheRead.POSITION,
         cached=cache is not None, return_weights=return_weights,
         dropout_p=cfg.dropout if layer.training else 0.0, records_grad=grad,
-        dead_rows=False if mask is None else partial(has_dead_rows, mask),
+        dead_rows=False if mask is None else dead_rows_rule(mask),
         mask_per_head=mask is not None and mask.shape[1] != 1, read=read, statistics=statistics)
     plan = plan_attention(chunk_queries=chunk_queries, **sizes)
     # Chunks call q_proj and out_proj once per chunk on its rows: hooks on them (own or global) must see every
@@ -139,7 +140,7 @@ def plan_attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         backend="eager" if wants else backend, causal=causal, has_mask=mask is not None,
         return_weights=wants, dropout_p=float(dropout), chunk_queries=False, records_grad=grad,
         softcap=softcap, sinks=sinks is not None,
-        dead_rows=False if mask is None else partial(has_dead_rows, mask),
+        dead_rows=False if mask is None else dead_rows_rule(mask),
         mask_per_head=mask is not None and mask.shape[1] != 1, statistics=stats)
     return plan, mask
 
@@ -162,15 +163,15 @@ def explain_forward(layer: Any, x: torch.Tensor, *, context: torch.Tensor | None
     if warn_bytes is not None and warn_bytes < 0:
         raise ValueError(f"warn_bytes must be None or a non-negative int (bytes), got {warn_bytes}")
     w = layer.q_proj.weight
-    x, key, _, mask, _, _ = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None, x,
-                                          context, key, value, mask, causal, cache, None, return_weights)
+    x, key, value, mask, _, _ = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None, x,
+                                              context, key, value, mask, causal, cache, None, return_weights)
     if cache is not None:
         if cache.owner is not None:
             cache.claim(layer)  # only checks: explaining never binds a cache
         # What the write would refuse (the dtype written under autocast, room for the call), as forward does.
         check_first_write(cache, x.shape[1], w.dtype, w.device)
     plan = plan_forward(layer, x, key, mask, causal, cache, return_weights, backend=layer.backend,
-                        chunk_queries=layer.chunk_queries, statistics=check_statistics(statistics))
+                        chunk_queries=layer.chunk_queries, statistics=check_statistics(statistics), value=value)
     cfg = layer.config
     dtype = autocast_dtype(w.dtype, w.device) or w.dtype  # the attention's, as plan_forward plans it
     return describe(plan, d_head=cfg.d_head, n_kv_heads=cfg.n_kv_heads, dtype=dtype, device=w.device,

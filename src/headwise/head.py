@@ -211,9 +211,12 @@ class AttentionHead(nn.Module):
             q, k = self.rotary.rotate(q, k, pos)
         if mask is not None:
             check_tensor("mask", mask)
-            if mask.dim() >= 3 and mask.shape[-3] > 1:  # a per-head mask: (h, s_q, s_kv) or (b, h, s_q, s_kv)
-                mask = mask.narrow(-3, self._mask_row(mask.shape[-3]), 1)
-            mask = validate_mask(mask, (q.shape[0], 1, q.shape[2], k.shape[2]), q.dtype, q.device)
+            # Checked as passed (a refusal names the caller's shape), then narrowed to this head's row.
+            per_head = mask.dim() >= 3 and mask.shape[-3] > 1  # (h, s_q, s_kv) or (b, h, s_q, s_kv)
+            n = mask.shape[-3] if per_head else 1
+            mask = validate_mask(mask, (q.shape[0], n, q.shape[2], k.shape[2]), q.dtype, q.device)
+            if per_head:
+                mask = mask.narrow(1, self._mask_row(n), 1)  # (b or 1, 1, s_q or 1, s_kv or 1)
         out, weights = hwf.attention(q, k, v, mask=mask, scale=self.scale, causal=causal, backend="eager")
         out, weights = out[:, 0], weights[:, 0]  # (b, s_q, d_h), (b, s_q, s_kv)
         if not batched:

@@ -138,6 +138,7 @@ def padding_mask(
         lengths_t = lengths_t.long()  # [] parses as float32, but an empty batch is still a valid batch
     if lengths_t.dim() != 1 or lengths_t.dtype.is_floating_point or lengths_t.dtype == torch.bool:
         raise TypeError(f"lengths must be a 1-D integer sequence (b,), got {tuple(lengths_t.shape)} {lengths_t.dtype}")
+    lengths_t = lengths_t.long()  # s_kv - lengths in a small integer dtype (uint8, int8) wraps around
     if s_kv is None:
         s_kv = int(lengths_t.max()) if lengths_t.numel() else 0
     if lengths_t.numel() and (int(lengths_t.min()) < 0 or int(lengths_t.max()) > s_kv):

@@ -9,8 +9,10 @@ nothing else decides. The rules:
    eager path (:func:`headwise.functional.softmax_attention`), which materialises every head's probabilities
    (``b * h * s_q * s_kv`` floats, float32 for half-precision inputs). So does a floating mask with a row
    that is entirely at the dtype's minimum (Hugging Face's padding convention) while autograd records:
-   PyTorch's fused CPU backward is wrong on such rows (docs/guarantees.md has the reproduction).
-   Everything else runs ``F.scaled_dot_product_attention``.
+   PyTorch's fused CPU backward is wrong on such rows (docs/guarantees.md has the reproduction). Under
+   ``torch.compile`` and ``torch.export`` the mask cannot be read (a data-dependent step): there every floating
+   mask takes the eager path while autograd records, so the call traces whole. Everything else runs
+   ``F.scaled_dot_product_attention``.
 3. **Causal** (a cache forces it: new tokens read the cache and themselves), always bottom-right aligned:
    a single query reads every key, so needs no mask; with ``s_q == s_kv`` and no mask the fused kernel's own
    ``is_causal`` runs (the two alignments agree there); otherwise an explicit bottom-right mask.

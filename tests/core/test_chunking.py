@@ -186,6 +186,38 @@ def test_grad_enabled_but_nothing_tracked_still_chunks():
     assert used == [3]
 
 
+def test_a_frozen_layer_with_a_learned_mask_runs_in_one_pass_with_the_masks_gradient():
+    # A floating mask that requires grad (a learned bias) is something in the call that takes a gradient.
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 2).requires_grad_(False)
+    x = torch.randn(1, 6, 16)
+    bias = torch.randn(1, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    with forced_chunks(attn, 2) as used:
+        y = attn(x, mask=bias.float())
+        assert attn.explain_dispatch(x, mask=bias.float()).query_chunk is None
+        assert attn.explain_dispatch(x, mask=bias.detach().float()).query_chunk == 2  # nothing takes a gradient
+    assert used == [1]
+    (got,) = torch.autograd.grad(y.sum(), bias)
+    (want,) = torch.autograd.grad(reference_mha(attn, x, mask=bias)[0].sum(), bias)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_frozen_layer_whose_values_take_a_gradient_runs_in_one_pass_with_their_gradient():
+    # value= that requires grad (the values of another model's states) is something in the call that takes one.
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 2).requires_grad_(False)
+    x, key = torch.randn(1, 6, 16), torch.randn(1, 5, 16)
+    value = torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True)
+    with forced_chunks(attn, 2) as used:
+        y = attn(x, key=key, value=value.float())
+        assert attn.explain_dispatch(x, key=key, value=value.float()).query_chunk is None
+        assert attn.explain_dispatch(x, key=key, value=value.detach().float()).query_chunk == 2
+    assert used == [1]
+    (got,) = torch.autograd.grad(y.sum(), value)
+    (want,) = torch.autograd.grad(reference_mha(attn, x, key=key, value=value)[0].sum(), value)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("b", "s", "d", "h", "expected"),
     [

@@ -63,6 +63,34 @@ def test_export_of_the_eager_path_under_autograd_reads_no_mask_data():
     torch.testing.assert_close(exported.module()(x, mask), attn(x, mask=mask))
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_of_a_trainable_fused_layer_with_a_floating_mask_runs_the_formula(strict):
+    # The fused path's check for rows at the minimum reads the mask; exported code cannot, so a call recorded by
+    # autograd with a floating mask takes the eager path there, right on every row.
+    from torch.export import export
+
+    from tests.reference import reference_mha
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, 2)
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[1, :, :, 3:] = torch.finfo(torch.float32).min
+    mask[1, :, 4] = torch.finfo(torch.float32).min  # a padded query reads nothing
+    x = torch.randn(2, 5, 16)
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, mask=mask)
+
+    exported = export(Masked(), (x, mask), strict=strict).module()
+    for m in (mask, torch.randn(2, 1, 5, 5)):
+        torch.testing.assert_close(exported(x, m).double(), reference_mha(attn, x, mask=m)[0])
+
+
 def _exported_step(attn, cache, x):
     from torch.export import export
 

@@ -139,6 +139,17 @@ def test_head_takes_its_row_of_a_per_head_mask():
     torch.testing.assert_close(attn.out_proj(alone), y)
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 4, 5, 5), (2, 4, 5, 7), (4, 6, 5)])
+def test_a_refused_mask_is_named_by_the_shape_the_caller_passed(shape):
+    attn = MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    mask = torch.ones(shape, dtype=torch.bool)
+    want = rf"mask of shape \({', '.join(map(str, shape))}\) does not broadcast to \(b, h, s_q, s_kv\) = \(2, 4, 5, 5\)"
+    for call in (lambda: attn(x, mask=mask), lambda: attn.head(1)(x, mask=mask)):
+        with pytest.raises(ValueError, match=want):
+            call()
+
+
 def test_head_takes_its_row_of_a_3d_per_head_float_mask():
     attn = MultiHeadAttention(16, 4, dtype=torch.float64)
     x = torch.randn(2, 5, 16, dtype=torch.float64)

@@ -13,7 +13,7 @@ from headwise import AttentionConfig, AttentionHead, KVCache, MaterializationWar
 from headwise import RotaryEmbedding
 from headwise import functional as hwf
 from headwise import masks as hwm
-from tests.reference import reference_heads
+from tests.reference import reference_heads, reference_mha
 
 _PLAN_FORWARD = MultiHeadAttention.forward.__globals__["plan_forward"]
 PLAN = _PLAN_FORWARD.__globals__["plan_attention"].__globals__
@@ -125,3 +125,26 @@ def test_the_layer_routes_minimum_rows_to_a_correct_gradient_and_keeps_the_fused
     with torch.no_grad():  # no autograd: nothing to route, the fused kernel's forward is right
         assert attn.explain_dispatch(x, mask=mask).backend == "sdpa"
         torch.testing.assert_close(attn(x, mask=mask), eager(x, mask=mask))
+
+
+def test_a_trainable_layer_with_a_floating_mask_compiles_whole_with_the_formulas_gradient():
+    # Compiled code cannot read the mask to look for minimum rows: while autograd records, a floating mask takes
+    # the eager path there, whatever its rows.
+    import torch._dynamo.testing
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 2, dtype=torch.float64)
+    eager = MultiHeadAttention(16, 2, dtype=torch.float64, backend="eager")
+    eager.load_state_dict(attn.state_dict())
+    x = torch.randn(2, 4, 16, dtype=torch.float64, requires_grad=True)
+    mask = _padding_rows_mask(torch.float64)
+    for m in (mask, torch.zeros_like(mask)):
+        counter = torch._dynamo.testing.CompileCounter()
+        compiled = torch.compile(attn, backend=counter, fullgraph=True)  # a data-dependent read would raise
+        out = compiled(x, mask=m)
+        assert counter.frame_count == 1
+        torch.testing.assert_close(out, reference_mha(attn, x.detach(), mask=m)[0])
+        got = torch.autograd.grad(out.sum(), (x, *attn.parameters()))
+        want = torch.autograd.grad(eager(x, mask=m).sum(), (x, *eager.parameters()))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)

@@ -125,6 +125,16 @@ def test_mask_constructors_name_bad_types(fn, exc, message):
         fn()
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int64])
+def test_left_padding_from_lengths_of_any_integer_dtype(dtype):
+    # s_kv beyond the lengths' own dtype's range: the keys kept are still the last `length` ones
+    s_kv = 300 if dtype != torch.int8 else 200
+    lengths = torch.tensor([5, 0, 100], dtype=dtype)
+    want = torch.stack([torch.arange(s_kv) >= s_kv - n for n in (5, 0, 100)])[:, None, None, :]  # (b, 1, 1, s_kv)
+    assert torch.equal(hwm.padding_mask(lengths=lengths, s_kv=s_kv, left=True), want)
+    assert torch.equal(hwm.padding_mask(lengths=lengths.numpy(), s_kv=s_kv, left=True), want)
+
+
 def test_numpy_lengths_are_an_integer_sequence():
     out = hwm.padding_mask(lengths=np.array([2, 3]), s_kv=3)
     assert torch.equal(out, hwm.padding_mask(lengths=[2, 3], s_kv=3))

@@ -36,3 +36,21 @@ def test_export_with_dynamic_batch_and_sequence(family, impl):
         with torch.no_grad():
             want = plain(**other).logits
         torch.testing.assert_close(exported.module()(other["input_ids"], other["attention_mask"]), want)
+
+
+def test_export_of_a_patched_t5_whose_position_bias_is_a_floating_mask():
+    # T5 (sdpa) hands its position bias to attention as an additive mask; with autograd on (export's default),
+    # the patched model exports as the unpatched one does, and gives its logits.
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+                                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, attn_implementation="sdpa")
+    plain = transformers.T5ForConditionalGeneration(cfg).eval()
+    patched = patch(transformers.T5ForConditionalGeneration(cfg).eval())
+    patched.load_state_dict(plain.state_dict())
+    kw = dict(input_ids=torch.tensor([[3, 5, 7, 9, 11, 4], [6, 8, 10, 12, 0, 0]]),
+              attention_mask=torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]]),
+              decoder_input_ids=torch.tensor([[0, 5, 7, 9], [0, 8, 10, 12]]), use_cache=False)
+    exported = torch.export.export(patched, (), kwargs=kw, strict=False).module()
+    with torch.no_grad():
+        want = plain(**kw).logits
+    torch.testing.assert_close(exported(**kw).logits, want)

@@ -178,6 +178,18 @@ def test_key_weight_of_a_cache_that_drops_keys_is_refused_with_the_calls_named()
         concatenate("key_weight", [torch.ones(1, 1, 5), torch.ones(1, 1, 3)])
 
 
+@pytest.mark.parametrize("name", ["lse", "key_weight"])
+def test_concatenate_refuses_no_calls_and_calls_that_are_not_b_h_n(name):
+    with pytest.raises(ValueError, match=rf"{name}: calls must hold at least one call's \(b, h, n\) tensor, got none"):
+        concatenate(name, [])
+    for calls, i, got in (([torch.ones(2, 3)], 0, r"\(2, 3\)"), ([torch.ones(2, 3), torch.ones(2, 3)], 0, r"\(2, 3\)"),
+                          ([torch.ones(1, 1, 3), torch.ones(1, 1, 1, 3)], 1, r"\(1, 1, 1, 3\)"),
+                          ([torch.ones(1, 1, 3), [1.0]], 1, "list")):
+        want = rf"{name}: every call must be a \(b, h, n\) tensor, but call {i} is {got}$"
+        with pytest.raises(ValueError, match=want):
+            concatenate(name, calls)
+
+
 def test_key_weight_of_a_rolling_window_that_stopped_growing_is_refused():
     # keys 2, 3, 4 then 4 again for one new query: the window dropped its oldest key
     calls = [torch.ones(1, 1, n) for n in (2, 3, 4, 4)]

@@ -83,11 +83,11 @@ def _unchunked_by_hooks(layer: Any, x: Any, context: Any, key: Any, value: Any, 
         return 0  # a trace never chunks; without hooks the plan chunks as on every other rank
     w = layer.q_proj.weight
     causal, cache, weights = options.get("causal", False), options.get("cache"), options.get("return_weights", False)
-    x, key, _, mask, _, _ = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None, x, context,
-                                          key, value, layer.local_mask(mask), causal, cache,
-                                          options.get("positions"), weights)
+    x, key, value, mask, _, _ = check_forward(layer.config, w.dtype, w.device, layer.rotary is not None, x,
+                                              context, key, value, layer.local_mask(mask), causal, cache,
+                                              options.get("positions"), weights)
     plan = plan_forward(layer, x, key, mask, causal, cache, weights, backend=layer.backend,
-                        chunk_queries=layer.chunk_queries)
+                        chunk_queries=layer.chunk_queries, value=value)
     return int(plan.hooked)
 
 

@@ -149,9 +149,15 @@ def concatenate(name: str, calls: list[torch.Tensor], queries: list[int] | None 
     """
     if name not in STATISTICS:
         raise ValueError(f"{name!r} is not a statistic; choose from {STATISTICS}")
+    if len(calls) == 0:
+        raise ValueError(f"{name}: calls must hold at least one call's (b, h, n) tensor, got none")
+    for i, t in enumerate(calls):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: every call must be a (b, h, n) tensor, but call {i} is {got}")
     for i, t in enumerate(calls[1:], 1):
         # (b, h) must agree: a batch-1 call would otherwise be broadcast onto every row of another batch
-        if t.dim() != 3 or t.shape[:2] != calls[0].shape[:2]:
+        if t.shape[:2] != calls[0].shape[:2]:
             raise ValueError(f"{name}: every call must have the same (b, h) to be joined, but call 0 is "
                              f"{tuple(calls[0].shape)} and call {i} is {tuple(t.shape)} (calls of different batch "
                              f"sizes); use .calls[i][{name!r}]")
