@@ -10,7 +10,12 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["calls_forward_only", "has_forward_hooks", "bare_linear", "adapter_base"]
+__all__ = ["FORWARD_STEPS", "calls_forward_only", "has_forward_hooks", "bare_linear", "adapter_base"]
+
+#: The steps of ``MultiHeadAttention.forward``. A subclass, or an instance (a step assigned on it: a notebook's
+#: monkeypatch), overriding any of them may compute another function than the weights alone say: a route that
+#: computes the forward elsewhere (a decode step's, a conversion, a shard) must see it.
+FORWARD_STEPS = ("forward", "project_q", "project_kv", "project_qkv", "rotate", "attend", "project_out")
 
 
 def calls_forward_only(module: nn.Module) -> bool:
@@ -31,8 +36,9 @@ def has_forward_hooks(module: nn.Module) -> bool:
 
 def bare_linear(module: Any) -> bool:
     """Whether calling ``module`` is exactly ``F.linear`` with its weight and bias: an ``nn.Linear`` (not a
-    subclass such as a LoRA wrapper) without forward hooks."""
-    return type(module) is nn.Linear and not has_forward_hooks(module)
+    subclass such as a LoRA wrapper, nor one whose ``forward`` was assigned on the instance) without forward
+    hooks."""
+    return type(module) is nn.Linear and "forward" not in module.__dict__ and not has_forward_hooks(module)
 
 
 def adapter_base(module: Any) -> nn.Module | None:

@@ -34,7 +34,7 @@ from torch import nn
 from . import functional as hwf
 from .config import check_scale
 from .kv_cache import KVCache
-from .module_calls import has_forward_hooks
+from .module_calls import FORWARD_STEPS, has_forward_hooks
 from .plan import CacheRead, Plan, cache_read, plan_attention
 
 __all__ = ["PLAN_KEY", "QUERY_PLAN_KEY", "one_token", "one_query_plan"]
@@ -62,11 +62,13 @@ def one_token(layer: Any, x: Any, cache: Any) -> torch.Tensor | None:
             and layer.rotary is None and not (state["training"] and state["config"].dropout)) \
             or torch.compiler.is_compiling():
         return None  # compiled: the general forward writes at the device position (one graph for all)
+    if not state.keys().isdisjoint(FORWARD_STEPS):
+        return None  # a step assigned on the instance (a notebook's monkeypatch) must run
     modules = state["_modules"]
     q_proj, k_proj, v_proj, out_proj = modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["out_proj"]
     for p in (q_proj, k_proj, v_proj, out_proj):
-        if type(p) is not nn.Linear or has_forward_hooks(p):
-            return None  # a wrapped or hooked projection (its own hooks or global ones): its module call must run
+        if type(p) is not nn.Linear or "forward" in p.__dict__ or has_forward_hooks(p):
+            return None  # a wrapped, reassigned or hooked projection (own or global hooks): its call must run
     cfg = state["config"]
     memo = state.get(PLAN_KEY)
     if memo is None or memo[0] is not cfg or memo[1]() is not cache:

@@ -3,6 +3,8 @@ and the forward's errors."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -275,6 +277,25 @@ def test_refusals_name_what_was_expected_and_bind_nothing():
     with pytest.raises(ValueError, match="belongs to"):
         DecodeStep(attn, theirs)
     assert theirs.owner is other
+
+
+@pytest.mark.parametrize("where", ["layer step", "projection forward"])
+def test_steps_and_projection_forwards_assigned_on_the_instance_run_in_a_decode_step(where):
+    # A notebook's monkeypatch shadows the class's step: the token must get it, as the full causal forward does.
+    attn = _layer(4, 2)
+    if where == "layer step":
+        plain = MultiHeadAttention.project_out
+        attn.project_out = types.MethodType(lambda self, z, results=None: 2 * plain(self, z, results), attn)
+    else:
+        lin = attn.out_proj
+        lin.forward = lambda inp: 2 * torch.nn.functional.linear(inp, lin.weight, lin.bias)
+    x = torch.randn(2, 5, attn.d_model)
+    with torch.no_grad():
+        want = attn(x, causal=True)  # (2, 5, d)
+        cache = attn.new_cache(2, 8)
+        attn(x[:, :3], cache=cache)
+        got = [attn(x[:, 3:4], cache=cache), DecodeStep(attn, cache)(x[:, 4:5])]
+    torch.testing.assert_close(torch.cat(got, 1), want[:, 3:])
 
 
 def test_after_a_first_step_hooks_config_and_module_swaps_are_honoured():

@@ -232,6 +232,12 @@ def test_to_torch_refuses_per_head_qk_norms_and_overridden_forward_steps():
     with pytest.raises(ValueError, match=r"MultiHeadAttention overrides the forward steps project_out \(set on the "
                                          r"instance\)"):
         to_torch(patched)
+    tripled = MultiHeadAttention(16, 4)  # a projection whose forward is assigned computes more than F.linear
+    lin = tripled.q_proj
+    lin.forward = lambda inp: 3 * nn.functional.linear(inp, lin.weight, lin.bias)
+    with pytest.raises(ValueError, match=r"q_proj=torch\.nn\.modules\.linear\.Linear with a forward set on the "
+                                         r"instance"):
+        to_torch(tripled)
 
 
 @pytest.mark.parametrize("bias,name,named", [(False, "q_proj", "q_proj has a bias but bias=False"),
@@ -263,7 +269,7 @@ def test_to_torch_refuses_projections_that_are_not_a_linear_and_copies_no_hooks(
 
     host = Host()
     peft.get_peft_model(host, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
-    with pytest.raises(ValueError, match=r"not an nn.Linear \(q_proj=peft\.[\w.]+\.Linear\).*merge_and_unload"):
+    with pytest.raises(ValueError, match=r"not an nn.Linear.s F.linear \(q_proj=peft\.[\w.]+\.Linear\).*merge_and_unload"):
         to_torch(host.attn)
     seq = MultiHeadAttention(16, 4)
     seq.k_proj = nn.Sequential(nn.Linear(16, 16))

@@ -41,6 +41,7 @@ from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import combine_masks, padding_mask
+from ..module_calls import FORWARD_STEPS
 from ..validation import check_bool
 from .views import LayerView, ProjectionView
 
@@ -172,10 +173,8 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
     return m
 
 
-# The steps of MultiHeadAttention.forward; a subclass overriding any of them may compute another function than the
-# weights alone say (decoding.DecodeStep assumes the same). Overrides known to compute the plain function: the fused
-# QKV GEMM of the views (same Q, K, V as three GEMMs).
-_FORWARD_STEPS = ("forward", "project_q", "project_kv", "project_qkv", "rotate", "attend", "project_out")
+# Overrides of the forward steps (module_calls.FORWARD_STEPS) known to compute the plain function: the fused QKV
+# GEMM of the views (same Q, K, V as three GEMMs).
 _PLAIN_OVERRIDES = {("LayerView", "project_qkv"), ("TorchMHAView", "project_qkv")}
 
 
@@ -186,12 +185,14 @@ def _forward_problems(attn: MultiHeadAttention) -> list[str]:
     # wrapper, another module) would be dropped. A view's ProjectionView is F.linear of the host's weights, and
     # nn.MultiheadAttention's own out_proj (a TorchMHAView's) is an nn.Linear in all but name. Hooks are not the
     # module's computation (a profiler's global hooks among them): like a state_dict, the copy does not carry them.
-    odd = {name: type(proj) for name in ("q_proj", "k_proj", "v_proj", "out_proj")
-           if type(proj := getattr(attn, name, None)) not in (nn.Linear, NonDynamicallyQuantizableLinear)
-           and not isinstance(proj, ProjectionView)}
+    odd = {name: f"{type(proj).__module__}.{type(proj).__qualname__}"
+                 + (" with a forward set on the instance" if "forward" in getattr(proj, "__dict__", {}) else "")
+           for name in ("q_proj", "k_proj", "v_proj", "out_proj")
+           if (type(proj := getattr(attn, name, None)) not in (nn.Linear, NonDynamicallyQuantizableLinear)
+               and not isinstance(proj, ProjectionView)) or "forward" in getattr(proj, "__dict__", {})}
     if odd:
-        problems.append("projections that are not an nn.Linear (" + ", ".join(
-            f"{k}={v.__module__}.{v.__qualname__}" for k, v in odd.items()) + "); nn.MultiheadAttention applies only "
+        problems.append("projections that are not an nn.Linear's F.linear (" + ", ".join(
+            f"{k}={v}" for k, v in odd.items()) + "); nn.MultiheadAttention applies only "
             "their weight and bias (merge an adapter first, e.g. PEFT's merge_and_unload())")
     # nn.MultiheadAttention has a bias everywhere or nowhere, built from the config's flag: a swapped-in projection
     # whose bias disagrees would have its bias dropped, or have none to copy.
@@ -212,7 +213,7 @@ def _forward_problems(attn: MultiHeadAttention) -> list[str]:
     if why:
         problems.append(f"it computes more than the plain attention: {why}")
     overridden = []
-    for step in _FORWARD_STEPS:
+    for step in FORWARD_STEPS:
         owner = next(c for c in type(attn).__mro__ if step in vars(c))
         plain = owner is MultiHeadAttention or (owner.__module__.startswith("headwise.")
                                                  and (owner.__name__, step) in _PLAIN_OVERRIDES)
@@ -221,7 +222,7 @@ def _forward_problems(attn: MultiHeadAttention) -> list[str]:
         if not plain:
             overridden.append(f"{owner.__name__}.{step}")
     # A step assigned on the instance (a notebook's monkeypatch) shadows every class's.
-    overridden += [f"{step} (set on the instance)" for step in _FORWARD_STEPS if step in vars(attn)]
+    overridden += [f"{step} (set on the instance)" for step in FORWARD_STEPS if step in vars(attn)]
     if overridden:
         problems.append(f"{type(attn).__name__} overrides the forward steps {', '.join(overridden)}; "
                         "nn.MultiheadAttention computes only the plain MultiHeadAttention forward")

@@ -20,12 +20,10 @@ from typing import Any
 from torch import nn
 
 from ..attention import MultiHeadAttention
+from ..module_calls import FORWARD_STEPS
 
-__all__ = ["FORWARD_STEPS", "check_source", "qk_norms"]
+__all__ = ["check_source", "qk_norms"]
 
-#: The steps of ``MultiHeadAttention.forward``: a subclass overriding one may compute another function than its
-#: parts say.
-FORWARD_STEPS = ("forward", "project_q", "project_kv", "project_qkv", "rotate", "attend", "project_out")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 # headwise's QK-norm steps, which a shard applies with copies of the norms. Matched by name: the class lives in
 # the Hugging Face interop, which is not imported here (a layer of that class has imported it already).
@@ -65,10 +63,12 @@ def check_source(attn: MultiHeadAttention) -> None:
         owner = next(c for c in type(attn).__mro__ if step in vars(c))
         if owner is not MultiHeadAttention and not (_where(owner) == _QK_NORM and step in _QK_NORM_STEPS):
             overridden.append(f"{owner.__name__}.{step}")
+    overridden += [f"{step} (set on the instance)" for step in FORWARD_STEPS if step in vars(attn)]
     if overridden:
         problems.append(f"it overrides the forward step{'s' if len(overridden) > 1 else ''} {', '.join(overridden)}")
     odd: dict[str, Any] = {name: type(getattr(attn, name, None)) for name in PROJECTIONS}
-    odd = {name: t for name, t in odd.items() if t is not nn.Linear}
+    odd = {name: t for name, t in odd.items()
+           if t is not nn.Linear or "forward" in vars(getattr(attn, name))}  # a forward assigned: not F.linear
     if odd:
         problems.append("its projections " + ", ".join(f"{k}={v.__qualname__}" for k, v in odd.items()) + " are not "
                         "nn.Linear, and a shard keeps only their weight and bias (merge an adapter first, e.g. "
