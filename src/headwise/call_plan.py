@@ -14,6 +14,7 @@ Shapes:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from .module_calls import has_forward_hooks
 from .plan import STATISTICS, CacheRead, Plan, cache_read, plan_attention
 from .statistics import check_statistics
 from .validation import (autocast_dtype, check_bool, check_causal, check_first_write, check_forward, check_sinks,
-                         dead_rows_rule)
+                         has_dead_rows)
 
 __all__ = ["plan_forward", "plan_attend", "explain_forward", "traced"]
 
@@ -91,7 +92,7 @@ def plan_forward(layer: Any, x: torch.Tensor, key: torch.Tensor | None, mask: to
         has_mask=mask is not None or read is CacheRead.BUFFER or read is CacheRead.POSITION,
         cached=cache is not None, return_weights=return_weights,
         dropout_p=cfg.dropout if layer.training else 0.0, records_grad=grad,
-        dead_rows=False if mask is None else dead_rows_rule(mask),
+        dead_rows=False if mask is None else partial(has_dead_rows, mask),
         mask_per_head=mask is not None and mask.shape[1] != 1, read=read, statistics=statistics)
     plan = plan_attention(chunk_queries=chunk_queries, **sizes)
     # Chunks call q_proj and out_proj once per chunk on its rows: hooks on them (own or global) must see every
@@ -140,7 +141,7 @@ def plan_attend(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         backend="eager" if wants else backend, causal=causal, has_mask=mask is not None,
         return_weights=wants, dropout_p=float(dropout), chunk_queries=False, records_grad=grad,
         softcap=softcap, sinks=sinks is not None,
-        dead_rows=False if mask is None else dead_rows_rule(mask),
+        dead_rows=False if mask is None else partial(has_dead_rows, mask),
         mask_per_head=mask is not None and mask.shape[1] != 1, statistics=stats)
     return plan, mask
 

@@ -13,13 +13,15 @@ Shapes:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from .masks import causal_mask, combine_masks, open_dead_rows, validate_mask
 from .plan import Causal, Grouping, Plan, plan_attention
 from .config import check_dropout, check_scale
-from .validation import check_bool, check_causal, check_qkv, check_sinks, check_tensor, dead_rows_rule
+from .validation import check_bool, check_causal, check_qkv, check_sinks, check_tensor, has_dead_rows
 
 __all__ = ["split_heads", "split_qkv", "merge_heads", "attention", "attend", "softmax_attention",
            "available_backends"]
@@ -279,7 +281,7 @@ def attention(
                           b=b, s_q=s_q, s_kv=s_kv, dtype=q.dtype, device=q.device, backend=backend,
                           causal=causal, has_mask=mask is not None, return_weights=return_weights,
                           dropout_p=float(dropout_p), chunk_queries=False, records_grad=grad, softcap=softcap,
-                          sinks=sinks is not None, dead_rows=False if mask is None else dead_rows_rule(mask),
+                          sinks=sinks is not None, dead_rows=False if mask is None else partial(has_dead_rows, mask),
                           mask_per_head=mask is not None and mask.shape[1] != 1)
     return attend(plan, q, k, v, mask, sinks)
 

@@ -11,8 +11,7 @@ Shapes:
 from __future__ import annotations
 
 import os
-from functools import partial
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -136,24 +135,13 @@ def has_dead_rows(mask: torch.Tensor | None, causal: tuple[int, int] | None = No
     causal call), and a row that may read no key at all is left to the zeroing of rows that read nothing."""
     if mask is None or mask.dtype == torch.bool or mask.numel() == 0:
         return False
+    if torch.compiler.is_compiling():  # True under torch.export too, strict or not
+        return True  # reading the mask is a data-dependent step they cannot trace: the formula is right on every row
     low = mask <= torch.finfo(mask.dtype).min / 2  # broadcastable to (b, h, s_q, s_kv)
     if causal is None:
         return bool(low.all(-1).any())
     readable = causal_mask(*causal, device=mask.device)  # (s_q, s_kv), bottom-right
     return bool(((low | ~readable).all(-1) & readable.any(-1)).any())
-
-
-def dead_rows_rule(mask: torch.Tensor | None) -> bool | Callable[[tuple[int, int] | None], bool]:
-    """What plan rule 2 is told about ``mask``'s rows entirely at the dtype's minimum (``plan_attention``'s
-    ``dead_rows``): False for no mask or a bool mask (never eager for it); True for a floating mask under
-    ``torch.compile`` or ``torch.export``, where reading the mask is a data-dependent step they cannot trace,
-    so a call recorded by autograd takes the eager path, the formula, right on every row; otherwise
-    :func:`has_dead_rows` on the mask, asked only when its answer can change the backend."""
-    if mask is None or mask.dtype == torch.bool:
-        return False
-    if torch.compiler.is_compiling():  # True under torch.export too, strict or not
-        return True
-    return partial(has_dead_rows, mask)
 
 
 def check_dtype(name: str, dtype: object) -> None:
