@@ -1,9 +1,11 @@
 """headwise registered as a transformers attention implementation ("headwise"): the function against a float64
-reference written from the formula, and whole tiny models against their own eager implementation.
+reference written from the formula (under autocast, torch's own sdpa), and whole tiny models against their own
+eager or sdpa implementation.
 """
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import headwise.interop  # noqa: E402,F401  (registers "headwise")
+from headwise.interop import patch  # noqa: E402
 from headwise.interop.hf.attention_function import attention_forward, mask  # noqa: E402
 
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
@@ -133,6 +136,20 @@ def test_value_heads_wider_than_query_heads():
     torch.testing.assert_close(out, reference(q, k, v, causal=True).float())
 
 
+def test_a_dtype_mix_is_computed_in_the_autocast_dtype_under_autocast_and_refused_outside():
+    # Llama-style rotary hands over float32 q, k beside an autocast (bfloat16) v: transformers' sdpa casts all three.
+    q, k, v = qkv(s_q=3, s_kv=7)
+    v = v.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention_forward(Module(False), q, k, v, None)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want.transpose(1, 2))
+    with pytest.raises(TypeError, match=r"^q, k, v must share a dtype; got torch.float32, torch.float32, "
+                                        r"torch.bfloat16$"):
+        attention_forward(Module(False), q, k, v, None)
+
+
 def tiny(model_type: str, impl: str, **kw) -> torch.nn.Module:
     base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -226,3 +243,18 @@ def test_an_eager_only_family_whose_decoder_says_is_causal_false_equals_eager():
         model.set_attn_implementation("headwise")
         got = model(IDS).logits
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("how", ["patch from sdpa", "patch from eager", "attn_implementation"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_rotary_families_under_autocast_equal_the_unpatched_model(model_type, how):
+    plain = tiny(model_type, "eager" if how == "patch from eager" else "sdpa", head_dim=4)
+    ours = copy.deepcopy(plain)
+    if how == "attn_implementation":
+        ours.set_attn_implementation("headwise")
+    else:
+        patch(ours)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = plain(IDS, attention_mask=MASK).logits, ours(IDS, attention_mask=MASK).logits
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)  # every position, the padded one included

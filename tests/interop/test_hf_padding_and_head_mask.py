@@ -1,7 +1,8 @@
 """Patching changes nothing at any position, padded rows included, in the conventions of the implementation the
-model had (Gemma 2 runs eager: a query that may read nothing averages every value there, where sdpa gives zeros);
-and a head_mask, which transformers 5 ignores, is honoured (each head's probabilities and context scaled) or refused
-in one line before anything runs.
+model had (Gemma 2 runs eager: a query that may read nothing averages every value there, where sdpa gives zeros),
+in half precision too, and for another model built on the patched model's config object; and a head_mask, which
+transformers 5 ignores, is honoured (each head's probabilities and context scaled) or refused in one line before
+anything runs.
 
 Peers: the unpatched model itself, and for head_mask the unpatched model with plain forward pre-hooks scaling each
 head's slice of W_O's input."""
@@ -63,6 +64,45 @@ def test_every_position_is_unchanged_under_either_convention(model_type, impl):
     padded = want[1, 0]  # a query that may read nothing: eager's and sdpa's answers differ there
     other = build(model_type, "sdpa" if impl == "eager" else "eager")
     assert not torch.allclose(loss_over_every_position(other)[0][1, 0], padded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2"])
+def test_an_eager_model_in_half_precision_keeps_its_uniform_padded_rows(model_type, dtype):
+    # Eager adds its dtype's minimum to the scores of a row that may read nothing, which makes the row uniform;
+    # headwise computes half-precision scores in float32, where float16's minimum would not swamp them.
+    kw = dict(head_dim=8, query_pre_attn_scalar=64) if model_type == "gemma2" else dict(head_dim=8)
+    model = build(model_type, "eager", **kw).to(dtype)
+    want, _ = loss_over_every_position(model)
+    patch(model)
+    with headwise.trace(model, capture=("pattern",)) as t:
+        got, _ = loss_over_every_position(model)
+    tol = dict(atol=5e-3, rtol=5e-3) if dtype == torch.float16 else dict(atol=4e-2, rtol=4e-2)
+    torch.testing.assert_close(got, want, **tol)  # every position: half-precision rounding apart
+    pattern = t[0].pattern  # (b, h, s, s), the dtype the model computes in
+    assert pattern.dtype == dtype
+    torch.testing.assert_close(pattern[1, :, 0], torch.full_like(pattern[1, :, 0], 1 / 7))  # the padded row
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_patching_a_model_leaves_a_model_sharing_its_config_computing_as_before(impl):
+    model = build("llama", impl)
+    other = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    assert other.config is model.config  # transformers shares it: patch switches both to "headwise"
+    with torch.no_grad():
+        other.load_state_dict(model.state_dict())
+    want, _ = loss_over_every_position(other)
+    patch(model)
+    got, _ = loss_over_every_position(other)
+    torch.testing.assert_close(got, want)  # every position, the padded ones included
+    torch.testing.assert_close(loss_over_every_position(model)[0], want)
+    patch(other)  # patched in turn, it keeps the conventions it computed with
+    assert [a.rule for _, a in layers(other)] == [impl, impl]
+    torch.testing.assert_close(loss_over_every_position(other)[0], want)
+    unpatch(other)
+    unpatch(model)
+    assert other.config._attn_implementation == impl
+    torch.testing.assert_close(loss_over_every_position(other)[0], want)
 
 
 def w_o_scaled(model: torch.nn.Module, factors: torch.Tensor, d_h: int) -> list:

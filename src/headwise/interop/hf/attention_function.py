@@ -8,7 +8,9 @@ own output projection to what comes back. :func:`register` (run when :mod:`headw
 transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``; nothing of transformers is replaced.
 
 * ``from_pretrained(..., attn_implementation="headwise")`` or ``model.set_attn_implementation("headwise")``:
-  every head is computed by :func:`headwise.functional.attention`, with sdpa's conventions.
+  every head is computed by :func:`headwise.functional.attention`, with sdpa's conventions. A model built on the
+  config object of a model :func:`~headwise.interop.patch` switched (``from_config(model.config)`` shares it) is
+  switched with it and keeps the conventions that config had (:func:`config_rule`).
 * A model patched by :func:`headwise.interop.patch`: every head of a module is computed by its layer's
   :meth:`~headwise.MultiHeadAttention.attend` (the step :func:`headwise.trace` sees), with the conventions of the
   implementation the model had before patching (the layer's ``rule``), so patching changes no output:
@@ -17,7 +19,8 @@ transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``; nothin
   the model had             ``"sdpa"``                             ``"eager"``
   ========================  =====================================  ==========================================
   a row that may read       zeros (sdpa's kernel)                  the mean of every value (eager's finfo.min
-  no key (padding)                                                 row is uniform)
+  no key (padding)                                                 row is uniform; float32's for half inputs,
+                                                                   whose scores headwise computes in float32)
   no mask, ``s_q > 1``      causal by ``is_causal`` (the keyword,  no causality (the mask is eager's only
                             else ``module.is_causal``, else True), source of it)
                             after cropping K/V to ``s_q`` (an
@@ -33,6 +36,9 @@ that only ever ran eager do not keep, and to code that looks for the name ``"sdp
 registry entry keeps sdpa's skip (``causal_skip``: Dory). T5's ``position_bias`` is added to the scores;
 ``softcap`` (Gemma 2), ``s_aux`` (a sink logit per head, gpt-oss) and ``sinks`` (a sink logit per query row,
 Inkling 2) are applied; ``head_mask`` scales each head's probabilities and context (:func:`head_factors`).
+Under ``torch.autocast`` q, k and v are cast to the autocast dtype (:func:`autocast_heads`), as transformers' sdpa
+and eager products cast them (Llama-style rotary hands over float32 q, k beside an autocast v); outside autocast a
+dtype mix is refused with a ``TypeError``.
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
@@ -59,10 +65,12 @@ import torch
 from torch import nn
 
 from ... import functional as hwf
-from .layer import HFView
+from ...call_plan import plan_attend
+from ...validation import check_qkv
+from .layer import RULES, HFView
 from .registry import entry_for
 
-__all__ = ["NAME", "register", "attention_forward", "mask", "head_factors", "sdpa_rule"]
+__all__ = ["NAME", "register", "attention_forward", "mask", "head_factors", "config_rule", "autocast_heads"]
 
 NAME = "headwise"
 
@@ -80,22 +88,38 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mask)
 
 
-#: Configs of models patched from sdpa, by id (:func:`sdpa_rule`): transformers ran their modules under sdpa, which
-#: reads each module's ``is_causal`` when the mask is skipped, so a skipped (purely causal or full) mask may stand
-#: for that flag here too. Weak references: a config's entry goes with the config (configs are not hashable).
-_SDPA_CONFIGS: dict[int, weakref.ref] = {}
+#: The rule of each patched model's config, by id (:func:`config_rule`). Models patched from sdpa: transformers ran
+#: their modules under sdpa, which reads each module's ``is_causal`` when the mask is skipped, so a skipped (purely
+#: causal or full) mask may stand for that flag here too. Any model: another model built on the same config object
+#: (``from_config(model.config)``) now runs "headwise" too, without layers, and keeps the rule it had. Weak
+#: references: a config's entry goes with the config (configs are not hashable).
+_CONFIG_RULES: dict[int, tuple[weakref.ref, str]] = {}
 
 
-def sdpa_rule(config: Any, keep: bool | None = None) -> bool:
-    """Whether ``config`` is one of a model patched from sdpa; ``keep`` True / False records / forgets it first
-    (:func:`headwise.interop.patch` and ``unpatch`` do)."""
+def config_rule(config: Any, keep: str | bool | None = None) -> str | None:
+    """The rule (``"eager"`` or ``"sdpa"``) recorded for ``config`` when a model of it was patched, or None;
+    ``keep`` a rule / False records / forgets it first (:func:`headwise.interop.patch` and ``unpatch`` do)."""
     key = id(config)
-    if keep:
-        _SDPA_CONFIGS[key] = weakref.ref(config, lambda _, key=key: _SDPA_CONFIGS.pop(key, None))
+    if keep in RULES:
+        _CONFIG_RULES[key] = (weakref.ref(config, lambda _, key=key: _CONFIG_RULES.pop(key, None)), keep)
     elif keep is False:
-        _SDPA_CONFIGS.pop(key, None)
-    ref = _SDPA_CONFIGS.get(key)
-    return ref is not None and ref() is config
+        _CONFIG_RULES.pop(key, None)
+    elif keep is not None:
+        raise ValueError(f"config_rule: keep must be one of {RULES}, False or None, got {keep!r}")
+    found = _CONFIG_RULES.get(key)
+    return found[1] if found is not None and found[0]() is config else None
+
+
+def autocast_heads(query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``query, key, value`` in the dtype ``torch.autocast`` (active on their device) computes attention in, as
+    transformers' own implementations get it: sdpa and eager's products are autocast ops, which cast every floating
+    input but float64 to that dtype (Llama-style rotary hands over float32 q, k beside an autocast v).
+
+    Shapes: unchanged."""
+    dtype = torch.get_autocast_dtype(query.device.type)
+    cast = [t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (query, key, value)]
+    return cast[0], cast[1], cast[2]
 
 
 def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -114,7 +138,7 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     config = kwargs.get("config")
     if q_length != 1:
         entry = entry_for(getattr(config, "model_type", None), config)
-        if not (entry.causal_skip or (not entry.names_sdpa and sdpa_rule(config))):
+        if not (entry.causal_skip or (not entry.names_sdpa and config_rule(config) == "sdpa")):
             kwargs["allow_is_causal_skip"] = kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
@@ -171,9 +195,10 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     A patched module's heads go through its layer's :meth:`~headwise.MultiHeadAttention.attend` (traced), with the
     rule of the implementation its model had (see the module docstring); any other module's through
-    :func:`headwise.functional.attention` with sdpa's rule. A sparse selection handed over as ``indices`` or
-    ``block_indices`` (DeepSeek-V3.2, MiniMax M3: transformers folds it into the mask only under eager and sdpa)
-    is refused with a ``ValueError``, as are both ``s_aux`` and ``sinks`` at once.
+    :func:`headwise.functional.attention` with the rule recorded for its config (:func:`config_rule`), else
+    sdpa's. A sparse selection handed over as ``indices`` or ``block_indices`` (DeepSeek-V3.2, MiniMax M3:
+    transformers folds it into the mask only under eager and sdpa) is refused with a ``ValueError``, as are both
+    ``s_aux`` and ``sinks`` at once.
 
     Args:
         module: the Hugging Face attention module calling.
@@ -208,7 +233,13 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     layer = module.__dict__.get("attn")  # set by headwise.interop.patch: the module's headwise layer
     if not isinstance(layer, HFView) or layer.__dict__.get("_hw_host") is not module:
         layer = None
-    eager = layer is not None and layer.rule == "eager"  # an attribute: no call on this path
+    if layer is not None:
+        eager = layer.rule == "eager"  # an attribute: no call on this path
+    else:  # a model sharing a patched model's config (switched with it) keeps the rule that config had
+        eager = config_rule(getattr(module, "config", None)) == "eager"
+    kind = query.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        query, key, value = autocast_heads(query, key, value)
     s_q, s_kv = query.shape[2], key.shape[2]
     mask = attention_mask
     causal = False
@@ -219,27 +250,46 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             if position_bias is not None:
                 position_bias = position_bias[..., :s_q]
     elif eager and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # eager's own additive mask
-        mask = torch.where(mask, query.new_zeros(()), torch.finfo(query.dtype).min)  # (b or 1, 1, s_q, s_kv)
+        # In the dtype the scores are computed in (float32 for half inputs): float16's minimum added to float32
+        # scores would not swamp them, and a row that may read nothing would not be eager's uniform one.
+        low = torch.promote_types(query.dtype, torch.float32)
+        zero = torch.zeros((), dtype=low, device=mask.device)
+        mask = torch.where(mask, zero, torch.finfo(low).min)  # (b or 1, 1, s_q, s_kv)
     if position_bias is not None:
         mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
         causal = False
     wants = eager or bool(kwargs.get("output_attentions", False))
     sinks = s_aux if sinks is None else sinks
     factors = None if head_mask is None else head_factors(head_mask, module, query.shape[1])
+    # eager's mask in the scores' dtype, wider than half-precision inputs: headwise would round it to theirs
+    # (float32's minimum to -inf, so a row that may read nothing to zeros)
+    wide = eager and isinstance(mask, torch.Tensor) and mask.dtype == torch.promote_types(query.dtype, torch.float32) \
+        and mask.dtype != query.dtype
     if layer is None:
+        dtype = query.dtype
+        if wide:  # no trace sees this path: the inputs are widened to the mask's dtype, the outputs rounded back
+            query, key, value = query.to(mask.dtype), key.to(mask.dtype), value.to(mask.dtype)
         z, weights = hwf.attention(query, key, value, mask=mask, scale=scaling, dropout_p=dropout, causal=bool(causal),
                                    backend="eager" if wants else "sdpa", return_weights=wants, softcap=softcap,
                                    sinks=sinks)
         if factors is not None:
             f = factors.to(z.dtype).view(1, -1, 1, 1)  # (1, h, 1, 1)
             z, weights = z * f, None if weights is None else weights * f
+        if wide:
+            z, weights = z.to(dtype), None if weights is None else weights.to(dtype)
     else:
         cfg = layer.config
         if query.shape[1] != cfg.n_heads or value.shape[1] != cfg.n_kv_heads or value.shape[-1] != cfg.d_head:
             adopt(layer, module, query, value)
-        z, weights = layer.attend(query, key, value, mask=mask, causal=bool(causal), return_weights=wants,
-                                  scale=None if scaling == cfg.scale else scaling, softcap=softcap, sinks=sinks,
-                                  dropout=dropout, head_scale=factors)
+        kw = dict(causal=bool(causal), return_weights=wants, scale=None if scaling == cfg.scale else scaling,
+                  softcap=softcap, sinks=sinks, dropout=dropout, head_scale=factors)
+        plan = None
+        if wide:  # planned here, so the mask reaches the (eager) kernel as it is; the trace sees q, k, v as given
+            check_qkv(query, key, value)
+            plan, checked = plan_attend(layer, query, key, value, mask=mask, tracer=layer.tracer,
+                                        backend=layer.backend, **kw)
+            mask = mask.view(checked.shape)  # (b or 1, h or 1, s_q, s_kv)
+        z, weights = layer.attend(query, key, value, mask=mask, plan=plan, **kw)
     return z.transpose(1, 2).contiguous(), weights  # (b, s_q, h, d_v)
 
 

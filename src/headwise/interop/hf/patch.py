@@ -40,7 +40,7 @@ from typing import Any
 
 from torch import nn
 
-from .attention_function import NAME, head_factors, sdpa_rule
+from .attention_function import NAME, config_rule, head_factors
 from .layer import HFView, is_target, view_of
 
 __all__ = ["patch", "unpatch", "layers", "check_impl", "restore_view", "SUPPORTED_IMPLS"]
@@ -95,7 +95,9 @@ def _targets(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None, s
         if taken:
             raise TypeError(f"patch: {type(module).__name__} at {name!r} has an attribute 'attn' of its own, where "
                             "headwise puts the module's layer")
-        rule = impl if impl != NAME else (held.rule if held is not None else "sdpa")
+        # "headwise" already: the module's layer's rule, else the one recorded for its config (a model sharing a
+        # patched model's config was switched with it), else sdpa's (the implementation's own)
+        rule = impl if impl != NAME else (held.rule if held is not None else config_rule(module.config) or "sdpa")
         found.append((name, module, modules[name.rpartition(".")[0]], rule))
     return found
 
@@ -221,11 +223,14 @@ def patch(model: nn.Module) -> nn.Module:
     for module, view in views:
         module.__dict__["attn"] = view
     rules: dict[int, set[str]] = {}
-    for module, view in views:
-        rules.setdefault(id(module.config), set()).add(view.rule)
-    for config in configs:  # a config whose every module ran sdpa keeps sdpa's skip of a causal mask; a record
-        # left by an earlier patch goes when the model ran something else since (set_attn_implementation)
-        sdpa_rule(config, keep=rules.get(id(config)) == {"sdpa"})
+    for _, view in layers(model):  # every patched module, those an earlier patch gave a layer too
+        rules.setdefault(id(view.host.config), set()).add(view.rule)
+    for config in configs:
+        # The rule every module of a config keeps is recorded on it: sdpa's skip of a causal mask follows it, and
+        # so does another model built on the same config object (switched to "headwise" with it, without
+        # layers). A record left by an earlier patch goes when the model ran something else since.
+        found = rules.get(id(config), set())
+        config_rule(config, keep=next(iter(found)) if len(found) == 1 else False)
     if not _records(model):  # the first patch: what unpatch puts back
         anchor = _anchor(model)
         anchor.__dict__["_hw_impls"] = before
@@ -269,7 +274,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         if view_on(module) is not None:
             del module.__dict__["attn"]
     for config in _configs(model):
-        sdpa_rule(config, keep=False)
+        config_rule(config, keep=False)
     for holder in _records(model):  # wherever patch kept it: a wrapper's inner model, or the model itself
         _restore(holder.__dict__.pop("_hw_impls"))
         hook = holder.__dict__.pop("_hw_hook", None)
