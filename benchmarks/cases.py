@@ -134,12 +134,14 @@ def _rewind(cache: KVCache, ctx: int) -> Callable[[], None]:
 
 def decode_group(sz: Sizes) -> Group:
     """One token per call against a cache of ``context`` tokens: headwise ``attn(x, cache=cache)`` under
-    no_grad vs the preallocated ``x @ W`` loop. Every block starts from the same cache content."""
+    no_grad vs the preallocated ``x @ W`` loop, and that loop over the layer's own ``nn.Linear`` weights (what
+    their layout costs, reported beside the goal). Every block starts from the same cache content."""
     d, h, ctx, tokens = sz.decode
     attn = _layer(d, h)
     max_len = ctx + tokens + 1
     cache = attn.new_cache(batch_size=1, max_len=max_len)
     xw = peers.XWDecoder(attn, 1, max_len)
+    lin = peers.LinearDecoder(attn, 1, max_len)
     torch.manual_seed(1)
     prompt, x = torch.randn(1, ctx, d), torch.randn(1, 1, d)
     with torch.no_grad():
@@ -158,7 +160,9 @@ def decode_group(sz: Sizes) -> Group:
     es = [Entry("headwise", step, reset=rewind, number=tokens,
                 note="attn(x, cache=cache) under no_grad"),
           Entry("x @ W preallocated loop", xw_step, reset=partial(xw.fill, k0, v0), number=tokens,
-                note="addmm per projection, slot write, SDPA over the filled prefix, @ W_O")]
+                note="addmm per projection, slot write, SDPA over the filled prefix, @ W_O"),
+          Entry("F.linear preallocated loop", _no_grad(lambda: lin(x)), reset=partial(lin.fill, k0, v0),
+                number=tokens, note="the same loop over the layer's own (d_out, d_in) weights: their layout's cost")]
     return Group("decode", f"decode d{d} h{h} context {ctx}", es, base="x @ W preallocated loop",
                  rounds=sz.decode_rounds, block_s=sz.block_s)
 

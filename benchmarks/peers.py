@@ -5,6 +5,8 @@ computes the same function on the same inputs (each group checks that on its war
   ``scaled_dot_product_attention``, the merge and the output projection, nothing else.
 * :func:`mha_peer`: ``nn.MultiheadAttention`` holding the same weights (its CPU fast path in eval/no_grad).
 * :class:`XWDecoder`: the fastest honest decode loop, ``x @ W`` with a preallocated cache.
+* :class:`LinearDecoder`: the same loop over the layer's own ``nn.Linear`` weights (``F.linear``): where the
+  decode gap to ``x @ W`` comes from the weights' layout, not from the code around the kernels.
 
 Shapes:
     b: batch, s: sequence, d: d_model, h: query heads, h_kv: key/value heads, d_h: head width.
@@ -21,7 +23,7 @@ from torch.nn.attention import sdpa_kernel
 
 from headwise import MultiHeadAttention
 
-__all__ = ["PackedSDPA", "mha_peer", "XWDecoder"]
+__all__ = ["PackedSDPA", "mha_peer", "XWDecoder", "LinearDecoder"]
 
 
 def _qkv_weight(attn: MultiHeadAttention) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,3 +146,16 @@ class XWDecoder:
         return self._proj(3, o.reshape(b, self.h * self.d_h)).view(b, 1, d)
 
 
+class LinearDecoder(XWDecoder):
+    """:class:`XWDecoder` with ``F.linear`` over ``attn``'s own weight tensors, stored ``(d_out, d_in)`` as
+    ``nn.Linear`` keeps them (shared, not copied): the loop a headwise layer's kernels amount to. Its ratio to
+    the ``x @ W`` loop is what the weights' layout costs on the machine; it is reported, not a goal's peer."""
+
+    def __init__(self, attn: MultiHeadAttention, batch_size: int, max_len: int, *, kernels: list | None = None) -> None:
+        super().__init__(attn, batch_size, max_len, kernels=kernels)
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj)
+        self.w = [p.weight.detach() for p in projs]  # (d_out, d_in) each: the layer's own tensors
+        self.b = [None if p.bias is None else p.bias.detach() for p in projs]
+
+    def _proj(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w[i], self.b[i])
