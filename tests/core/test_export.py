@@ -40,6 +40,17 @@ def test_export_with_dynamic_batch_and_sequence(n_kv_heads, backend):
         torch.testing.assert_close(program.module()(x), attn(x, causal=True))
 
 
+class _Masked(torch.nn.Module):
+    """``attn(x, mask=mask)`` with the mask an input of the exported program."""
+
+    def __init__(self, attn: MultiHeadAttention) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, mask=mask)
+
+
 def test_export_of_the_eager_path_under_autograd_reads_no_mask_data():
     # Whether a float mask has dead rows matters only for the fused path; the eager path never asks, so a
     # trainable eager layer with an additive mask exports (a data-dependent read would stop the trace).
@@ -51,15 +62,7 @@ def test_export_of_the_eager_path_under_autograd_reads_no_mask_data():
     mask[1, :, :, 3:] = torch.finfo(torch.float32).min
     x = torch.randn(2, 5, 16)
 
-    class Masked(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn = attn
-
-        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.attn(x, mask=mask)
-
-    exported = export(Masked(), (x, mask), strict=False)
+    exported = export(_Masked(attn), (x, mask), strict=False)
     torch.testing.assert_close(exported.module()(x, mask), attn(x, mask=mask))
 
 
@@ -78,15 +81,7 @@ def test_export_of_a_trainable_fused_layer_with_a_floating_mask_runs_the_formula
     mask[1, :, 4] = torch.finfo(torch.float32).min  # a padded query reads nothing
     x = torch.randn(2, 5, 16)
 
-    class Masked(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn = attn
-
-        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.attn(x, mask=mask)
-
-    exported = export(Masked(), (x, mask), strict=strict).module()
+    exported = export(_Masked(attn), (x, mask), strict=strict).module()
     for m in (mask, torch.randn(2, 1, 5, 5)):
         torch.testing.assert_close(exported(x, m).double(), reference_mha(attn, x, mask=m)[0])
 
