@@ -84,6 +84,25 @@ def test_an_eager_model_in_half_precision_keeps_its_uniform_padded_rows(model_ty
     torch.testing.assert_close(pattern[1, :, 0], torch.full_like(pattern[1, :, 0], 1 / 7))  # the padded row
 
 
+def test_a_half_precision_additive_mask_keeps_an_eager_models_padded_rows_uniform():
+    # A user's 4-D float16 mask in eager's convention (its dtype's minimum where a key may not be read): eager's
+    # float16 scores are swamped by it, headwise's float32 ones only by float32's minimum.
+    model = build("llama", "eager", head_dim=8).half()
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril().expand(3, 1, 7, 7).clone()  # (b, 1, s, s)
+    allowed[1, :, :, :3] = False  # left padding: the first three rows of example 1 may read nothing
+    mask = torch.zeros(3, 1, 7, 7, dtype=torch.float16).masked_fill(~allowed, torch.finfo(torch.float16).min)
+    wide = mask.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+    reference = build("llama", "eager", head_dim=8)  # the same weights in float32, its own convention
+    with torch.no_grad():
+        want = reference(input_ids=IDS, attention_mask=wide).logits
+        patch(model)
+        with headwise.trace(model, capture=("pattern",)) as t:
+            got = model(input_ids=IDS, attention_mask=mask).logits
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)  # float16 rounding apart
+    padded = t[0].pattern[1, :, 0]  # (h, s): a row that may read nothing
+    torch.testing.assert_close(padded, torch.full_like(padded, 1 / 7))
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_patching_a_model_leaves_a_model_sharing_its_config_computing_as_before(impl):
     model = build("llama", impl)

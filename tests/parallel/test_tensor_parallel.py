@@ -309,7 +309,7 @@ def test_a_layer_computing_more_than_a_shard_carries_is_refused_before_any_group
         tensor_parallel(_ScaledOutput(16, 4))
     adapted = MultiHeadAttention(16, 4, dtype=worker.DTYPE)
     adapted.k_proj = worker.LoRALinear(adapted.k_proj)
-    with pytest.raises(TypeError, match=r"its projections k_proj=LoRALinear are not nn\.Linear.*merge_and_unload"):
+    with pytest.raises(TypeError, match=r"its projections k_proj=LoRALinear are not plain nn\.Linear.*merge_and_unload"):
         tensor_parallel(adapted)
     hooked = MultiHeadAttention(16, 4, dtype=worker.DTYPE)
     hooked.q_proj.register_forward_hook(lambda m, args, out: 2 * out)

@@ -66,11 +66,14 @@ def check_source(attn: MultiHeadAttention) -> None:
     overridden += [f"{step} (set on the instance)" for step in FORWARD_STEPS if step in vars(attn)]
     if overridden:
         problems.append(f"it overrides the forward step{'s' if len(overridden) > 1 else ''} {', '.join(overridden)}")
-    odd: dict[str, Any] = {name: type(getattr(attn, name, None)) for name in PROJECTIONS}
-    odd = {name: t for name, t in odd.items()
-           if t is not nn.Linear or "forward" in vars(getattr(attn, name))}  # a forward assigned: not F.linear
+    odd: dict[str, str] = {}
+    for name in PROJECTIONS:
+        proj = getattr(attn, name, None)
+        assigned = "forward" in getattr(proj, "__dict__", {})  # a forward assigned on the instance: not F.linear
+        if type(proj) is not nn.Linear or assigned:
+            odd[name] = type(proj).__qualname__ + (" with a forward set on the instance" if assigned else "")
     if odd:
-        problems.append("its projections " + ", ".join(f"{k}={v.__qualname__}" for k, v in odd.items()) + " are not "
+        problems.append("its projections " + ", ".join(f"{k}={v}" for k, v in odd.items()) + " are not plain "
                         "nn.Linear, and a shard keeps only their weight and bias (merge an adapter first, e.g. "
                         "PEFT's merge_and_unload(), or wrap the shard's projections after tensor_parallel)")
     hooked = [name for name, m in [("the layer", attn)] + [(n, getattr(attn, n, None)) for n in PROJECTIONS]

@@ -237,8 +237,9 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         eager = layer.rule == "eager"  # an attribute: no call on this path
     else:  # a model sharing a patched model's config (switched with it) keeps the rule that config had
         eager = config_rule(getattr(module, "config", None)) == "eager"
-    kind = query.device.type
+    kind, given = query.device.type, None
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        given = query.dtype  # transformers' eager returns its weights in the query's dtype as handed over
         query, key, value = autocast_heads(query, key, value)
     s_q, s_kv = query.shape[2], key.shape[2]
     mask = attention_mask
@@ -255,6 +256,10 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         low = torch.promote_types(query.dtype, torch.float32)
         zero = torch.zeros((), dtype=low, device=mask.device)
         mask = torch.where(mask, zero, torch.finfo(low).min)  # (b or 1, 1, s_q, s_kv)
+    elif eager and isinstance(mask, torch.Tensor) and mask.dtype in (torch.float16, torch.bfloat16):
+        # A half-precision additive mask (a user's, in eager's convention): its minimum swamps eager's half scores,
+        # not float32 ones, so entries at it are sent to float32's (tensor operations only: no read of the mask).
+        mask = mask.float().masked_fill(mask <= torch.finfo(mask.dtype).min / 2, torch.finfo(torch.float32).min)
     if position_bias is not None:
         mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
         causal = False
@@ -290,6 +295,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                         backend=layer.backend, **kw)
             mask = mask.view(checked.shape)  # (b or 1, h or 1, s_q, s_kv)
         z, weights = layer.attend(query, key, value, mask=mask, plan=plan, **kw)
+    if given is not None and weights is not None:
+        weights = weights.to(given)
     return z.transpose(1, 2).contiguous(), weights  # (b, s_q, h, d_v)
 
 
