@@ -10,7 +10,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["FORWARD_STEPS", "calls_forward_only", "has_forward_hooks", "bare_linear", "adapter_base"]
+__all__ = ["FORWARD_STEPS", "calls_forward_only", "has_forward_hooks", "has_own_forward_hooks", "bare_linear",
+           "adapter_base"]
 
 #: The steps of ``MultiHeadAttention.forward``. A subclass, or an instance (a step assigned on it: a notebook's
 #: monkeypatch), overriding any of them may compute another function than the weights alone say: a route that
@@ -32,6 +33,12 @@ def has_forward_hooks(module: nn.Module) -> bool:
     replaced by a sum computed elsewhere."""
     return bool(module._forward_hooks or module._forward_pre_hooks or nn.modules.module._global_forward_hooks
                 or nn.modules.module._global_forward_pre_hooks)
+
+
+def has_own_forward_hooks(module: nn.Module) -> bool:
+    """Whether forward hooks are registered on ``module`` itself (global ones left out): what a copy of its
+    weights in another module (a shard) would lose."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 def bare_linear(module: Any) -> bool:

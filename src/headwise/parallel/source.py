@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from ..attention import MultiHeadAttention
-from ..module_calls import FORWARD_STEPS
+from ..module_calls import FORWARD_STEPS, has_own_forward_hooks
 
 __all__ = ["check_source", "qk_norms"]
 
@@ -77,7 +77,7 @@ def check_source(attn: MultiHeadAttention) -> None:
                         "nn.Linear, and a shard keeps only their weight and bias (merge an adapter first, e.g. "
                         "PEFT's merge_and_unload(), or wrap the shard's projections after tensor_parallel)")
     hooked = [name for name, m in [("the layer", attn)] + [(n, getattr(attn, n, None)) for n in PROJECTIONS]
-              if isinstance(m, nn.Module) and (m._forward_hooks or m._forward_pre_hooks)]
+              if isinstance(m, nn.Module) and has_own_forward_hooks(m)]
     if hooked:  # a shard is a new module: hooks stay on the modules they were registered on
         problems.append(f"{', '.join(hooked)} {'has' if len(hooked) == 1 else 'have'} forward hooks, which a shard "
                         "does not carry (register them on the shard's modules after tensor_parallel)")
