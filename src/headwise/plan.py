@@ -139,8 +139,10 @@ def statistics_kernel_available() -> bool:
 
 
 def statistics_rows(b: int, h: int, s_q: int, s_kv: int, itemsize: int = 4) -> int:
-    """Query rows per chunk of the statistics' chunked pass (rule 10): scores of about
-    :data:`STATISTICS_CHUNK_BYTES`, a multiple of 8 rows, at least 8, at most ``s_q``.
+    """Query rows per chunk of the statistics' chunked pass (rule 10): scores of at most
+    :data:`STATISTICS_CHUNK_BYTES`, a multiple of 8 rows where 8 rows fit (fewer rows at long context, down to
+    one), at most ``s_q``. Where even one row's scores (``b * h * s_kv`` floats) exceed the budget, one row: the
+    chunk is then that one row's size, the least the chunked pass can hold.
 
     Shapes:
         scores of one chunk: (b, h, rows, s_kv)
@@ -150,9 +152,12 @@ def statistics_rows(b: int, h: int, s_q: int, s_kv: int, itemsize: int = 4) -> i
         40
         >>> statistics_rows(1, 4, 100, 64)
         100
+        >>> statistics_rows(1, 64, 131072, 131072)   # 32 MiB a row: beyond the 16 MiB budget, one row
+        1
     """
     per_row = max(1, b * h * s_kv * itemsize)
-    rows = max(8, STATISTICS_CHUNK_BYTES // per_row // 8 * 8)
+    fit = STATISTICS_CHUNK_BYTES // per_row
+    rows = fit // 8 * 8 if fit >= 8 else max(1, fit)
     return min(rows, max(s_q, 1))
 
 

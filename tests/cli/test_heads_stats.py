@@ -120,6 +120,10 @@ def test_the_table_names_sink_and_sharp_heads(capsys):
     (["--stats", "--curves", "6.0"], "--curves: layer must be in [0, 6)"),
     (["--stats", "--curves", "1.12"], "--curves: layer 1 has 12 heads, got 1.12"),
     (["--stats", "--curves", "1-2"], "must be layer.head pairs"),
+    (["--stats", "--curves", "0.-1"], "error: --curves must be layer.head pairs of non-negative numbers such as "
+                                      "0.3,5.7, got '0.-1' (see"),
+    (["--stats", "--curves", "1.2,-1.0"], "error: --curves must be layer.head pairs of non-negative numbers "
+                                          "such as 0.3,5.7, got '-1.0' in '1.2,-1.0' (see"),
     (["--stats", "--max-tokens", "513"], "--max-tokens must be at most 512"),
     (["--stats", "--out", "x.svg"], "x.svg"),
 ])

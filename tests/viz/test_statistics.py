@@ -425,3 +425,22 @@ def test_statistics_pictures_take_numpy_integer_pairs_as_ints():
     st = model_statistics(planted(), {"input_ids": ids(5)})
     # the pair a user gets from np.argwhere over a grid draws the same page as plain ints
     assert render_statistics_html(st, heads=[(np.int64(0), np.int64(1))]) == render_statistics_html(st, heads=[(0, 1)])
+
+
+def test_a_layer_shared_by_several_blocks_is_refused_naming_its_runs_and_the_way_to_read_them():
+    cfg = transformers.AlbertConfig(vocab_size=40, embedding_size=16, hidden_size=24, num_attention_heads=4,
+                                    num_hidden_layers=3, intermediate_size=32, max_position_embeddings=64,
+                                    attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.AlbertModel(cfg).eval()  # one attention layer, run by all 3 blocks
+    x = torch.randint(3, 40, (1, 7))
+    modules = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"layer 0 \('encoder\.albert_layer_groups\.0\.albert_layers\.0\.attention'\) "
+                                         r"ran 3 times in one forward .*ALBERT.*t\[0\]\.calls\[j\]\['entropy'\]$"):
+        model_statistics(model, {"input_ids": x})
+    assert [type(m) for m in model.modules()] == modules  # refused inside the call: the model left unpatched
+    # the way the message gives: each run's own statistics, one (b, h, s) row set per block
+    headwise.interop.patch(model)
+    with torch.no_grad(), headwise.trace(model, capture=headwise.statistics.STATISTICS) as t:
+        model(input_ids=x)
+    assert [tuple(c["entropy"].shape) for c in t[0].calls] == [(1, 4, 7)] * 3

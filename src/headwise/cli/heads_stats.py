@@ -27,7 +27,9 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be layer.head pairs such as 0.3,5.7, got {text!r}") from None
         if not dot or min(pair) < 0:
-            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a layer.head pair of non-negative numbers")
+            # worded "must be ..." as the error above, so the parser shows both as "--curves must be ..."
+            raise argparse.ArgumentTypeError(f"must be layer.head pairs of non-negative numbers such as 0.3,5.7, "
+                                             f"got {part.strip()!r}" + (f" in {text!r}" if part != text else ""))
         if pair not in out:
             out.append(pair)
     return out

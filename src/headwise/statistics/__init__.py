@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -140,6 +141,12 @@ def concatenate(name: str, calls: list[torch.Tensor], queries: list[int] | None 
     s_kv_i == s_kv_{i-1} + s_q_i): a self-attention cache that stopped growing rolled its window, and its key
     positions no longer name the same tokens. Keys that never grew (cross-attention reading the same encoder
     keys again) and calls that read exactly their own queries (s_kv_i == s_q_i, recomputed from position 0) sum.
+    The result has the calls' promoted dtype (a float64 call after a float32 one is summed in float64).
+
+    Args:
+        name: the statistic, one of :data:`STATISTICS`.
+        calls: each call's ``(b, h, n)`` tensor of it, in call order, all of one ``(b, h)``.
+        queries: each call's s_q, one int per call (another length: ``ValueError``; not ints: ``TypeError``).
 
     Shapes: each (b, h, s_q_i) -> (b, h, sum s_q_i); key_weight each (b, h, s_kv_i) -> (b, h, max s_kv_i)
 
@@ -161,6 +168,16 @@ def concatenate(name: str, calls: list[torch.Tensor], queries: list[int] | None 
             raise ValueError(f"{name}: every call must have the same (b, h) to be joined, but call 0 is "
                              f"{tuple(calls[0].shape)} and call {i} is {tuple(t.shape)} (calls of different batch "
                              f"sizes); use .calls[i][{name!r}]")
+    if queries is not None:
+        if not isinstance(queries, (list, tuple)):
+            raise TypeError(f"{name}: queries must be a list of ints (each call's s_q), got {type(queries).__name__}")
+        if len(queries) != len(calls):
+            raise ValueError(f"{name}: queries must hold one s_q per call, {len(calls)} for {len(calls)} calls, but "
+                             f"holds {len(queries)}: {list(queries)}")
+        for i, n in enumerate(queries):
+            if not isinstance(n, int) or isinstance(n, bool):
+                raise TypeError(f"{name}: queries must be ints (each call's s_q), but queries[{i}] is "
+                                f"{type(n).__name__} ({n!r})")
     if name != "key_weight":
         return torch.cat(calls, dim=2)
     lengths = [t.shape[-1] for t in calls]
@@ -178,7 +195,9 @@ def concatenate(name: str, calls: list[torch.Tensor], queries: list[int] | None 
                     "sliding-window cache that drops its oldest keys): there is no sum per key position; use "
                     ".calls[i]['key_weight']")
             grew = grew or appended
-    total = calls[0].new_zeros(*calls[0].shape[:-1], max(lengths))
+    # every call's own precision kept: a float64 call after a float32 one is summed in float64 (as cat promotes)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in calls))
+    total = calls[0].new_zeros(*calls[0].shape[:-1], max(lengths), dtype=dtype)
     for t in calls:
         total[..., :t.shape[-1]] += t
     return total

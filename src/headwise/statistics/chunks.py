@@ -12,10 +12,12 @@ every statistic:
 * ``key_weight += sum over rows of p``: one ``(1, c) @ (c, keys)`` product per chunk.
 
 A chunk's scores and exponentials are the only pattern-sized memory: ``b * h * c * keys`` floats each, with
-``c`` chosen so that one is about :data:`headwise.plan.STATISTICS_CHUNK_BYTES`. Rows that may read no key (every key masked off by a
-bool mask or ``-inf``) give ``lse = -inf``, entropy, maximum, context and key weights 0. A floating mask's
-very negative but finite entries (Hugging Face's ``finfo.min`` padding) are scores like any other, as in the
-softmax: a row made only of them spreads its weight evenly, as the eager formula does.
+``c`` chosen so that one is at most :data:`headwise.plan.STATISTICS_CHUNK_BYTES` (one row where a row alone
+is larger). Under ``torch.autocast`` the products run with it switched off, in the statistics' own float32
+(float64). Rows that may read no key (every key masked off by a bool mask or ``-inf``) give ``lse = -inf``,
+entropy, maximum, context and key weights 0. A floating mask's very negative but finite entries (Hugging
+Face's ``finfo.min`` padding) are scores like any other, as in the softmax: a row made only of them spreads its
+weight evenly, as the eager formula does.
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads,
@@ -23,6 +25,8 @@ Shapes:
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 
@@ -74,7 +78,8 @@ def chunked_statistics(
     Shapes:
         q: (b, h, s_q, d_h); k: (b, h_kv, s_kv, d_h); v: (b, h_kv, s_kv, d_v)
         -> z (b, h, s_q, d_v) in q's dtype (or None); lse, entropy, max_weight (b, h, s_q) and key_weight
-        (b, h, s_kv) in float32 (float64 for float64 inputs)
+        (b, h, s_kv) in float32 (float64 for float64 inputs), whatever ``torch.autocast`` is active: the products
+        run with it switched off
     """
     b, h, s_q, d_h = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -96,9 +101,14 @@ def chunked_statistics(
         sink = None
         if sinks is not None:
             sink = (sinks.view(1, h, 1, 1) if sinks.dim() == 1 else sinks).to(acc)  # (b or 1, h, s_q or 1, 1)
-        for i0 in range(0, s_q, c):
-            i1 = min(s_q, i0 + c)
-            _chunk(q, kt, vv, full, sink, i0, i1, scale, causal, softcap, g, lse, ent, top, kw, z)
+        kind = dev.type
+        # An active torch.autocast would run the products below in its dtype (bfloat16 on CPU), far from the
+        # float32 the statistics promise: switched off here, where no autocast exists to switch (meta) left be.
+        off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext()
+        with off:
+            for i0 in range(0, s_q, c):
+                i1 = min(s_q, i0 + c)
+                _chunk(q, kt, vv, full, sink, i0, i1, scale, causal, softcap, g, lse, ent, top, kw, z)
     out["lse"] = lse
     if ent is not None:
         out["entropy"] = ent
