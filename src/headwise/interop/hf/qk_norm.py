@@ -127,8 +127,8 @@ class QKNormAttention(QKNormMixin, MultiHeadAttention):
             for i, h in enumerate(heads[1:], 1):
                 norm = getattr(h, name, None)
                 if not _same_norm(first, norm):
-                    raise ValueError(f"head {i} has {name}={norm!r} but head 0 has {name}={first!r}; a layer's "
-                                     "heads share one pair of norms")
+                    raise ValueError(f"head {i} has {name}={norm!r}{_difference(first, norm)} but head 0 has "
+                                     f"{name}={first!r}; a layer's heads share one pair of norms")
             parts[name] = None if first is None else copy.deepcopy(first)
         return parts
 
@@ -141,3 +141,17 @@ def _same_norm(a: nn.Module | None, b: nn.Module | None) -> bool:
         return False
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _difference(a: nn.Module | None, b: nn.Module | None) -> str:
+    """What tells two norms of the same kind and settings apart, for a message where their reprs read alike."""
+    if a is None or b is None or type(a) is not type(b) or repr(a) != repr(b):
+        return ""
+    sa, sb = a.state_dict(), b.state_dict()
+    for key in sa:
+        if key not in sb or sa[key].shape != sb[key].shape:
+            return f" (its {key} has another shape)"
+        if not torch.equal(sa[key], sb[key]):
+            gap = (sa[key].double() - sb[key].double()).abs().nan_to_num(float("inf")).max().item()
+            return f" (its {key} differs by up to {gap:.3g})"
+    return ""
