@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
+from .checkpointing import refuse_checkpointing, switches
 from .edits import SITES, SitePlan, UnknownPadding, Unseen, parse_value
 from .layers import find_layers, in_place, w_o_adapter
 from .padding import InertWhenCopied, ReachedMask, inert_hook, padding_of, position_of, takes, watch_hosts
@@ -106,6 +107,7 @@ class Trace:
         self._active = False
         self._thread: int | None = None  # the thread that entered it
         self._hooks: list = []
+        self._switches: list = []  # the gradient-checkpointing flags around traced layers (checkpointing.py)
         self._mask_at: int | None = None
         self._decoder_mask_at: int | None = None
         # Outside a call of the module itself (model.forward, a compiled model.forward, a submodule) its masks
@@ -207,6 +209,8 @@ class Trace:
                                  f"({type(adapter).__module__}.{type(adapter).__qualname__}, PEFT) whose delta is "
                                  "not in that weight; merge_and_unload() first, "
                                  "or capture 'z' and apply W_O (the adapter included) yourself")
+        flags = switches(self.module, self.layers)
+        refuse_checkpointing(self.module, flags)
         blind = not takes("attention_mask", self.module)  # its layers read the mask that reaches them, if any
         entries = []
         for (_, layer), tracer, record, plans in zip(self.layers, current, self.records, self._plans):
@@ -221,7 +225,7 @@ class Trace:
             f"{type(self.module).__name__} was run past its own call (model.forward, torch.compile(model.forward) "
             "or a submodule), so the trace never saw its attention_mask")
         self.padding = self.decoder_padding = self._unseen
-        self._thread = me
+        self._thread, self._switches = me, flags
         self._hooks = [self.module.register_forward_pre_hook(_BeforeCall(self), with_kwargs=True),
                        self.module.register_forward_hook(_BeforeCall(self, after=True), always_call=True),
                        *watch_hosts(self.layers, entries, self._unseen, blind)]
@@ -248,6 +252,7 @@ class Trace:
     def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before each call of the traced module: its layers are still the traced ones, and its
         ``attention_mask`` (if any) is this call's padding, its ``decoder_attention_mask`` its decoder's."""
+        refuse_checkpointing(module, self._switches)  # turned on inside the trace
         compiling = torch.compiler.is_compiling()
         if compiling:  # Dynamo cannot trace find_layers' walk: one path per traced layer
             for name, layer in self.layers:

@@ -14,6 +14,7 @@ import torch
 
 from ..attention import MultiHeadAttention
 from ..statistics import STATISTICS
+from .checkpointing import backward_task, recompute_refusal
 from .edits import DeferredPadding, SitePlan, Unseen, apply
 from .layers import head_results
 from .record import LayerRecord
@@ -95,6 +96,10 @@ class LayerTracer:
 
     def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
         entries = self.entries
+        # A call inside a backward is a checkpoint's recompute (checkpointing.py): refused before it computes
+        # or records anything. Compiled code never runs a layer's Python in a backward.
+        if not torch.compiler.is_compiling() and backward_task() != -1 and entries:
+            raise ValueError(recompute_refusal(entries[0].record.index, entries[0].record.name))
         self.recorded = []  # a new call: an earlier one's records are never discarded by this one's failure
         given = k, v
         if any(e.plans["k"] or e.plans["v"] for e in entries) and k.shape[1] != q.shape[1]:
