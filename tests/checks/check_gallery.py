@@ -134,9 +134,10 @@ class HeadsMixedBeforeWO(RefAttention):
 
 # name -> (layer class, causal claim, the exact set of properties it must fail, and why)
 GALLERY = {
-    # token rows are built from other tokens' (and padded tokens') contexts, and head slots are scrambled
-    "flatten_without_transpose": (FlattenNoTranspose, False,
-                                  {"permutation_equivariance", "padding_invariance", "head_independence"}),
+    # token rows are built from other tokens' (and padded tokens') contexts, and head slots are scrambled: W_O's
+    # input is no head's weights times its values
+    "flatten_without_transpose": (FlattenNoTranspose, False, {"permutation_equivariance", "padding_invariance",
+                                                              "softmax_sanity", "head_independence"}),
     # rows do not sum to 1; a fully padded key column is all -inf over queries, so padded samples give NaN
     "softmax_wrong_axis": (SoftmaxWrongAxis, False, {"softmax_sanity", "padding_invariance"}),
     "scale_1_over_d_head": (ScaleOverDHead, False, {"softmax_sanity"}),
@@ -147,7 +148,8 @@ GALLERY = {
     # padded keys change real outputs, and get non-zero weight
     "padding_mask_ignored": (PaddingIgnored, False, {"padding_invariance", "softmax_sanity"}),
     "gqa_kv_heads_shared_wrongly": (GQAWrongSharing, False, {"head_independence"}),
-    "heads_mixed_before_w_o": (HeadsMixedBeforeWO, False, {"head_independence"}),
+    # each head's context is no longer its weights times its values, and W_Q of one head moves two contexts
+    "heads_mixed_before_w_o": (HeadsMixedBeforeWO, False, {"softmax_sanity", "head_independence"}),
 }
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,8 @@ def test_correct_layer_exits_0_with_a_table(capsys):
 
 def test_broken_layer_exits_1_naming_the_failures(capsys):
     assert main(["check", f"{GALLERY}:flatten_bug"]) == 1
-    out = capsys.readouterr().out
-    assert "FAILED: permutation_equivariance, padding_invariance, head_independence" in out
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps long lines
+    assert "FAILED: permutation_equivariance, padding_invariance, softmax_sanity, head_independence" in out
 
 
 def test_a_property_named_twice_runs_once(capsys):
@@ -47,7 +48,8 @@ def test_json_output(capsys):
     assert main(["check", f"{GALLERY}:FlattenNoTranspose", "--json", "--seed", "1"]) == 1  # a class is a factory
     payload = json.loads(capsys.readouterr().out)
     assert payload["ok"] is False and payload["seed"] == 1
-    assert payload["failed"] == ["permutation_equivariance", "padding_invariance", "head_independence"]
+    assert payload["failed"] == ["permutation_equivariance", "padding_invariance", "softmax_sanity",
+                                 "head_independence"]
     failed = [r for r in payload["results"] if r["verdict"] == "fail"]
     assert all(r["counterexample"]["summary"] for r in failed)
 
@@ -196,6 +198,21 @@ def test_a_sequence_whose_probabilities_are_too_large_is_refused_before_the_laye
     err = capsys.readouterr().err
     assert f"(1, 4, 3000, 3000) in float64 would take {_probability_bytes(1, 4, 3000):.1e} bytes" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_python_api_counts_the_layers_heads_as_the_command_line_does():
+    import headwise
+    from headwise.checks import check
+
+    class NeverRun(headwise.MultiHeadAttention):
+        def forward(self, *a, **k):
+            raise AssertionError("the layer must not run")
+
+    # 4 heads at 3000 tokens: one head would fit, the layer's four do not (torch's own count is the reference)
+    assert _probability_bytes(1, 1, 3000) <= 256 * 2 ** 20 < _probability_bytes(1, 4, 3000)
+    said = f"(1, 4, 3000, 3000) in float64 would take {_probability_bytes(1, 4, 3000):.1e} bytes, over the limit"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        check(NeverRun(32, 4, n_kv_heads=2), batch=1, seq_len=3000)
 
 
 def test_a_seed_out_of_range_exits_2_before_importing_anything(capsys):

@@ -234,7 +234,9 @@ def test_a_causal_only_layer_that_shifts_its_values_fails_permutation_equivarian
     with torch.no_grad():  # its last output does change when the tokens before it are permuted
         assert not torch.allclose(layer(x)[0, -1], layer(x[:, perm])[0, -1])
     report = check(_make(CausalOnlyShiftedValues), causal=True)
-    assert report.failed == ["permutation_equivariance"], str(report)
+    # its contexts mix each value with the one before: they are not its weights times v_proj's values either
+    assert report.failed == ["permutation_equivariance", "softmax_sanity"], str(report)
+    assert "w @ v" in report["softmax_sanity"].counterexample["summary"]
     assert "changed the output at token 7" in report["permutation_equivariance"].counterexample["summary"]
     report = check(_make(CausalOnlyRef), causal=True)  # the correct causal-only layer passes that form
     assert report.ok and report["permutation_equivariance"].detail.startswith("causal: permuting tokens 0..6")
@@ -287,6 +289,9 @@ def test_a_float32_softmax_is_judged_with_float32_tolerances():
     ({"properties": "causality"}, TypeError, r"properties must be a list of property names .* got the str"),
     ({"properties": 3}, TypeError, "properties must be a list of property names, got int"),
     ({"properties": [None]}, ValueError, r"unknown properties \[None\]"),
+    ({"properties": []}, ValueError, r"properties must name at least one property \(from \['permutation_equivariance'"
+                                     r".*got \[\]"),
+    ({"properties": ()}, ValueError, r"properties must name at least one property .* got \(\)"),
 ])
 def test_arguments_of_the_wrong_kind_are_refused_naming_them(kw, error, match):
     with pytest.raises(error, match=match):

@@ -47,6 +47,15 @@ def test_torch_multihead_attention_passes(batch_first, causal):
     assert _ran(report) == (ALL if causal else ALL - {"causality"})
 
 
+@pytest.mark.parametrize("kwargs,named", [({"add_bias_kv": True}, "add_bias_kv=True"),
+                                          ({"add_zero_attn": True}, "add_zero_attn=True"),
+                                          ({"kdim": 16, "vdim": 16}, "kdim=16, vdim=16")])
+def test_torch_multihead_attention_with_keys_beyond_the_tokens_is_refused_naming_the_value(kwargs, named):
+    with pytest.raises(ValueError, match=rf"add_bias_kv=False, add_zero_attn=False, kdim = vdim = embed_dim \(32\), "
+                                         rf"got {named}$"):
+        check(nn.MultiheadAttention(32, 4, **kwargs))
+
+
 def _torch_contexts(m: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
     """Each head's softmax(q k^T / sqrt(d_h)) v from the module's in_proj, in plain PyTorch: (b, h, s, d_h)."""
     b, s, d = x.shape

@@ -10,8 +10,9 @@ and skip the rest. Shipped adapters:
   ``**kwargs`` and honours them (:mod:`.keywords`).
 * :class:`ModuleAdapter`: an ``nn.Module`` with that convention; heads are exposed when it has
   ``q_proj``/``k_proj``/``v_proj``/``out_proj`` ``nn.Linear`` submodules and an ``n_heads`` attribute
-  (``n_kv_heads`` optional), head ``i`` owning output rows ``i * d_head .. (i + 1) * d_head - 1``.
-  headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV cache and rotary positions.
+  (``n_kv_heads`` optional: else read off ``k_proj``'s width), head ``i`` owning output rows
+  ``i * d_head .. (i + 1) * d_head - 1``. headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV
+  cache, rotary positions and its own projection steps (``project_q`` / ``project_kv``: QK-norms included).
 * ``torch.nn.MultiheadAttention``: :class:`~headwise.checks.torch_mha.TorchMHAAdapter` (built on these).
 * Hugging Face attention modules: :mod:`headwise.checks.hf_adapter` (built on these).
 
@@ -25,20 +26,27 @@ Shapes:
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from .copies import copy_adapter, copy_held
+from .hf_module import relative_bias
 from .keywords import FLAGS, confirmed, signature_keywords
 
-__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "check_rotary_scaling", "causal_keep", "copy_adapter",
-           "split", "capture_input"]
+__all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "NotExposed", "check_rotary_scaling", "causal_keep",
+           "copy_adapter", "split", "capture_input"]
 
 # (tensor, dim, start, stop): one head's slice of a projection weight or bias
 Slice = tuple[torch.Tensor, int, int, int]
+
+
+class NotExposed(Exception):
+    """What an adapter offers cannot be read on this layer (its W_O never ran as a module, so the per-head contexts
+    were never seen): the property that needs it is skipped with this reason; it is the check's limit, never an
+    error of the layer."""
 
 
 class Adapter:
@@ -49,7 +57,8 @@ class Adapter:
     Shapes:
         run: x (b, s, d), keep (b, s) bool (True = real token) -> (b, s, d)
         run_weights: -> (b, s, d), weights (b, h, s, s); qk: -> q (b, h, s, d_h), k (b, h_kv, s, d_h)
-        contexts: -> (b, h, s, d_h), each head's output before W_O
+        values: -> (b, h_kv, s, d_h); contexts: -> (b, h, s, d_h), each head's output before W_O
+        position_bias: -> (1, h, s, s)
     """
 
     name: str = "layer"
@@ -71,6 +80,7 @@ class Adapter:
     n_kv_heads: int | None = None
     d_head: int | None = None
     no_heads_reason: str = ""     # why heads are not exposed, where the adapter knows (head_independence says it)
+    qk_inferred: bool = False     # qk() rebuilds q, k from the projections: the layer may transform them further
     d_out: int | None = None      # the output's width when not d_model (W_O outside the layer: h * d_h)
     unconfirmed: frozenset[str] = frozenset()       # keywords it may take through **kwargs: see confirm_keywords
     ignored_keywords: frozenset[str] = frozenset()  # keywords the layer took and ignored (said in the report)
@@ -87,8 +97,18 @@ class Adapter:
         """Queries and keys as the scores see them (after rotary), or None when not exposed."""
         return None
 
+    def values(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each K/V head's values, as the contexts read them, or None when not exposed."""
+        return None
+
     def contexts(self, x: torch.Tensor, *, causal: bool | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def position_bias(self, s: int) -> torch.Tensor | None:
+        """The bias the layer adds to its scores from token positions alone, or None: T5's relative position bias,
+        read off the adapter's ``attention`` or ``module`` by that family's convention (``compute_bias``). The
+        check cannot move it with permuted tokens, and the scale is fitted on the scores without it."""
+        return relative_bias(getattr(self, "attention", None) or getattr(self, "module", None), s)
 
     def head_slices(self, which: str, index: int) -> list[Slice]:
         """The parameter slices of query head ``index`` (``which="q"``) or K/V head ``index`` ("k"/"v")."""
@@ -98,9 +118,12 @@ class Adapter:
         """Causal outputs of ``x`` computed as a prefill of ``prefill`` tokens, then one token at a time."""
         raise NotImplementedError
 
-    def converted(self, dtype: torch.dtype) -> "Adapter | None":
-        """The same layer in ``dtype`` (a copy), or None when it cannot be converted."""
-        return None
+    def converted(self, dtype: torch.dtype | None) -> "Adapter | None":
+        """The same layer in ``dtype`` (None: its own): a deep copy of this adapter whose modules (its
+        ``nn.Module`` attributes) are converted, in eval mode and without the caller's hooks, so that the check's
+        writes (perturbed heads) and runs leave the caller's tensors as they were. None where it cannot be copied
+        and exposes no heads (nothing is written into it); ``TypeError`` where it exposes heads."""
+        return copy_held(self, dtype)
 
     def confirm_keywords(self, x: torch.Tensor) -> "Adapter":
         """This adapter, or a copy that also uses the keywords the layer may take (a forward with ``**kwargs``)
@@ -241,14 +264,37 @@ class ModuleAdapter(CallableAdapter):
         self.has_cache = new_cache and "cache" in kw
         if self.open_keywords:
             self.unconfirmed |= {k for k, has in (("positions", rotary), ("cache", new_cache)) if has and k not in kw}
+        self.own_steps = _is_headwise(module)
+        # q, k and v rebuilt from the projections: a layer may transform them further (a QK-norm)
+        self.qk_inferred = not self.own_steps
         projs = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
         n_heads = getattr(module, "n_heads", None)
-        if all(isinstance(p, nn.Linear) for p in projs) and isinstance(n_heads, int):
-            self.exposes_heads = True
-            self.n_heads = n_heads
-            self.n_kv_heads = int(getattr(module, "n_kv_heads", None) or n_heads)
-            self.d_head = projs[0].out_features // n_heads
+        if all(isinstance(p, nn.Linear) for p in projs) and isinstance(n_heads, int) and not isinstance(n_heads, bool):
+            self.no_heads_reason = self._heads(projs, n_heads, getattr(module, "n_kv_heads", None))
+            self.exposes_heads = not self.no_heads_reason
         self._declared_scale(module)
+
+    def _heads(self, projs: list[nn.Linear], n_heads: int, n_kv_heads: Any) -> str:
+        """Set the head counts from the projections' widths; why heads cannot be exposed ("" when they are).
+        Without an ``n_kv_heads`` attribute (a GQA layer may spell it ``num_kv_heads``) the K/V head count is
+        ``k_proj``'s width over the query heads' width."""
+        q, k, v, o = projs
+        if n_heads < 1 or q.out_features % n_heads:
+            return f"{self.name} exposes no heads: q_proj's {q.out_features} outputs do not split into n_heads={n_heads}"
+        d_head = q.out_features // n_heads
+        if n_kv_heads is None:
+            n_kv_heads = k.out_features // d_head
+        if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, int) or n_kv_heads < 1 or n_heads % n_kv_heads:
+            return f"{self.name} exposes no heads: n_kv_heads={n_kv_heads!r} does not divide n_heads={n_heads}"
+        for name, proj in (("k_proj", k), ("v_proj", v)):
+            if proj.out_features != n_kv_heads * d_head:
+                return (f"{self.name} exposes no heads: {name} has {proj.out_features} outputs, not n_kv_heads * "
+                        f"d_head = {n_kv_heads} * {d_head}")
+        if o.in_features != n_heads * d_head:
+            return (f"{self.name} exposes no heads: out_proj takes {o.in_features} inputs, not n_heads * d_head = "
+                    f"{n_heads} * {d_head}")
+        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_head
+        return ""
 
     def _declared_scale(self, module: nn.Module) -> None:
         """headwise's layer declares its score scale (the ``scale=`` option) in its config: that is the scale
@@ -285,6 +331,9 @@ class ModuleAdapter(CallableAdapter):
         if not self.exposes_heads:
             return None
         m = self.module
+        if self.own_steps:  # the layer's own steps: its QK-norms (QKNormAttention) and rotary included
+            k, _ = m.project_kv(x)  # (b, h_kv, s, d_h)
+            return m.rotate(m.project_q(x), k, torch.arange(x.shape[1], device=x.device))
         q = split(m.q_proj(x), self.n_heads)  # (b, h, s, d_h)
         k = split(m.k_proj(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
         rotary = getattr(m, "rotary", None)
@@ -294,9 +343,22 @@ class ModuleAdapter(CallableAdapter):
             q, k = rotary.rotate(q, k, torch.arange(x.shape[1], device=x.device))
         return q, k
 
+    def values(self, x):
+        if not self.exposes_heads:
+            return None
+        if self.own_steps:
+            return self.module.project_kv(x)[1]  # (b, h_kv, s, d_h)
+        return split(self.module.v_proj(x), self.n_kv_heads)  # (b, h_kv, s, d_h)
+
     def contexts(self, x, *, causal=None):
         with capture_input(self.module.out_proj) as got:
             self.run(x, causal=causal)
+        width = self.n_heads * self.d_head
+        if not got or not isinstance(got[0], torch.Tensor) or tuple(got[0].shape) != (*x.shape[:2], width):
+            seen = "never ran as a module (W_O applied another way, e.g. F.linear on its weight)" if not got else \
+                f"got {tuple(got[0].shape) if isinstance(got[0], torch.Tensor) else type(got[0]).__name__}, not " \
+                f"(b, s, n_heads * d_head) = {(*x.shape[:2], width)}"
+            raise NotExposed(f"{self.name}'s out_proj {seen}: the per-head contexts, its input, cannot be read")
         return split(got[0], self.n_heads)  # (b, h, s, d_h)
 
     def head_slices(self, which, index):
@@ -317,62 +379,6 @@ class ModuleAdapter(CallableAdapter):
         return copy_adapter(self, dtype)
 
 
-def copy_adapter(adapter: Any, dtype: torch.dtype | None) -> Any:
-    """A shallow copy of ``adapter`` on a deep copy of its module, in ``dtype`` (None: the module's own), in eval
-    mode, without the caller's hooks and with parametrized weights baked into plain parameters: the check may
-    then write into its weights (identity W_O, perturbed heads) while the caller's module stays as it was.
-
-    ``TypeError`` when the module cannot be deep-copied: checking it in place would write into the caller's
-    tensors, so it is refused instead."""
-    new = copy.copy(adapter)
-    try:
-        module = copy.deepcopy(adapter.module)
-    except Exception as exc:  # whatever the module holds that deepcopy refuses (locks, non-leaf tensors)
-        hint = (" (the legacy torch.nn.utils.weight_norm / spectral_norm keep non-leaf weights: use "
-                "torch.nn.utils.parametrizations.weight_norm / spectral_norm)") if "graph leaves" in str(exc) else ""
-        raise TypeError(f"headwise.check works on a copy of {adapter.name} so that the layer passed in is never "
-                        f"changed, but copy.deepcopy of it failed: {type(exc).__name__}: {str(exc)[:160]}{hint}"
-                        ) from exc
-    if dtype is not None:
-        module = module.to(dtype)
-    module.eval()
-    _make_inert(module)
-    new.module = module
-    if hasattr(new, "fn"):
-        new.fn = module
-    return new
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _make_inert(module: nn.Module) -> None:
-    """Drop the caller's hooks from a copied module (they would fire on the check's own calls, recording its
-    float64 and perturbed runs) and bake parametrizations (weight_norm, spectral_norm, orthogonal ...) into plain
-    parameters: a parametrized weight is recomputed on each access, so writing into it (identity W_O, a
-    perturbed head) would change nothing. headwise's own hooks (the patch's guards) are kept."""
-    from torch.nn.utils import parametrize
-
-    subs = list(module.modules())
-    for sub in subs:  # every hook first: baking below runs the parametrizations' own modules
-        for attr in _HOOK_DICTS:
-            hooks = getattr(sub, attr, None)
-            if isinstance(hooks, dict):
-                for key in [k for k, hook in hooks.items()
-                            if not str(getattr(hook, "__module__", "") or "").startswith("headwise.")]:
-                    del hooks[key]
-    for sub in subs:
-        if parametrize.is_parametrized(sub):
-            # by hand: remove_parametrizations would delete the property from the parametrized class, which the
-            # copy shares with the caller's module
-            with torch.no_grad():
-                values = {name: getattr(sub, name).detach().clone() for name in sub.parametrizations}
-            del sub._modules["parametrizations"]
-            sub.__class__ = type(sub).__bases__[0]  # the class before parametrization
-            for name, value in values.items():
-                sub.register_parameter(name, nn.Parameter(value, requires_grad=False))
-
-
 def check_rotary_scaling(rotary: Any, where: str) -> None:
     """``ValueError`` if a rotary embedding multiplies cos and sin by a non-finite ``attention_scaling``: every
     query and key would be NaN, and no property could say anything about the layer."""
@@ -385,6 +391,12 @@ def check_rotary_scaling(rotary: Any, where: str) -> None:
         finite = False
     if not finite:
         raise ValueError(f"{where}: its rotary embedding's attention_scaling must be a finite number, got {scaling!r}")
+
+
+def _is_headwise(module: nn.Module) -> bool:
+    from ..attention import MultiHeadAttention  # on first use: the checks import no layer code until then
+
+    return isinstance(module, MultiHeadAttention)
 
 
 def _linear_in(module: nn.Module, name: str) -> int | None:

@@ -1,6 +1,7 @@
 """What :func:`headwise.check` reads off a Hugging Face attention module before running it: which module attends
-(:func:`attention_of`), its sliding window, whether it is cross-attention, the keywords its forward takes, and the
-scale and softcap its family declares (:func:`declared`).
+(:func:`attention_of`), its sliding window, whether it is cross-attention, the keywords its forward takes, the
+scale and softcap its family declares (:func:`declared`), and the relative position bias the T5 family adds to its
+scores (:func:`relative_bias`).
 
 Families are recognised the one way headwise recognises them: a module whose forward calls transformers'
 attention interface, read through its registry entry (:mod:`headwise.interop.hf.registry`). ``transformers`` is
@@ -8,6 +9,7 @@ imported only when such a module is checked.
 
 Shapes:
     b: batch, s: tokens, d: model width, h: query heads, d_qk: query/key head width.
+    relative_bias: (1, h, s, s).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 __all__ = ["hf_class", "attention_of", "sliding_window_of", "chunk_of", "cross_reason", "keywords", "folded_scale",
-           "declared", "CACHE_KW", "MASK_KW", "SUPPLIED"]
+           "t5_style", "relative_bias", "declared", "CACHE_KW", "MASK_KW", "SUPPLIED"]
 
 CACHE_KW = ("cache", "past_key_values", "past_key_value", "layer_past")
 # The keyword the forward takes its 4-D mask by, in the form the model's mask function builds: T5's family
@@ -126,6 +128,26 @@ def folded_scale(q: torch.Tensor, outs: list[torch.Tensor]) -> float:
     return 1.0
 
 
+def t5_style(module: Any) -> bool:
+    """Attention of the T5 family (T5, mT5, UMT5, LongT5, SwitchTransformers, Pop2Piano, UDOP, Pix2Struct): its
+    scores are q . k unscaled plus a relative position bias, which a layer with ``has_relative_attention_bias``
+    computes itself (``compute_bias``) and every other layer of the stack is handed."""
+    return isinstance(module, nn.Module) and isinstance(getattr(module, "relative_attention_num_buckets", None), int) \
+        and callable(getattr(module, "compute_bias", None))
+
+
+def relative_bias(module: Any, s: int) -> torch.Tensor | None:
+    """The relative position bias a T5-style layer that holds one adds to the scores of ``s`` tokens over
+    themselves, or None (another layer, or a T5 layer without its own bias: run alone it adds zeros).
+
+    Shapes: -> (1, h, s, s)"""
+    if not t5_style(module) or getattr(module, "has_relative_attention_bias", False) is not True:
+        return None
+    with torch.no_grad():
+        bias = module.compute_bias(s, s)
+    return bias if isinstance(bias, torch.Tensor) and bias.dim() == 4 and tuple(bias.shape[-2:]) == (s, s) else None
+
+
 def _positive(value: Any) -> float | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     return float(value) if ok else None
@@ -162,11 +184,13 @@ def declared(module: nn.Module, config: Any) -> tuple[float | None, str, float |
     """``(scale, where it is declared, softcap)`` as the family declares them in its config (the registry's
     ``scale_fields``: ``query_pre_attn_scalar ** -0.5`` for Gemma 2 and 3; ``multiplier_fields``: Granite's
     ``attention_multiplier``; GPT-2's ``scale_attn_by_inverse_layer_idx``; DeepSeek's YaRN ``mscale_all_dim``;
-    ``softcap_fields``: Gemma 2's ``attn_logit_softcapping``), or ``(None, "", None)``: the check then expects
-    ``1/sqrt(d_qk)`` and no softcap. The module's own ``scaling`` is what is checked, never
-    what it is checked against."""
+    ``softcap_fields``: Gemma 2's ``attn_logit_softcapping``; the T5 family's scores are not scaled (1)), or
+    ``(None, "", None)``: the check then expects ``1/sqrt(d_qk)`` and no softcap. The module's own ``scaling`` is
+    what is checked, never what it is checked against."""
     from ..interop.hf.layer import family_entry
 
+    if t5_style(module):  # T5 scales nothing: its relative position bias takes the place of the scale
+        return 1.0, "1 (the T5 family does not scale its scores)", None
     entry = family_entry(module)
     scale, where = None, ""
     for name in entry.scale_fields:

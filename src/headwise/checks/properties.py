@@ -20,6 +20,7 @@ from .keywords import ignored_note
 from .measure import DTYPE_RTOL, Probe, deviation, first_index, nonfinite, skip
 from .report import FAIL, PASS, PropertyResult
 from .softmax_scale import SOFTMAX_FLOOR, allowed_keys, check_scale
+from .weights_used import Problem, contexts_follow_weights, outputs_follow_weights
 
 __all__ = ["Probe", "PROPERTIES", "permutation_equivariance", "batch_independence", "causality",
            "padding_invariance", "softmax_sanity", "head_independence", "dtype_stability"]
@@ -70,6 +71,9 @@ def permutation_equivariance(p: Probe) -> PropertyResult:
     output t leaves output t unchanged."""
     name = "permutation_equivariance"
     a = p.adapter
+    if a.position_bias(p.x.shape[1]) is not None:
+        return skip(name, "the layer adds a relative position bias to its scores (T5's), which the check cannot "
+                          "permute along with the tokens")
     if a.claims_causal and not a.accepts_causal:
         return _permuted_prefix(p, name)
     s = p.x.shape[1]
@@ -243,30 +247,12 @@ def padding_invariance(p: Probe) -> PropertyResult:
 
 
 # -- 5 ------------------------------------------------------------------------------------------------------
-def _outputs_follow_weights(p: Probe, y_w: torch.Tensor, keep: torch.Tensor | None) -> tuple[str, dict] | None:
-    """The layer's normal output equals the output of the call that returns weights: the weights judged here must
-    be the ones its output is made of (a fused fast path beside an eager weights path can differ)."""
-    y = p.adapter.run(p.x, keep=keep)
-    if not isinstance(y_w, torch.Tensor) or y_w.shape != y.shape:
-        return None
-    dev = deviation(y, y_w).amax(-1)  # (b, s)
-    if keep is not None:
-        dev = dev.masked_fill(~keep, 0.0)  # real tokens only
-    tol = p.tol(y if keep is None else y[keep])
-    if float(dev.max()) <= tol:
-        return None
-    bi, ti = first_index(dev > tol)
-    return ("the output differs from the output of the call that returns weights", {
-        "batch": bi, "token": ti, "deviation": float(dev[bi, ti]), "tolerance": tol,
-        "summary": f"token {ti} (sample {bi}): the normal call's output differs from the return-weights call's by "
-                   f"{float(dev[bi, ti]):.3g} (tolerance {tol:.2g}), so the weights checked are not the ones the "
-                   "output uses"})
-
-
 def softmax_sanity(p: Probe) -> PropertyResult:
     """Where weights are exposed: each row sums to 1, masked entries are exactly 0, the scores are scaled by
     1/sqrt(d_head) (the scale is fitted from the weights against the head's q . k, :mod:`.softmax_scale`), and
-    the layer's normal output is the output of the call that returned those weights."""
+    the output is made of those weights (:mod:`.weights_used`): the layer's normal output is the output of the call
+    that returned them, and, where heads are exposed, each head's context is its weights times its values.
+    A failure reports the measure that failed, against its own limit."""
     name = "softmax_sanity"
     a = p.adapter
     if not a.exposes_weights:
@@ -287,44 +273,46 @@ def softmax_sanity(p: Probe) -> PropertyResult:
     rows = allowed.any(-1)  # (b, h, s)
     w = w.masked_fill(~rows[..., None], 0.0)
     tol = 10 * p.rtol
-    problems: list[tuple[str, dict]] = []
+    problems: list[Problem] = []
     sums = w.sum(-1)  # (b, h, s); with sinks a row may give part of its weight to no key: sum in (0, 1]
     row_err = ((sums - 1).clamp_min(0) + (-sums).clamp_min(0) if a.sinks else (sums - 1).abs()).masked_fill(~rows, 0.0)
     if not torch.isfinite(w).all():
         idx = first_index(~torch.isfinite(w))
         problems.append(("weights are not finite", {"index": list(idx), "summary":
-                         f"non-finite weight at (batch, head, query, key) = {idx}"}))
+                         f"non-finite weight at (batch, head, query, key) = {idx}"}, math.inf, tol))
     elif float(row_err.max()) > tol:
         bi, hi, qi = first_index(row_err > tol)
         total = float(w[bi, hi, qi].sum())
         problems.append(("rows do not sum to 1", {"batch": bi, "head": hi, "query": qi, "row_sum": total,
                          "summary": f"weights of head {hi}, query {qi} (sample {bi}) sum to {total:.12g}, not "
                          f"{'at most 1' if a.sinks else '1'} (off by {float(row_err[bi, hi, qi]):.3g}, tolerance "
-                         f"{tol:.2g})"}))
+                         f"{tol:.2g})"}, float(row_err.max()), tol))
     leaked = (w != 0) & ~allowed
     if leaked.any():
         bi, hi, qi, ki = first_index(leaked)
         what = "a future key" if a.claims_causal and ki > qi else "a padded key"
+        # masked entries must be exactly 0: the measure is the largest weight on a masked key, its limit 0
         problems.append(("masked entries are not 0", {"batch": bi, "head": hi, "query": qi, "key": ki,
                          "weight": float(w[bi, hi, qi, ki]), "summary": f"head {hi}, query {qi} gives weight "
-                         f"{float(w[bi, hi, qi, ki]):.3g} to {what} {ki} (sample {bi})"}))
-    if (mismatch := _outputs_follow_weights(p, y_w, keep)) is not None:
+                         f"{float(w[bi, hi, qi, ki]):.3g} to {what} {ki} (sample {bi})"},
+                         float(w.abs().masked_fill(~leaked, 0.0).max()), 0.0))
+    if (mismatch := outputs_follow_weights(p, y_w, keep)) is not None:
         problems.append(mismatch)
+    used, used_note = contexts_follow_weights(p)
+    if used is not None:
+        problems.append(used)
     scale_note = "scale not checked (the layer exposes no queries/keys)"
     if not problems:
         scale_problem, scale_note = check_scale(a, w, p.x, allowed & rows[..., None], lambda: p.randn(b, s, d),
                                                 p.rtol, floor, eps)
         if scale_problem is not None:
             problems.append(scale_problem)
-    if problems:
-        detail, cex = problems[0]
-        worst = float(row_err.max()) if torch.isfinite(row_err).all() else math.inf
-        if "tolerance" in cex:  # the outputs' mismatch: its own deviation and tolerance
-            worst, tol = cex["deviation"], cex["tolerance"]
-        return PropertyResult(name, FAIL, "; ".join(pr[0] for pr in problems), cex, worst, tol)
+    if problems:  # the first problem's measure and limit, as its counterexample tells it
+        _, cex, worst, limit = problems[0]
+        return PropertyResult(name, FAIL, "; ".join(pr[0] for pr in problems), cex, worst, limit)
     rows_note = "rows sum to at most 1 (sinks take the rest)" if a.sinks else "rows sum to 1"
     same = ", outputs match the weights path" if isinstance(y_w, torch.Tensor) else ""
-    return PropertyResult(name, PASS, f"{rows_note}, masked entries exactly 0{same}; {scale_note}", None,
+    return PropertyResult(name, PASS, f"{rows_note}, masked entries exactly 0{same}{used_note}; {scale_note}", None,
                           float(row_err.max()), tol)
 
 

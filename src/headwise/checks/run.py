@@ -12,10 +12,10 @@ from typing import Any, Iterable
 
 import torch
 
-from .adapters import Adapter
+from .adapters import Adapter, NotExposed
 from .choose import adapt
 from .properties import PROPERTIES, Probe
-from .report import FAIL, PropertyResult, Report
+from .report import FAIL, SKIPPED, PropertyResult, Report
 from .sizes import check_input_size
 
 __all__ = ["check"]
@@ -51,8 +51,8 @@ def _working_adapter(adapter: Adapter, x64: torch.Tensor) -> tuple[Adapter, torc
     """The adapter in float64 when the layer runs in it (else float32, else its own dtype), and x in that dtype."""
     errors, tried = [], set()
     for dtype in (torch.float64, torch.float32, None):
-        # always a copy where the layer can be copied (its own dtype too): the check writes into the working
-        # module's weights and runs it in eval mode; the caller's module must stay as it was
+        # always a copy where the layer can be copied (its own dtype too, a user's Adapter too): the check writes
+        # into the working module's weights and runs it in eval mode; the caller's module must stay as it was
         work = adapter.converted(dtype) or adapter
         dt = dtype or work.dtype
         if dt in tried:  # its own dtype is one already tried: running it again would only repeat the error
@@ -115,6 +115,9 @@ def _validate(causal: Any, seed: Any, properties: Any) -> list[str]:
         names = list(properties)
     except TypeError:
         raise TypeError(f"properties must be a list of property names, got {type(properties).__name__}") from None
+    if not names:
+        raise ValueError(f"properties must name at least one property (from {list(PROPERTIES)}), or be None for "
+                         f"all, got {properties!r}")
     unknown = [n for n in names if not isinstance(n, str) or n not in PROPERTIES]
     if unknown:
         raise ValueError(f"unknown properties {unknown}; choose from {list(PROPERTIES)}")
@@ -141,11 +144,13 @@ def check(layer: Any, *, d_model: int | None = None, causal: bool | None = None,
         properties: a list of names to run, each once (default all, in order: ``PROPERTY_NAMES``).
 
     Raises ``TypeError`` / ``ValueError`` for an argument of the wrong kind or range (``causal`` must be a bool or
-    None, ``seed`` an int, ``properties`` a list of names, not one string, without repeats).
+    None, ``seed`` an int, ``properties`` a non-empty list of names, not one string, without repeats), or inputs
+    whose float64 x or (b, h, s, s) probabilities (at the layer's head count) would exceed 256 MiB.
 
     Modules are copied (float64 when they run in it, else their own dtype; eval mode; without the caller's
-    hooks; parametrizations baked in); the layer passed in is not changed, and one that cannot be deep-copied is
-    refused with a ``TypeError``. The run uses a forked copy of torch's global RNG seeded from ``seed``.
+    hooks; parametrizations baked in), and so is an :class:`Adapter` passed in, with the modules it holds; the
+    layer passed in is not changed, and one that cannot be deep-copied is refused with a ``TypeError``. The run
+    uses a forked copy of torch's global RNG seeded from ``seed``.
     The check runs with one intra-op thread (its tensors are tiny), restoring the setting afterwards.
 
     Shapes:
@@ -193,7 +198,9 @@ def _check(layer: Any, *, d_model: int | None, causal: bool | None, batch: int, 
     _refuse_meta(getattr(adapter, "module", None))
     if d_model is not None and adapter.d_model != d_model:
         raise ValueError(f"d_model={d_model} but {adapter.name} has d_model={adapter.d_model}")
-    check_input_size(batch, seq_len, adapter.d_model)
+    # the (b, h, s, s) probabilities at the layer's own head count, as the command line judges them
+    heads = adapter.n_heads if isinstance(adapter.n_heads, int) and adapter.n_heads >= 1 else None
+    check_input_size(batch, seq_len, adapter.d_model, heads)
     generator = torch.Generator().manual_seed(seed)
     x64 = torch.randn(batch, seq_len, adapter.d_model, generator=generator, dtype=torch.float64)
     work, x = _working_adapter(adapter, x64)
@@ -205,6 +212,8 @@ def _check(layer: Any, *, d_model: int | None, causal: bool | None, batch: int, 
         try:
             with torch.no_grad():
                 results.append(PROPERTIES[name](probe))
+        except NotExposed as exc:  # the check cannot read what the property needs: its limit, not the layer's fault
+            results.append(PropertyResult(name, SKIPPED, str(exc)))
         except _LAYER_ERRORS as exc:  # a layer that breaks on the property's input fails it, with the reason
             results.append(PropertyResult(name, FAIL, f"the layer raised {type(exc).__name__}", {
                 "summary": f"raised {type(exc).__name__}: {str(exc)[:160]}"}))

@@ -4,11 +4,15 @@ Within a row the softmax's normaliser is one constant, so a row with n readable 
 about the scale; a fit is only evidence when there are more data points than unknowns. Short causal inputs give
 few (at seq_len=2 one row has two keys), so more random inputs are drawn until each head has
 :data:`MIN_POINTS`, or the scale is reported as not checked: it is never judged from a fit that any scale and
-any K/V head would satisfy.
+any K/V head would satisfy. A position bias the layer adds to its scores (T5's relative position bias) is taken
+out of the log-weights before the fit. Where the adapter only rebuilds q and k from the projections
+(``qk_inferred``), a misfit may be the layer's own transform of them (a QK-norm): the scale is then reported as not
+checked, never as failed.
 
 Shapes:
     b: batch, s: tokens, h: query heads, h_kv: key/value heads, d_qk: query/key head width.
-    weights (b, h, s, s); q (b, h, s, d_qk); k (b, h_kv, s, d_qk); allowed (b, 1 or h, s, s) bool.
+    weights (b, h, s, s); q (b, h, s, d_qk); k (b, h_kv, s, d_qk); allowed (b, 1 or h, s, s) bool;
+    position bias (1, h, s, s).
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def _samples(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor
     Weights below ``floor`` leave the fit: a weight that underflowed to 0 or a subnormal has lost its relative
     precision, so its log says nothing about the score (peaked rows of a correct layer have them)."""
     qk = a.qk(x)
-    if qk is None:
+    if qk is None or not _matching(qk, w):
         return None
     ws, qs, ks, al = [w], [qk[0].double()], [qk[1].double()], [allowed]
     for _ in range(MAX_DRAWS):
@@ -118,7 +122,7 @@ def _samples(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor
         x2 = draw()  # (b, s, d)
         _, w2 = a.run_weights(x2)
         qk2 = a.qk(x2)
-        if w2 is None or qk2 is None or w2.shape != w.shape:
+        if w2 is None or qk2 is None or w2.shape != w.shape or not _matching(qk2, w):
             break
         ws.append(w2.double())
         qs.append(qk2[0].double())
@@ -128,11 +132,21 @@ def _samples(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor
     return w_all.clamp_min(1e-300).log(), torch.cat(qs), torch.cat(ks), torch.cat(al) & (w_all >= floor)
 
 
+def _matching(qk: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor) -> bool:
+    """Whether q (b, h, s, d_qk) and k (b, h_kv, s, d_qk) have the weights' (b, h, s, s) heads and tokens, the K/V
+    heads divide the query heads, and both have one width: the fit's products are then defined."""
+    q, k = qk
+    return isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
+        and tuple(q.shape[:3]) == tuple(w.shape[:3]) and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2] \
+        and k.shape[-1] == q.shape[-1] and 0 < k.shape[1] <= q.shape[1] and q.shape[1] % k.shape[1] == 0
+
+
 def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor,
                 draw: Callable[[], torch.Tensor], rtol: float, floor: float = SOFTMAX_FLOOR,
-                eps: float = 2 ** -52) -> tuple[tuple[str, dict] | None, str]:
+                eps: float = 2 ** -52) -> tuple[tuple[str, dict, float, float] | None, str]:
     """``(problem, note)``: a wrong scale (or weights that are no softmax of scaled q . k) as ``(detail,
-    counterexample)``, else None and what was verified.
+    counterexample, deviation, tolerance)`` (the measure that failed: ``|c / expected - 1|`` against its limit, or
+    the fit's relative residual against its), else None and what was verified.
 
     Each query head is fitted against its own K/V head (``h // (h / h_kv)``) first; another K/V head is used only
     when its own does not fit (which K/V head a query head reads is head_independence's business). A head whose
@@ -147,8 +161,11 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
         return None, "scale not checked (the layer exposes no queries/keys)"
     got = _samples(a, w, x, allowed, draw, floor)
     if got is None:
-        return None, "scale not checked (the layer exposes no queries/keys)"
+        return None, "scale not checked (the layer exposes no queries/keys matching its weights)"
     logw, q, k, allowed = got
+    bias = a.position_bias(x.shape[1])
+    if bias is not None:  # scores = scale * q . k + bias: the log-weights less the bias are linear in q . k
+        logw = logw - bias.to(logw)
     points = data_points(allowed)
     if points < MIN_POINTS:
         return None, (f"scale not checked: the weights give {points} data points per head at seq_len={x.shape[1]} "
@@ -203,24 +220,33 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
             continue
         fits.append(min([fit(h, g) for g in range(h_kv)], key=lambda r: r[1]))
     bad_fit = [(h, c, r) for h, (c, r, _) in enumerate(fits) if r > limit]
-    bad_scale = [(h, c) for h, (c, _, within) in enumerate(fits) if not math.isnan(c) and abs(c / expected - 1) > within]
+    bad_scale = [(h, c, within) for h, (c, _, within) in enumerate(fits)
+                 if not math.isnan(c) and abs(c / expected - 1) > within]
     if bad_fit:
         h, c, r = bad_fit[0]
         what = "weights are not uniform over keys with equal scores" if math.isnan(c) else \
             f"log-weights are not linear in q . k{'' if cap is None else f' capped at {cap:g}'}"
-        return ("weights are not a softmax of scaled q . k over keys", {"head": h, "residual": r,
-                "summary": f"head {h}'s {what} ({'max log-weight spread' if math.isnan(c) else 'relative residual'} "
-                           f"{r:.2g})"}), ""
+        measure = "max log-weight spread" if math.isnan(c) else "relative residual"
+        if a.qk_inferred:  # q . k rebuilt from the projections: the layer may normalise q and k first
+            return None, (f"scale not checked: head {h}'s {what} as rebuilt from q_proj and k_proj ({measure} "
+                          f"{r:.2g}); the layer may transform its queries and keys (a QK-norm) before the scores")
+        return ("weights are not a softmax of scaled q . k over keys", {"head": h, "residual": r, "limit": limit,
+                "summary": f"head {h}'s {what} ({measure} {r:.2g}, limit {limit:.2g})"},
+                r, limit), ""
     if bad_scale:
-        h, c = bad_scale[0]
-        return ("wrong scale", {"head": h, "fitted_scale": c, "expected_scale": expected,
-                "summary": f"head {h} scales scores by {name_scale(c, d_qk, a.d_model)}, "
-                           f"expected {expected:.6g} = {named}"}), ""
+        h, c, within = bad_scale[0]
+        off = abs(c / expected - 1)
+        return ("wrong scale", {"head": h, "fitted_scale": c, "expected_scale": expected, "relative_error": off,
+                "limit": within, "summary": f"head {h} scales scores by {name_scale(c, d_qk, a.d_model)}, "
+                f"expected {expected:.6g} = {named} (|fitted / expected - 1| = {off:.3g}, limit {within:.2g})"},
+                off, within), ""
     dead = [h for h, (c, _, _) in enumerate(fits) if math.isnan(c)]
     if len(dead) == h_q:
         return None, (f"scale not determined: every head's scores are constant within rows (spread below "
                       f"{min_spread / 1e3:.2g})")
     where = "every head" if not dead else f"every head but {dead} (constant scores: scale not determined)"
+    if bias is not None:
+        where += " (less its relative position bias)"
     if cap is None:
         capped_note = ""
     elif any(capped):

@@ -34,8 +34,15 @@ class TorchMHAAdapter(Adapter):
     accepts_causal = accepts_mask = exposes_weights = exposes_heads = True
 
     def __init__(self, module: nn.MultiheadAttention, *, causal: bool = False, name: str | None = None) -> None:
-        if module.bias_k is not None or module.add_zero_attn or not module._qkv_same_embed_dim:
-            raise ValueError("TorchMHAAdapter checks self-attention without add_bias_kv/add_zero_attn/kdim/vdim")
+        # each adds keys (or K/V widths) that are not the tokens': the properties' (b, h, s, s) weights would not fit
+        extra = [f"{name}={value!r}" for name, value in (
+            ("add_bias_kv", module.bias_k is not None), ("add_zero_attn", module.add_zero_attn),
+            ("kdim", module.kdim), ("vdim", module.vdim)) if value is True or (
+            not isinstance(value, bool) and value != module.embed_dim)]
+        if extra:
+            raise ValueError("TorchMHAAdapter checks self-attention over the tokens' own keys: nn.MultiheadAttention "
+                             f"with add_bias_kv=False, add_zero_attn=False, kdim = vdim = embed_dim "
+                             f"({module.embed_dim}), got {', '.join(extra)}")
         self.module = module
         self.name = name or "nn.MultiheadAttention"
         self.d_model = module.embed_dim
@@ -75,6 +82,12 @@ class TorchMHAAdapter(Adapter):
         q = x @ m.in_proj_weight[:d].T + (0 if b is None else b[:d])
         k = x @ m.in_proj_weight[d:2 * d].T + (0 if b is None else b[d:2 * d])
         return split(q, self.n_heads), split(k, self.n_heads)  # (b, h, s, d_h) each
+
+    def values(self, x):
+        m, d = self.module, self.d_model
+        b = m.in_proj_bias
+        v = x @ m.in_proj_weight[2 * d:].T + (0 if b is None else b[2 * d:])
+        return split(v, self.n_heads)  # (b, h, s, d_h)
 
     def contexts(self, x, *, causal=None):
         # W_O is swapped for an identity Linear for this one call rather than written into: a parametrized

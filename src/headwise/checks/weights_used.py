@@ -1,0 +1,96 @@
+"""The part of the ``softmax_sanity`` property that asks whether the layer's output is made of the weights it
+returns: a layer may compute its normal output on a fused fast path and recompute weights for inspection on an
+eager one, and only the eager one's would be judged.
+
+* :func:`outputs_follow_weights`: the normal call's output equals the output of the call that returns weights.
+* :func:`contexts_follow_weights`: where heads are exposed, each head's context (the input of W_O) in the normal
+  call is its returned weights times its values, ``w @ v``: a fast path with another scale, or without the
+  softmax's normalisation, gives other contexts even when both calls return the same output.
+
+Each returns a :data:`Problem` or None (and a note saying what was compared, or why not).
+
+Shapes:
+    b: batch, s: tokens, h: query heads, h_kv: key/value heads, d_h: head width.
+    weights (b, h, s, s); values (b, h_kv, s, d_h); contexts (b, h, s, d_h).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .adapters import NotExposed
+from .measure import Probe, deviation, first_index
+
+__all__ = ["Problem", "outputs_follow_weights", "contexts_follow_weights"]
+
+# (detail, counterexample, deviation, tolerance): one failed measure of a property, with the numbers it failed on
+Problem = tuple[str, dict, float, float]
+
+
+def outputs_follow_weights(p: Probe, y_w: torch.Tensor, keep: torch.Tensor | None) -> Problem | None:
+    """The layer's normal output equals the output of the call that returns weights: the weights judged must be
+    the ones its output is made of (a fused fast path beside an eager weights path can differ).
+
+    Shapes: y_w (b, s, d); keep (b, s) bool or None"""
+    y = p.adapter.run(p.x, keep=keep)
+    if not isinstance(y_w, torch.Tensor) or y_w.shape != y.shape:
+        return None
+    dev = deviation(y, y_w).amax(-1)  # (b, s)
+    if keep is not None:
+        dev = dev.masked_fill(~keep, 0.0)  # real tokens only
+    tol = p.tol(y if keep is None else y[keep])
+    if float(dev.max()) <= tol:
+        return None
+    bi, ti = first_index(dev > tol)
+    return ("the output differs from the output of the call that returns weights", {
+        "batch": bi, "token": ti, "deviation": float(dev[bi, ti]),
+        "summary": f"token {ti} (sample {bi}): the normal call's output differs from the return-weights call's by "
+                   f"{float(dev[bi, ti]):.3g} (tolerance {tol:.2g}), so the weights checked are not the ones the "
+                   "output uses"}, float(dev.max()), tol)
+
+
+def contexts_follow_weights(p: Probe) -> tuple[Problem | None, str]:
+    """``(problem, note)``: each head's context in the layer's normal call against its returned weights times its
+    values, both on the check's input without padding. A query head is compared with its own K/V head
+    (``h // (h / h_kv)``) first and another only where its own does not match: which K/V head a query head reads is
+    head_independence's business. Where the adapter exposes no values or contexts the note says so.
+
+    The tolerance is 10 * rtol of the values' scale: a context is a convex combination of values, so rounding
+    of the weights moves it by at most a few of their ulps times the largest value."""
+    a = p.adapter
+    if not a.exposes_heads:
+        return None, ""
+    v = a.values(p.x)
+    if v is None:
+        return None, ""
+    try:
+        c = a.contexts(p.x)
+    except NotExposed as exc:
+        return None, f"; contexts not compared with the weights ({exc})"
+    _, w = a.run_weights(p.x)
+    b, s, _ = p.x.shape
+    h, h_kv = (w.shape[1], v.shape[1]) if isinstance(w, torch.Tensor) and w.dim() == 4 else (0, 0)
+    if not h or h % h_kv or tuple(w.shape) != (b, h, s, s) or tuple(c.shape) != (b, h, s, v.shape[-1]) \
+            or tuple(v.shape[:3]) != (b, h_kv, s):
+        shapes = f"weights {tuple(getattr(w, 'shape', ()))}, values {tuple(v.shape)}, contexts {tuple(c.shape)}"
+        return None, f"; contexts not compared with the weights (their shapes do not match: {shapes})"
+    w, v, c = w.double(), v.double(), c.double()
+    tol = p.tol(v, 10 * p.rtol)
+    g = h // h_kv
+    worst, first = 0.0, None
+    for i in range(h):
+        own = deviation(c[:, i], w[:, i] @ v[:, i // g]).amax(-1)  # (b, s)
+        best = own if float(own.max()) <= tol else \
+            min((deviation(c[:, i], w[:, i] @ v[:, j]).amax(-1) for j in range(h_kv)), key=lambda d: float(d.max()))
+        worst = max(worst, float(best.max()))
+        if first is None and float(best.max()) > tol:
+            first = (i, own)
+    if first is None:
+        return None, ", contexts are the weights times the values"
+    i, own = first
+    bi, ti = first_index(own > tol)
+    return ("the contexts are not the returned weights times the values", {
+        "head": i, "batch": bi, "token": ti, "deviation": float(own[bi, ti]),
+        "summary": f"head {i}'s context at token {ti} (sample {bi}) differs from its returned weights times its "
+                   f"values (w @ v) by {float(own[bi, ti]):.3g} (tolerance {tol:.2g}): the output is not made of "
+                   "the weights checked"}, worst, tol), ""
