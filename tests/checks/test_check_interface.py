@@ -61,10 +61,14 @@ def _module(model):
     return next(m for m in model.modules() if is_target(m))
 
 
+_MODELS: list = []  # the patched models of _forms' views: a view does not keep its model alive
+
+
 def _forms(model_type: str):
     """The three things a user can pass: the module, the patched module, the view from layers(model)."""
     plain = _module(_build(model_type))
     patched_model = patch(_build(model_type))
+    _MODELS.append(patched_model)
     return {"unpatched": plain, "patched": _module(patched_model), "view": layers(patched_model)[0][1]}
 
 

@@ -219,7 +219,8 @@ def test_latent_heads_refuse_what_they_do_not_have():
 
 
 def test_latent_heads_do_not_run_alone_and_project_checks_its_input():
-    head = layers(patch(model_of("v3")))[0][1].head(1)
+    model = patch(model_of("v3"))  # kept: a head (a view) does not keep its model alive
+    head = layers(model)[0][1].head(1)
     with pytest.raises(TypeError, match="does not run alone: rotary, the mask and the softmax .* head.project"):
         head(torch.randn(1, 3, D))
     with pytest.raises(TypeError, match="x has dtype torch.float64 but the weights are torch.float32"):
@@ -338,7 +339,8 @@ def test_q_and_k_edits_replace_the_d_nope_plus_d_rope_wide_slice_handed_to_atten
 
 
 def test_packing_latent_heads_is_refused_naming_them():
-    heads = layers(patch(model_of("v3")))[0][1].heads()
+    model = patch(model_of("v3"))
+    heads = layers(model)[0][1].heads()
     with pytest.raises(TypeError, match=r"from_heads needs a non-empty sequence of AttentionHead, got LatentHead at "
                                         r"position 0: heads of multi-head latent attention \(LatentHead\) cannot be "
                                         "packed"):

@@ -75,7 +75,7 @@ class HFAdapter(Adapter):
     seam_impl: str | None = None
 
     def __init__(self, module: nn.Module, *, causal: bool | None = None, name: str | None = None) -> None:
-        given = module.__dict__.get("_hw_host") if isinstance(module, HFView) else None
+        given = module.host if isinstance(module, HFView) else None
         where = name or (module.host_name if isinstance(module, HFView) else "") or ""
         module = given if given is not None else module
         attention = attention_of(module)

@@ -87,7 +87,7 @@ def from_torch(m: nn.MultiheadAttention, *, backend: str = "sdpa", share: bool =
     config = AttentionConfig(d_model=d, n_heads=h, bias=has_bias, out_bias=m.out_proj.bias is not None,
                              dropout=float(m.dropout), kdim=m.kdim, vdim=m.vdim)
     if share:
-        return TorchMHAView.build(config, m, backend=backend)
+        return TorchMHAView.build(config, m, backend=backend, keep=True)  # the view is what holds m
     if m._qkv_same_embed_dim:
         w = m.in_proj_weight
         w_q, w_k, w_v = w[:d], w[d:2 * d], w[2 * d:]
@@ -241,7 +241,7 @@ class TorchMHAView(LayerView):
     """
 
     def resolve(self, name: str) -> object:
-        m, d = self._hw_host, self.config.d_model
+        m, d = self.host, self.config.d_model
         if name == "out_proj":
             return m.out_proj
         i = ("q_proj", "k_proj", "v_proj").index(name)
@@ -253,11 +253,11 @@ class TorchMHAView(LayerView):
         return ProjectionView(lambda: getattr(m, f"{name}_weight"), bias, what=f"{name}_weight")
 
     def sources(self) -> list[tuple[str, nn.Module]]:
-        return [("mha", self._hw_host)]
+        return [("mha", self.host)]
 
     def source_names(self) -> dict[str, str]:
         d = self.config.d_model
-        if self._hw_host._qkv_same_embed_dim:
+        if self.host._qkv_same_embed_dim:
             names = {n: f"in_proj_weight[{i * d}:{(i + 1) * d}]" for i, n in enumerate(("q_proj", "k_proj", "v_proj"))}
         else:
             names = {n: f"{n}_weight" for n in ("q_proj", "k_proj", "v_proj")}
@@ -265,7 +265,7 @@ class TorchMHAView(LayerView):
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K, V in one GEMM when ``in_proj_weight`` is packed. Shapes: x (b, s, d) -> (b, h, s, d_h) x3."""
-        m = self._hw_host
+        m = self._hw_host.ref()  # held strongly (build's keep): a C call, no Python frame in the forward
         if not m._qkv_same_embed_dim:
             return super().project_qkv(x)
         cfg = self.config

@@ -9,12 +9,18 @@ resolve, on every access, to the host's *current* modules (so a PEFT LoRA wrappe
 ``parameters()``/``children()``/``.to()``/``.train()`` reach the host's modules (see
 :meth:`LayerView.sources`), and its ``state_dict`` refuses (save the host's).
 
+A patched module holds its view, so the view holds the module weakly (:class:`HostRef`): a strong reference back
+would make a cycle that only Python's cyclic collector frees, and ``del model`` would not give back the model's
+memory (GPU memory included) until it ran. A view used after its model was freed raises ``ReferenceError``.
+
 Shapes:
     b: batch, s: sequence, h: query heads, h_kv: key/value heads, d: model width, d_h: head width.
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -25,9 +31,68 @@ from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..head import ORIGINAL_HEADS
 
-__all__ = ["LayerView", "ProjectionView"]
+__all__ = ["HostRef", "LayerView", "ProjectionView", "host_of"]
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+class HostRef:
+    """A view's (or a projection locator's) reference to the module whose weights it reads: weak, since that module
+    holds the view (``keep=True`` holds it strongly too, where the view is what keeps it: ``from_torch(share=True)``).
+
+    ``ref()`` gives the module or None (a plain ``weakref.ref``: a C call, no Python frame on hot paths, and one
+    ``torch.compile`` traces); :meth:`get` gives the module or raises ``ReferenceError`` naming it. A deep copy
+    refers to the module's copy (the copy's own, through the memo; a module outside what is copied is copied and
+    held strongly), and a pickle carries the module itself, so a copied or loaded model's views read the copy's
+    weights.
+
+    Args:
+        host: the module.
+        what: how errors name it (its class and, where known, its qualified name).
+        keep: hold ``host`` strongly as well.
+    """
+
+    __slots__ = ("ref", "what", "_keep")
+
+    def __init__(self, host: Any, what: str = "", keep: bool = False) -> None:
+        self.ref = weakref.ref(host)
+        self.what = what or type(host).__name__
+        self._keep = host if keep else None
+
+    def get(self) -> Any:
+        """The module; ``ReferenceError`` if it was freed."""
+        host = self.ref()
+        if host is None:
+            raise ReferenceError(
+                f"the module {self.what} no longer exists (the model it belonged to was freed): a headwise view does "
+                "not keep its model alive, so keep a reference to the model while using its layers and heads, or take "
+                "a standalone copy first (headwise.interop.from_hf / from_torch)")
+        return host
+
+    def __copy__(self) -> "HostRef":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "HostRef":
+        host = self.ref()
+        if host is None:
+            return self  # nothing to follow: the copy reads nothing either
+        copied = memo.get(id(host))
+        if copied is None:  # the module is not part of what is copied (a view copied alone): the copy holds its own
+            return type(self)(copy.deepcopy(host, memo), self.what, keep=True)
+        return type(self)(copied, self.what, keep=self._keep is not None)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.get(), self.what, self._keep is not None)
+
+    def __repr__(self) -> str:
+        return f"HostRef({self.what}{'' if self.ref() is not None else ', freed'})"
+
+
+def host_of(layer: Any) -> Any:
+    """The module ``layer`` is a view of; None where ``layer`` is no view (or not built yet) or that module was
+    freed."""
+    ref = getattr(layer, "__dict__", {}).get("_hw_host")
+    return None if ref is None else ref.ref()
 
 
 class ProjectionView:
@@ -76,15 +141,18 @@ def _live(name: str) -> property:
 
 def _live_training() -> property:
     def get(self: "LayerView") -> bool:
-        host = self.__dict__.get("_hw_host")
-        return self.__dict__.get("_hw_training", True) if host is None else host.training
+        ref = self.__dict__.get("_hw_host")
+        if ref is None:
+            return self.__dict__.get("_hw_training", True)
+        host = ref.ref()  # a C call: this is read on every attend
+        return (ref.get() if host is None else host).training
 
     def set_(self: "LayerView", mode: bool) -> None:
-        host = self.__dict__.get("_hw_host")
-        if host is None:
+        ref = self.__dict__.get("_hw_host")
+        if ref is None:
             self.__dict__["_hw_training"] = mode
         else:
-            host.training = mode
+            ref.get().training = mode
 
     return property(get, set_, doc="The host's train/eval flag (dropout follows the host).")
 
@@ -104,10 +172,20 @@ class LayerView(MultiHeadAttention):
     training = _live_training()
 
     @classmethod
-    def build(cls, config: AttentionConfig, host: nn.Module, *, backend: str, name: str = "",
+    def build(cls, config: AttentionConfig, host: nn.Module, *, backend: str, name: str = "", keep: bool = False,
               **extra: Any) -> "LayerView":
         """A view of ``host`` with ``config``; nothing is allocated (the core builds on the meta device and
-        the placeholders are dropped) and no data is read."""
+        the placeholders are dropped) and no data is read.
+
+        Args:
+            config: the layer's config.
+            host: the module whose weights it reads.
+            backend: the core's backend.
+            name: the host's qualified name in its model ("" if unknown).
+            keep: hold ``host`` strongly (where nothing else does); else weakly, as a module holding its view needs
+                (:class:`HostRef`).
+            extra: further attributes, set as references (never registered submodules).
+        """
         self = cls.from_config(config, backend=backend, device="meta")
         for proj in PROJECTIONS:
             if proj in self._modules:
@@ -115,13 +193,14 @@ class LayerView(MultiHeadAttention):
         for key, value in extra.items():
             object.__setattr__(self, key, value)  # references, never registered submodules
         object.__setattr__(self, "_hw_name", name)
-        object.__setattr__(self, "_hw_host", host)
+        what = f"{type(host).__name__}" + (f" at {name!r}" if name else "")
+        object.__setattr__(self, "_hw_host", HostRef(host, what, keep=keep))
         return self
 
     @property
     def host(self) -> nn.Module:
-        """The module whose weights this layer computes with."""
-        return self._hw_host
+        """The module whose weights this layer computes with (``ReferenceError`` once it was freed)."""
+        return self._hw_host.get()
 
     @property
     def host_name(self) -> str:
@@ -187,6 +266,8 @@ class LayerView(MultiHeadAttention):
         raise TypeError(f"{type(self).__name__} is a view: load weights into the host model instead")
 
     def extra_repr(self) -> str:
+        if self._hw_host.ref() is None:  # a repr never raises: say what it was a view of
+            return f"view of {self._hw_host.what}, freed"
         kind = type(self.host).__name__
         names = ", ".join(f"{hw}={what}" for hw, what in self.source_names().items())
         origin = self.host.__dict__.get(ORIGINAL_HEADS)  # after head surgery: which original heads these are

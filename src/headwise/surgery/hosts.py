@@ -189,14 +189,14 @@ class StaleView:
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("_") or name in ("host", "host_name"):  # Python's and torch's own machinery
             return object.__getattribute__(self, name)
-        where = object.__getattribute__(self, "_hw_name") or type(object.__getattribute__(self, "_hw_host")).__name__
+        where = object.__getattribute__(self, "_hw_name") or object.__getattribute__(self, "_hw_host").what
         raise TypeError(f"this layer is a stale view of {where}: {object.__getattribute__(self, '_hw_stale')} "
                         "resized its module since the view was fetched, so its head counts and head slices no "
                         "longer match the weights (heads fetched from it too); expected a current view: fetch "
                         "it again with headwise.interop.layers(model) or module.attn")
 
     def __repr__(self) -> str:
-        where = object.__getattribute__(self, "_hw_name") or type(object.__getattribute__(self, "_hw_host")).__name__
+        where = object.__getattribute__(self, "_hw_name") or object.__getattribute__(self, "_hw_host").what
         return f"<stale view of {where}, resized by {object.__getattribute__(self, '_hw_stale')}>"
 
 

@@ -101,7 +101,8 @@ def config_rule(config: Any, keep: str | bool | None = None) -> str | None:
     ``keep`` a rule / False records / forgets it first (:func:`headwise.interop.patch` and ``unpatch`` do)."""
     key = id(config)
     if keep in RULES:
-        _CONFIG_RULES[key] = (weakref.ref(config, lambda _, key=key: _CONFIG_RULES.pop(key, None)), keep)
+        # the dict bound in the callback: a config may outlive this module's globals (freed at interpreter exit)
+        _CONFIG_RULES[key] = (weakref.ref(config, lambda _, key=key, rules=_CONFIG_RULES: rules.pop(key, None)), keep)
     elif keep is False:
         _CONFIG_RULES.pop(key, None)
     elif keep is not None:
@@ -231,7 +232,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise ValueError(f"{type(module).__name__} handed headwise both s_aux (a sink per head) and sinks (a sink "
                          "per query row); at most one sink logit per row is defined")
     layer = module.__dict__.get("attn")  # set by headwise.interop.patch: the module's headwise layer
-    if not isinstance(layer, HFView) or layer.__dict__.get("_hw_host") is not module:
+    ref = layer.__dict__.get("_hw_host") if isinstance(layer, HFView) else None  # a weak reference (views.HostRef)
+    if ref is None or ref.ref() is not module:  # calling it is a C call: no Python frame here
         layer = None
     if layer is not None:
         eager = layer.rule == "eager"  # an attribute: no call on this path

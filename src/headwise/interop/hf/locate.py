@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...module_calls import adapter_base
-from ..views import ProjectionView
+from ..views import HostRef, ProjectionView
 from .registry import Entry
 
 __all__ = ["Located", "Projection", "Whole", "Rows", "locate", "projection_size", "is_conv1d", "is_cross",
@@ -91,10 +91,16 @@ class Projection:
 class Whole(Projection):
     """A whole projection module at ``path`` below ``owner`` (looked up on every call: it may be replaced).
     An ``nn.Linear`` resolves to the module itself (so a hook or LoRA on it runs); a ``Conv1D`` to a transposed
-    view that calls the module."""
+    view that calls the module. ``owner`` is held weakly (:class:`~headwise.interop.views.HostRef`): the view
+    holding this locator is held by the module, or by a child of it (BERT's W_O lives on the parent)."""
 
     def __init__(self, owner: nn.Module, path: str) -> None:
-        self.owner, self.path, self.what = owner, path, path
+        self._owner, self.path, self.what = HostRef(owner), path, path
+
+    @property
+    def owner(self) -> nn.Module:
+        """The module holding the projection (``ReferenceError`` once it was freed)."""
+        return self._owner.get()
 
     def module(self) -> nn.Module:
         return self.owner.get_submodule(self.path)
@@ -126,13 +132,19 @@ class Rows(Projection):
     """One projection's rows of a fused Q/K/V ``host.<name>``: a block ``[a, b)``, or (``interleaved = (h, d_h,
     j)``) rows ``j`` of each of ``h`` heads of ``d_h`` (head-major ``[q_i, k_i, v_i]``: not one slice, so that
     weight is a copy, and :meth:`write` writes each head's rows). A ``Conv1D`` holds them as columns. An object,
-    not a closure, so a deep copy or a pickle of the model follows its own host."""
+    not a closure, so a deep copy or a pickle of the model follows its own host; ``host`` is held weakly, as
+    :class:`Whole`'s owner."""
 
     def __init__(self, host: nn.Module, name: str, a: int = 0, b: int = 0, *,
                  interleaved: tuple[int, int, int] | None = None) -> None:
-        self.host, self.name, self.a, self.b, self.interleaved = host, name, a, b, interleaved
+        self._host, self.name, self.a, self.b, self.interleaved = HostRef(host), name, a, b, interleaved
         self.what = (f"{name}[{a}:{b}]" if interleaved is None
                      else f"{name} ({'qkv'[interleaved[2]]} rows of each head)")
+
+    @property
+    def host(self) -> nn.Module:
+        """The module holding the fused projection (``ReferenceError`` once it was freed)."""
+        return self._host.get()
 
     def module(self) -> nn.Module:
         return getattr(self.host, self.name)

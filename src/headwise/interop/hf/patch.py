@@ -40,6 +40,7 @@ from typing import Any
 
 from torch import nn
 
+from ..views import host_of
 from .attention_function import NAME, config_rule, head_factors
 from .layer import HFView, is_target, view_of
 
@@ -63,14 +64,14 @@ def check_impl(config: Any, where: str) -> str:
 def view_on(module: nn.Module) -> HFView | None:
     """The layer :func:`patch` gave ``module`` (None if it has none)."""
     view = module.__dict__.get("attn")
-    return view if isinstance(view, HFView) and view.__dict__.get("_hw_host") is module else None
+    return view if isinstance(view, HFView) and host_of(view) is module else None
 
 
 def restore_view(module: nn.Module, view: HFView) -> None:
     """Make ``view``, a layer :func:`patch` gave ``module`` earlier, its layer again in place of the one a later
     :func:`patch` gave it (surgery keeps the views of the modules it left alone, so that views held across it
     still run the model's forward)."""
-    if view_on(module) is None or view.__dict__.get("_hw_host") is not module:
+    if view_on(module) is None or host_of(view) is not module:
         raise ValueError(f"restore_view: expected a view patch gave this {type(module).__name__} and a module "
                          "patched now")
     module.__dict__["attn"] = view

@@ -24,7 +24,8 @@ Example:
     >>> from headwise.interop import layers, patch
     >>> cfg = transformers.BertConfig(hidden_size=12, num_attention_heads=3, num_hidden_layers=1,
     ...                               intermediate_size=8, vocab_size=10)
-    >>> attn = layers(patch(transformers.BertModel(cfg)))[0][1]
+    >>> model = patch(transformers.BertModel(cfg))  # kept: a view does not keep its model alive
+    >>> attn = layers(model)[0][1]
     >>> attn.head_params(), attn.edit_refusal(2, 2)
     ((3, 3, 4), '')
     >>> attn.edit_refusal(3, 1).split(";")[0]
