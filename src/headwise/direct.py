@@ -3,8 +3,10 @@
 :func:`direct_effects` projects every head's write at one query position onto a direction (e.g. a logit
 difference, :func:`logit_direction`) through the final norm, linearised: the norm's scale (LayerNorm's standard
 deviation, RMSNorm's root mean square) is frozen at this run, so the norm is affine and the heads' contributions
-plus those of every other residual component sum to the direction's value minus the norm's bias term. Only the
-direct path is counted, never effects through later layers. :mod:`headwise.patching` re-exports these names.
+plus those of every other residual component sum to the direction's value minus the norm's bias term. A norm
+that a model applies to the attention output before the residual add (Gemma2, Gemma3, OLMo2) is frozen the same
+way, each head's write passed through it. Only the direct path is counted, never effects through later layers.
+:mod:`headwise.patching` re-exports these names.
 
 Shapes:
     b: batch, s: sequence, L: traced layers, h: heads, d: model width (d_model).
@@ -24,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tracing import trace
+from .tracing import find_layers, trace
 from .tracing.inputs import call, check_inputs, eval_mode
+from .tracing.layers import encoder_modules
 
 __all__ = ["direct_effects", "logit_direction", "final_norm"]
 
@@ -98,20 +101,6 @@ def _rms_gain(norm: nn.Module, eps: float, weight: torch.Tensor | None, x: torch
                      "LayerNorm, an RMSNorm of one of those forms, or norm=None")
 
 
-def _encoder_modules(model: nn.Module) -> set[str]:
-    """The names of the modules inside an encoder-decoder model's encoder (``config.is_encoder_decoder``), empty
-    for any other model."""
-    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return set()
-    encoder = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
-    if not isinstance(encoder, nn.Module):
-        raise ValueError(f"direct_effects: {type(model).__name__} is an encoder-decoder model "
-                         "(config.is_encoder_decoder) without a get_encoder() module, so its encoder's heads, which "
-                         "write into the encoder's residual stream and not the decoder's, cannot be told apart")
-    inside = {id(m) for m in encoder.modules()}
-    return {name for name, m in model.named_modules() if id(m) in inside}
-
-
 def _positions(position: Any, b: int, s: int) -> torch.Tensor:
     """``position`` (an int, or (b,) ints) as (b,) indices in [0, s): a position outside [-s, s) is refused,
     never wrapped onto another token."""
@@ -130,6 +119,74 @@ def _positions(position: Any, b: int, s: int) -> torch.Tensor:
     return pos.expand(b) % s
 
 
+def _norm_like(module: nn.Module) -> bool:
+    """Whether ``module`` may be a norm (torch's, or a class named *Norm*): what a post-attention norm is."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
+
+
+def _watch(model: nn.Module, names: list[str], norm: nn.Module | None, seen: list,
+           posts: dict[int, list]) -> list[Any]:
+    """Hooks for one forward: ``seen`` gets the final norm's (input, output) per call; ``posts[li]`` gets
+    (norm, input, output) for a norm whose input is traced layer ``li``'s output itself, the tensor the module
+    returned (Gemma2's, Gemma3's and OLMo2's ``post_attention_layernorm``, applied before the residual add)."""
+    outs: dict[int, torch.Tensor] = {}  # layer index -> its module's output in this forward
+
+    def layer_hook(li: int) -> Any:
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            outs[li] = out[0] if isinstance(out, (tuple, list)) and out else out
+        return hook
+
+    def norm_hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        for li, o in outs.items():
+            if x is o:  # identity, not equality: this norm reads the layer's output before anything is added
+                posts.setdefault(li, []).append((module, x, out))
+
+    handles = [model.get_submodule(name).register_forward_hook(layer_hook(li)) for li, name in enumerate(names)]
+    handles += [m.register_forward_hook(norm_hook, with_kwargs=True) for m in model.modules()
+                if m is not norm and _norm_like(m)]
+    if norm is not None:
+        handles.append(norm.register_forward_hook(lambda m, args, out: seen.append((args[0], out))))
+    return handles
+
+
+def _frozen(writes: torch.Tensor, norm: nn.Module, kind: tuple, x: torch.Tensor, y: Any, rows: torch.Tensor,
+            pos: torch.Tensor) -> torch.Tensor:
+    """What each write adds to ``norm``'s output, less its bias, with the norm's scale frozen at its input ``x``
+    in this run (per row, at ``pos``): the norm is then linear in its input, so the writes' parts add up.
+
+    Shapes:
+        writes (b, ..., d); x, y (b, s, d) -> (b, ..., d)
+    """
+    name, eps, gamma = kind
+    if name == "rms?":
+        gamma = _rms_gain(norm, eps, gamma, x, y)
+    x = x[rows, pos].to(writes.dtype)  # (b, d): the input the norm normalised
+    if name == "layer":
+        scale = (x.var(-1, unbiased=False) + eps).rsqrt()  # (b,): frozen 1 / sigma
+        writes = writes - writes.mean(-1, keepdim=True)
+    else:
+        scale = (x.pow(2).mean(-1) + eps).rsqrt()  # (b,): frozen 1 / rms
+    writes = writes * scale.view(-1, *([1] * (writes.dim() - 1)))
+    return writes if gamma is None else writes * gamma.to(writes.dtype)
+
+
+def _post_norm(posts: list, record: Any) -> tuple[nn.Module, tuple, torch.Tensor, Any]:
+    """(norm, kind, input, output) of the one norm a layer's output passed through, else a ValueError."""
+    if len(posts) > 1:
+        raise ValueError(f"direct_effects: layer {record.index} ({record.name!r})'s output is the input of "
+                         f"{len(posts)} norms ({', '.join(type(m).__name__ for m, _, _ in posts)}), so which one "
+                         "carries its heads' writes to the residual stream is unknown")
+    module, x, y = posts[0]
+    try:
+        kind = _norm_kind(module)
+    except TypeError:
+        raise ValueError(f"direct_effects: layer {record.index} ({record.name!r})'s output passes through "
+                         f"{type(module).__name__} before it reaches the residual stream, a norm of unknown formula "
+                         "(not a LayerNorm or an RMSNorm), so its heads' writes cannot be carried through it") from None
+    return module, kind, x, y
+
+
 @torch.no_grad()
 def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, norm: nn.Module | None = None,
                    position: int | torch.Tensor = -1) -> torch.Tensor:
@@ -140,9 +197,14 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     (the standard linearisation: exact for the run's own residual stream, as the scale is a constant of it).
     An RMSNorm's ``gamma`` is its ``weight`` or, as in Gemma, ``1 + weight``: whichever reproduces the norm's
     output in this run; a norm of neither form is refused (ValueError). ``norm=None`` projects the raw writes.
-    The model runs in eval mode for the duration (dropout off). On an encoder-decoder model
-    (``config.is_encoder_decoder``) ``position`` is a decoder position, and the encoder's heads get exactly 0:
-    they write into the encoder's residual stream, which the decoder reads only through cross-attention.
+    Where a model normalises the attention output before adding it to the residual stream (Gemma2's, Gemma3's
+    and OLMo2's ``post_attention_layernorm``: a norm whose input is the attention module's output itself), a
+    head's write ``z_h @ W_O^h`` first passes through that norm, its scale frozen the same way at its own input
+    (per row): the heads' parts plus W_O's bias then add up exactly to what the layer adds to the residual
+    stream, less that norm's bias. The model runs in eval mode for the duration (dropout off). On an
+    encoder-decoder model (``config.is_encoder_decoder``) ``position`` is a decoder position, and the encoder's
+    heads get exactly 0: they write into the encoder's residual stream, which the decoder reads only through
+    cross-attention. A layer run more than once in the forward (ALBERT's shared layer) is refused (ValueError).
 
     Args:
         model: a patched Hugging Face model (or any module with headwise layers).
@@ -153,19 +215,27 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
             [-s, s) (else IndexError).
 
     Shapes:
-        each layer's result (b, s, h, d) -> (b, L, h) float32/64 as the model
+        each layer's result (b, s, h, d) -> (b, L, h) float32/64 as the model (NaN where a layer has fewer
+        heads than the widest, e.g. after pruning)
     """
     kind = None if norm is None else _norm_kind(norm)
     check_inputs(inputs, "direct_effects")
-    encoder = _encoder_modules(model)
-    seen: list[tuple[torch.Tensor, Any]] = []  # the norm's (input, output) per call
-    handle = None if norm is None else norm.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    encoder = encoder_modules(model)
+    if encoder is None:
+        raise ValueError(f"direct_effects: {type(model).__name__} is an encoder-decoder model "
+                         "(config.is_encoder_decoder) without a get_encoder() module, so its encoder's heads, which "
+                         "write into the encoder's residual stream and not the decoder's, cannot be told apart")
+    seen: list[tuple[torch.Tensor, Any]] = []  # the final norm's (input, output) per call
+    posts: dict[int, list] = {}  # per layer index: the norm its output passed through, (norm, input, output)
+    handles = _watch(model, [name for name, _ in find_layers(model)], norm, seen, posts)
     try:
         with eval_mode(model), trace(model, capture=("result",)) as t:
             call(model, inputs)
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
+    for r in t:
+        r.require_one_call("direct_effects")
     on_decoder = [r.result for r in t if r.name not in encoder]  # each (b, s, h, d)
     if not on_decoder:
         raise ValueError("direct_effects: every traced layer is in the encoder of this encoder-decoder model; none "
@@ -173,10 +243,19 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     b, s, _, d = on_decoder[0].shape
     rows = torch.arange(b)
     pos = _positions(position, b, s)
-    # an encoder head writes into the encoder's stream, which the decoder reads only through cross-attention:
-    # its direct effect on the decoder's stream is exactly zero (its row is kept so L indexes the traced layers)
-    writes = torch.stack([on_decoder[0].new_zeros(b, r.layer.n_heads, d) if r.name in encoder
-                          else r.result[rows, pos] for r in t], dim=1)  # (b, L, h, d)
+    width = max(r.layer.n_heads for r in t)
+    writes = on_decoder[0].new_full((b, len(t), width, d), float("nan"))  # (b, L, h, d): NaN where no head
+    for li, r in enumerate(t):
+        if r.name in encoder:
+            # an encoder head writes into the encoder's stream, which the decoder reads only through
+            # cross-attention: its direct effect on the decoder's stream is exactly zero (its row is kept so that
+            # L indexes the traced layers)
+            writes[:, li, :r.layer.n_heads] = 0
+            continue
+        w = r.result[rows, pos]  # (b, h_l, d)
+        if li in posts:
+            w = _frozen(w, *_post_norm(posts[li], r), rows, pos)
+        writes[:, li, :w.shape[1]] = w
     direction = torch.as_tensor(direction).to(writes.dtype)
     if direction.shape[-1] != writes.shape[-1] or direction.dim() not in (1, 2):
         raise ValueError(f"direction must be (d={writes.shape[-1]},) or (b, d), got {tuple(direction.shape)}")
@@ -187,17 +266,5 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     if kind is not None:
         if not seen:
             raise ValueError("the norm was not called during the forward; pass the model's final norm")
-        name, eps, gamma = kind
-        if name == "rms?":
-            gamma = _rms_gain(norm, eps, gamma, *seen[-1])
-        x = seen[-1][0][rows, pos].to(writes.dtype)  # (b, d): the residual stream the norm normalised
-        if name == "layer":
-            scale = (x.var(-1, unbiased=False) + eps).rsqrt()  # (b,): frozen 1 / sigma
-            writes = writes - writes.mean(-1, keepdim=True)
-        else:
-            scale = (x.pow(2).mean(-1) + eps).rsqrt()  # (b,): frozen 1 / rms
-        writes = writes * scale[:, None, None, None]
-        if gamma is not None:
-            writes = writes * gamma.to(writes.dtype)
+        writes = _frozen(writes, norm, kind, *seen[-1], rows, pos)
     return (writes * direction).sum(-1)  # (b, L, h)
-

@@ -19,7 +19,10 @@
 
 Each takes the model's inputs as users have them (a tensor, a tuple, any mapping such as a tokenizer's
 ``BatchEncoding``: :mod:`headwise.tracing.inputs`) and runs the model in eval mode for its duration, every
-module's mode given back afterwards; a metric is ``metric(output)`` or ``metric(output, inputs)``.
+module's mode given back afterwards; a metric is ``metric(output)`` or ``metric(output, inputs)``. A
+transformers ``Cache`` among the inputs (a prefix's ``cache`` / ``past_key_values``) is deep-copied for every
+run, so each run starts from the prefix and the caller's cache never changes. A layer run several times in one
+forward (ALBERT's shared layer) is refused with a ValueError: its calls are not one site per head.
 
 Shapes:
     b: batch, s: sequence, L: traced layers, h: heads, d: model width (d_model), d_h: head width (d_head).
@@ -42,7 +45,8 @@ import torch
 from torch import nn
 
 from .tracing import find_layers, trace
-from .tracing.inputs import batch_size, call, check_inputs, differentiable, eval_mode, metric_of, repeat
+from .tracing.inputs import batch_size, caches, call, differentiable, eval_mode, metric_of, repeat
+from .tracing.layers import encoder_modules
 from .tracing.progress import check_progress, progress_bar
 from .direct import direct_effects, final_norm, logit_direction
 
@@ -91,6 +95,31 @@ def _scalar(value: Any) -> torch.Tensor:
     return t.reshape(()).double()
 
 
+# -- checks shared by the sweep and attribution ------------------------------------------------------------
+def _pair(clean: Any, corrupted: Any, what: str) -> int:
+    """The batch size b that ``clean`` and ``corrupted`` share, else a ValueError naming both."""
+    b, b_bad = batch_size(clean, f"{what}(clean)"), batch_size(corrupted, f"{what}(corrupted)")
+    if b_bad != b:
+        raise ValueError(f"{what}: clean and corrupted must have the same batch size, got {b} and {b_bad}")
+    return b
+
+
+def _same_shapes(t_clean: Any, t_bad: Any, site: str, what: str) -> None:
+    """A ValueError unless every layer's ``site`` has one shape on both inputs (a head's clean slice replaces,
+    or is subtracted from, its corrupted one)."""
+    for rc, rb in zip(t_clean, t_bad):
+        xc, xb = rc.get(site), rb.get(site)
+        if xc.shape != xb.shape:
+            raise ValueError(f"{what}: layer {rc.index} ({rc.name!r}) has {site} of shape {tuple(xc.shape)} on the "
+                             f"clean input and {tuple(xb.shape)} on the corrupted one; they must match")
+
+
+def _one_call_each(t: Any, what: str) -> None:
+    """A ValueError naming a layer that ran several times in one forward (its heads are not one site each)."""
+    for record in t:
+        record.require_one_call(what)
+
+
 # -- the sweep -------------------------------------------------------------------------------------------
 def _site(site: Any) -> str:
     if site not in _SITES:
@@ -124,11 +153,14 @@ def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[
     one forward; memory grows with it. With ``share_prefix`` (the default) the blocks before the first patched
     layer of a forward run once, at batch b: the copies split off at the block (the numbered child of a
     ``ModuleList``/``Sequential``) holding that layer, whose batch-b tensor inputs are repeated; where no such
-    block is found, or the model refuses the split batch, every copy runs the whole forward. An output tensor
-    without the batch on dim 0 (a ``loss`` reduced over the batch, when ``labels`` are among the inputs; MoE
-    router logits, token-major) cannot be split among copies: where the corrupted run's output holds one, each
-    copy runs alone from the start. The model runs in eval mode for the duration (dropout off; every module's
-    mode is given back afterwards).
+    block is found, the layer is in the encoder of an encoder-decoder model (whose decoder takes batch-b
+    inputs beside the encoder's output), or the model refuses the split batch, every copy runs the whole
+    forward. An output tensor without the batch on dim 0 (a ``loss`` reduced over the batch, when ``labels``
+    are among the inputs; MoE router logits, token-major) cannot be split among copies: where the corrupted
+    run's output holds one, each copy runs alone from the start, as it does where the inputs hold a
+    transformers ``Cache`` (of batch b). The clean and corrupted inputs must give every layer's ``site`` one
+    shape (ValueError). The model runs in eval mode for the duration (dropout off; every module's mode is given
+    back afterwards).
 
     Args:
         model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
@@ -148,35 +180,30 @@ def head_effects(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[
     site = _site(site)
     measure = metric_of(metric, "head_effects")
     check_progress(progress, "head_effects")
-    b = batch_size(clean, "head_effects(clean)")
-    if batch_size(corrupted, "head_effects(corrupted)") != b:
-        raise ValueError("head_effects: clean and corrupted must have the same batch size")
+    b = _pair(clean, corrupted, "head_effects")
     if batch_heads is not None and (isinstance(batch_heads, bool) or not isinstance(batch_heads, int)
                                     or batch_heads < 1):
         raise ValueError(f"batch_heads must be a positive int, got {batch_heads!r}")
+    # a cache holds the inputs' batch b, which copies side by side cannot share: each copy runs alone
+    stateful = bool(caches(clean) or caches(corrupted))
     with eval_mode(model):
         with trace(model, capture=(site,)) as t_clean:
             call(model, clean)
+        _one_call_each(t_clean, "head_effects")
         with trace(model, capture=(site,)) as t_bad:
             out = call(model, corrupted)
             base = _scalar(measure(out, corrupted))
         # a tensor mixing the batch (a loss reduced over it) would mix the copies of a forward: run them alone
-        alone = not _batch_major(out, b)
+        alone = stateful or not _batch_major(out, b)
         del out  # the sweep's outputs need the memory
-        sources = []
-        for rc, rb in zip(t_clean, t_bad):
-            zc, zb = rc.get(site), rb.get(site)
-            if zc.shape != zb.shape:
-                raise ValueError(f"head_effects: layer {rc.index} ({rc.name!r}) has {site} of shape "
-                                 f"{tuple(zc.shape)} on the clean input and {tuple(zb.shape)} on the corrupted one; "
-                                 "they must match")
-            sources.append([x.detach() for x in _head_slices(rc, site, rc.layer)])  # per head (b, s, n)
+        _same_shapes(t_clean, t_bad, site, "head_effects")
+        sources = [[x.detach() for x in _head_slices(rc, site, rc.layer)] for rc in t_clean]  # per head (b, s, n)
         heads = [layer.n_heads for _, layer in t_clean.layers]
         lengths = [src[0].shape[1] for src in sources]
         pairs = [(li, i, p) for li, h in enumerate(heads) for i in range(h)
                  for p in (range(lengths[li]) if per_position else [None])]
         per = 1 if alone else heads[0] if batch_heads is None else batch_heads
-        blocks = _blocks(model, [name for name, _ in t_clean.layers]) if share_prefix else None
+        blocks = _blocks(model, [name for name, _ in t_clean.layers]) if share_prefix and not alone else None
         shape = (len(heads), max(heads), max(lengths)) if per_position else (len(heads), max(heads))
         effects = torch.full(shape, float("nan"), dtype=torch.float64)
         with progress_bar(-(-len(pairs) // per), "head_effects", progress) as advance:
@@ -198,10 +225,11 @@ def _patched_outputs(model: nn.Module, corrupted: Any, chunk: list[tuple[int, in
         rows.setdefault((li, i), []).append((j, p))
     edit = {(li, i, site): _patch_rows(sources[li][i], where, n, b) for (li, i), where in rows.items()}
     out = None
-    if blocks is not None and n > 1:
+    if blocks is not None and blocks[chunk[0][0]] is not None and n > 1:
+        later = [blk for blk in blocks[chunk[0][0]:] if blk is not None]
         try:
-            out = _forward_split(model, corrupted, edit, blocks[chunk[0][0]:], n, b)
-        except (RuntimeError, ValueError):  # the model combined batch-b and split tensors: run every copy
+            out = _forward_split(model, corrupted, edit, later, n, b)
+        except (RuntimeError, ValueError, IndexError):  # batch-b and split tensors met: run every copy
             pass
     if out is None:
         with trace(model, edit=edit):
@@ -232,8 +260,10 @@ def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[.
                 site: str = "z", per_position: bool = False) -> torch.Tensor:
     """Attribution patching: the first-order estimate of :func:`head_effects`, from one forward on each input
     and one backward. For every head, ``sum((x_clean - x_corrupted) * d metric / d x)`` over the head's slice
-    of ``site`` (its own view of K/V for k and v), the gradient taken on the corrupted run. The model runs in
-    eval mode for the duration (dropout off), every module's mode given back afterwards.
+    of ``site`` (its own view of K/V for k and v), the gradient taken on the corrupted run. ``clean`` and
+    ``corrupted`` must share the batch size and give every layer's ``site`` one shape, as for
+    :func:`head_effects` (ValueError). The model runs in eval mode for the duration (dropout off), every
+    module's mode given back afterwards.
 
     Args:
         model: a MultiHeadAttention, a module containing them, or a patched Hugging Face model.
@@ -255,16 +285,18 @@ def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[.
     """
     site = _site(site)
     measure = metric_of(metric, "attribution")
-    for inputs, what in ((clean, "attribution(clean)"), (corrupted, "attribution(corrupted)")):
-        check_inputs(inputs, what)
+    _pair(clean, corrupted, "attribution")
     # k and v: every query head gets its own K/V copy (an identity edit), so each head's view has a gradient.
     own = {(li, None, site): (lambda x, layer, head: x) for li in range(len(find_layers(model)))} \
         if site in ("k", "v") else None
     with eval_mode(model):
         with torch.no_grad(), trace(model, capture=(site,), edit=own) as t_clean:
             call(model, clean)
+        _one_call_each(t_clean, "attribution")
         with torch.enable_grad(), trace(model, capture=(site,), edit=own) as t_bad:
             value = differentiable(measure(call(model, corrupted), corrupted), "attribution")
+            _one_call_each(t_bad, "attribution")
+            _same_shapes(t_clean, t_bad, site, "attribution")
             captured = [r.get(site) for r in t_bad]
             grads = torch.autograd.grad(value, captured, allow_unused=True)
     per_layer = []
@@ -287,12 +319,19 @@ def attribution(model: nn.Module, clean: Any, corrupted: Any, metric: Callable[.
     return out
 
 
-def _blocks(model: nn.Module, names: list[str]) -> list[nn.Module] | None:
+def _blocks(model: nn.Module, names: list[str]) -> list[nn.Module | None] | None:
     """Per traced layer, the block holding it: its nearest ancestor that is a numbered child of a
-    ``ModuleList`` or ``Sequential`` (``encoder.layer.3``, ``transformer.h.0``, ``model.layers.1``)."""
+    ``ModuleList`` or ``Sequential`` (``encoder.layer.3``, ``transformer.h.0``, ``model.layers.1``); None for a
+    layer in the encoder of an encoder-decoder model, whose copies would reach the decoder beside its batch-b
+    inputs (the cross-attention mask), so they run the whole forward. None for all when a layer has no block or
+    two layers share one."""
     modules = dict(model.named_modules())
+    encoder = encoder_modules(model)
     found = []
     for name in names:
+        if encoder is None or name in encoder:  # an encoder (or one that cannot be told apart): no split
+            found.append(None)
+            continue
         parts = name.split(".") if name else []
         block = None
         for k in range(len(parts), 0, -1):
@@ -303,7 +342,8 @@ def _blocks(model: nn.Module, names: list[str]) -> list[nn.Module] | None:
         if block is None:
             return None
         found.append(block)
-    if len({id(m) for m in found}) != len(found):
+    split = [id(m) for m in found if m is not None]
+    if len(set(split)) != len(split):
         return None  # two layers in one block: the split point would be ambiguous
     return found
 

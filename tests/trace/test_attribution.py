@@ -131,3 +131,20 @@ def test_a_compiled_model_is_refused_saying_it_is_compiled():
             return model(corrupted)[0, -1, 0].double()
 
     torch.testing.assert_close(got[1, 0], (at(eps) - at(-eps)) / (2 * eps), rtol=1e-5, atol=1e-9)
+
+
+def test_inputs_of_other_shapes_are_refused_as_the_sweep_refuses_them():
+    # the gradient would broadcast a batch of 1 over 2, or one position over 6, into finite numbers
+    model, _, _, corrupted = setup()
+    ids = corrupted["input_ids"]  # (2, 6)
+    for clean, bad, message in (
+            ({"input_ids": ids[:1]}, {"input_ids": ids}, r"same batch size, got 1 and 2"),
+            ({"input_ids": ids[:, :1]}, {"input_ids": ids},
+             r"layer 0 \('transformer.h.0.attn'\) has z of shape \(2, 1, 4, 6\) on the clean input and "
+             r"\(2, 6, 4, 6\) on the corrupted one")):
+        for run in (attribution, head_effects):
+            with pytest.raises(ValueError, match=message):
+                run(model, clean, bad, metric)
+    with pytest.raises(ValueError, match=r"has v of shape \(2, 4, 1, 6\) on the clean input"):  # each head's own
+        attribution(model, {"input_ids": ids[:, :1]}, {"input_ids": ids}, metric, site="v")
+    assert all(layer.tracer is None for _, layer in headwise.interop.layers(model))

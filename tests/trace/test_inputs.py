@@ -141,3 +141,24 @@ def test_bad_inputs_and_metrics_are_refused_in_one_line(call, exc, match, before
         call(model, torch.randn(2, 3, 8))
     assert not calls if before else calls  # argument checks come before any forward
     assert headwise.tracing.find_layers(model)[0][1].tracer is None  # no trace left behind
+
+
+def test_every_call_runs_on_its_own_copy_of_a_cache_even_one_with_gradients():
+    from headwise.tracing.inputs import call
+
+    model = ref.llama("sdpa").double()
+    g = torch.Generator().manual_seed(0)
+    prefix, ids = torch.randint(3, ref.VOCAB, (2, 3), generator=g), torch.randint(3, ref.VOCAB, (2, 2), generator=g)
+    cache = model(input_ids=prefix, use_cache=True).cache  # with gradients on: its states are autograd's
+    keys = [layer.keys.detach().clone() for layer in cache.layers]
+    # the reference: the whole sequence in one forward, no cache
+    want = model(input_ids=torch.cat([prefix, ids], 1)).logits[:, 3:]
+    for _ in range(2):  # the second call sees the prefix alone too, not the first call's positions
+        out = call(model, {"input_ids": ids, "cache": cache})
+        torch.testing.assert_close(out.logits, want)
+    assert cache.get_seq_length() == 3
+    for layer, before in zip(cache.layers, keys):
+        torch.testing.assert_close(layer.keys, before, rtol=0, atol=0)
+    out.logits.sum().backward()  # the copy keeps the gradient path through the prefix's states
+    only = [t for t in prefix.flatten().tolist() if t not in ids.flatten().tolist()]  # reaches out via the cache
+    assert only and model.model.embed_tokens.weight.grad[only].abs().sum(1).min() > 0

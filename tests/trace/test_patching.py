@@ -4,13 +4,16 @@ in float64 from hooks, and (its norm scale frozen) adds up with the rest of the 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import headwise
 from headwise import MultiHeadAttention
-from headwise.patching import direct_effects, final_norm, head_effects, logit_direction
+from headwise.patching import attribution, direct_effects, final_norm, head_effects, logit_direction
 from headwise.tracing import find_layers
+from headwise.tracing.inputs import repeat
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,6 +156,104 @@ def test_sweep_refuses_bad_input():
         head_effects(model, x, x, lambda y: y)
     with pytest.raises(ValueError, match="batch_heads"):
         head_effects(model, x, x, lambda y: y.sum(), batch_heads=0)
+
+
+def _t5():
+    cfg = transformers.T5Config(vocab_size=40, d_model=24, d_kv=6, d_ff=32, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(cfg).double().eval()
+
+
+def _w_o_run(plain, w_o, kw, edit=None, h=4):
+    """The unpatched ``plain`` run with pre-hooks on the W_O modules ``w_o`` of ``h`` heads: (output, z per layer
+    (b, s, h, d_h)); ``edit`` (layer, head, slice) puts the slice into that head's part of W_O's input."""
+    zs = {}
+
+    def hook(li):
+        def pre(module, args):
+            z = args[0].unflatten(-1, (h, -1)).clone()  # (b, s, h, d_h)
+            if edit is not None and edit[0] == li:
+                z[:, :, edit[1]] = edit[2]
+            zs[li] = z
+            return (z.flatten(2),)
+        return pre
+
+    handles = [mod.register_forward_pre_hook(hook(li)) for li, mod in enumerate(w_o)]
+    try:
+        with torch.no_grad():
+            out = plain(**kw)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, zs
+
+
+@pytest.mark.parametrize("batch_heads", [None, 5])
+def test_sweep_of_an_encoder_decoder_with_padding_equals_the_brute_force_loop(batch_heads):
+    model = _t5()
+    plain = ref.twin(model)
+    patch(model)
+    names = [name for name, _ in headwise.interop.layers(model)]
+    w_o = [plain.get_submodule(name).o for name in names]  # encoder self, decoder self and cross attentions
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0  # the encoder's padding, which the decoder's cross-attention reads at batch b
+    dec = torch.randint(3, 40, (2, 4), generator=g)
+    clean, corrupted = ({"input_ids": torch.randint(3, 40, (2, 6), generator=g), "attention_mask": mask,
+                         "decoder_input_ids": dec} for _ in range(2))
+    _, clean_z = _w_o_run(plain, w_o, clean)
+    base = lm_metric(_w_o_run(plain, w_o, corrupted)[0])
+    want = torch.empty(len(names), 4, dtype=torch.float64)
+    for li in range(len(names)):
+        for i in range(4):
+            want[li, i] = lm_metric(_w_o_run(plain, w_o, corrupted, (li, i, clean_z[li][:, :, i]))[0]) - base
+    got = head_effects(model, clean, corrupted, lm_metric, batch_heads=batch_heads)  # share_prefix by default
+    torch.testing.assert_close(got, want)
+    assert want.abs().max() > 1e-3
+
+
+def test_a_cache_in_the_inputs_is_copied_for_every_run():
+    model = ref.llama("sdpa").double()
+    plain = ref.twin(model)
+    patch(model)
+    g = torch.Generator().manual_seed(0)
+    prefix, ids_clean, ids_bad = (torch.randint(3, 40, (2, 3), generator=g) for _ in range(3))
+    with torch.no_grad():
+        cache = plain(input_ids=prefix, use_cache=True).cache
+    kept = copy.deepcopy(cache)
+    clean, corrupted = {"input_ids": ids_clean, "cache": cache}, {"input_ids": ids_bad, "cache": cache}
+
+    def fresh(kw):  # the reference: every run of the unpatched model starts from its own copy of the prefix
+        return {**kw, "cache": copy.deepcopy(kept)}
+
+    w_o = ref.w_o_modules(plain)
+    _, clean_z = _w_o_run(plain, w_o, fresh(clean), h=6)
+    base = lm_metric(_w_o_run(plain, w_o, fresh(corrupted), h=6)[0])
+    want = torch.empty(2, 6, dtype=torch.float64)
+    for li in range(2):
+        for i in range(6):
+            edit = (li, i, clean_z[li][:, :, i])
+            want[li, i] = lm_metric(_w_o_run(plain, w_o, fresh(corrupted), edit, h=6)[0]) - base
+    torch.testing.assert_close(head_effects(model, clean, corrupted, lm_metric), want)
+    # attribution: sum((z_clean - z_bad) * d metric / d z_bad) per head, by autograd through the unpatched model
+    zs = []
+    handles = [mod.register_forward_pre_hook(lambda m, a: zs.append(a[0])) for mod in w_o]
+    value = lm_metric(plain(**fresh(corrupted)))
+    for handle in handles:
+        handle.remove()
+    grads = torch.autograd.grad(value, zs)
+    est = torch.stack([((clean_z[li] - zs[li].detach().unflatten(-1, (6, -1))) * grads[li].unflatten(-1, (6, -1)))
+                       .sum((0, 1, 3)) for li in range(2)])  # (L, h)
+    torch.testing.assert_close(attribution(model, clean, corrupted, lm_metric), est)
+    direct_effects(model, corrupted, logit_direction(model, 7, 11), norm=final_norm(model))
+    # the caller's cache is as it was: three positions, the same keys and values
+    assert cache.get_seq_length() == 3
+    for mine, theirs in zip(cache.layers, kept.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=0)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="'cache' is a transformers Cache"):
+        repeat(corrupted, 2)
 
 
 # -- direct attribution --------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@ capture is the tensor the forward used, after every edit, so with autograd on it
 * ``"pattern"`` (b, h, s_q, s_kv): every head's probabilities. Only this capture (and a pattern edit)
   materialises them: those layers run the eager path (``Trace.materializes_probabilities`` names them).
 * ``"z"`` (b, s_q, h, d_h): each head's context (what W_O reads).
-* ``"result"`` (b, s_q, h, d): each head's write into the residual stream, ``z_h @ W_O^h``, one batched
-  GEMM over the heads; a bare layer's output is then their sum plus W_O's bias (no second W_O product).
+* ``"result"`` (b, s_q, h, d): each head's write through W_O, ``z_h @ W_O^h``, one batched GEMM over the
+  heads; a bare layer's output is then their sum plus W_O's bias (no second W_O product). Most models add it
+  to the residual stream as it is; those that normalise the attention output first (Gemma2, Gemma3, OLMo2)
+  add that norm's output.
   Refused while an adapter (PEFT) wraps W_O, whose delta its weight lacks.
 
 Shapes:

@@ -1,7 +1,10 @@
 """Model inputs as users have them, and the metrics that read a run: what every sweep, score and picture shares.
 
 * :func:`call`: ``model(inputs)`` for a tensor, ``model(*inputs)`` for a tuple or list of positional inputs,
-  ``model(**inputs)`` for any ``Mapping`` of keyword inputs (a ``dict``, a tokenizer's ``BatchEncoding``).
+  ``model(**inputs)`` for any ``Mapping`` of keyword inputs (a ``dict``, a tokenizer's ``BatchEncoding``). A
+  transformers ``Cache`` among the inputs (a prefix's ``cache`` / ``past_key_values``) grows in place as the model
+  runs, so each call runs on its own copy (:func:`caches`): every run sees the inputs as given, and the caller's
+  cache never changes.
 * :func:`batch_size` / :func:`repeat`: the batch on dim 0 of every tensor input, and ``n`` copies of it.
 * :func:`metric_of`: a metric is ``metric(output)`` or ``metric(output, inputs)`` (the inputs of that run,
   as given: e.g. the attention mask for mean pooling over real tokens).
@@ -24,14 +27,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["call", "batch_size", "tensors_of", "repeat", "check_inputs", "metric_of", "differentiable", "eval_mode", "token_ids"]
+__all__ = ["call", "batch_size", "tensors_of", "repeat", "caches", "check_inputs", "metric_of", "differentiable",
+           "eval_mode", "token_ids"]
 
 
 def check_inputs(inputs: Any, what: str) -> None:
@@ -48,8 +54,69 @@ def check_inputs(inputs: Any, what: str) -> None:
                             f"{type(bad[0]).__name__} key {bad[0]!r}")
 
 
+def caches(inputs: Any) -> list[str]:
+    """Where ``inputs`` hold a transformers ``Cache`` (state the model grows in place): the keyword names, or
+    ``"#i"`` for positional inputs; empty for none.
+
+    Example:
+        >>> caches({"input_ids": torch.ones(1, 3, dtype=torch.long)})
+        []
+    """
+    utils = sys.modules.get("transformers.cache_utils")  # a Cache exists only once transformers is imported
+    kind = getattr(utils, "Cache", None)
+    if kind is None:
+        return []
+    if isinstance(inputs, Mapping):
+        return [k for k, v in inputs.items() if isinstance(v, kind)]
+    if isinstance(inputs, (tuple, list)):
+        return [f"#{i}" for i, v in enumerate(inputs) if isinstance(v, kind)]
+    return ["#0"] if isinstance(inputs, kind) else []
+
+
+def _copy_cache(cache: Any) -> Any:
+    """A deep copy of a transformers ``Cache``. A tensor that autograd computed (a prefix run with gradients on)
+    cannot be deep-copied, so it is cloned: the copy's states keep their gradient path to the prefix."""
+    memo: dict[int, Any] = {}
+    todo, seen = [cache], set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None:
+                memo[id(obj)] = obj.clone()
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif type(obj).__module__.startswith("transformers.") and hasattr(obj, "__dict__") \
+                and not isinstance(obj, nn.Module):
+            todo.extend(vars(obj).values())  # the cache and its layers, never a model
+    return copy.deepcopy(cache, memo)
+
+
+def _own_caches(inputs: Any) -> Any:
+    """``inputs`` with a deep copy in place of every transformers ``Cache`` (the caller's is never grown)."""
+    if not caches(inputs):
+        return inputs
+    kind = sys.modules["transformers.cache_utils"].Cache
+
+    def own(v: Any) -> Any:
+        return _copy_cache(v) if isinstance(v, kind) else v
+
+    if isinstance(inputs, Mapping):
+        return {k: own(v) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(own(v) for v in inputs)
+    return own(inputs)
+
+
 def call(model: Callable[..., Any], inputs: Any) -> Any:
-    """``model`` run on ``inputs``: keyword inputs from any Mapping, positional ones from a tuple or list."""
+    """``model`` run on ``inputs``: keyword inputs from any Mapping, positional ones from a tuple or list; a
+    transformers ``Cache`` among them is deep-copied first, so that the run neither sees an earlier run's
+    positions in it nor adds its own to the caller's."""
+    inputs = _own_caches(inputs)
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -79,11 +146,17 @@ def batch_size(inputs: Any, what: str) -> int:
 
 def repeat(inputs: Any, n: int) -> Any:
     """``n`` copies of the batch, copy-major (rows ``j * b .. (j + 1) * b`` are copy ``j``); a Mapping becomes a
-    plain dict of the same keys, non-tensor values are shared.
+    plain dict of the same keys, non-tensor values are shared. A transformers ``Cache`` holds batch b, which
+    ``n > 1`` copies cannot share: refused (ValueError).
 
     Shapes:
         every tensor (b, ...) -> (n * b, ...)
     """
+    held = caches(inputs) if n > 1 else []
+    if held:
+        raise ValueError(f"repeat: the input {held[0]!r} is a transformers Cache of the inputs' batch, which {n} "
+                         "copies of the batch cannot share; run the copies one at a time")
+
     def rep(t: Any) -> Any:
         return t.repeat(n, *([1] * (t.dim() - 1))) if isinstance(t, torch.Tensor) and t.dim() > 0 else t
 

@@ -1,4 +1,5 @@
-"""The layers a trace addresses (:func:`find_layers`) and every head's write (:func:`head_results`).
+"""The layers a trace addresses (:func:`find_layers`), an encoder-decoder's encoder (:func:`encoder_modules`) and
+every head's write (:func:`head_results`).
 
 Shapes:
     b: batch, s: sequence, h: query heads, d: model width, d_h: head width.
@@ -14,7 +15,7 @@ from torch import nn
 from ..attention import MultiHeadAttention
 from ..module_calls import adapter_base
 
-__all__ = ["find_layers", "in_place", "head_results", "w_o_adapter"]
+__all__ = ["find_layers", "in_place", "encoder_modules", "head_results", "w_o_adapter"]
 
 
 def find_layers(module: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
@@ -77,8 +78,27 @@ def in_place(module: nn.Module, name: str, layer: MultiHeadAttention) -> bool:
     return here is layer or getattr(here, "attn", None) is layer
 
 
+def encoder_modules(model: nn.Module) -> set[str] | None:
+    """The names of the modules inside an encoder-decoder model's encoder (``config.is_encoder_decoder``): empty
+    for any other model, None for one without a ``get_encoder()`` module (where its encoder is is unknown).
+
+    Example:
+        >>> import headwise
+        >>> encoder_modules(torch.nn.Sequential(headwise.MultiHeadAttention(8, 2)))
+        set()
+    """
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return set()
+    encoder = model.get_encoder() if callable(getattr(model, "get_encoder", None)) else None
+    if not isinstance(encoder, nn.Module):
+        return None
+    inside = {id(m) for m in encoder.modules()}
+    return {name for name, m in model.named_modules() if id(m) in inside}
+
+
 def head_results(z: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
-    """Each head's write into the residual stream, ``z_h @ W_O^h``, as h GEMMs (one ``bmm``).
+    """Each head's write through W_O, ``z_h @ W_O^h`` (its write into the residual stream unless the model
+    normalises the attention output before the residual add, as Gemma2 does), as h GEMMs (one ``bmm``).
 
     Shapes:
         z: (b, h, s, d_h); w_o: (d, h * d_h) (``out_proj.weight``) -> (b, s, h, d)

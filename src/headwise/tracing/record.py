@@ -138,6 +138,15 @@ class LayerRecord:
         if not self.calls:
             raise ValueError(f"layer {self.index} ({self.name!r}) was not called inside the trace")
 
+    def require_one_call(self, what: str) -> None:
+        """Refuse (ValueError naming ``what``, the layer and its calls) a layer that ran more than once in one
+        forward: one module shared by several blocks (ALBERT's layer, ``nn.Sequential([attn] * 3))``), whose
+        calls a per-layer sweep or attribution would join along the positions as if they were one."""
+        if len(self.calls) > 1:
+            raise ValueError(f"{what}: layer {self.index} ({self.name!r}) ran {len(self.calls)} times in one forward "
+                             "(one module shared by several blocks, as in ALBERT), so its heads are not one site "
+                             f"each: trace the model and read each call's own tensors, t[{self.index}].calls[i]")
+
     def get(self, what: str) -> torch.Tensor:
         """The captured ``what`` (one of :data:`CAPTURABLE`)."""
         self._require(what)
@@ -166,7 +175,8 @@ class LayerRecord:
     v = property(lambda self: self.get("v"), doc="Values (b, h_kv, s, d_h).")
     pattern = property(lambda self: self.get("pattern"), doc="Probabilities (b, h, s_q, s_kv).")
     z = property(lambda self: self.get("z"), doc="Per-head context after edits (b, s_q, h, d_h).")
-    result = property(lambda self: self.get("result"), doc="Per-head residual writes (b, s_q, h, d).")
+    result = property(lambda self: self.get("result"), doc="Per-head writes through W_O, z_h @ W_O^h (b, s_q, h, d): "
+                      "what enters the residual stream unless the model normalises the attention output first.")
     lse = property(lambda self: self.get("lse"), doc="Each row's log-sum-exp of its scores, sinks included "
                    "(b, h, s_q); -inf where a row may read nothing.")
     entropy = property(lambda self: self.get("entropy"), doc="Each row's entropy over its keys, natural log "
