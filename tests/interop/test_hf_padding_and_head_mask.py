@@ -212,8 +212,16 @@ def test_bad_or_ambiguous_head_masks_are_refused_in_one_line_before_the_cache_ch
     with pytest.raises(ValueError, match=r"^BartForConditionalGeneration: head_mask is not supported on an "
                                          r"encoder-decoder model"):
         bart(input_ids=IDS, head_mask=torch.ones(4))
-    with pytest.raises(ValueError, match="decoder_head_mask is not supported"):
-        bart(input_ids=IDS, decoder_head_mask=torch.ones(4))
+    for name in ("decoder_head_mask", "cross_attn_head_mask"):
+        with pytest.raises(ValueError, match=rf"^BartForConditionalGeneration: {name} is not supported on an "
+                                             r"encoder-decoder model"):
+            bart(input_ids=IDS, **{name: torch.ones(4)})
+        # A decoder-only model has no decoder or cross-attention stack to give them to: the message says so.
+        with pytest.raises(ValueError, match=rf"^LlamaForCausalLM: {name} is for an encoder-decoder model, and "
+                                             r"LlamaForCausalLM is not one \(config\.is_encoder_decoder=False\); "
+                                             r"pass head_mask of shape \(h,\) or \(L, h\)"), torch.no_grad():
+            model(**step, **{name: torch.ones(4)})
+        assert [c.shape[2] for c in (layer.keys for layer in cache.layers)] == [length, length]  # untouched
     unpatch(model)
     with torch.no_grad():  # unpatched: transformers' own behaviour (it ignores head_mask) is back
         model(input_ids=IDS, head_mask=torch.ones(3))

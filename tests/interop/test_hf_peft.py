@@ -23,9 +23,9 @@ NO_DROPOUT = {"bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob
               "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
 
 
-def lora(model: torch.nn.Module, family: str) -> torch.nn.Module:
+def lora(model: torch.nn.Module, family: str, targets: list[str] | None = None) -> torch.nn.Module:
     # init_lora_weights=False: B is random too, so the adapter changes outputs and both A and B get gradients.
-    cfg = peft.LoraConfig(target_modules=LORA_TARGETS[family], r=2, lora_alpha=4, lora_dropout=0.0,
+    cfg = peft.LoraConfig(target_modules=targets or LORA_TARGETS[family], r=2, lora_alpha=4, lora_dropout=0.0,
                           init_lora_weights=False, fan_in_fan_out=family == "gpt2")
     torch.manual_seed(11)
     return peft.get_peft_model(model, cfg)
@@ -108,3 +108,33 @@ def test_unpatch_restores_the_model_whichever_peft_wrapper_it_is_given(order):
     torch.testing.assert_close(output(model, batch), output(want, batch))
     bad = torch.ones(3, 1)  # an unpatched model ignores head_mask; the patch's check must be gone with it
     torch.testing.assert_close(output(model, {**batch, "head_mask": bad}), output(want, {**batch, "head_mask": bad}))
+
+
+def test_a_gpt2_layer_called_alone_applies_a_lora_or_refuses_it_on_the_fused_qkv():
+    # attn(x) projects Q/K/V with row views of c_attn's base weight, so a LoRA (or a hook) on c_attn, which only the
+    # module's forward calls, is refused rather than dropped; c_proj is called as a module, so its LoRA applies.
+    base = build("gpt2", **NO_DROPOUT["gpt2"])
+    x = torch.randn(2, 5, 21, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        bare = base.transformer.h[0].attn(x)[0]
+    for targets in (["c_attn"], ["attn.c_proj"], ["c_attn", "attn.c_proj"]):
+        plain = lora(copy.deepcopy(base), "gpt2", targets).base_model.model.transformer.h[0].attn
+        ours = lora(patch(copy.deepcopy(base)), "gpt2", targets).base_model.model.transformer.h[0].attn
+        with torch.no_grad():
+            want = plain(x)[0]
+            assert not torch.allclose(want, bare)  # the adapter is active
+            torch.testing.assert_close(ours(x)[0], want)  # the patched module's forward runs it
+            if "c_attn" in targets:
+                with pytest.raises(TypeError, match=r"transformer\.h\.0\.attn: its fused c_attn is wrapped by an "
+                                                    r"adapter \(peft\.tuners\.lora\.layer\.Linear\)"):
+                    ours.attn(x, causal=True)
+            else:
+                torch.testing.assert_close(ours.attn(x, causal=True), want)
+    model = patch(copy.deepcopy(base))
+    module = model.transformer.h[0].attn
+    handle = module.c_attn.register_forward_hook(lambda mod, args, out: 2 * out)
+    with pytest.raises(TypeError, match="its fused c_attn has forward hooks"), torch.no_grad():
+        module.attn(x, causal=True)
+    handle.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(module.attn(x, causal=True), bare)

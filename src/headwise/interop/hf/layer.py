@@ -12,7 +12,7 @@ it. What the layer knows of the module comes from the family's registry entry
   W_O located; where they are not, reading them raises ``ValueError`` saying why (CodeGen's sharded ``qkv_proj``);
 * ``attn.rotary`` and per-head QK-norm follow the entry (Llama-style rope, Qwen3's ``q_norm`` / ``k_norm``), so a
   head run alone computes what it computes in the module; the layer's own forward (``attn(x)``) runs only where
-  the entry says the module is nothing more (``standalone``);
+  the entry says the module is nothing more (``standalone``) and no adapter or hook on a fused Q/K/V adds to it;
 * multi-head latent attention (an entry with ``latent``): ``attn.head(i)`` is a
   :class:`~headwise.interop.hf.latent.LatentHead`.
 
@@ -241,13 +241,17 @@ class HFView(SurgerySeam, LayerView):
                 "patched (set_attn_implementation); call headwise.interop.patch(model) again")
 
     def standalone_refusal(self) -> str:
-        """Why this layer cannot compute its module's attention on its own ("" when it can)."""
+        """Why this layer cannot compute its module's attention on its own ("" when it can): the entry is not
+        standalone, a projection is not located, or a fused Q/K/V module computes more than its rows' weights (a
+        PEFT adapter, hooks: :meth:`~headwise.interop.hf.locate.Projection.beyond_view`)."""
         where = self._hw_name or type(self.host).__name__
         if not self.entry.standalone:
             return (f"{where}: {type(self.host).__name__}'s attention is more than projections, rotary and a "
                     "softmax as far as headwise.interop.hf.registry knows (its entry is not standalone)")
         why = self._hw_found.why() or self._hw_odd or (_per_head_norms(self.host, self.entry, self.d_head)
                                                        if self.entry.qk_norm else "")
+        # A fused Q/K/V's rows are read off its weight: an adapter or hook on it runs in the module's forward only.
+        why = why or next((b for p in self._hw_found.where.values() if (b := p.beyond_view())), "")
         return f"{where}: {why}" if why else ""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...module_calls import adapter_base
+from ...module_calls import adapter_base, has_own_forward_hooks
 from ..views import HostRef, ProjectionView
 from .registry import Entry
 
@@ -87,6 +87,10 @@ class Projection:
     def view(self) -> Any:
         return ProjectionView(self.weight, self.bias, what=self.what)
 
+    def beyond_view(self) -> str:
+        """Why calling :meth:`module` computes more than calling :meth:`view` ("" where it does not)."""
+        return ""
+
 
 class Whole(Projection):
     """A whole projection module at ``path`` below ``owner`` (looked up on every call: it may be replaced).
@@ -148,6 +152,26 @@ class Rows(Projection):
 
     def module(self) -> nn.Module:
         return getattr(self.host, self.name)
+
+    def beyond_view(self) -> str:
+        """Why calling the fused module computes more than its rows' ``F.linear`` (what :meth:`view` computes; ""
+        where it does not): an adapter wrapping it (its delta is not in the base weight), a forward set on the
+        instance, its own forward hooks, or a class other than ``nn.Linear`` / ``Conv1D``. The module's forward
+        calls the fused module; a view of its rows cannot, so a caller computing with the view refuses these."""
+        from transformers.pytorch_utils import Conv1D
+
+        m = self.module()
+        kind = f"{type(m).__module__}.{type(m).__qualname__}"
+        if adapter_base(m) is not None:
+            return (f"its fused {self.name} is wrapped by an adapter ({kind}), whose delta is not in the base weight "
+                    "the layer's Q/K/V rows read (merge_and_unload() first)")
+        if "forward" in vars(m):
+            return f"its fused {self.name} has a forward set on the instance, which the layer's Q/K/V rows skip"
+        if has_own_forward_hooks(m):
+            return f"its fused {self.name} has forward hooks, which the layer's Q/K/V rows skip"
+        if type(m) not in (nn.Linear, Conv1D):
+            return f"its fused {self.name} is a {kind}, not an nn.Linear or Conv1D whose rows the layer can apply"
+        return ""
 
     def _rows(self, t: torch.Tensor, conv: bool) -> torch.Tensor:
         """This projection's part of the fused weight (as ``(out, in)``) or bias."""

@@ -135,7 +135,13 @@ def check_head_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
     where = type(model).__name__
     other = [n for n in _OTHER_MASKS if kwargs.get(n) is not None]
     head_mask = kwargs.get("head_mask")
-    if other or (head_mask is not None and getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
+    encoder_decoder = (other or head_mask is not None) and getattr(getattr(model, "config", None),
+                                                                   "is_encoder_decoder", False)
+    if other and not encoder_decoder:  # a decoder's or cross-attention's mask, given to a model with neither
+        raise ValueError(f"{where}: {other[0]} is for an encoder-decoder model, and {where} is not one "
+                         "(config.is_encoder_decoder=False); pass head_mask of shape (h,) or (L, h), or edit heads "
+                         "with headwise.trace(model, edit={(layer, head): 0.0})")
+    if other or (head_mask is not None and encoder_decoder):
         raise ValueError(f"{where}: {other[0] if other else 'head_mask'} is not supported on an encoder-decoder model "
                          "(transformers 5 hands one mask to every stack); edit heads with "
                          "headwise.trace(model, edit={(layer, head): 0.0})")
