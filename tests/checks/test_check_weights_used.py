@@ -138,3 +138,17 @@ def test_a_correct_layer_whose_w_o_is_called_functionally_is_not_failed():
     assert "out_proj never ran as a module" in report["head_independence"].detail
     assert "raised" not in report["head_independence"].detail
     assert "contexts not compared" in report["softmax_sanity"].detail
+
+
+def test_an_adapter_exposing_heads_but_no_values_says_the_contexts_were_not_compared():
+    from headwise.checks import ModuleAdapter
+
+    class NoValues(ModuleAdapter):
+        def values(self, x):
+            return None
+
+    torch.manual_seed(0)
+    report = check(NoValues(FastPathOtherScale()))
+    assert "contexts not compared with the weights (the adapter exposes no values)" in \
+        report["softmax_sanity"].detail, str(report)
+

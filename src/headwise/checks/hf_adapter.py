@@ -10,9 +10,10 @@ implementation's mask function builds (bool, True = may attend, for ``"headwise"
 ``finfo.min`` for ``"eager"``; with the layer's sliding window or Llama 4 chunk), the rotary
 ``(cos, sin)`` from the family's own rotary class (with the layer's type where it takes one: Gemma 3),
 ``position_ids`` / ``cache_position`` where it takes them, and the library's ``DynamicCache`` for the decode path.
-Attention weights, and the q / k the scores see, are read at the seam: for one call the module's implementation is
-a thin wrapper (registered in the local mapping of the interface its family's forward reads, removed afterwards)
-around the family's eager function, or around headwise's when the module runs headwise (patched). A scale the
+Attention weights, the q / k the scores see and the values the contexts read are read at the seam: for one call
+the module's implementation is a thin wrapper (registered in the local mapping of the interface its family's forward
+reads, removed afterwards) around the family's eager function, or around headwise's when the module runs headwise
+(patched). A scale the
 module folds into q or k before the call is found and counted in; the scale and softcap the family declares in its
 config are what the scores are checked against (:func:`~headwise.checks.hf_module.declared`).
 
@@ -22,7 +23,8 @@ sharded ``qkv_proj``), head independence is not applicable and says why.
 
 Shapes:
     b: batch, s: tokens, d: model width, h: query heads, h_kv: key/value heads, d_h: value head width,
-    d_qk: query/key head width. run: x (b, s, d) -> (b, s, d); weights (b, h, s, s); contexts (b, h, s, d_h).
+    d_qk: query/key head width. run: x (b, s, d) -> (b, s, d); weights (b, h, s, s); values (b, h_kv, s, d_h);
+    contexts (b, h, s, d_h); position_bias (1, h, s, s).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from torch import nn
 from ..interop.hf import HFView
 from ..interop.hf.attention_function import NAME as HEADWISE
 from ..interop.hf.layer import family_entry, view_of
-from .adapters import Adapter, capture_input, check_rotary_scaling, copy_adapter, split
+from .adapters import Adapter, NotExposed, capture_input, check_rotary_scaling, copy_adapter, split
 from .hf_module import CACHE_KW, MASK_KW, attention_of, chunk_of, cross_reason, declared, folded_scale, hf_class, \
-    keywords, sliding_window_of
+    keywords, relative_bias, sliding_window_of
 
 __all__ = ["HFAdapter"]
 
@@ -225,7 +227,7 @@ class HFAdapter(Adapter):
 
     @contextlib.contextmanager
     def _seam(self, *, weights: bool) -> Iterator[list[tuple[torch.Tensor, ...]]]:
-        """For one call, route the module's attention through a wrapper that records (q, k, weights)."""
+        """For one call, route the module's attention through a wrapper that records (q, k, weights, v)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as shared
 
         family = sys.modules[hf_class(self.attention).__module__]
@@ -242,7 +244,7 @@ class HFAdapter(Adapter):
             if impl == HEADWISE and weights:
                 kwargs["output_attentions"] = True
             z, w = base(module, query, key, value, attention_mask, **kwargs)
-            got.append((query, key, w))
+            got.append((query, key, w, value))
             return z, w
 
         old = self.config._attn_implementation
@@ -314,6 +316,32 @@ class HFAdapter(Adapter):
             folded = 1.0 if found == 1.0 else found / rotary
             return t if abs(folded - 1) < 1e-4 else t / folded
         return unfolded(q), unfolded(k)
+
+    def values(self, x):  # type: ignore[no-untyped-def]
+        """The values the attention function receives at the seam (after whatever the module does to them: its
+        projection, a value norm), in the call :meth:`contexts` makes: ``x`` unpadded, causal as the module claims.
+        None where heads are not exposed; :class:`~headwise.checks.adapters.NotExposed` saying why where the call
+        hands the function no per-K/V-head values."""
+        if not self.exposes_heads:
+            return None
+        b, s, _ = x.shape
+        pos = torch.arange(s, device=x.device)
+        with self._seam(weights=False) as got:
+            self._forward(x, self._mask(b, pos, pos, None, self.causal_flag(None), x.dtype, x.device))
+        if not got:
+            raise NotExposed(f"{self.name} never called its attention function, so its values were not seen")
+        v = got[-1][3]
+        want = (b, self.n_kv_heads, s, self.d_head)  # (b, h_kv, s, d_h)
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != want:
+            seen = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise NotExposed(f"{self.name} handed its attention function values of shape {seen}, not (b, h_kv, s, "
+                             f"d_h) = {want}")
+        return v
+
+    def position_bias(self, s):  # type: ignore[no-untyped-def]
+        """The T5 family's relative position bias of the attention module itself (not of a block holding it), or
+        None."""
+        return relative_bias(self.attention, s)
 
     def contexts(self, x, *, causal=None):  # type: ignore[no-untyped-def]
         if self.out is None:  # W_O is applied by the parent: the module's output is the merged contexts

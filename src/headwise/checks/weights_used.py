@@ -53,17 +53,18 @@ def contexts_follow_weights(p: Probe) -> tuple[Problem | None, str]:
     """``(problem, note)``: each head's context in the layer's normal call against its returned weights times its
     values, both on the check's input without padding. A query head is compared with its own K/V head
     (``h // (h / h_kv)``) first and another only where its own does not match: which K/V head a query head reads is
-    head_independence's business. Where the adapter exposes no values or contexts the note says so.
+    head_independence's business. Where the adapter exposes no values or contexts (``values`` returns None, or it
+    or ``contexts`` raises :class:`NotExposed`) the note says so and why.
 
     The tolerance is 10 * rtol of the values' scale: a context is a convex combination of values, so rounding
     of the weights moves it by at most a few of their ulps times the largest value."""
     a = p.adapter
     if not a.exposes_heads:
         return None, ""
-    v = a.values(p.x)
-    if v is None:
-        return None, ""
     try:
+        v = a.values(p.x)
+        if v is None:
+            return None, "; contexts not compared with the weights (the adapter exposes no values)"
         c = a.contexts(p.x)
     except NotExposed as exc:
         return None, f"; contexts not compared with the weights ({exc})"
