@@ -30,8 +30,8 @@ from torch import nn
 from ..module_calls import adapter_base
 from .weights import HeadWeights, as_projections
 
-__all__ = ["is_view", "has_seam", "apply", "refusal", "rebuilds", "config_update", "quiet", "patch_root",
-           "transformers_model", "StaleView", "retire", "reattach"]
+__all__ = ["is_view", "has_seam", "apply", "refusal", "prompt_refusal", "rebuilds", "config_update", "quiet",
+           "patch_root", "transformers_model", "StaleView", "retire", "reattach"]
 
 
 def is_view(layer: Any) -> bool:
@@ -66,6 +66,70 @@ def refusal(layers: Sequence[tuple[str, Any]], new: Mapping[int, HeadWeights], w
             listed = ", ".join(f"{n!r} (h, h_kv, d_h) = {c}" for c, n in seen.items())
             return (f"{what}: these modules read their head counts from the model's shared config, so every layer "
                     f"must keep the same counts; this change leaves {listed}")
+    return ""
+
+
+# PEFT's prompt-learning methods that only prepend input embeddings: nothing they hold depends on the heads. The
+# others (prefix tuning, cartridges, any newer one) hand every layer keys and values of its K/V heads.
+_EMBEDDING_PROMPTS = frozenset({"PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING", "CPT"})
+
+
+def _kv_prompts(model: nn.Module, hosts: set[int]) -> list[tuple[str, nn.Module, str, str]]:
+    """``(path, wrapper, adapter, type)`` of the PEFT adapters in ``model`` (itself or any module in it) that wrap
+    one of the modules ``hosts`` (ids) and supply keys and values to its layers (prompt learning that is not
+    :data:`_EMBEDDING_PROMPTS`)."""
+    found = []
+    for path, m in model.named_modules():
+        configs = getattr(m, "peft_config", None)
+        if not isinstance(configs, Mapping) or not hosts & {id(x) for x in m.modules()}:
+            continue
+        for adapter, cfg in configs.items():
+            kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", None)))
+            if getattr(cfg, "is_prompt_learning", False) is True and kind not in _EMBEDDING_PROMPTS:
+                found.append((path, m, adapter, kind))
+    return found
+
+
+def _kv_kept(view: Any, hw: HeadWeights) -> bool:
+    """Whether ``hw`` leaves the K/V heads of ``view``'s layer as they are: their count and width, each query head
+    reading the K/V head (old index ``heads_from[i] // g``) of the same position, and the same K/V weights."""
+    h, h_kv, d_h = view.head_params()
+    if (hw.n_kv_heads, hw.d_head) != (h_kv, d_h):
+        return False
+    src = hw.heads_from if hw.heads_from is not None else range(hw.n_heads)
+    if any(s // (h // h_kv) != i // hw.group_size for i, s in enumerate(src)):
+        return False
+    old = [getattr(view, p).weight for p in ("k_proj", "v_proj")]  # (h_kv * d_h, d)
+    old += [getattr(view, p).bias for p in ("k_proj", "v_proj")]
+    new = [hw.k_w, hw.v_w, hw.k_b, hw.v_b]
+    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(old, new))
+
+
+def prompt_refusal(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int, HeadWeights],
+                   what: str) -> str:
+    """Why ``new`` cannot be written under a PEFT prefix (``""`` if it can): a prefix-tuning adapter (any prompt
+    learning that is not input embeddings alone) holds, for every layer, keys and values of the K/V heads it
+    has now, and the model prepends them to the layer's own. A change to any layer's K/V heads (count, width, or
+    which of them a query head reads) would make every later forward fail on the shapes or pair the prefix with
+    other heads; query heads alone may go."""
+    found = _kv_prompts(model, {id(layers[i][1].host) for i in new})
+    if not found:
+        return ""
+    path, wrapper, adapter, kind = found[0]
+    for i, hw in new.items():
+        name, view = layers[i]
+        if _kv_kept(view, hw):
+            continue
+        _, h_kv, d_h = view.head_params()
+        at = f" at {path!r}" if path else ""
+        return (f"{what}: {type(wrapper).__name__}{at} holds a {kind} adapter ({adapter!r}) whose prompt encoder "
+                f"gives every layer keys and values for its K/V heads as they are now ({h_kv} of width {d_h} at "
+                f"{name!r}); this change makes that layer's K/V heads (h_kv, d_h) = ({hw.n_kv_heads}, "
+                f"{hw.d_head}), or pools or moves them, so the prefix would no longer fit. Expected a change that "
+                "keeps every layer's K/V heads (prune the same number of query heads from each K/V group), or "
+                f"drop the {kind} adapter first (run the surgery on get_base_model(), then train a new prefix); "
+                "a prefix cannot be merged into the weights")
     return ""
 
 
@@ -226,7 +290,7 @@ def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int,
     if seamless:
         raise TypeError(f"{what}: {seamless} are views of modules surgery does not know how to resize (no "
                         "write_heads)")
-    why = refusal(layers, new, what)
+    why = refusal(layers, new, what) or prompt_refusal(model, layers, new, what)
     if why:
         raise ValueError(why)
     root = patch_root(model, layers, what)

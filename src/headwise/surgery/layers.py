@@ -29,17 +29,41 @@ from .weights import HeadWeights
 __all__ = ["Target", "read", "new_layer", "take_hooks"]
 
 
-def read(layer: MultiHeadAttention) -> HeadWeights:
-    """The layer's current weights (detached; views, no copy) as :class:`HeadWeights`."""
+def _wrapped(module: Any) -> nn.Module | None:
+    """The layer a PEFT wrapper computes around: its ``base_layer`` (LoRA and the other tuners: a delta on top) or
+    its ``original_module`` (``modules_to_save``: a trained copy per adapter beside it); None for a plain module."""
+    base = adapter_base(module)
+    if base is not None:
+        return base
+    original = getattr(module, "original_module", None)
+    return original if isinstance(original, nn.Module) else None
+
+
+def read(layer: MultiHeadAttention, name: str = "") -> HeadWeights:
+    """The layer's current weights (detached; views, no copy) as :class:`HeadWeights`.
+
+    Args:
+        layer: a :class:`~headwise.MultiHeadAttention` or the view of a patched module.
+        name: the layer's qualified name in the model surgery was given (a refusal names its projection by it).
+    """
     projs = [getattr(layer, n) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
-    for name, p in zip(("q_proj", "k_proj", "v_proj", "out_proj"), projs):
-        base = adapter_base(p)
+    own = layer.source_names() if hosts.is_view(layer) else {}  # the host's name for each projection
+    where = name or (layer.host_name if hosts.is_view(layer) else "")
+    for proj, p in zip(("q_proj", "k_proj", "v_proj", "out_proj"), projs):
+        base = _wrapped(p)
         if base is not None:  # a value to refuse, as every family's seam does
-            raise ValueError(f"surgery: {name} of this layer is wrapped by an adapter ({type(p).__name__} around "
-                             f"{type(base).__name__}, PEFT): merge_and_unload() first, so that the resized "
-                             "projections keep what the adapter adds")
+            qual = ".".join(x for x in (where, own.get(proj, proj)) if x)
+            if adapter_base(p) is not None:
+                raise ValueError(f"surgery: {proj} of this layer is wrapped by an adapter ({type(p).__name__} around "
+                                 f"{type(base).__name__}, PEFT) at {qual!r}: merge_and_unload() first, so that the "
+                                 "resized projections keep what the adapter adds")
+            # modules_to_save: which copy computes depends on the active adapter, so neither is the module's weight
+            raise ValueError(f"surgery: {proj} of this layer is wrapped by an adapter ({type(p).__name__} around "
+                             f"{type(base).__name__}, PEFT modules_to_save: a trained copy of it per adapter) at "
+                             f"{qual!r}: merge_and_unload() first, which puts the active adapter's copy in its "
+                             "place (or unload() to keep the original), then run the surgery")
         if type(p) is not nn.Linear and type(p).__name__ != "ProjectionView":
-            raise TypeError(f"surgery: {name} of this layer is a {type(p).__name__} (an adapter wrapper?); "
+            raise TypeError(f"surgery: {proj} of this layer is a {type(p).__name__} (an adapter wrapper?); "
                             "merge or remove it first: surgery needs plain nn.Linear / Conv1D projections")
 
     def det(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -136,8 +136,8 @@ def prune_heads(target: Any, heads: Mapping[Any, Any] | Iterable[int], *, regrou
             raise ValueError(f"prune_heads: layer {i} ({tgt.layers[i][0]!r}) is named twice (as {ref!r})")
         layer = tgt.layers[i][1]
         plan[i] = _heads(value, layer.n_heads, f"prune_heads, layer {ref!r}")
-    new = {i: pruned(read(tgt.layers[i][1]), drop, regroup=regroup, where=f"prune_heads, layer {i}")
-           for i, drop in plan.items() if drop}
+    new = {i: pruned(read(tgt.layers[i][1], tgt.layers[i][0]), drop, regroup=regroup,
+                     where=f"prune_heads, layer {i}") for i, drop in plan.items() if drop}
     if isinstance(target, MultiHeadAttention) and not new:  # nothing removed: still the copy promised
         new = {0: read(target)}
     return tgt.apply(new)

@@ -117,7 +117,7 @@ def to_gqa(target: Any, n_kv_heads: int, *, groups: str | Sequence[Sequence[int]
         raise ValueError(f"to_gqa: explicit groups describe one layer; pass layers=<one layer>, got {len(chosen)}")
     new = {}
     for i in chosen:
-        hw = read(tgt.layers[i][1])
+        hw = read(tgt.layers[i][1], tgt.layers[i][0])
         where = f"to_gqa, layer {i} ({tgt.layers[i][0] or 'the layer'})"
         n = _check_n_kv(n_kv_heads, hw.n_heads, where)
         if explicit:
@@ -163,7 +163,7 @@ def to_mha(target: Any, *, layers: Any = None) -> Any:
     tgt = Target(target, "to_mha")
     new = {}
     for i in tgt.select(layers):
-        hw = read(tgt.layers[i][1])
+        hw = read(tgt.layers[i][1], tgt.layers[i][0])
         if hw.n_kv_heads != hw.n_heads:
             new[i] = expand_kv(hw)
     if isinstance(target, MultiHeadAttention) and not new:  # already MHA: still the copy promised

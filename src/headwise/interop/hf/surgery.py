@@ -92,10 +92,13 @@ class SurgerySeam:
                 self.resolve(name)  # type: ignore[attr-defined]
             except ValueError as e:
                 return str(e)
-        wrapped = [n for n, m in self.sources() if adapter_base(m) is not None]  # type: ignore[attr-defined]
+        # a LoRA-style base_layer, or modules_to_save's original_module beside a trained copy per adapter
+        wrapped = [f"{n} ({type(m).__module__.split('.')[0]}.{type(m).__name__})"
+                   for n, m in self.sources()  # type: ignore[attr-defined]
+                   if adapter_base(m) is not None or isinstance(getattr(m, "original_module", None), nn.Module)]
         if wrapped:
             return (f"{where}: {', '.join(wrapped)} are wrapped by an adapter (PEFT): merge_and_unload() first, so "
-                    "that the resized projections keep what the adapter adds")
+                    "that the resized projections keep what the adapter adds (or unload() to drop it)")
         for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 return f"{where}: {name} must be a positive int, got {value!r}"
