@@ -140,9 +140,10 @@ def statistics_kernel_available() -> bool:
 
 def statistics_rows(b: int, h: int, s_q: int, s_kv: int, itemsize: int = 4) -> int:
     """Query rows per chunk of the statistics' chunked pass (rule 10): scores of at most
-    :data:`STATISTICS_CHUNK_BYTES`, a multiple of 8 rows where 8 rows fit (fewer rows at long context, down to
-    one), at most ``s_q``. Where even one row's scores (``b * h * s_kv`` floats) exceed the budget, one row: the
-    chunk is then that one row's size, the least the chunked pass can hold.
+    :data:`STATISTICS_CHUNK_BYTES`, a multiple of 8 rows, at least 8, at most ``s_q``. The floor of 8 rows is
+    for speed: a chunk of fewer rows reads every key and value for each of its rows as a matrix-vector product
+    (several times slower at long context), so where 8 rows exceed the budget (``8 * b * h * s_kv`` floats:
+    128 MiB at 32 heads and 128k keys, beside 4 GiB of float32 keys and values) a chunk is 8 rows.
 
     Shapes:
         scores of one chunk: (b, h, rows, s_kv)
@@ -152,12 +153,11 @@ def statistics_rows(b: int, h: int, s_q: int, s_kv: int, itemsize: int = 4) -> i
         40
         >>> statistics_rows(1, 4, 100, 64)
         100
-        >>> statistics_rows(1, 64, 131072, 131072)   # 32 MiB a row: beyond the 16 MiB budget, one row
-        1
+        >>> statistics_rows(1, 64, 131072, 131072)   # 32 MiB a row: beyond the 16 MiB budget, the 8-row floor
+        8
     """
     per_row = max(1, b * h * s_kv * itemsize)
-    fit = STATISTICS_CHUNK_BYTES // per_row
-    rows = fit // 8 * 8 if fit >= 8 else max(1, fit)
+    rows = max(8, STATISTICS_CHUNK_BYTES // per_row // 8 * 8)
     return min(rows, max(s_q, 1))
 
 

@@ -73,7 +73,7 @@ CASES = {
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of one query row (the smallest budget), so that every case crosses chunk boundaries."""
+    """Chunks of 8 query rows, so that every case crosses a chunk boundary."""
     monkeypatch.setattr(hwp, "STATISTICS_CHUNK_BYTES", 1)
 
 

@@ -12,8 +12,8 @@ every statistic:
 * ``key_weight += sum over rows of p``: one ``(1, c) @ (c, keys)`` product per chunk.
 
 A chunk's scores and exponentials are the only pattern-sized memory: ``b * h * c * keys`` floats each, with
-``c`` chosen so that one is at most :data:`headwise.plan.STATISTICS_CHUNK_BYTES` (one row where a row alone
-is larger). Under ``torch.autocast`` the products run with it switched off, in the statistics' own float32
+``c`` chosen so that one is at most :data:`headwise.plan.STATISTICS_CHUNK_BYTES` (8 rows where 8 rows
+are larger: fewer would read the keys once per row). Under ``torch.autocast`` the products run with it switched off, in the statistics' own float32
 (float64). Rows that may read no key (every key masked off by a bool mask or ``-inf``) give ``lse = -inf``,
 entropy, maximum, context and key weights 0. A floating mask's very negative but finite entries (Hugging
 Face's ``finfo.min`` padding) are scores like any other, as in the softmax: a row made only of them spreads its
