@@ -149,3 +149,19 @@ def test_a_view_kept_after_its_model_was_freed_refuses_to_compute(family):
     with pytest.raises(ReferenceError, match="no longer exists"):
         attn.attend(q, kv, kv)
     assert "freed" in repr(attn)  # a repr still names what it was a view of
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_a_view_pickled_alone_loads_with_the_modules_it_reads(family):
+    # BERT's W_O lives on the attention module's parent: the pickle brings that along too, and keeps it
+    model = patch(build(family))
+    name, attn = layers(model)[0]
+    x = torch.randn(2, 4, attn.d_model)
+    with torch.no_grad():
+        want = attn(x)
+    twin = torch_round_trip(attn)
+    del model, attn
+    gc.collect()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), want)
+    assert type(twin.host).__name__ and twin.host_name == name

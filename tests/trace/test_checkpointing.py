@@ -171,3 +171,26 @@ def test_a_checkpointing_flag_counts_only_around_a_traced_layer():
     with torch.no_grad(), headwise.trace(model, capture=("z",), edit={(0, 2): "zero"}) as t:  # nothing recomputed
         model(x)
     torch.testing.assert_close(t[0].z, runs[0][0])
+
+
+def test_a_traced_layer_called_without_autograd_from_a_backward_hook_is_no_recompute():
+    # checkpoints recompute with autograd on; a no-grad call from a hook during the backward is a plain call
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).eval()
+    probe = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        want = attn(probe)
+    seen = []
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with headwise.trace(attn, capture=("z",)) as t:
+        y = attn(x)
+
+        def hook(grad):
+            with torch.no_grad():
+                seen.append(attn(probe))
+
+        y.register_hook(hook)
+        y.sum().backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], want)
+    assert len(t[0].calls) == 2  # the forward and the hook's call

@@ -43,8 +43,8 @@ class HostRef:
     ``ref()`` gives the module or None (a plain ``weakref.ref``: a C call, no Python frame on hot paths, and one
     ``torch.compile`` traces); :meth:`get` gives the module or raises ``ReferenceError`` naming it. A deep copy
     refers to the module's copy (the copy's own, through the memo; a module outside what is copied is copied and
-    held strongly), and a pickle carries the module itself, so a copied or loaded model's views read the copy's
-    weights.
+    held strongly), and a pickle carries the module itself and loads it held strongly (a view pickled alone is
+    the only holder of its module), so a copied or loaded model's views read the copy's weights.
 
     Args:
         host: the module.
@@ -82,7 +82,10 @@ class HostRef:
         return type(self)(copied, self.what, keep=self._keep is not None)
 
     def __reduce__(self) -> tuple:
-        return type(self), (self.get(), self.what, self._keep is not None)
+        # Loaded strongly: a view pickled alone (not as part of its module) is the only holder of the module it
+        # brings along, as for a deep copy of a view alone. A whole model loaded from a pickle then keeps the
+        # module <-> view cycle (freed by the cyclic collector, as any pickle does not say which it was).
+        return type(self), (self.get(), self.what, True)
 
     def __repr__(self) -> str:
         return f"HostRef({self.what}{'' if self.ref() is not None else ', freed'})"
