@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from examples.launch import under_torchrun
+from examples.launch import check_sizes, under_torchrun
 from headwise import MultiHeadAttention, RotaryEmbedding
 from headwise.masks import padding_mask
 from headwise.parallel import CollectiveTimeoutError, sequence_parallel
@@ -48,8 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before any collective gives up")
     p.add_argument("--hang-rank", type=int, default=None, help="this rank skips the layer (shows the timeout)")
     args = p.parse_args(argv)
-    if args.seq_len < 1:  # refused in one line here: an empty sequence would fail deep inside, on every rank
-        p.exit(2, f"{p.prog}: error: --seq-len must be at least 1 (got {args.seq_len})\n")
+    check_sizes(p, args, rotary=True)  # here, in one line: a bad size would fail deep inside, on every rank
     return args
 
 

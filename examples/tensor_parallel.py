@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from examples.launch import under_torchrun
+from examples.launch import check_sizes, under_torchrun
 from headwise import MultiHeadAttention
 from headwise.parallel import tensor_parallel
 
@@ -41,7 +41,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before any collective gives up")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_sizes(p, args)  # here, in one line: a bad size would fail deep inside, on every rank
+    return args
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +30,18 @@ def test_torchrun_example_reports_heads_and_a_tiny_difference():
                             out).group(1))
     assert worst == max(per_rank)
     assert worst < 1e-12  # float64, same math on either side; only the order of the sums differs
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--n-heads", "3"], "--n-heads 3 does not divide --d-model 64; head counts that do: [1, 2, 4, 8, 16, 32, 64]"),
+    (["--n-kv-heads", "3"], "--n-kv-heads 3 does not divide --n-heads 8; K/V head counts that do: [1, 2, 4, 8]"),
+    (["--batch", "0"], "--batch must be at least 1 (got 0)"),
+    (["--decode-steps", "-1"], "--decode-steps must be at least 0 (got -1)"),
+])
+def test_sizes_no_layer_can_take_are_refused_with_one_line_and_status_2(extra, message):
+    """Refused before torchrun's ranks start, so no rank fails in a traceback of its own."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "examples.tensor_parallel", *extra], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [f"python -m examples.tensor_parallel: error: {message}"], proc.stderr

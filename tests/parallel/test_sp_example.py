@@ -46,6 +46,10 @@ def test_a_rank_that_hangs_gives_a_clear_error_after_the_configured_timeout():
     assert proc.returncode != 0
     assert re.search(r"rank 0: error: sequence_parallel: .* over 2 ranks did not complete within the process "
                      r"group's timeout", proc.stderr), proc.stderr[-2000:]
+    # The one-line error is the whole story from the ranks: no second, raw gloo timeout from a rank's teardown
+    # (torchrun's own summary of the failed worker follows, with its own lines, none prefixed by a rank).
+    rank_lines = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+    assert rank_lines == [], "\n".join(rank_lines[-20:])
 
 
 def test_sequences_shorter_than_the_padding_run_and_match_one_process():
@@ -67,3 +71,20 @@ def test_an_empty_sequence_is_refused_with_one_line_and_status_2():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.splitlines() == ["python -m examples.sequence_parallel: error: --seq-len must be at least 1 "
                                         "(got 0)"], proc.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--n-heads", "3"], "--n-heads 3 does not divide --d-model 64; head counts that do: [1, 2, 4, 8, 16, 32, 64]"),
+    (["--n-kv-heads", "3"], "--n-kv-heads 3 does not divide --n-heads 8; K/V head counts that do: [1, 2, 4, 8]"),
+    (["--n-heads", "64"], "rotary positions need an even head width; --d-model 64 / --n-heads 64 gives 1"),
+    (["--batch", "0"], "--batch must be at least 1 (got 0)"),
+    (["--tp", "0"], "--tp must be at least 1 (got 0)"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds (got 0.0)"),
+])
+def test_sizes_no_layer_can_take_are_refused_with_one_line_and_status_2(extra, message):
+    """Refused before torchrun's ranks start, so no rank fails in a traceback of its own."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "examples.sequence_parallel", *extra], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [f"python -m examples.sequence_parallel: error: {message}"], proc.stderr
