@@ -216,3 +216,62 @@ def test_the_compare_examples_of_the_docs_are_the_commands_output_at_80_columns(
     monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = _run(capsys, *command.split())
     assert code == 0 and out.splitlines()[:len(shown)] == shown
+
+
+def test_a_sliding_window_presets_kv_cache_holds_only_the_window(capsys) -> None:
+    """mistral-7b records sliding_window=4096: past it the cache holds 4096 positions per layer (the formula
+    2 x h_kv x d_h x itemsize x layers x positions), in compare and explain, and the text says "window 4096"."""
+    p = get_preset("mistral-7b")
+    c, window = p.config, p.sliding_window
+    for seq in (1024, window, 32768):
+        held = min(seq, window)
+        want = 2 * c.n_kv_heads * c.d_head * 2 * p.n_layers * held  # float16
+        code, out, _ = _run(capsys, "compare", "mistral-7b", "--seq", str(seq), "--json")
+        assert code == 0
+        kv = json.loads(out)[0]["kv_cache"]
+        assert (kv["context_bytes"], kv["positions"], kv["sliding_window"]) == (want, held, window)
+        code, out, _ = _run(capsys, "explain", "--preset", "mistral-7b", "--seq", str(seq), "--json")
+        assert code == 0 and json.loads(out)["kv_cache"]["context_bytes"] == want
+    code, out, _ = _run(capsys, "compare", "mistral-7b", "llama-3-8b", "--seq", "32768")
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("KV cache, seq x batch"))
+    assert "512.0 MiB (window 4096)" in row and "4.0 GiB" in row and row.count("window") == 1
+    code, out, _ = _run(capsys, "explain", "--preset", "mistral-7b", "--seq", "32768")
+    assert "KV cache, 32768 tokens x batch 1, window 4096" in out
+    code, out, _ = _run(capsys, "explain", "--preset", "llama-3-8b", "--seq", "8192")
+    assert "window" not in out
+    # the same layer without its window counts every token
+    code, out, _ = _run(capsys, "explain", "--d-model", "4096", "--n-heads", "32", "--n-kv-heads", "8",
+                        "--n-layers", "32", "--seq", "32768", "--json")
+    assert json.loads(out)["kv_cache"]["context_bytes"] == kv_cache_bytes(c, 32768, n_layers=32)
+
+
+def test_the_window_is_the_number_of_keys_a_transformers_decode_step_reads() -> None:
+    """The positions summarize counts for a sliding window are what a Mistral decode step of transformers
+    attends to (its eager attention weights), before the window fills and after."""
+    transformers = pytest.importorskip("transformers")
+    from headwise.analysis import summarize
+
+    cfg = transformers.MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                                     max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.MistralModel(cfg).eval()
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, 50, (1, 12))
+    config = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2)
+    for seq in (3, 4, 12):  # tokens after the step
+        with torch.no_grad():
+            past = model(input_ids=ids[:, :seq - 1], use_cache=True).past_key_values
+            step = model(input_ids=ids[:, seq - 1:seq], past_key_values=past, use_cache=True, output_attentions=True)
+        read = step.attentions[0].shape[-1]
+        assert summarize(config, seq, sliding_window=4)["kv_cache"]["positions"] == read == min(seq, 4)
+
+
+def test_a_length_past_the_presets_position_limit_gets_a_note_not_a_refusal(capsys) -> None:
+    limit = get_preset("llama-3-8b").max_positions
+    for argv in (["compare", "llama-3-8b"], ["explain", "--preset", "llama-3-8b"]):
+        code, out, err = _run(capsys, *argv, "--seq", str(limit + 1), "--json")
+        assert code == 0 and json.loads(out)  # stdout stays JSON
+        assert f"note: {limit + 1} tokens is past the {limit} positions llama-3-8b takes" in err, err
+        code, out, err = _run(capsys, *argv, "--seq", str(limit), "--json")
+        assert code == 0 and "note" not in err

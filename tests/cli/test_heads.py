@@ -65,6 +65,10 @@ def test_heads_json_and_files(capsys, tmp_path) -> None:
     ([TEXT, "--out", "/nonexistent-dir/x.png"], "does not exist"),
     ([TEXT, "--max-tokens", "2"], "--max-tokens must be at least 3"),
     ([TEXT, "--layer", "two"], "invalid int value"),
+    # the curves are drawn only in a picture: without --out, --curves would change nothing
+    ([TEXT, "--stats", "--curves", "0.2,5.11"], "--curves chooses the heads whose per-position curves are drawn: "
+                                                "give --out FILE.png or FILE.html"),
+    ([TEXT, "--stats", "--json", "--curves", "0.2"], "--curves chooses the heads whose per-position curves are drawn"),
 ])
 def test_heads_bad_input(capsys, monkeypatch, argv: list[str], message: str) -> None:
     import headwise.viz.maps as vmaps

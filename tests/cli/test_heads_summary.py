@@ -144,3 +144,30 @@ def test_weights_that_do_not_fit_config_json_are_explained_in_one_line(capsys, t
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "changed by head surgery" in err and "load it with headwise.surgery.load_pretrained" in err
     assert "'h.0.attn.c_attn.weight' has shape (12, 27) where config.json gives GPT2Model (12, 36)" in err
+
+
+def test_a_png_of_more_layers_and_heads_than_it_draws_names_the_ones_it_draws(capsys, tmp_path):
+    """The model view draws at most MAX_ROWS layers x MAX_COLS heads: the "Wrote" line says first N of M, and
+    layers that all hold the same heads get no note of different heads."""
+    from headwise.viz.png import MAX_COLS, MAX_ROWS
+
+    n_layers, n_heads = MAX_ROWS + 2, MAX_COLS + 2
+    path = tmp_path / "big"
+    save_tokenizer(path)
+    tiny("llama", dict(hidden_size=2 * n_heads, intermediate_size=8, num_hidden_layers=n_layers,
+                       num_attention_heads=n_heads, max_position_embeddings=64)).save_pretrained(path)
+    png = tmp_path / "big.png"
+    code = main(["heads", WORDS_TEXT, "--model", str(path), "--all-layers", "--out", str(png)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    wrote = out.splitlines()[0]
+    assert f"first {MAX_ROWS} of {n_layers} layers, first {MAX_COLS} of {n_heads} heads" in wrote, wrote
+    assert f"only the first {MAX_ROWS} of {n_layers} layers are drawn" in err
+    assert "different heads" not in err, err
+    # the HTML page draws every layer and head, and says so
+    page = tmp_path / "big.html"
+    code = main(["heads", WORDS_TEXT, "--model", str(path), "--all-layers", "--out", str(page)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"all {n_layers} layers, {n_heads} heads" in out.splitlines()[0]

@@ -203,6 +203,25 @@ def test_the_model_view_draws_every_head_of_layers_with_different_head_counts(tm
     assert any("the layers hold different heads" in n for n in plan.notes)
 
 
+def test_the_different_heads_note_judges_the_drawn_columns_only() -> None:
+    """Layers that hold the same heads, more than MAX_COLS of them, leave no empty cell: no note of different
+    heads. A layer without one of the drawn heads (head surgery) still gets the note."""
+    from headwise.viz.png import MAX_COLS, png_plan
+
+    n = MAX_COLS + 4
+    same = [_maps_of_heads(layer, tuple(range(n)), seed=layer) for layer in range(2)]
+    plan = png_plan(same)
+    assert plan.columns == list(range(MAX_COLS))
+    assert not any("different heads" in note for note in plan.notes), plan.notes
+    assert any(f"only the first {MAX_COLS} of {n} heads are drawn" in note for note in plan.notes)
+    # beyond the drawn columns only: still the same cells
+    cut_late = [same[0], _maps_of_heads(1, tuple(range(MAX_COLS + 1)), seed=1)]
+    assert not any("different heads" in note for note in png_plan(cut_late).notes)
+    # head 3 gone from layer 1: its cell in a drawn column is empty, and the note says why
+    gone = [same[0], _maps_of_heads(1, tuple(h for h in range(n) if h != 3), seed=1)]
+    assert any("the layers hold different heads" in note for note in png_plan(gone).notes)
+
+
 def test_a_layer_without_heads_is_refused_alone_and_an_empty_row_in_the_model_view(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     import torch

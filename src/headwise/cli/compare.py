@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ..analysis import dtype_info, summarize
@@ -37,8 +38,25 @@ def compare(names: list[str], seq: int, batch: int, dtype: str) -> list[dict[str
     out = []
     for name in names:
         p = get_preset(name)
-        out.append({"preset": p.to_dict()} | summarize(p.config, seq, batch=batch, dtype=dt, n_layers=p.n_layers))
+        out.append({"preset": p.to_dict()} | summarize(p.config, seq, batch=batch, dtype=dt, n_layers=p.n_layers,
+                                                         sliding_window=p.sliding_window))
     return out
+
+
+def kv_cache_cell(r: dict[str, Any]) -> str:
+    """The KV cache of the whole sequence; "(window W)" where a sliding window keeps fewer positions."""
+    kv = r["kv_cache"]
+    window = f" (window {kv['sliding_window']})" if kv["positions"] < r["seq_len"] else ""
+    return human_bytes(kv["context_bytes"]) + window
+
+
+def length_note(seq: int, preset: dict[str, Any]) -> str | None:
+    """A note (not a refusal: the figures are arithmetic) when ``seq`` is past the preset's position limit."""
+    limit = preset["max_positions"]
+    if limit is None or seq <= limit:
+        return None
+    return (f"{seq} tokens is past the {limit} positions {preset['name']} takes (its position limit); its figures "
+            "are computed all the same")
 
 
 ROWS = [
@@ -53,7 +71,7 @@ ROWS = [
                                                  f"{human_count(r['flops']['layer']['attention'], 'FLOP')}"),
     ("KV cache / token", lambda r: human_bytes(r["kv_cache"]["per_token_bytes"])),
     ("KV cache / 1k tokens", lambda r: human_bytes(r["kv_cache"]["per_1k_tokens_bytes"])),
-    ("KV cache, seq x batch", lambda r: human_bytes(r["kv_cache"]["context_bytes"])),
+    ("KV cache, seq x batch", kv_cache_cell),
     ("probs / layer, eager", lambda r: human_bytes(r["probabilities"]["materialised"])),
     ("probs / layer, fused", lambda r: human_bytes(r["probabilities"]["fused"])),
 ]
@@ -84,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.presets:
         raise CliError(f"name at least one preset (or --list); known: {', '.join(PRESETS)}")
     results = compare(args.presets, args.seq, args.batch, args.dtype)
+    for r in results:
+        note = length_note(r["seq_len"], r["preset"])
+        if note:
+            print(f"headwise compare: note: {note}", file=sys.stderr)
     if args.json:
         fmt.emit_json(results)
         return 0
@@ -93,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
               [(label, *[get(r) for r in results]) for label, get in ROWS])
     fmt.line("probs = attention probabilities (b, h, s, s) held by the eager path; the fused path keeps one float32 "
              "log-sum-exp per (b, h, query).")
+    if any(r["kv_cache"]["positions"] < r["seq_len"] for r in results):
+        fmt.line("window W = a sliding-window model: each layer attends to, and caches, only the last W positions.")
     fmt.line("Sources:")
     for r in results:
         fmt.line(f"  {r['preset']['name']}: {r['preset']['citation']}")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ..analysis import dtype_info, summarize
 from ..analysis.parallel import parallel_costs
 from ..analysis.memory import DTYPE_NAMES
+from ..presets import get_preset
 from . import CliError
 from . import format as fmt
 from ._progress import steps
@@ -53,7 +55,9 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
             raise CliError(f"neither split works over --ranks {args.ranks}: tensor parallel needs one of "
                            f"{valid_world_sizes(config.n_heads, config.n_kv_heads)} ranks, sequence parallel at most "
                            f"n_heads={config.n_heads}")
-    summary = summarize(config, seq, batch=batch, dtype=dtype, n_layers=n_layers)
+    cited = None if preset is None else get_preset(preset)
+    window = None if cited is None else cited.sliding_window
+    summary = summarize(config, seq, batch=batch, dtype=dtype, n_layers=n_layers, sliding_window=window)
     live = (summary["params"]["layer"]["total"] + 6 * batch * seq * max(config.d_model, config.inner_dim)
             + 2 * batch * config.n_heads * seq * seq) * dtype_info(CPU_WALK_DTYPE)[1]
     device = "meta" if live > REAL_TENSOR_LIMIT else "cpu"
@@ -66,11 +70,16 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         walk_dtype = parse_dtype(dtype if device == "meta" else CPU_WALK_DTYPE)
         walked = walk(config, seq_len=seq, batch=batch, device=device, dtype=walk_dtype)
     extra = {} if parallel is None else {"parallel": parallel}
+    if cited is not None and cited.max_positions is not None and seq > cited.max_positions:
+        extra["note"] = (f"{seq} tokens is past the {cited.max_positions} positions {preset} takes (its position "
+                         "limit); its figures are computed all the same")
     return summary | {"preset": preset, "walk_device": device, "steps": [s.to_dict() for s in walked]} | extra
 
 
 def run(args: argparse.Namespace) -> int:
     r = explain(args)
+    if "note" in r:
+        print(f"headwise explain: note: {r['note']}", file=sys.stderr)
     if args.json:
         fmt.emit_json(r)
         return 0
@@ -119,6 +128,7 @@ def cost_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     p, f, kv, m = r["params"], r["flops"], r["kv_cache"], r["probabilities"]
     pl, fl = p["layer"], f["layer"]
     inner, kv_dim = c["n_heads"] * c["d_head"], c["n_kv_heads"] * c["d_head"]
+    window = f", window {kv['sliding_window']}" if kv["positions"] < r["seq_len"] else ""
     return [
         ("parameters", f"{pl['total']:,}", f"{p['all_layers']:,}",
          f"without bias {p['layer_without_bias']:,}"),
@@ -133,8 +143,9 @@ def cost_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
          f"2 x h_kv x d_h x {r['dtype']} = 2 x {c['n_kv_heads']} x {c['d_head']}"),
         ("KV cache per 1k tokens", human_bytes(kv["per_token_layer_bytes"] * 1000), human_bytes(kv["per_1k_tokens_bytes"]),
          "per sequence"),
-        (f"KV cache, {r['seq_len']} tokens x batch {r['batch']}", human_bytes(kv["context_bytes"] / n),
-         human_bytes(kv["context_bytes"]), ""),
+        (f"KV cache, {r['seq_len']} tokens x batch {r['batch']}{window}", human_bytes(kv["context_bytes"] / n),
+         human_bytes(kv["context_bytes"]),
+         f"a sliding window: each layer caches only the last {kv['positions']} positions" if window else ""),
         ("probabilities, eager (materialised)", human_bytes(m["materialised"]), human_bytes(m["materialised_all_layers"]),
          f"b x h x s^2 x {m['materialised'] // (r['batch'] * c['n_heads'] * r['seq_len'] ** 2)} B (float32 for half "
          f"precision); all layers = kept for backward"),

@@ -236,8 +236,9 @@ def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, note
         raise CliError(uneven([m.n_heads for m in maps]))
     if out is not None:
         step(f"drawing {out}")
-        title = f"headwise: {info.name}, {_what(args, info)}, {fmt.plural(len(tokens), 'token')}"
-        if out.suffix.lower() == ".png":
+        png = out.suffix.lower() == ".png"
+        title = f"headwise: {info.name}, {_what(args, info, png)}, {fmt.plural(len(tokens), 'token')}"
+        if png:
             from ..viz.png import png_plan, save_png
 
             notes += png_plan(maps).notes
@@ -249,14 +250,26 @@ def _draw(args: argparse.Namespace, info: Any, out: Path | None, step: Any, note
     return maps, tokens, n_tokens
 
 
-def _what(args: argparse.Namespace, info: Any) -> str:
+def _what(args: argparse.Namespace, info: Any, png: bool = False) -> str:
+    """The layers (and chosen heads) drawn; a PNG's model view draws only the first MAX_ROWS layers."""
     layers = f"all {fmt.plural(info.n_layers, 'layer')}" if args.all_layers else f"layer {args.layer}"
+    if png and args.all_layers:
+        from ..viz.png import MAX_ROWS
+
+        if info.n_layers > MAX_ROWS:
+            layers = f"first {MAX_ROWS} of {info.n_layers} layers"
     return layers + (f", heads {','.join(map(str, args.heads))}" if args.heads is not None else "")
 
 
-def _head_count(counts: list[int]) -> str:
-    """The heads drawn per layer: "12 heads", or after head surgery left layers uneven, "2-4 heads per layer"."""
+def _head_count(counts: list[int], png_model_view: bool = False) -> str:
+    """The heads drawn per layer: "12 heads", or after head surgery left layers uneven, "2-4 heads per layer";
+    a PNG's model view draws only the first MAX_COLS (a picture's layers hold the same heads)."""
     if min(counts) == max(counts):
+        if png_model_view:
+            from ..viz.png import MAX_COLS
+
+            if counts[0] > MAX_COLS:
+                return f"first {MAX_COLS} of {counts[0]} heads"
         return fmt.plural(counts[0], "head")
     return f"{min(counts)}-{max(counts)} heads per layer"
 
@@ -280,6 +293,9 @@ def _stats_inputs(args: argparse.Namespace, info: Any, step: Any) -> tuple[dict,
 def run(args: argparse.Namespace) -> int:
     if args.stats:
         info, out = check_args(args)
+        if args.curves is not None and out is None:  # the table and --json hold every head: it would change nothing
+            raise CliError("--curves chooses the heads whose per-position curves are drawn: give --out FILE.png or "
+                           "FILE.html")
         return run_stats(args, info, out, lambda step: _stats_inputs(args, info, step))
     r = heads(args)
     maps = r["maps"]
@@ -290,8 +306,9 @@ def run(args: argparse.Namespace) -> int:
         fmt.emit_json(head | {"layers": layers} if args.all_layers else layers[0] | head)
         return 0
     first = maps[0]
-    what = (f"{r['model']}, {_what(args, info_of(args.model))}, {_head_count([m.n_heads for m in maps])}, "
-            f"{fmt.plural(len(first.tokens), 'token')}")
+    png = r["out"] is not None and r["out"].lower().endswith(".png")
+    what = (f"{r['model']}, {_what(args, info_of(args.model), png)}, "
+            f"{_head_count([m.n_heads for m in maps], png and len(maps) > 1)}, {fmt.plural(len(first.tokens), 'token')}")
     if r["out"]:  # the picture is the answer: say where it is, not the table again
         fmt.line(f"Wrote {r['out']} ({what})")
         return 0

@@ -134,7 +134,8 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
         if len(columns) < len(numbers):
             notes.append(f"only the first {len(columns)} of {len(numbers)} heads are drawn (choose with --heads)")
         counts = [m.n_heads for m in many[:drawn_layers]]
-        if len(set(counts)) > 1 or any(m.head_labels != columns for m in many[:drawn_layers] if m.n_heads):
+        # Judged on the drawn columns only: heads cut off past MAX_COLS leave no empty cell to explain.
+        if any([h for h in m.head_labels if h in columns] != columns for m in many[:drawn_layers] if m.n_heads):
             notes.append(f"the layers hold different heads ({', '.join(map(str, counts))} heads): each is drawn in "
                          "the column of its number, the cells of heads a layer does not hold are empty")
         emptied = [m.layer for m in many[:drawn_layers] if not m.n_heads]
