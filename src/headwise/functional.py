@@ -187,8 +187,12 @@ def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         raise TypeError(f"mask must be bool (True = may attend) or floating (added to the scores), got {mask.dtype}")
     b, h, s_q, s_kv = plan.shape
     if plan.backend == "empty":
-        weights = q.new_zeros(b, h, s_q, s_kv) if plan.return_weights else None
-        return q.new_zeros(b, h, s_q, v.shape[-1]), weights
+        # Products over an empty axis: exact zeros (a sum of nothing, never NaN) that stay in the autograd graph
+        # of q, k and v, so the input and every weight get an empty or zero gradient, as torch's layers give.
+        k, v = k[:, :, :s_kv], v[:, :, :s_kv]  # the keys the plan reads: none when s_kv = 0
+        scores = q.unflatten(1, (k.shape[1], -1)) @ k.unsqueeze(2).transpose(-1, -2)  # (b, h_kv, g, s_q, s_kv)
+        z = (scores @ v.unsqueeze(2)).flatten(1, 2)  # (b, h, s_q, d_v)
+        return z, scores.flatten(1, 2) if plan.return_weights else None  # (b, h, s_q, s_kv): always empty
     if plan.backend == "eager":
         return softmax_attention(q, k, v, mask, plan.scale, plan.dropout_p, plan.softcap, sinks,
                                  causal=plan.causal_via is Causal.MASK)
