@@ -138,3 +138,53 @@ def test_a_gpt2_layer_called_alone_applies_a_lora_or_refuses_it_on_the_fused_qkv
     handle.remove()
     with torch.no_grad():
         torch.testing.assert_close(module.attn(x, causal=True), bare)
+
+
+def _causal_mha(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)  # torch: True = not allowed
+    return m(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("family,target,where", [("gpt2", "attn.c_proj", r"transformer\.h\.0\.attn's c_proj"),
+                                                 ("llama", "o_proj", r"model\.layers\.0\.self_attn's o_proj")])
+def test_to_torch_of_a_patched_layer_refuses_a_lora_on_w_o(family, target, where):
+    # to_torch copies out_proj's weight, and a LoRA's delta is not in it: GPT-2's c_proj (a Conv1D the layer calls
+    # through a transposed view) and Llama's o_proj (an nn.Linear) are refused alike, naming module and adapter.
+    from headwise.interop import from_hf, to_torch
+
+    base = build(family, **NO_DROPOUT.get(family, {}))
+    model = lora(patch(copy.deepcopy(base)), family, [target])
+    attn = layers(model)[0][1]
+    module = attn.host
+    x = torch.randn(2, 5, attn.d_model, generator=torch.Generator().manual_seed(0))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"out_proj={where}, a peft\.tuners\.lora\.layer\.Linear \(an adapter, whose "
+                                         r"delta is not in the weight to_torch copies\).*merge_and_unload\(\)"):
+        to_torch(attn)
+    assert model.state_dict().keys() == state.keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert layers(model)[0][1] is attn and isinstance(module.get_submodule(target.split(".")[-1]),
+                                                      peft.tuners.lora.LoraLayer)  # the adapter is still there
+    with pytest.raises(ValueError, match=r"wrapped by an adapter \(PEFT\).*merge_and_unload\(\) first"):
+        from_hf(module)  # the standalone copy refuses it as well
+    if family == "gpt2":  # the layer run alone still applies the adapter: the refusal is to_torch's own
+        plain = lora(copy.deepcopy(base), family, [target]).base_model.model.transformer.h[0].attn
+        with torch.no_grad():
+            torch.testing.assert_close(attn(x, causal=True), plain(x)[0])
+
+
+def test_to_torch_of_a_patched_gpt2_layer_without_adapters_equals_the_unpatched_module():
+    from headwise.interop import to_torch
+
+    base = build("gpt2", **NO_DROPOUT["gpt2"])
+    x = torch.randn(2, 5, 21, generator=torch.Generator().manual_seed(0))
+    model = patch(copy.deepcopy(base))  # held: a view does not keep its model alive
+    m = to_torch(layers(model)[0][1]).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(_causal_mha(m, x), base.transformer.h[0].attn(x)[0])
+    c_proj = model.transformer.h[0].attn.c_proj  # a forward set on the Conv1D the view calls is refused too
+    c_proj.forward = lambda inp: 2 * type(c_proj).forward(c_proj, inp)
+    with pytest.raises(ValueError, match=r"out_proj=transformer\.h\.0\.attn's c_proj, a transformers\.pytorch_utils"
+                                         r"\.Conv1D with a forward set on the instance"):
+        to_torch(layers(model)[0][1])

@@ -269,7 +269,8 @@ def test_to_torch_refuses_projections_that_are_not_a_linear_and_copies_no_hooks(
 
     host = Host()
     peft.get_peft_model(host, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
-    with pytest.raises(ValueError, match=r"not an nn.Linear.s F.linear \(q_proj=peft\.[\w.]+\.Linear\).*merge_and_unload"):
+    with pytest.raises(ValueError, match=r"not an nn.Linear.s F.linear \(q_proj=peft\.[\w.]+\.Linear \(an adapter, "
+                                         r"whose delta is not in the weight to_torch copies\)\).*merge_and_unload"):
         to_torch(host.attn)
     seq = MultiHeadAttention(16, 4)
     seq.k_proj = nn.Sequential(nn.Linear(16, 16))

@@ -41,7 +41,7 @@ from .. import functional as hwf
 from ..attention import MultiHeadAttention
 from ..config import AttentionConfig
 from ..masks import combine_masks, padding_mask
-from ..module_calls import FORWARD_STEPS
+from ..module_calls import FORWARD_STEPS, adapter_base
 from ..validation import check_bool
 from .views import LayerView, ProjectionView
 
@@ -114,7 +114,8 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
     Packed ``in_proj_weight`` when ``kdim == vdim == d_model``, else separate ``q/k/v_proj_weight``
     (torch decides the layout from kdim/vdim). Layers torch cannot express raise ``ValueError``:
     GQA/MQA, ``n_heads * d_head != d_model``, ``out_bias != bias``, a non-default scale, rotary, per-head
-    Q/K norms, a projection that is not an ``nn.Linear`` (a LoRA wrapper or another module; hooks are not copied)
+    Q/K norms, a projection that is not an ``nn.Linear`` (a LoRA wrapper or another module; for a view, the module
+    the projection reads, GPT-2's ``c_proj`` among them; hooks are not copied)
     or whose bias is present where the config's ``bias``/``out_bias`` says none (or the reverse), and any subclass
     or instance attribute that overrides a step of the forward (``forward``, ``project_q``, ``project_kv``,
     ``project_qkv``, ``rotate``, ``attend``, ``project_out``), naming it.
@@ -176,20 +177,42 @@ def to_torch(attn: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multih
 # Overrides of the forward steps (module_calls.FORWARD_STEPS) known to compute the plain function: the fused QKV
 # GEMM of the views (same Q, K, V as three GEMMs).
 _PLAIN_OVERRIDES = {("LayerView", "project_qkv"), ("TorchMHAView", "project_qkv")}
+_PLAIN_TYPES = (nn.Linear, NonDynamicallyQuantizableLinear)
+
+
+def _odd_projections(attn: MultiHeadAttention) -> dict[str, str]:
+    """``{projection: what it is}`` for each projection whose call computes more than ``F.linear`` of the weight
+    and bias to_torch copies: a LoRA wrapper's delta, a forward set on the instance, another module.
+
+    A view's projection is its host's module, a ``ProjectionView`` calling it (GPT-2's ``Conv1D``) or rows of a
+    fused Q/K/V: each is judged by the module it reads (``sources()``), not by the view's type. Hooks are not the
+    module's computation (a profiler's global hooks among them): like a ``state_dict``, the copy does not carry them.
+    """
+    sources = dict(attn.sources()) if isinstance(attn, LayerView) else {}
+    names = attn.source_names() if callable(getattr(attn, "source_names", None)) else {}
+    where = getattr(attn, "host_name", "") or (type(attn.host).__name__ if sources else "")
+    odd = {}
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        proj = getattr(attn, name, None)
+        read = sources.get(name, proj)  # the module a view reads; a plain layer's projection is its own
+        if isinstance(read, ProjectionView):
+            continue  # nn.MultiheadAttention's rows (a TorchMHAView's): F.linear of them
+        what = f"{type(read).__module__}.{type(read).__qualname__}"
+        if adapter_base(read) is not None:
+            what += " (an adapter, whose delta is not in the weight to_torch copies)"
+        elif "forward" in getattr(read, "__dict__", {}):
+            what += " with a forward set on the instance"
+        elif type(read) in _PLAIN_TYPES or (read is not proj and type(read).__name__ == "Conv1D"
+                                             and type(read).__module__ == "transformers.pytorch_utils"):
+            continue  # transformers' Conv1D, which a view calls through its transposed weight: x @ W + b
+        odd[name] = (f"{where}'s {names.get(name, name)}, a " if where else "") + what
+    return odd
 
 
 def _forward_problems(attn: MultiHeadAttention) -> list[str]:
     """What in ``attn``'s forward, beyond its config and rotary, ``nn.MultiheadAttention`` cannot compute."""
     problems = []
-    # to_torch copies each projection's weight and bias: a module that computes more than F.linear of them (a LoRA
-    # wrapper, another module) would be dropped. A view's ProjectionView is F.linear of the host's weights, and
-    # nn.MultiheadAttention's own out_proj (a TorchMHAView's) is an nn.Linear in all but name. Hooks are not the
-    # module's computation (a profiler's global hooks among them): like a state_dict, the copy does not carry them.
-    odd = {name: f"{type(proj).__module__}.{type(proj).__qualname__}"
-                 + (" with a forward set on the instance" if "forward" in getattr(proj, "__dict__", {}) else "")
-           for name in ("q_proj", "k_proj", "v_proj", "out_proj")
-           if (type(proj := getattr(attn, name, None)) not in (nn.Linear, NonDynamicallyQuantizableLinear)
-               and not isinstance(proj, ProjectionView)) or "forward" in getattr(proj, "__dict__", {})}
+    odd = _odd_projections(attn)
     if odd:
         problems.append("projections that are not an nn.Linear's F.linear (" + ", ".join(
             f"{k}={v}" for k, v in odd.items()) + "); nn.MultiheadAttention applies only "
