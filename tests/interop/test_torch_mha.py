@@ -468,3 +468,17 @@ def test_masks_are_checked_against_the_query_and_key_lengths_as_torch_checks_the
     with pytest.raises(ValueError, match="same key axis"):
         torch_masks_to_headwise(blocked, kpm[..., :6])
 
+
+
+def test_a_shared_views_forward_reads_its_module_without_a_python_lookup():
+    from tests.core.test_call_path import headwise_functions
+
+    for kdim in (None, 24):  # packed in_proj_weight (one GEMM) and separate q/k/v weights (resolved per call)
+        m = nn.MultiheadAttention(32, 4, kdim=kdim, vdim=kdim, batch_first=True).eval()
+        attn = from_torch(m, share=True)
+        x = torch.randn(2, 5, 32)
+        context = None if kdim is None else torch.randn(2, 5, kdim)  # keys and values from another sequence
+        with torch.no_grad():
+            attn(x, context)
+            called = headwise_functions(lambda: attn(x, context))
+        assert "views.LayerView.host" not in called and "views.HostRef.get" not in called, called

@@ -264,7 +264,7 @@ class TorchMHAView(LayerView):
     """
 
     def resolve(self, name: str) -> object:
-        m, d = self.host, self.config.d_model
+        m, d = self._hw_host.ref(), self.config.d_model  # held strongly (build's keep): a C call, as in project_qkv
         if name == "out_proj":
             return m.out_proj
         i = ("q_proj", "k_proj", "v_proj").index(name)
