@@ -25,15 +25,30 @@ transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``; nothin
                             else ``module.is_causal``, else True), source of it)
                             after cropping K/V to ``s_q`` (an
                             empty static cache's prefill)
-  attention weights         when ``output_attentions=True``        always (eager's); the model records them
-                            reaches the function                   when ``output_attentions`` asks
+  attention weights         when ``output_attentions=True``        always, but under a trace only where
+                            reaches the function                   transformers will record them (below)
   ========================  =====================================  ==========================================
 
-The mask function is transformers' ``sdpa_mask`` (bool, True = may attend: headwise's convention), never skipped
-for more than one query: a missing mask would leave causality to the module's ``is_causal`` flag, which families
-that only ever ran eager do not keep, and to code that looks for the name ``"sdpa"`` before dropping queries
-(Gemma 4). So a mask is missing only where the model builds none (ViT), for one query, or for a family whose
-registry entry keeps sdpa's skip (``causal_skip``: Dory). T5's ``position_bias`` is added to the scores;
+Eager's weights: transformers 5 keeps a module's returned weights only where its model forward records them
+(``capture_outputs``: a hook on the module appends them while the forward's output collector holds a key such
+as ``"attentions"``, set by ``output_attentions`` given or in the config; GPT-2 drops the keyword before its
+modules see it). A module of a model patched from eager returns its weights at every call, as eager's does (a user's
+hook may read them), except while :func:`headwise.trace` traces its layer: then, so that a statistics-only trace
+holds no ``(b, h, s_q, s_kv)`` pattern, only where that collector holds a key other than hidden states, where
+``output_attentions=True`` reaches the function, or where no such forward is running (the module called on its
+own, a family still on the older ``output_attentions`` code, transformers without that collector). Otherwise it
+returns None, as sdpa does, and the layer takes its fused or statistics path with eager's rules above: the same
+outputs.
+
+The mask function (:func:`mask`) is transformers' ``sdpa_mask`` (bool, True = may attend: headwise's
+convention). Where more than one query attends, transformers' skip of a purely causal (or full) mask is kept for
+models patched from sdpa, as sdpa keeps it (the module's causality then applies, as under sdpa), unless the family's
+code looks for the name ``"sdpa"`` before dropping queries (registry ``names_sdpa``: Gemma 4), and for a family
+whose registry entry needs it (``causal_skip``: Dory). Everywhere else (models patched from eager,
+``attn_implementation="headwise"`` set directly) the mask is materialised: a missing one would leave causality to
+the module's ``is_causal`` flag, which families that only ever ran eager do not keep. One query (a decode step)
+reads every key it may under either rule, so transformers may skip its mask anywhere; a model that builds none
+(ViT) hands over none. T5's ``position_bias`` is added to the scores;
 ``softcap`` (Gemma 2), ``s_aux`` (a sink logit per head, gpt-oss) and ``sinks`` (a sink logit per query row,
 Inkling 2) are applied; ``head_mask`` scales each head's probabilities and context (:func:`head_factors`).
 Under ``torch.autocast`` q, k and v are cast to the autocast dtype (:func:`autocast_heads`), as transformers' sdpa
@@ -70,7 +85,8 @@ from ...validation import check_qkv
 from .layer import RULES, HFView
 from .registry import entry_for
 
-__all__ = ["NAME", "register", "attention_forward", "mask", "head_factors", "config_rule", "autocast_heads"]
+__all__ = ["NAME", "register", "attention_forward", "mask", "head_factors", "config_rule", "autocast_heads",
+           "output_collector"]
 
 NAME = "headwise"
 
@@ -84,8 +100,40 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    global _COLLECTOR
+    _COLLECTOR = output_collector()
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask)
+
+
+#: transformers' output collector (:func:`output_collector`), or None where this transformers has none.
+_COLLECTOR: Any = None
+#: Collector keys that never record an attention module's weights: every other key (``"attentions"``,
+#: ``"cross_attentions"``, a family's own) may, so eager's weights are returned when one is there.
+_NOT_WEIGHTS = frozenset(("hidden_states", "_hidden_states_layers"))
+
+
+def output_collector() -> Any:
+    """transformers' record of what the running model forward collects (``utils.output_capturing``), or None.
+
+    transformers 5 hands a module's returned attention weights to the caller only through it: ``capture_outputs``
+    sets it, for the whole forward, to a dict keyed by what ``output_attentions`` / ``output_hidden_states`` (given
+    or in the config) ask, and a hook on each attention module appends the weights while its key is there; the
+    keyword itself may never reach the attention function (GPT-2 drops it). No public name exposes it: it is read
+    as transformers' own ``CompileableContextVar.get`` reads it (its ``global_var`` under ``torch.compile``, else
+    the ``ContextVar``), and taken only where those attributes are there; without it (another transformers) a
+    module patched from eager returns its weights at every call, as before."""
+    import contextvars
+
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    found = getattr(output_capturing, "_active_collector", None)
+    if isinstance(getattr(found, "context_var", None), contextvars.ContextVar) and hasattr(found, "compiling") \
+            and hasattr(found, "global_var"):
+        return found
+    return None
 
 
 #: The rule of each patched model's config, by id (:func:`config_rule`). Models patched from sdpa: transformers ran
@@ -265,7 +313,14 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if position_bias is not None:
         mask = _position_bias_mask(position_bias, mask, causal, s_q, key.shape[2])
         causal = False
-    wants = eager or bool(kwargs.get("output_attentions", False))
+    wants = bool(kwargs.get("output_attentions", False))
+    if eager and not wants:  # eager's weights where they may be read (the module docstring)
+        if layer is None or layer.tracer is None:
+            wants = True  # untraced: eager's, at every call (a user's hook may read them)
+        else:  # transformers' collector read as its own get() reads it: attributes and a C call, no Python frame
+            col = _COLLECTOR
+            found = None if col is None else col.global_var if col.compiling else col.context_var.get()
+            wants = found is None or not found.keys() <= _NOT_WEIGHTS
     sinks = s_aux if sinks is None else sinks
     factors = None if head_mask is None else head_factors(head_mask, module, query.shape[1])
     # eager's mask in the scores' dtype, wider than half-precision inputs: headwise would round it to theirs
