@@ -26,31 +26,53 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tracing import find_layers, trace
+from .module_calls import adapter_base
+from .tracing import find_layers, head_results, trace
 from .tracing.inputs import call, check_inputs, eval_mode
 from .tracing.layers import encoder_modules
+from .viz.projection import applied_weight, output_weight
 
 __all__ = ["direct_effects", "logit_direction", "final_norm"]
 
 
 def final_norm(model: nn.Module) -> nn.Module:
-    """The final norm of a GPT-2 (``transformer.ln_f``) or Llama-family (``model.norm``) causal LM.
+    """The final norm of a GPT-2 (``transformer.ln_f``) or Llama-family (``model.norm``) causal LM, or of the one
+    a wrapper such as PEFT's ``PeftModel`` holds.
 
     Shapes:
         the norm maps the last residual stream (b, s, d) -> (b, s, d)
     """
-    for path in ("transformer.ln_f", "model.norm", "model.final_layernorm", "gpt_neox.final_layer_norm"):
+    paths = ("transformer.ln_f", "model.norm", "model.final_layernorm", "gpt_neox.final_layer_norm")
+    found = _submodule(model, paths)
+    if found is None:
+        from .surgery.hosts import transformers_model  # only for a wrapped model: surgery is not needed otherwise
+
+        inner = transformers_model(model)
+        found = None if inner is None or inner is model else _submodule(inner, paths)
+    if found is None:
+        raise ValueError(f"no final norm found in {type(model).__name__} (looked for transformer.ln_f, model.norm, "
+                         "..., also in the transformers model a wrapper holds); pass norm= explicitly (or norm=None "
+                         "for none)")
+    return found
+
+
+def _submodule(model: nn.Module, paths: tuple[str, ...]) -> nn.Module | None:
+    """The first of ``paths`` that names a submodule of ``model``, or None."""
+    for path in paths:
         try:
             return model.get_submodule(path)
         except AttributeError:
             continue
-    raise ValueError(f"no final norm found in {type(model).__name__} (looked for transformer.ln_f, model.norm, ...); "
-                     "pass norm= explicitly (or norm=None for none)")
+    return None
 
 
 def logit_direction(model: nn.Module, good: Any, bad: Any) -> torch.Tensor:
     """``W_U[good] - W_U[bad]``: the residual direction whose value (after the final norm) is the logit
-    difference between two tokens (``good``/``bad``: ints, or (b,) tensors of token ids).
+    difference between two tokens (``good``/``bad``: ints, or (b,) tensors of token ids). ``W_U`` is the
+    unembedding as the model's forward applies it: under an adapter (PEFT's LoRA on ``lm_head``) the rows with
+    the adapter's update merged, read from the forward in eval mode (no adapter dropout), as
+    :func:`direct_effects` runs the model; an adapter whose output is not linear in its input has no such rows
+    and is refused (ValueError, naming it).
 
     Shapes:
         W_U: (vocab, d) -> (d,) or (b, d)
@@ -58,8 +80,34 @@ def logit_direction(model: nn.Module, good: Any, bad: Any) -> torch.Tensor:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (unembedding) to take a direction from")
-    w = head.weight  # (vocab, d)
-    return (w[torch.as_tensor(good)] - w[torch.as_tensor(bad)]).detach()
+    good, bad = torch.as_tensor(good), torch.as_tensor(bad)
+    base = adapter_base(head)
+    if base is None:
+        w = head.weight  # (vocab, d)
+        return (w[good] - w[bad]).detach()
+    ids, where = torch.unique(torch.cat([good.reshape(-1), bad.reshape(-1)]), return_inverse=True)
+    w = applied_weight(head, base.weight, head, rows=ids)  # (k, d): the merged rows of the tokens asked for
+    _check_linear(head, w, ids)
+    return w[where[:good.numel()]].view(*good.shape, -1) - w[where[good.numel():]].view(*bad.shape, -1)
+
+
+def _check_linear(head: nn.Module, w: torch.Tensor, ids: torch.Tensor) -> None:
+    """ValueError unless ``head``'s forward (eval mode) gives ``x @ w.T`` plus its bias on rows ``ids`` for a
+    random ``x``: an adapter that is not linear in its input has no merged rows, and a direction read off its
+    unit vectors would not be what the model applies to the residual stream."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, w.shape[1], generator=g).to(dtype=w.dtype, device=w.device)  # (1, d)
+    with torch.no_grad(), eval_mode(head):
+        got = (head(x) - head(torch.zeros_like(x)))[:, ids].double()  # (1, k)
+    want = x.double() @ w.double().T  # (1, k)
+    err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+    # rounding of the forward's dtype (its two paths, base and adapter, each rounded), never a nonlinearity
+    if not err <= max(1e-4, 16 * torch.finfo(w.dtype).eps):
+        raise ValueError(f"logit_direction: the output embeddings are wrapped by "
+                         f"{type(head).__module__}.{type(head).__qualname__}, whose output is not linear in its "
+                         f"input (relative error {err:.2e} against the rows read from its unit vectors), so the "
+                         "unembedding rows it applies are unknown; merge the adapter (merge_and_unload()) or "
+                         "pass a direction of your own to direct_effects")
 
 
 def _norm_kind(norm: nn.Module) -> tuple[str, float, torch.Tensor | None]:
@@ -205,9 +253,12 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     encoder-decoder model (``config.is_encoder_decoder``) ``position`` is a decoder position, and the encoder's
     heads get exactly 0: they write into the encoder's residual stream, which the decoder reads only through
     cross-attention. A layer run more than once in the forward (ALBERT's shared layer) is refused (ValueError).
+    A W_O that an adapter wraps (PEFT's LoRA on ``o_proj``) is read as the forward applies it, the adapter's
+    update merged (:func:`headwise.viz.projection.output_weight`).
 
     Args:
-        model: a patched Hugging Face model (or any module with headwise layers).
+        model: a patched Hugging Face model (or any module with headwise layers), or a wrapper of one such as
+            PEFT's ``PeftModel``.
         inputs: the model's inputs (a tensor, a tuple, or a mapping such as a tokenizer's encoding).
         direction: (d,) or (b, d), e.g. :func:`logit_direction`.
         norm: the final norm (e.g. :func:`final_norm`), or None.
@@ -229,33 +280,34 @@ def direct_effects(model: nn.Module, inputs: Any, direction: torch.Tensor, *, no
     posts: dict[int, list] = {}  # per layer index: the norm its output passed through, (norm, input, output)
     handles = _watch(model, [name for name, _ in find_layers(model)], norm, seen, posts)
     try:
-        with eval_mode(model), trace(model, capture=("result",)) as t:
+        with eval_mode(model), trace(model, capture=("z",)) as t:
             call(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
     for r in t:
         r.require_one_call("direct_effects")
-    on_decoder = [r.result for r in t if r.name not in encoder]  # each (b, s, h, d)
+    on_decoder = [r for r in t if r.name not in encoder]
     if not on_decoder:
         raise ValueError("direct_effects: every traced layer is in the encoder of this encoder-decoder model; none "
                          "writes into the decoder's residual stream that the output reads")
-    b, s, _, d = on_decoder[0].shape
+    b, s = on_decoder[0].z.shape[:2]
     rows = torch.arange(b)
     pos = _positions(position, b, s)
-    width = max(r.layer.n_heads for r in t)
-    writes = on_decoder[0].new_full((b, len(t), width, d), float("nan"))  # (b, L, h, d): NaN where no head
+    parts: dict[int, torch.Tensor] = {}  # decoder layer index -> its heads' writes at pos, (b, h_l, d)
     for li, r in enumerate(t):
         if r.name in encoder:
-            # an encoder head writes into the encoder's stream, which the decoder reads only through
-            # cross-attention: its direct effect on the decoder's stream is exactly zero (its row is kept so that
-            # L indexes the traced layers)
-            writes[:, li, :r.layer.n_heads] = 0
             continue
-        w = r.result[rows, pos]  # (b, h_l, d)
-        if li in posts:
-            w = _frozen(w, *_post_norm(posts[li], r), rows, pos)
-        writes[:, li, :w.shape[1]] = w
+        # W_O as the forward applies it (an adapter's update merged), so the writes add up to the layer's output
+        w = head_results(r.z[rows, pos][:, :, None], output_weight(r.layer))[:, 0]  # (b, h_l, 1, d_h) -> (b, h_l, d)
+        parts[li] = _frozen(w, *_post_norm(posts[li], r), rows, pos) if li in posts else w
+    d = next(iter(parts.values())).shape[-1]
+    width = max(r.layer.n_heads for r in t)
+    writes = on_decoder[0].z.new_full((b, len(t), width, d), float("nan"))  # (b, L, h, d): NaN where no head
+    for li, r in enumerate(t):
+        # an encoder head writes into the encoder's stream, which the decoder reads only through cross-attention:
+        # its direct effect on the decoder's stream is exactly zero (its row is kept so that L indexes the layers)
+        writes[:, li, :r.layer.n_heads] = parts[li] if li in parts else 0
     direction = torch.as_tensor(direction).to(writes.dtype)
     if direction.shape[-1] != writes.shape[-1] or direction.dim() not in (1, 2):
         raise ValueError(f"direction must be (d={writes.shape[-1]},) or (b, d), got {tuple(direction.shape)}")

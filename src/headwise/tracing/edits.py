@@ -11,6 +11,7 @@ Shapes (one head's slice ``x_h`` at each site):
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from typing import Any, Callable, NamedTuple
 
@@ -133,11 +134,41 @@ def real_positions(padding: torch.Tensor | CachePadding | UnknownPadding | None,
         if _REAL_AXIS[site] == "key" and padding.shape[0] == b and padding.shape[1] < s:
             return torch.nn.functional.pad(padding, (0, s - padding.shape[1]), value=False)
     if padding.shape[0] != b or padding.shape[1] < s:
+        said = f"{where}: 'mean' reads the model's attention_mask (b, s) = {tuple(padding.shape)}, which does not " \
+            f"cover this call's batch {b} and {s} positions"
+        prefix = _prefix_tuning() if _REAL_AXIS[site] == "key" and padding.shape[0] == b else None
+        if prefix is not None:
+            name, n = prefix
+            raise ValueError(f"{said}: the keys include the {n} virtual tokens of {name}'s prefix tuning, which "
+                             "PEFT puts before the prompt's keys and leaves out of the mask the model was given, so "
+                             "which keys a mean over positions counts is unknown; trace peft_model.get_base_model() "
+                             "instead (it is given PEFT's own mask, which marks the prefix's keys real: the mean "
+                             "then counts them), or pass a tensor of the means")
         more = " (keys beyond the mask: a static cache's empty slots, or cross-attention keys, are not told " \
             "apart by a 2-D mask; pass the 4-D mask, or use ('mean', reference))" if _REAL_AXIS[site] == "key" else ""
-        raise ValueError(f"{where}: 'mean' reads the model's attention_mask (b, s) = {tuple(padding.shape)}, "
-                         f"which does not cover this call's batch {b} and {s} positions{more}")
+        raise ValueError(f"{said}{more}")
     return padding[:, padding.shape[1] - s:]
+
+
+def _prefix_tuning() -> tuple[str, int] | None:
+    """``(class name, virtual tokens)`` of a PEFT prefix-tuned model whose forward is running this call, or None.
+
+    The padding a trace reads is the traced call's own mask, and the model it came from is not at hand here:
+    whether keys past that mask are a PEFT prefix is known only to the PEFT forward on the call stack, so a
+    refusal (never a call that succeeds) asks the stack."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and type(owner).__module__.split(".")[0] == "peft":
+            try:
+                config = owner.active_peft_config
+            except Exception:  # noqa: BLE001 - several active adapters, or not a PeftModel: no prefix to name
+                config = None
+            kind = str(getattr(getattr(config, "peft_type", None), "value", ""))
+            if kind in ("PREFIX_TUNING", "CARTRIDGE"):
+                return type(owner).__name__, int(getattr(config, "num_virtual_tokens", 0))
+        frame = frame.f_back
+    return None
 
 
 def _number(value: Any, where: str) -> float:
