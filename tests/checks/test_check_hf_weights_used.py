@@ -197,3 +197,55 @@ def test_a_hugging_face_module_whose_attention_function_uses_other_weights_fails
     # the counterexample's deviation is the reference's, at the head, sample and token it names
     diff = (ctx - ctx_ref).abs()[cex["batch"], cex["head"], cex["token"]].max()
     torch.testing.assert_close(torch.tensor(cex["deviation"], dtype=torch.float64), diff)
+
+
+def _gated_llama(impl: str):
+    """Tiny Llama whose first attention module gates its attention output per head with a sigmoid of a projection of
+    its input before o_proj, as Qwen3-Next does (whose own module exposes no heads: its q_proj holds the gate)."""
+    from torch import nn
+    from transformers.models.llama import modeling_llama as ml
+
+    class GatedLlamaAttention(ml.LlamaAttention):
+        def __init__(self, config, layer_idx):
+            super().__init__(config, layer_idx)
+            self.gate = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim)
+
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+            shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            q, k, v = (p(hidden_states).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+            q, k = ml.apply_rotary_pos_emb(q, k, *position_embeddings)
+            if cache is not None:
+                k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+            attend = ml.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                              ml.eager_attention_forward)
+            z, w = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+            z = z.reshape(*hidden_states.shape[:-1], -1) * torch.sigmoid(self.gate(hidden_states))
+            return self.o_proj(z), w
+
+    model = build("llama", impl=impl)
+    plain = model.model.layers[0].self_attn
+    torch.manual_seed(1)
+    gated = GatedLlamaAttention(model.config, 0)
+    gated.load_state_dict(plain.state_dict(), strict=False)
+    model.model.layers[0].self_attn = gated
+    return model.eval()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_module_gating_its_attention_output_before_w_o_has_its_contexts_compared_at_the_function(impl):
+    attn = _gated_llama(impl).model.layers[0].self_attn
+    report = check(attn)
+    assert report.failed == [], str(report)
+    assert "contexts are the weights times the values" in report["softmax_sanity"].detail, str(report)
+    # the contexts compared are the attention function's output, w @ v from the formula in float64; W_O's input is
+    # them gated
+    ref = _gated_llama(impl).double().model.layers[0].self_attn
+    x = report_x(3, 8, 24)
+    w_ref, ctx_ref = _llama_reference(ref, x)
+    with torch.no_grad():
+        v, ctx = adapt(attn).converted(torch.float64).values_and_contexts(x)
+        w_o_input = adapt(attn).converted(torch.float64).contexts(x)
+    torch.testing.assert_close(ctx, ctx_ref)
+    torch.testing.assert_close(v, _split(_linear(x, ref.v_proj), ref.head_dim))
+    gate = torch.sigmoid(_split(_linear(x, ref.gate), ref.head_dim))  # (b, h, s, d_h)
+    torch.testing.assert_close(w_o_input, ctx_ref * gate)

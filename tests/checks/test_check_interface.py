@@ -200,7 +200,7 @@ def _mixing(base: type, d_h: int) -> type:
 
 
 @pytest.mark.parametrize("model_type", ["opt", "phi3", "gpt_neox", "vit"])
-def test_heads_mixed_before_w_o_fail_head_independence_and_the_contexts_check(model_type):
+def test_heads_mixed_before_w_o_fail_head_independence(model_type):
     for form, layer in _forms(model_type).items():
         module = layer.host if form == "view" else layer
         d_h = 4
@@ -210,9 +210,11 @@ def test_heads_mixed_before_w_o_fail_head_independence_and_the_contexts_check(mo
         if not type(out).__name__.startswith("Mixing"):  # the forms share one module: mix once
             out.__class__ = _mixing(type(out), d_h)
         report = check(layer)
-        # head 1's context (W_O's input) is no longer its weights times its values either, as in the gallery's
-        assert report.failed == ["softmax_sanity", "head_independence"], f"{form}: {report}"
-        assert report["softmax_sanity"].counterexample["head"] == 1
+        # the attention function's output is still its weights times its values (softmax_sanity compares it there,
+        # so that a module's own step after it, an output gate, is no failure): the mixing after it is
+        # head_independence's to find
+        assert report.failed == ["head_independence"], f"{form}: {report}"
+        assert "contexts are the weights times the values" in report["softmax_sanity"].detail
         assert report["head_independence"].counterexample["changed_heads"] == [0, 1]
 
 

@@ -152,3 +152,117 @@ def test_an_adapter_exposing_heads_but_no_values_says_the_contexts_were_not_comp
     assert "contexts not compared with the weights (the adapter exposes no values)" in \
         report["softmax_sanity"].detail, str(report)
 
+
+
+class ValueNorm(RefAttention):
+    """Correct attention whose values pass a per-head RMSNorm (learned, not the identity) before the weights read
+    them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v_norm = nn.RMSNorm(self.d_head, eps=1e-6)
+        with torch.no_grad():
+            self.v_norm.weight.copy_(1 + torch.rand(self.d_head))
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        q = self.split(self.q_proj(x), self.n_heads)
+        k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
+        v = self.v_norm(self.split(self.v_proj(x), self.n_kv_heads))[:, self.kv_head_of()]
+        scores = q @ k.transpose(-2, -1) * self.scale()
+        if causal:
+            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        w = scores.softmax(-1)
+        y = self.out_proj(self.merge(w @ v))
+        return (y, w) if return_weights else y
+
+
+class Gated(RefAttention):
+    """Correct attention with a per-head sigmoid output gate before W_O, computed from the layer's input (as
+    Qwen3-Next gates its attention output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(self.d_model, self.n_heads * self.d_head)
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        self._g = torch.sigmoid(self.split(self.gate(x), self.n_heads))  # (b, h, s, d_h)
+        return super().forward(x, mask=mask, causal=causal, return_weights=return_weights)
+
+    def mix_heads(self, ctx):
+        return ctx * self._g
+
+
+def _rms(t: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+    return t / (t.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt() * norm.weight
+
+
+@pytest.mark.parametrize("cls", [ValueNorm, Gated])
+def test_layers_with_steps_between_values_and_w_o_are_not_failed_and_say_the_contexts_were_not_compared(cls):
+    torch.manual_seed(0)
+    layer = cls().double().eval()
+    x = report_x(3, 8, 32)
+    ctx, w_v = _reference_contexts(layer, x, False)  # W_O's input, and w @ v_proj's values
+    with torch.no_grad():  # the reference: the layer is correct, its contexts are its formula's
+        _, w = layer(x, return_weights=True)
+        v = layer.split(x @ layer.v_proj.weight.T + layer.v_proj.bias, layer.n_kv_heads)  # (b, h, s, d_h)
+        if cls is ValueNorm:
+            want = w @ _rms(v, layer.v_norm)
+        else:
+            want = (w @ v) * torch.sigmoid(layer.split(x @ layer.gate.weight.T + layer.gate.bias, layer.n_heads))
+    torch.testing.assert_close(ctx, want)
+    step = "v_norm" if cls is ValueNorm else "gate"
+    torch.manual_seed(0)
+    report = check(cls())
+    assert report.ok and report.failed == [], str(report)
+    detail = report["softmax_sanity"].detail
+    # the first head, sample and token differ from w @ v (a convex combination of v_proj's values) by the reference's
+    assert f"contexts not compared: the layer has {step} between its values and W_O (head 0's context differs " \
+           f"from w @ v by {float((ctx - w_v)[0, 0, 0].abs().max()):.3g})" in detail, detail
+    assert "contexts are the weights times the values" not in detail
+
+
+class QKNormFastPathOtherScale(RefAttention):
+    """QK-norms on q and k, and a fast path with scale 1/d_head beside a weights path with 1/sqrt(d_head): its
+    norms act before the scores, not between its values and W_O, so its contexts are compared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_norm, self.k_norm = nn.RMSNorm(self.d_head, eps=1e-6), nn.RMSNorm(self.d_head, eps=1e-6)
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        q = self.q_norm(self.split(self.q_proj(x), self.n_heads))
+        k = self.k_norm(self.split(self.k_proj(x), self.n_kv_heads))[:, self.kv_head_of()]
+        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
+        allowed = None if mask is None else mask
+        if causal:
+            tril = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+            allowed = tril if allowed is None else allowed & tril
+        y = self.out_proj(self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                                    scale=1 / self.d_head)))
+        if not return_weights:
+            return y
+        scores = q @ k.transpose(-2, -1) * self.scale()
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return y, scores.softmax(-1)
+
+
+def test_a_qk_norm_layer_whose_fast_path_uses_another_scale_still_fails_the_contexts_comparison():
+    torch.manual_seed(0)
+    layer = QKNormFastPathOtherScale().double().eval()
+    x = report_x(3, 8, 32)
+    ctx, w_v = _reference_contexts(layer, x, False)
+    with torch.no_grad():  # the reference: the contexts are softmax(q . k / d_h) @ v, not the returned w @ v
+        q = _rms(layer.split(x @ layer.q_proj.weight.T + layer.q_proj.bias, 4), layer.q_norm)
+        k = _rms(layer.split(x @ layer.k_proj.weight.T + layer.k_proj.bias, 4), layer.k_norm)
+        v = layer.split(x @ layer.v_proj.weight.T + layer.v_proj.bias, 4)
+    torch.testing.assert_close(ctx, (q @ k.transpose(-2, -1) / 8).softmax(-1) @ v)
+    torch.manual_seed(0)
+    report = check(QKNormFastPathOtherScale())
+    assert report.failed == ["softmax_sanity"], str(report)
+    cex = report["softmax_sanity"].counterexample
+    assert "w @ v" in cex["summary"]
+    diff = (ctx - w_v).abs()[cex["batch"], cex["head"], cex["token"]].max()
+    torch.testing.assert_close(torch.tensor(cex["deviation"], dtype=torch.float64), diff)

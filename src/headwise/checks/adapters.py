@@ -11,8 +11,10 @@ and skip the rest. Shipped adapters:
 * :class:`ModuleAdapter`: an ``nn.Module`` with that convention; heads are exposed when it has
   ``q_proj``/``k_proj``/``v_proj``/``out_proj`` ``nn.Linear`` submodules and an ``n_heads`` attribute
   (``n_kv_heads`` optional: else read off ``k_proj``'s width), head ``i`` owning output rows
-  ``i * d_head .. (i + 1) * d_head - 1``. headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV
-  cache, rotary positions and its own projection steps (``project_q`` / ``project_kv``: QK-norms included).
+  ``i * d_head .. (i + 1) * d_head - 1``; q, k and v are rebuilt from the projections, and the module's other
+  submodules and parameters (:func:`extra_steps`) are named where they may act on them (``qk_steps``, ``v_steps``).
+  headwise's :class:`~headwise.MultiHeadAttention` uses it, with its KV cache, rotary positions and its own
+  projection steps (``project_q`` / ``project_kv``: QK-norms included).
 * ``torch.nn.MultiheadAttention``: :class:`~headwise.checks.torch_mha.TorchMHAAdapter` (built on these).
 * Hugging Face attention modules: :mod:`headwise.checks.hf_adapter` (built on these).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,7 +40,7 @@ from .hf_module import relative_bias
 from .keywords import FLAGS, confirmed, signature_keywords
 
 __all__ = ["Adapter", "CallableAdapter", "ModuleAdapter", "NotExposed", "check_rotary_scaling", "causal_keep",
-           "copy_adapter", "split", "capture_input"]
+           "copy_adapter", "extra_steps", "split", "capture_input"]
 
 # (tensor, dim, start, stop): one head's slice of a projection weight or bias
 Slice = tuple[torch.Tensor, int, int, int]
@@ -80,7 +83,9 @@ class Adapter:
     n_kv_heads: int | None = None
     d_head: int | None = None
     no_heads_reason: str = ""     # why heads are not exposed, where the adapter knows (head_independence says it)
-    qk_inferred: bool = False     # qk() rebuilds q, k from the projections: the layer may transform them further
+    qk_inferred: bool = False     # qk() rebuilds q, k from the projections, and the layer may transform them further
+    qk_steps: tuple[str, ...] = ()  # what the layer has that may act on q or k before the scores (its q_norm, ...)
+    v_steps: tuple[str, ...] = ()   # what it has that may act between its values and W_O (a value norm, a gate)
     d_out: int | None = None      # the output's width when not d_model (W_O outside the layer: h * d_h)
     unconfirmed: frozenset[str] = frozenset()       # keywords it may take through **kwargs: see confirm_keywords
     ignored_keywords: frozenset[str] = frozenset()  # keywords the layer took and ignored (said in the report)
@@ -103,6 +108,14 @@ class Adapter:
 
     def contexts(self, x: torch.Tensor, *, causal: bool | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def values_and_contexts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each K/V head's values and each head's context made of them, for ``softmax_sanity`` to compare with the
+        weights (``x`` unpadded, causal as the layer claims), or None where values are not exposed. Default:
+        :meth:`values` and :meth:`contexts` (W_O's input); an adapter that sees both where the weights meet the
+        values (Hugging Face's attention function) reads them there."""
+        v = self.values(x)
+        return None if v is None else (v, self.contexts(x))
 
     def position_bias(self, s: int) -> torch.Tensor | None:
         """The bias the layer adds to its scores from token positions alone, or None: T5's relative position bias,
@@ -265,8 +278,10 @@ class ModuleAdapter(CallableAdapter):
         if self.open_keywords:
             self.unconfirmed |= {k for k, has in (("positions", rotary), ("cache", new_cache)) if has and k not in kw}
         self.own_steps = _is_headwise(module)
-        # q, k and v rebuilt from the projections: a layer may transform them further (a QK-norm)
-        self.qk_inferred = not self.own_steps
+        if not self.own_steps:  # q, k and v rebuilt from the projections: what else it has may transform them
+            applied = ("rotary",) if callable(getattr(getattr(module, "rotary", None), "rotate", None)) else ()
+            self.qk_steps, self.v_steps = extra_steps(module, applied)
+        self.qk_inferred = bool(self.qk_steps)
         projs = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
         n_heads = getattr(module, "n_heads", None)
         if all(isinstance(p, nn.Linear) for p in projs) and isinstance(n_heads, int) and not isinstance(n_heads, bool):
@@ -391,6 +406,34 @@ def check_rotary_scaling(rotary: Any, where: str) -> None:
         finite = False
     if not finite:
         raise ValueError(f"{where}: its rotary embedding's attention_scaling must be a finite number, got {scaling!r}")
+
+
+# Attributes the check applies itself (the projections) or that act on neither q, k nor v in eval mode.
+_OWN = frozenset({"q_proj", "k_proj", "v_proj", "out_proj"})
+_INERT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity, nn.Softmax)
+# What acts on q and k only, by the names layers give it: a per-head norm of the queries or keys (QK-norm), rotary
+# positions; and a norm of the values, which acts on v only.
+_QK_ONLY = re.compile(r"(q|k|query|key)s?_?(norm|layernorm|layer_norm|ln|rmsnorm|rms_norm)|(norm|ln)_?(q|k|query|key)"
+                      r"|rotary(_emb|_embedding)?|rope")
+_V_ONLY = re.compile(r"(v|value)s?_?(norm|layernorm|layer_norm|ln|rmsnorm|rms_norm)|(norm|ln)_?(v|value)")
+
+
+def extra_steps(module: nn.Module, applied: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(qk_steps, v_steps)``: the submodules and parameters of ``module`` beyond its four projections, dropout,
+    identities and softmaxes (none of which changes q, k or v in eval mode), that may act on its queries or keys
+    before the scores (all but value norms and the ``applied`` ones) and between its values and W_O (all but
+    QK-norms and rotary positions). A module with only its projections has neither: its q, k and v are what the
+    projections give.
+
+    Args:
+        module: the layer.
+        applied: names of submodules the adapter applies itself when it rebuilds q and k (its rotary).
+    """
+    names = [n for n, child in module.named_children() if n not in _OWN and not isinstance(child, _INERT)]
+    names += [n for n, _ in module.named_parameters(recurse=False)]
+    qk = tuple(n for n in names if n not in applied and not _V_ONLY.fullmatch(n.lower()))
+    v = tuple(n for n in names if not _QK_ONLY.fullmatch(n.lower()))
+    return qk, v
 
 
 def _is_headwise(module: nn.Module) -> bool:

@@ -10,12 +10,12 @@ implementation's mask function builds (bool, True = may attend, for ``"headwise"
 ``finfo.min`` for ``"eager"``; with the layer's sliding window or Llama 4 chunk), the rotary
 ``(cos, sin)`` from the family's own rotary class (with the layer's type where it takes one: Gemma 3),
 ``position_ids`` / ``cache_position`` where it takes them, and the library's ``DynamicCache`` for the decode path.
-Attention weights, the q / k the scores see and the values the contexts read are read at the seam: for one call
-the module's implementation is a thin wrapper (registered in the local mapping of the interface its family's forward
-reads, removed afterwards) around the family's eager function, or around headwise's when the module runs headwise
-(patched). A scale the
-module folds into q or k before the call is found and counted in; the scale and softcap the family declares in its
-config are what the scores are checked against (:func:`~headwise.checks.hf_module.declared`).
+Attention weights, the q / k the scores see, the values and the contexts made of them are read at the seam: for one
+call the module's implementation is a thin wrapper (registered in the local mapping of the interface its family's
+forward reads, removed afterwards) around the family's eager function, or around headwise's when the module runs
+headwise (patched). A scale the module folds into q or k before the call is found and counted in; the scale and
+softcap the family declares in its config are what the scores are checked against
+(:func:`~headwise.checks.hf_module.declared`).
 
 Heads come from the module's :class:`~headwise.interop.hf.layer.HFView` (where the registry locates Q/K/V and W_O):
 head ``i``'s W_Q rows are ``view.head(i).w_q``. Where they are not located (multi-head latent attention, CodeGen's
@@ -227,7 +227,7 @@ class HFAdapter(Adapter):
 
     @contextlib.contextmanager
     def _seam(self, *, weights: bool) -> Iterator[list[tuple[torch.Tensor, ...]]]:
-        """For one call, route the module's attention through a wrapper that records (q, k, weights, v)."""
+        """For one call, route the module's attention through a wrapper that records (q, k, weights, v, output)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as shared
 
         family = sys.modules[hf_class(self.attention).__module__]
@@ -244,7 +244,7 @@ class HFAdapter(Adapter):
             if impl == HEADWISE and weights:
                 kwargs["output_attentions"] = True
             z, w = base(module, query, key, value, attention_mask, **kwargs)
-            got.append((query, key, w, value))
+            got.append((query, key, w, value, z))
             return z, w
 
         old = self.config._attn_implementation
@@ -322,6 +322,19 @@ class HFAdapter(Adapter):
         projection, a value norm), in the call :meth:`contexts` makes: ``x`` unpadded, causal as the module claims.
         None where heads are not exposed; :class:`~headwise.checks.adapters.NotExposed` saying why where the call
         hands the function no per-K/V-head values."""
+        got = self._seam_call(x)
+        return None if got is None else got[0]
+
+    def values_and_contexts(self, x):  # type: ignore[no-untyped-def]
+        """The values the attention function receives and the contexts it returns, in one normal call (see
+        :meth:`values`): the weights and the values meet there, so what the module does to the contexts after it (a
+        Qwen3-Next-style output gate before W_O) is not the function's output."""
+        return self._seam_call(x)
+
+    def _seam_call(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(values, contexts) at the seam, or None where heads are not exposed.
+
+        Shapes: x (b, s, d) -> (b, h_kv, s, d_h), (b, h, s, d_h)"""
         if not self.exposes_heads:
             return None
         b, s, _ = x.shape
@@ -330,13 +343,18 @@ class HFAdapter(Adapter):
             self._forward(x, self._mask(b, pos, pos, None, self.causal_flag(None), x.dtype, x.device))
         if not got:
             raise NotExposed(f"{self.name} never called its attention function, so its values were not seen")
-        v = got[-1][3]
+        v, z = got[-1][3], got[-1][4]
         want = (b, self.n_kv_heads, s, self.d_head)  # (b, h_kv, s, d_h)
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != want:
             seen = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise NotExposed(f"{self.name} handed its attention function values of shape {seen}, not (b, h_kv, s, "
                              f"d_h) = {want}")
-        return v
+        out = (b, s, self.n_heads, self.d_head)  # the interface's output layout: (b, s, h, d_h)
+        if not isinstance(z, torch.Tensor) or tuple(z.shape) != out:
+            seen = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+            raise NotExposed(f"{self.name}'s attention function returned contexts of shape {seen}, not (b, s, h, "
+                             f"d_h) = {out}")
+        return v, z.transpose(1, 2)  # (b, h, s, d_h)
 
     def position_bias(self, s):  # type: ignore[no-untyped-def]
         """The T5 family's relative position bias of the attention module itself (not of a block holding it), or

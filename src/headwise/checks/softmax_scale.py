@@ -5,9 +5,10 @@ about the scale; a fit is only evidence when there are more data points than unk
 few (at seq_len=2 one row has two keys), so more random inputs are drawn until each head has
 :data:`MIN_POINTS`, or the scale is reported as not checked: it is never judged from a fit that any scale and
 any K/V head would satisfy. A position bias the layer adds to its scores (T5's relative position bias) is taken
-out of the log-weights before the fit. Where the adapter only rebuilds q and k from the projections
-(``qk_inferred``), a misfit may be the layer's own transform of them (a QK-norm): the scale is then reported as not
-checked, never as failed.
+out of the log-weights before the fit. Where the adapter rebuilds q and k from the projections of a layer that has
+more steps that may act on them (``qk_inferred``: its ``qk_steps``, a QK-norm), a misfit may be those steps: the
+scale is then reported as not checked, and the property as not verified, never as passed or failed. A layer with only
+its projections (and the rotary the adapter applies) has its q and k rebuilt whole: a misfit fails.
 
 Shapes:
     b: batch, s: tokens, h: query heads, h_kv: key/value heads, d_qk: query/key head width.
@@ -143,10 +144,12 @@ def _matching(qk: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor) -> bool:
 
 def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Tensor,
                 draw: Callable[[], torch.Tensor], rtol: float, floor: float = SOFTMAX_FLOOR,
-                eps: float = 2 ** -52) -> tuple[tuple[str, dict, float, float] | None, str]:
-    """``(problem, note)``: a wrong scale (or weights that are no softmax of scaled q . k) as ``(detail,
+                eps: float = 2 ** -52) -> tuple[tuple[str, dict, float, float] | None, str, bool]:
+    """``(problem, note, unverified)``: a wrong scale (or weights that are no softmax of scaled q . k) as ``(detail,
     counterexample, deviation, tolerance)`` (the measure that failed: ``|c / expected - 1|`` against its limit, or
-    the fit's relative residual against its), else None and what was verified.
+    the fit's relative residual against its), else None and what was verified. ``unverified`` is True where the fit
+    failed on queries and keys the adapter rebuilt without the layer's own steps (``qk_inferred``): neither a pass
+    nor a failure can be told, and the note says why.
 
     Each query head is fitted against its own K/V head (``h // (h / h_kv)``) first; another K/V head is used only
     when its own does not fit (which K/V head a query head reads is head_independence's business). A head whose
@@ -158,10 +161,10 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
 
     Shapes: w (b, h, s, s) float64 with rows nobody may read zeroed; x (b, s, d); allowed (b, h, s, s)"""
     if not a.d_head:
-        return None, "scale not checked (the layer exposes no queries/keys)"
+        return None, "scale not checked (the layer exposes no queries/keys)", False
     got = _samples(a, w, x, allowed, draw, floor)
     if got is None:
-        return None, "scale not checked (the layer exposes no queries/keys matching its weights)"
+        return None, "scale not checked (the layer exposes no queries/keys matching its weights)", False
     logw, q, k, allowed = got
     bias = a.position_bias(x.shape[1])
     if bias is not None:  # scores = scale * q . k + bias: the log-weights less the bias are linear in q . k
@@ -169,7 +172,7 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
     points = data_points(allowed)
     if points < MIN_POINTS:
         return None, (f"scale not checked: the weights give {points} data points per head at seq_len={x.shape[1]} "
-                      f"(the fit needs {MIN_POINTS}; use a longer seq_len)")
+                      f"(the fit needs {MIN_POINTS}; use a longer seq_len)"), False
     d_qk = q.shape[-1]  # the width the scores are over (DeepSeek's differs from the value heads')
     expected = a.scale or d_qk ** -0.5
     named = a.scale_source or f"1/sqrt(d_head={d_qk})"
@@ -227,23 +230,26 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
         what = "weights are not uniform over keys with equal scores" if math.isnan(c) else \
             f"log-weights are not linear in q . k{'' if cap is None else f' capped at {cap:g}'}"
         measure = "max log-weight spread" if math.isnan(c) else "relative residual"
-        if a.qk_inferred:  # q . k rebuilt from the projections: the layer may normalise q and k first
+        if a.qk_inferred:  # q . k rebuilt from the projections: the layer's own steps may act on q and k first
+            steps = ", ".join(a.qk_steps) or "steps"
             return None, (f"scale not checked: head {h}'s {what} as rebuilt from q_proj and k_proj ({measure} "
-                          f"{r:.2g}); the layer may transform its queries and keys (a QK-norm) before the scores")
+                          f"{r:.2g}), and the layer has {steps} that may transform its queries and keys (a QK-norm) "
+                          "before the scores (an Adapter whose qk() returns the q and k its scores see lets it be "
+                          "checked)"), True
         return ("weights are not a softmax of scaled q . k over keys", {"head": h, "residual": r, "limit": limit,
                 "summary": f"head {h}'s {what} ({measure} {r:.2g}, limit {limit:.2g})"},
-                r, limit), ""
+                r, limit), "", False
     if bad_scale:
         h, c, within = bad_scale[0]
         off = abs(c / expected - 1)
         return ("wrong scale", {"head": h, "fitted_scale": c, "expected_scale": expected, "relative_error": off,
                 "limit": within, "summary": f"head {h} scales scores by {name_scale(c, d_qk, a.d_model)}, "
                 f"expected {expected:.6g} = {named} (|fitted / expected - 1| = {off:.3g}, limit {within:.2g})"},
-                off, within), ""
+                off, within), "", False
     dead = [h for h, (c, _, _) in enumerate(fits) if math.isnan(c)]
     if len(dead) == h_q:
         return None, (f"scale not determined: every head's scores are constant within rows (spread below "
-                      f"{min_spread / 1e3:.2g})")
+                      f"{min_spread / 1e3:.2g})"), False
     where = "every head" if not dead else f"every head but {dead} (constant scores: scale not determined)"
     if bias is not None:
         where += " (less its relative position bias)"
@@ -253,4 +259,4 @@ def check_scale(a: Adapter, w: torch.Tensor, x: torch.Tensor, allowed: torch.Ten
         capped_note = f", softcap {cap:g}"
     else:
         capped_note = f"; softcap {cap:g} not checked (the scores never reach its nonlinear range)"
-    return None, f"scale {short} fitted on {where}{capped_note}"
+    return None, f"scale {short} fitted on {where}{capped_note}", False

@@ -5,7 +5,10 @@ eager one, and only the eager one's would be judged.
 * :func:`outputs_follow_weights`: the normal call's output equals the output of the call that returns weights.
 * :func:`contexts_follow_weights`: where heads are exposed, each head's context (the input of W_O) in the normal
   call is its returned weights times its values, ``w @ v``: a fast path with another scale, or without the
-  softmax's normalisation, gives other contexts even when both calls return the same output.
+  softmax's normalisation, gives other contexts even when both calls return the same output. A layer with steps
+  of its own between its values and W_O (a value norm, an output gate: the adapter's ``v_steps``) may make other
+  contexts correctly: there a mismatch is reported as not compared, naming them; a layer with only its projections
+  fails on it.
 
 Each returns a :data:`Problem` or None (and a note saying what was compared, or why not).
 
@@ -51,10 +54,11 @@ def outputs_follow_weights(p: Probe, y_w: torch.Tensor, keep: torch.Tensor | Non
 
 def contexts_follow_weights(p: Probe) -> tuple[Problem | None, str]:
     """``(problem, note)``: each head's context in the layer's normal call against its returned weights times its
-    values, both on the check's input without padding. A query head is compared with its own K/V head
-    (``h // (h / h_kv)``) first and another only where its own does not match: which K/V head a query head reads is
-    head_independence's business. Where the adapter exposes no values or contexts (``values`` returns None, or it
-    or ``contexts`` raises :class:`NotExposed`) the note says so and why.
+    values, both on the check's input without padding (:meth:`~.adapters.Adapter.values_and_contexts`). A query head
+    is compared with its own K/V head (``h // (h / h_kv)``) first and another only where its own does not match: which
+    K/V head a query head reads is head_independence's business. Where the adapter exposes no values or contexts
+    (``values`` returns None, or it or ``contexts`` raises :class:`NotExposed`) the note says so and why; where the
+    contexts differ and the layer has steps between its values and W_O (``v_steps``), the note names them.
 
     The tolerance is 10 * rtol of the values' scale: a context is a convex combination of values, so rounding
     of the weights moves it by at most a few of their ulps times the largest value."""
@@ -62,10 +66,10 @@ def contexts_follow_weights(p: Probe) -> tuple[Problem | None, str]:
     if not a.exposes_heads:
         return None, ""
     try:
-        v = a.values(p.x)
-        if v is None:
+        got = a.values_and_contexts(p.x)
+        if got is None:
             return None, "; contexts not compared with the weights (the adapter exposes no values)"
-        c = a.contexts(p.x)
+        v, c = got
     except NotExposed as exc:
         return None, f"; contexts not compared with the weights ({exc})"
     _, w = a.run_weights(p.x)
@@ -90,6 +94,9 @@ def contexts_follow_weights(p: Probe) -> tuple[Problem | None, str]:
         return None, ", contexts are the weights times the values"
     i, own = first
     bi, ti = first_index(own > tol)
+    if a.v_steps:  # its own steps may make the contexts from w @ v: the check cannot see through them
+        return None, (f"; contexts not compared: the layer has {', '.join(a.v_steps)} between its values and W_O "
+                      f"(head {i}'s context differs from w @ v by {float(own[bi, ti]):.3g})")
     return ("the contexts are not the returned weights times the values", {
         "head": i, "batch": bi, "token": ti, "deviation": float(own[bi, ti]),
         "summary": f"head {i}'s context at token {ti} (sample {bi}) differs from its returned weights times its "
