@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from .report import CORE_PROPERTIES, FAIL, PASS, PROPERTY_NAMES, SKIPPED, PropertyResult, Report
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .adapters import Adapter, CallableAdapter, ModuleAdapter
+    from .adapters import Adapter, CallableAdapter
+    from .module_adapter import ModuleAdapter
     from .choose import adapt
     from .run import check
     from .torch_mha import TorchMHAAdapter
@@ -33,7 +34,7 @@ __all__ = ["check", "Report", "PropertyResult", "Adapter", "CallableAdapter", "M
 
 # The names that need torch load on first use, so that the CLI can check its arguments (property names)
 # before importing torch.
-_LAZY = {"check": "run", "Adapter": "adapters", "CallableAdapter": "adapters", "ModuleAdapter": "adapters",
+_LAZY = {"check": "run", "Adapter": "adapters", "CallableAdapter": "adapters", "ModuleAdapter": "module_adapter",
          "TorchMHAAdapter": "torch_mha", "adapt": "choose"}
 
 

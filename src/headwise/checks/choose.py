@@ -16,7 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from .adapters import Adapter, CallableAdapter, ModuleAdapter
+from .adapters import Adapter, CallableAdapter
+from .module_adapter import ModuleAdapter
 from .torch_mha import TorchMHAAdapter
 from .hf_module import hf_class
 
