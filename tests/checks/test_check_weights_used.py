@@ -199,7 +199,7 @@ def _rms(t: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("cls", [ValueNorm, Gated])
-def test_layers_with_steps_between_values_and_w_o_are_not_failed_and_say_the_contexts_were_not_compared(cls):
+def test_layers_with_steps_between_values_and_w_o_are_not_verified_and_say_why(cls):
     torch.manual_seed(0)
     layer = cls().double().eval()
     x = report_x(3, 8, 32)
@@ -215,12 +215,32 @@ def test_layers_with_steps_between_values_and_w_o_are_not_failed_and_say_the_con
     step = "v_norm" if cls is ValueNorm else "gate"
     torch.manual_seed(0)
     report = check(cls())
-    assert report.ok and report.failed == [], str(report)
+    # correct, but the check cannot tell its step from a fast path that ignores the weights: not shown, not failed
+    assert report.failed == [] and report.not_verified == ["softmax_sanity"], str(report)
     detail = report["softmax_sanity"].detail
     # the first head, sample and token differ from w @ v (a convex combination of v_proj's values) by the reference's
-    assert f"contexts not compared: the layer has {step} between its values and W_O (head 0's context differs " \
-           f"from w @ v by {float((ctx - w_v)[0, 0, 0].abs().max()):.3g})" in detail, detail
+    assert f"contexts not verified: the layer has {step} between its values and W_O, and head 0's context differs " \
+           f"from w @ v by {float((ctx - w_v)[0, 0, 0].abs().max()):.3g}" in detail, detail
     assert "contexts are the weights times the values" not in detail
+
+
+class FastPathOtherScaleWithBias(FastPathOtherScale):
+    """FastPathOtherScale with an output bias parameter of its own: a step the check cannot see through, which must
+    not turn its failure into a pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(32))
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):  # type: ignore[no-untyped-def]
+        out = super().forward(x, mask=mask, causal=causal, return_weights=return_weights)
+        return (out[0] + self.bias, out[1]) if return_weights else out + self.bias
+
+
+def test_a_wrong_fast_path_beside_a_step_of_its_own_is_never_passed():
+    torch.manual_seed(0)
+    report = check(FastPathOtherScaleWithBias())
+    assert not report.ok and "softmax_sanity" in report.failed + report.not_verified, str(report)
 
 
 class QKNormFastPathOtherScale(RefAttention):

@@ -179,12 +179,13 @@ _INERT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
 # What acts on q and k only, by the names layers give it: a per-head norm of the queries or keys (QK-norm), rotary
 # positions; and a norm of the values, which acts on v only.
 _QK_ONLY = re.compile(r"(q|k|query|key)s?_?(norm|layernorm|layer_norm|ln|rmsnorm|rms_norm)|(norm|ln)_?(q|k|query|key)"
-                      r"|rotary(_emb|_embedding)?|rope")
+                      r"|qk_?(norm|layernorm|layer_norm|ln)|rotary(_emb|_embedding|_pos_emb)?|rope|inv_freq"
+                      r"|(cos|sin)_cached")
 _V_ONLY = re.compile(r"(v|value)s?_?(norm|layernorm|layer_norm|ln|rmsnorm|rms_norm)|(norm|ln)_?(v|value)")
 
 
 def extra_steps(module: nn.Module, applied: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(qk_steps, v_steps)``: the submodules and parameters of ``module`` beyond its four projections, dropout,
+    """``(qk_steps, v_steps)``: the submodules, parameters and buffers of ``module`` beyond its four projections, dropout,
     identities and softmaxes (none of which changes q, k or v in eval mode), that may act on its queries or keys
     before the scores (all but value norms and the ``applied`` ones) and between its values and W_O (all but
     QK-norms and rotary positions). A module with only its projections has neither: its q, k and v are what the
@@ -196,6 +197,7 @@ def extra_steps(module: nn.Module, applied: tuple[str, ...] = ()) -> tuple[tuple
     """
     names = [n for n, child in module.named_children() if n not in _OWN and not isinstance(child, _INERT)]
     names += [n for n, _ in module.named_parameters(recurse=False)]
+    names += [n for n, _ in module.named_buffers(recurse=False)]  # an inline rotary's inv_freq, ALiBi's slopes
     qk = tuple(n for n in names if n not in applied and not _V_ONLY.fullmatch(n.lower()))
     v = tuple(n for n in names if not _QK_ONLY.fullmatch(n.lower()))
     return qk, v

@@ -300,7 +300,7 @@ def softmax_sanity(p: Probe) -> PropertyResult:
                          float(w.abs().masked_fill(~leaked, 0.0).max()), 0.0))
     if (mismatch := outputs_follow_weights(p, y_w, keep)) is not None:
         problems.append(mismatch)
-    used, used_note = contexts_follow_weights(p)
+    used, used_note, contexts_unverified = contexts_follow_weights(p)
     if used is not None:
         problems.append(used)
     scale_note, unverified = "scale not checked (the layer exposes no queries/keys)", False
@@ -314,6 +314,8 @@ def softmax_sanity(p: Probe) -> PropertyResult:
         return PropertyResult(name, FAIL, "; ".join(pr[0] for pr in problems), cex, worst, limit)
     rows_note = "rows sum to at most 1 (sinks take the rest)" if a.sinks else "rows sum to 1"
     same = ", outputs match the weights path" if isinstance(y_w, torch.Tensor) else ""
+    if contexts_unverified:  # the contexts could neither pass nor fail: the property is not shown
+        return skip(name, f"{used_note}; {rows_note}, masked entries exactly 0{same}; {scale_note}")
     if unverified:  # the scale part could neither pass nor fail: the property is not shown, whatever else held
         return skip(name, f"{scale_note}; {rows_note}, masked entries exactly 0{same}{used_note}")
     return PropertyResult(name, PASS, f"{rows_note}, masked entries exactly 0{same}{used_note}; {scale_note}", None,

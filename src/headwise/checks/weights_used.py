@@ -52,33 +52,35 @@ def outputs_follow_weights(p: Probe, y_w: torch.Tensor, keep: torch.Tensor | Non
                    "output uses"}, float(dev.max()), tol)
 
 
-def contexts_follow_weights(p: Probe) -> tuple[Problem | None, str]:
-    """``(problem, note)``: each head's context in the layer's normal call against its returned weights times its
+def contexts_follow_weights(p: Probe) -> tuple[Problem | None, str, bool]:
+    """``(problem, note, unverified)``: each head's context in the layer's normal call against its returned weights times its
     values, both on the check's input without padding (:meth:`~.adapters.Adapter.values_and_contexts`). A query head
     is compared with its own K/V head (``h // (h / h_kv)``) first and another only where its own does not match: which
     K/V head a query head reads is head_independence's business. Where the adapter exposes no values or contexts
     (``values`` returns None, or it or ``contexts`` raises :class:`NotExposed`) the note says so and why; where the
-    contexts differ and the layer has steps between its values and W_O (``v_steps``), the note names them.
+    contexts differ and the layer has steps between its values and W_O (``v_steps``), which may make them from
+    ``w @ v`` or hide a fast path that does not, the comparison shows nothing either way: ``unverified`` is True and
+    the note names the steps and the difference (the property is then not shown, never passed).
 
     The tolerance is 10 * rtol of the values' scale: a context is a convex combination of values, so rounding
     of the weights moves it by at most a few of their ulps times the largest value."""
     a = p.adapter
     if not a.exposes_heads:
-        return None, ""
+        return None, "", False
     try:
         got = a.values_and_contexts(p.x)
         if got is None:
-            return None, "; contexts not compared with the weights (the adapter exposes no values)"
+            return None, "; contexts not compared with the weights (the adapter exposes no values)", False
         v, c = got
     except NotExposed as exc:
-        return None, f"; contexts not compared with the weights ({exc})"
+        return None, f"; contexts not compared with the weights ({exc})", False
     _, w = a.run_weights(p.x)
     b, s, _ = p.x.shape
     h, h_kv = (w.shape[1], v.shape[1]) if isinstance(w, torch.Tensor) and w.dim() == 4 else (0, 0)
     if not h or h % h_kv or tuple(w.shape) != (b, h, s, s) or tuple(c.shape) != (b, h, s, v.shape[-1]) \
             or tuple(v.shape[:3]) != (b, h_kv, s):
         shapes = f"weights {tuple(getattr(w, 'shape', ()))}, values {tuple(v.shape)}, contexts {tuple(c.shape)}"
-        return None, f"; contexts not compared with the weights (their shapes do not match: {shapes})"
+        return None, f"; contexts not compared with the weights (their shapes do not match: {shapes})", False
     w, v, c = w.double(), v.double(), c.double()
     tol = p.tol(v, 10 * p.rtol)
     g = h // h_kv
@@ -91,14 +93,14 @@ def contexts_follow_weights(p: Probe) -> tuple[Problem | None, str]:
         if first is None and float(best.max()) > tol:
             first = (i, own)
     if first is None:
-        return None, ", contexts are the weights times the values"
+        return None, ", contexts are the weights times the values", False
     i, own = first
     bi, ti = first_index(own > tol)
-    if a.v_steps:  # its own steps may make the contexts from w @ v: the check cannot see through them
-        return None, (f"; contexts not compared: the layer has {', '.join(a.v_steps)} between its values and W_O "
-                      f"(head {i}'s context differs from w @ v by {float(own[bi, ti]):.3g})")
+    if a.v_steps:  # its own steps may make the contexts from w @ v, or hide a wrong fast path: neither shown
+        return None, (f"contexts not verified: the layer has {', '.join(a.v_steps)} between its values and W_O, "
+                      f"and head {i}'s context differs from w @ v by {float(own[bi, ti]):.3g}"), True
     return ("the contexts are not the returned weights times the values", {
         "head": i, "batch": bi, "token": ti, "deviation": float(own[bi, ti]),
         "summary": f"head {i}'s context at token {ti} (sample {bi}) differs from its returned weights times its "
                    f"values (w @ v) by {float(own[bi, ti]):.3g} (tolerance {tol:.2g}): the output is not made of "
-                   "the weights checked"}, worst, tol), ""
+                   "the weights checked"}, worst, tol), "", False
