@@ -180,7 +180,11 @@ class AttentionHead(nn.Module):
     # -- the head's own computation -----------------------------------------------------------------
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None, *, key: torch.Tensor | None = None,
                 value: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """This head's Q, K, V (inputs as :meth:`forward` takes them, unchecked here).
+        """This head's Q, K, V (inputs as :meth:`forward` takes them, unchecked here), projections only.
+
+        With a rotary embedding (``self.rotary``) q and k here are *before* rotary: a trace's q and k (after
+        rotary) differ from them at every position but 0. ``self.rotary.rotate(q[:, None], k[:, None], positions)``
+        rotates them as :meth:`forward` does.
 
         Shapes: x (b, s_q, d); context (b, s_kv, kdim) or key (b, s_kv, kdim) and value (b, s_kv, vdim)
             -> (b, s_q, d_h), (b, s_kv, d_h), (b, s_kv, d_h)"""

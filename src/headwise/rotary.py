@@ -11,6 +11,7 @@ Shapes:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -58,6 +59,14 @@ class RotaryEmbedding(nn.Module):
         inv_freq: explicit inverse frequencies ``(rotary_dim // 2,)``, for scaled variants (e.g. Llama-3's
             rope scaling) computed elsewhere; overrides ``base``.
         attention_scaling: multiplies cos and sin (used by some scaled-RoPE variants; 1.0 otherwise).
+        max_positions: the first position these frequencies do not hold for (a variant whose model switches them
+            with the sequence length: dynamic NTK past ``max_position_embeddings``, longrope past
+            ``original_max_position_embeddings``); positions reaching it raise ``ValueError`` outside
+            ``torch.compile``. None (default): no limit.
+        rope_type: the variant's name, for that message.
+
+    ``inv_freq`` stays float32 through dtype casts (``.to(torch.bfloat16)``, ``.half()``): a position times a
+    bfloat16 frequency is off by radians at a few thousand positions, and Hugging Face keeps float32 frequencies too.
 
     Shapes:
         positions: (s,) or (b, s) int -> cos, sin: (b or 1, 1, s, rotary_dim), float32
@@ -73,7 +82,8 @@ class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor
 
     def __init__(self, d_head: int, *, base: float = 10000.0, rotary_dim: int | None = None,
-                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0) -> None:
+                 inv_freq: torch.Tensor | None = None, attention_scaling: float = 1.0,
+                 max_positions: int | None = None, rope_type: str = "default") -> None:
         super().__init__()
         for name, value in (("d_head", d_head), ("rotary_dim", rotary_dim)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -100,7 +110,23 @@ class RotaryEmbedding(nn.Module):
                 or not (math.isfinite(attention_scaling) and attention_scaling > 0):
             raise ValueError(f"attention_scaling must be a positive finite float, got {attention_scaling!r}")
         self.attention_scaling = float(attention_scaling)
+        if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)):
+            raise TypeError(f"max_positions must be an int or None, got {type(max_positions).__name__}")
+        if max_positions is not None and max_positions <= 0:
+            raise ValueError(f"max_positions must be positive, got {max_positions}")
+        if not isinstance(rope_type, str):
+            raise TypeError(f"rope_type must be a str, got {type(rope_type).__name__}")
+        self.max_positions, self.rope_type = max_positions, rope_type
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
+        exact = self.inv_freq
+        super()._apply(fn, recurse)
+        moved = self.inv_freq
+        # A dtype cast must not round the frequencies: keep the float32 values, on the tensor's new device.
+        if exact.dtype == torch.float32 and moved.dtype != torch.float32 and not exact.is_meta:
+            self.inv_freq = exact.to(moved.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at ``positions``, computed in float32 (Hugging Face's precision) or float64 when asked."""
@@ -109,6 +135,14 @@ class RotaryEmbedding(nn.Module):
             got = (f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor)
                    else type(positions).__name__)
             raise TypeError(f"positions must be an integer tensor of shape (s,) or (b, s), got {got}")
+        if self.max_positions is not None and positions.numel() and not torch.compiler.is_compiling():
+            last = int(positions.max())  # a host sync, paid only by variants with a limit
+            if last >= self.max_positions:
+                raise ValueError(
+                    f"positions reach {last}, but this {self.rope_type} rotary's frequencies hold only for positions "
+                    f"< {self.max_positions} (max_positions): past it the model switches them with the sequence "
+                    "length. For longer sequences run the model itself (a patched Hugging Face model takes "
+                    "transformers' own rotary)")
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)  # (1, s)
         work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -136,4 +170,6 @@ class RotaryEmbedding(nn.Module):
                 apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype)))
 
     def extra_repr(self) -> str:
-        return f"d_head={self.d_head}, rotary_dim={self.rotary_dim}, base={self.base}"
+        limit = ("" if self.max_positions is None
+                 else f", rope_type={self.rope_type}, max_positions={self.max_positions}")
+        return f"d_head={self.d_head}, rotary_dim={self.rotary_dim}, base={self.base}{limit}"

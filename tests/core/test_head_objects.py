@@ -32,7 +32,8 @@ def test_from_heads_refuses_heads_whose_rotary_embeddings_differ():
     other_base = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8, base=500000.0))
     partial = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8, rotary_dim=4))
     scaled = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8, attention_scaling=2.0))
-    rounded = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8)).to(torch.bfloat16)  # inv_freq rounded too
+    rounded = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8), dtype=torch.bfloat16)
+    rounded.rotary.inv_freq = rounded.rotary.inv_freq.to(torch.bfloat16)  # a dtype cast keeps it float32: by hand
     kept = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(8), dtype=torch.bfloat16)  # inv_freq in float32
     for heads, why in (([plain.head(0), rope.head(1)], "RotaryEmbedding vs no rotary"),
                        ([rope.head(0), plain.head(1)], "no rotary vs RotaryEmbedding"),

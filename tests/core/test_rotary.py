@@ -49,3 +49,45 @@ def test_inv_freq_and_attention_scaling_are_checked():
         RotaryEmbedding(8, inv_freq=np.ones(4, dtype=np.float32))
     with pytest.raises(ValueError, match="attention_scaling must be a positive finite float, got nan"):
         RotaryEmbedding(8, attention_scaling=float("nan"))
+
+
+@pytest.mark.parametrize("cast", ["to", "half"])
+def test_a_dtype_cast_keeps_float32_frequencies_and_rotates_like_float64_at_large_positions(cast):
+    from headwise import MultiHeadAttention
+
+    d_h, b, h, s = 8, 1, 2, 6
+    layer = MultiHeadAttention(16, 2, rotary=RotaryEmbedding(d_h))
+    layer = layer.to(torch.bfloat16) if cast == "to" else layer.half()
+    dtype = layer.q_proj.weight.dtype
+    rope = layer.rotary
+    inv_freq64 = 1.0 / 10000.0 ** (torch.arange(0, d_h, 2, dtype=torch.float64) / d_h)  # the formula, float64
+    assert rope.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(rope.inv_freq.double(), inv_freq64)
+    positions = torch.arange(4000, 4000 + s)
+    torch.manual_seed(0)
+    q, k = torch.randn(b, h, s, d_h).to(dtype), torch.randn(b, 1, s, d_h).to(dtype)
+    q_rot, k_rot = rope.rotate(q, k, positions)
+    assert q_rot.dtype == k_rot.dtype == dtype
+    for got, x in ((q_rot, q), (k_rot, k)):
+        # cos, sin and the products rounded to the output dtype: a few eps of |x1| + |x2|; frequencies rounded to
+        # it put whole radians into the angles at these positions
+        tol = dict(rtol=0, atol=4 * torch.finfo(dtype).eps * float(x.abs().max()))
+        for head in range(x.shape[1]):
+            torch.testing.assert_close(got[:, head].double(), rope64(x[:, head].double(), positions, inv_freq64),
+                                       **tol)
+
+
+def test_max_positions_refuses_positions_from_it_and_is_checked():
+    rope = RotaryEmbedding(8, max_positions=5, rope_type="dynamic")
+    q = k = torch.randn(2, 1, 5, 8)
+    ok = rope.rotate(q, k, torch.arange(5))
+    torch.testing.assert_close(ok, RotaryEmbedding(8).rotate(q, k, torch.arange(5)))
+    for positions in (torch.arange(1, 6), torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 0, 7]])):
+        with pytest.raises(ValueError, match=rf"positions reach {int(positions.max())}, but this dynamic rotary's "
+                                             r"frequencies hold only for positions < 5"):
+            rope.rotate(q, k, positions)
+    assert "max_positions=5" in repr(rope)
+    with pytest.raises(TypeError, match="max_positions must be an int or None, got float"):
+        RotaryEmbedding(8, max_positions=5.0)
+    with pytest.raises(ValueError, match="max_positions must be positive, got 0"):
+        RotaryEmbedding(8, max_positions=0)

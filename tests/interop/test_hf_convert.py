@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from headwise import MultiHeadAttention, RotaryEmbedding  # noqa: E402
 from headwise.interop import from_hf, layers, patch, to_hf  # noqa: E402
 from headwise.interop.hf.registry import ENTRIES, entry_for  # noqa: E402
+from headwise.masks import sliding_window_mask  # noqa: E402
 
 BASE = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64)
@@ -33,8 +34,8 @@ WHERE = {"bert": "encoder.layer.1.attention", "roberta": "encoder.layer.1.attent
          "opt": "model.decoder.layers.1.self_attn", "gpt_neox": "gpt_neox.layers.1.attention"}
 
 
-def build(model_type: str, seed: int = 0, impl: str = "eager") -> torch.nn.Module:
-    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **EXTRA.get(model_type, {})})
+def build(model_type: str, seed: int = 0, impl: str = "eager", **over) -> torch.nn.Module:
+    cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **EXTRA.get(model_type, {}), **over})
     cls = transformers.AutoModel if model_type in ENCODERS else transformers.AutoModelForCausalLM
     torch.manual_seed(seed)
     model = cls.from_config(cfg, attn_implementation=impl).eval()
@@ -109,6 +110,35 @@ def test_a_family_the_registry_does_not_call_standalone_warns_that_the_copy_hold
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from_hf(module_of(build("llama"), "llama"))  # standalone: no warning
+
+
+def _window_warning(module: torch.nn.Module) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        from_hf(module)
+    return [str(w.message) for w in seen if "sliding window" in str(w.message)]
+
+
+def test_a_sliding_window_shorter_than_the_models_positions_warns_naming_it_and_its_mask():
+    model = build("mistral", sliding_window=3)
+    module, x, want, _ = _model_inputs(model, "mistral")  # 6 positions: past the window
+    with pytest.warns(UserWarning, match=r"from_hf: MistralAttention attends within a sliding window of 3 positions "
+                                         r".*mask=headwise.masks.sliding_window_mask\(s_q, s_kv, window=3\)"):
+        attn = from_hf(module)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, mask=sliding_window_mask(6, window=3)), want)
+        assert not torch.allclose(attn(x, causal=True), want, atol=1e-3)  # what the warning is about
+    # the window where the layer has one: Qwen2's use_sliding_window layers, Gemma 2's local ones
+    qwen2 = build("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert _window_warning(qwen2.model.layers[0].self_attn) == []
+    assert "sliding window of 4 positions" in _window_warning(qwen2.model.layers[1].self_attn)[0]
+    gemma2 = build("gemma2", sliding_window=4)
+    assert "sliding window of 4 positions" in _window_warning(gemma2.model.layers[0].self_attn)[0]
+    assert _window_warning(gemma2.model.layers[1].self_attn) == []
+    # a window no shorter than max_position_embeddings (64) never cuts anything
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_hf(module_of(build("mistral", sliding_window=64), "mistral"))
 
 
 STANDALONE = sorted(t for t, e in ENTRIES.items() if not callable(e) and e.standalone)

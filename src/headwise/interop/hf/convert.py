@@ -72,7 +72,10 @@ def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiH
     types), and where it names per-head QK-norms a :class:`~headwise.interop.hf.qk_norm.QKNormAttention` with copies
     of them. Where the entry says ``standalone`` the copy computes what the module computes; elsewhere it holds the
     weights only (the module adds what the registry does not describe: softcap, sinks, gates, its own rotary), and
-    a ``UserWarning`` says so.
+    a ``UserWarning`` says so. A sliding window lives in the model's mask, not in the module: a module with one
+    shorter than ``max_position_embeddings`` (Mistral, Qwen2's ``use_sliding_window`` layers, Gemma 2's local
+    layers) gets a ``UserWarning`` naming it, since the copy attends past it unless a call passes
+    ``mask=headwise.masks.sliding_window_mask(s_q, s_kv, window=W)`` (decoding past the window is not windowed).
 
     Raises ``TypeError`` for anything but an attention module (or its block), ``ValueError`` naming why a
     projection is not located (CodeGen's sharded Q/K/V, multi-head latent attention) or which projection a PEFT
@@ -98,6 +101,13 @@ def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiH
         warnings.warn(f"from_hf: {type(host).__name__}'s attention is more than the copy holds "
                       f"({view.standalone_refusal().split(': ', 1)[-1]}): the copy has its weights and scale, and "
                       "its forward is plain attention", UserWarning, stacklevel=2)
+    window = _sliding_window(host)
+    if window is not None:
+        warnings.warn(f"from_hf: {type(host).__name__} attends within a sliding window of {window} positions (the "
+                      "model's mask), the copy has no window: for calls longer than that pass "
+                      f"mask=headwise.masks.sliding_window_mask(s_q, s_kv, window={window}) (causal=True and "
+                      "DecodeStep attend past it; decoding past the window is not windowed)", UserWarning,
+                      stacklevel=2)
     rotary = rotary_from_hf(host.config, view.d_head, rotary_emb) if entry.rotary else None
     weights = {p: (view.projection(p).weight(), view.projection(p).bias()) for p in ("q_proj", "k_proj", "v_proj",
                                                                                     "out_proj")}
@@ -115,6 +125,25 @@ def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiH
             if bias is not None:
                 layer.bias.copy_(bias)
     return attn.train(host.training)  # a fresh module is in training mode: dropout must follow the HF module
+
+
+def _sliding_window(host: nn.Module) -> int | None:
+    """The sliding window ``host``'s model masks it with, where one is shorter than the model's positions.
+
+    The module's own ``sliding_window`` where it keeps one (Qwen2, Gemma 2: None on full-attention layers), else
+    its config's, for the layer's type where the config lists them (Mistral keeps it on the config only)."""
+    config = getattr(host, "config", None)
+    if hasattr(host, "sliding_window"):
+        window = host.sliding_window
+    else:
+        window = getattr(config, "sliding_window", None)
+        types, index = getattr(config, "layer_types", None), getattr(host, "layer_idx", None)
+        if types is not None and isinstance(index, int) and 0 <= index < len(types):
+            window = window if types[index] == "sliding_attention" else None
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    longest = getattr(config, "max_position_embeddings", None)
+    return window if not isinstance(longest, int) or window < longest else None
 
 
 def _check_same(owner: str, want: AttentionConfig, got: AttentionConfig) -> None:

@@ -27,8 +27,11 @@ def rotary_from_hf(config: Any, d_head: int, rotary_emb: nn.Module | None = None
     type (linear, dynamic, yarn, llama3, longrope, ...) takes ``inv_freq`` and ``attention_scaling`` from
     transformers' own ``ROPE_INIT_FUNCTIONS`` applied to ``config`` (what HF's weight init does), or from
     ``rotary_emb`` (the model's rotary module; its ``original_inv_freq`` for dynamic variants) when one is
-    given whose buffers hold data. Variants whose frequencies change with sequence length at run time are
-    frozen at their initial value here (a patched model still uses the model's own, live).
+    given whose buffers hold data; a ``rotary_emb`` of another width than the config gives is refused
+    (``ValueError``). Variants whose model switches frequencies with the sequence length (dynamic NTK once a
+    position reaches ``max_position_embeddings``, longrope once one reaches ``original_max_position_embeddings``)
+    hold their initial ones and get that position as ``max_positions``: a standalone call reaching it raises
+    ``ValueError`` (a patched model's own forward uses the model's rotary, live).
 
     Shapes:
         inv_freq: (rotary_dim // 2,), rotary_dim <= d_head
@@ -53,6 +56,13 @@ def rotary_from_hf(config: Any, d_head: int, rotary_emb: nn.Module | None = None
             raise TypeError(f"rotary_emb must be the model's rotary module, whose inv_freq is a torch.Tensor; got "
                             f"{type(rotary_emb).__name__} with inv_freq {type(inv_freq).__module__}."
                             f"{type(inv_freq).__name__}")
+        # the width transformers' rope init derives from the config: head width times partial_rotary_factor
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        want = int(d_head * (1.0 if partial is None else partial))
+        if 2 * inv_freq.numel() != want:
+            raise ValueError(f"rotary_emb rotates {2 * inv_freq.numel()} features per head (2 * inv_freq.numel()), "
+                             f"the config gives a rotary width of {want} (head width {d_head}): pass this model's "
+                             "own rotary module")
         if inv_freq.is_meta:
             inv_freq = None  # not materialised yet: derive from the config instead
         else:
@@ -72,4 +82,22 @@ def rotary_from_hf(config: Any, d_head: int, rotary_emb: nn.Module | None = None
     inv_freq = inv_freq.detach().float().cpu()
     with torch.device("cpu"):
         return RotaryEmbedding(d_head, base=float(theta or 10000.0), rotary_dim=2 * inv_freq.numel(),
-                               inv_freq=inv_freq, attention_scaling=float(scaling))
+                               inv_freq=inv_freq, attention_scaling=float(scaling),
+                               max_positions=_switch_position(config, params, rope_type), rope_type=rope_type)
+
+
+def _switch_position(config: Any, params: dict, rope_type: str) -> int | None:
+    """The first position at which transformers' rotary module swaps ``rope_type``'s initial frequencies for
+    others (its ``dynamic_rope_update``: a sequence of length ``max(position) + 1`` past the limit), else None."""
+    if "dynamic" in rope_type:  # recomputed once max(position) + 1 > max_position_embeddings
+        limit = getattr(config, "max_position_embeddings", None)
+    elif rope_type == "longrope":  # the long factor once max(position) + 1 > original_max_position_embeddings
+        limit = params.get("original_max_position_embeddings",
+                           getattr(config, "original_max_position_embeddings", None))
+        limit = getattr(config, "max_position_embeddings", None) if limit is None else limit
+    else:
+        return None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        raise ValueError(f"{type(config).__name__} with rope_type={rope_type!r} needs a positive int "
+                         f"max_position_embeddings / original_max_position_embeddings, got {limit!r}")
+    return limit
