@@ -245,6 +245,20 @@ def test_a_sliding_window_presets_kv_cache_holds_only_the_window(capsys) -> None
     assert json.loads(out)["kv_cache"]["context_bytes"] == kv_cache_bytes(c, 32768, n_layers=32)
 
 
+def test_a_sliding_window_presets_kv_cache_per_rank_holds_only_the_window(capsys) -> None:
+    """Over tensor-parallel ranks each rank caches its K/V heads for the window's positions, not every token."""
+    p = get_preset("mistral-7b")
+    c, window, ranks = p.config, p.sliding_window, 2
+    for seq in (1024, 32768):
+        code, out, _ = _run(capsys, "explain", "--preset", "mistral-7b", "--seq", str(seq), "--ranks", str(ranks),
+                            "--json")
+        assert code == 0
+        want = 2 * min(seq, window) * (c.n_kv_heads // ranks) * c.d_head * 2  # b=1, float16, one layer
+        assert json.loads(out)["parallel"]["tp"]["kv_cache"] == want
+    code, out, _ = _run(capsys, "explain", "--preset", "mistral-7b", "--seq", "32768", "--ranks", "2")
+    assert "KV cache, last 4096 tokens" in out and "KV cache, all tokens" not in out
+
+
 def test_the_window_is_the_number_of_keys_a_transformers_decode_step_reads() -> None:
     """The positions summarize counts for a sliding window are what a Mistral decode step of transformers
     attends to (its eager attention weights), before the window fills and after."""

@@ -49,7 +49,7 @@ def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
     return 2 * (ranks - 1) * nbytes // ranks
 
 
-def _tp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int) -> dict[str, Any]:
+def _tp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int, held: int) -> dict[str, Any]:
     part = plan_heads(c.n_heads, c.n_kv_heads, p)
     h_r, kv_r, d_h = part.n_local_heads, part.n_local_kv_heads, c.d_head
     q = c.d_model * h_r * d_h + (h_r * d_h if c.bias else 0)
@@ -61,14 +61,14 @@ def _tp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int) -> d
         "heads": h_r, "kv_heads": kv_r, "weights": (q + kv + out) * item, "input_output": 2 * io,
         "qkv_context": b * s * (2 * h_r + 2 * kv_r) * d_h * item,
         "probabilities_eager": b * h_r * s * s * p_item, "lse_fused": b * h_r * s * _LSE_BYTES,
-        "kv_cache": 2 * b * s * kv_r * d_h * item,
+        "kv_cache": 2 * b * held * kv_r * d_h * item,  # the positions the cache holds: a window's at most
         "sent_forward": ring_all_reduce_bytes(io, p), "sent_backward": ring_all_reduce_bytes(io, p),
         "weight_grad_all_reduce": ring_all_reduce_bytes(kv_grads, p),
         "plan": part.describe().split("\n")[0],
     }
 
 
-def _sp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int) -> dict[str, Any]:
+def _sp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int, held: int) -> dict[str, Any]:
     plan = plan_sequence_parallel(c.n_heads, c.n_kv_heads, sp=p)
     s_loc = -(-s // p)  # ceil: uneven slices are padded to the longest for the all-to-alls
     h_r = max(len(r.q_heads) for r in plan.ranks)
@@ -93,8 +93,11 @@ def _sp(c: AttentionConfig, b: int, s: int, p: int, item: int, p_item: int) -> d
 
 
 def parallel_costs(config: AttentionConfig, seq_len: int, ranks: int, *, batch: int = 1,
-                   dtype: "torch.dtype | str" = "float16") -> dict[str, Any]:
+                   dtype: "torch.dtype | str" = "float16", sliding_window: int | None = None) -> dict[str, Any]:
     """Per-rank bytes of one layer over ``ranks`` ranks under tensor and under sequence parallelism.
+
+    ``sliding_window``: the layer attends to at most this many positions, so its KV cache holds
+    ``min(seq_len, sliding_window)`` (as :func:`~headwise.analysis.summarize` counts it).
 
     ``"tp"`` / ``"sp"`` hold the figures (module doc), or ``{"error": why}`` when that split is impossible.
     All byte counts are exact integers; ``kv_cache`` is None under sequence parallelism (training layout).
@@ -116,10 +119,11 @@ def parallel_costs(config: AttentionConfig, seq_len: int, ranks: int, *, batch: 
     b = check_positive("batch", batch)
     p = check_positive("ranks", ranks)
     _, item = dtype_info(dtype)
-    out: dict[str, Any] = {"ranks": p, "seq_len": s, "batch": b, "itemsize": item}
+    held = s if sliding_window is None else min(s, check_positive("sliding_window", sliding_window))
+    out: dict[str, Any] = {"ranks": p, "seq_len": s, "batch": b, "itemsize": item, "kv_positions": held}
     for name, fn in (("tp", _tp), ("sp", _sp)):
         try:
-            out[name] = fn(config, b, s, p, item, probability_itemsize(dtype))
+            out[name] = fn(config, b, s, p, item, probability_itemsize(dtype), held)
         except ValueError as err:
             out[name] = {"error": str(err)}
     return out

@@ -46,17 +46,17 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     refuse_unrepresentable(config, seq, batch, itemsize)  # before torch: the walk could not describe it
+    cited = None if preset is None else get_preset(preset)
+    window = None if cited is None else cited.sliding_window
     parallel = None
     if args.ranks is not None:  # pure arithmetic: refused before anything heavy
-        parallel = parallel_costs(config, seq, args.ranks, batch=batch, dtype=dtype)
+        parallel = parallel_costs(config, seq, args.ranks, batch=batch, dtype=dtype, sliding_window=window)
         if "error" in parallel["tp"] and "error" in parallel["sp"]:
             from ..parallel.plan import valid_world_sizes
 
             raise CliError(f"neither split works over --ranks {args.ranks}: tensor parallel needs one of "
                            f"{valid_world_sizes(config.n_heads, config.n_kv_heads)} ranks, sequence parallel at most "
                            f"n_heads={config.n_heads}")
-    cited = None if preset is None else get_preset(preset)
-    window = None if cited is None else cited.sliding_window
     summary = summarize(config, seq, batch=batch, dtype=dtype, n_layers=n_layers, sliding_window=window)
     live = (summary["params"]["layer"]["total"] + 6 * batch * seq * max(config.d_model, config.inner_dim)
             + 2 * batch * config.n_heads * seq * seq) * dtype_info(CPU_WALK_DTYPE)[1]
@@ -119,7 +119,9 @@ def parallel_rows(par: dict[str, Any]) -> list[tuple[str, str, str]]:
             return f"{d['heads']} / {d['kv_heads']}"
         return "-" if d[fig] is None else human_bytes(d[fig])
 
-    return [(label, cell(par["tp"], fig), cell(par["sp"], fig))
+    held = par.get("kv_positions", par["seq_len"])
+    kv_label = "KV cache, all tokens" if held == par["seq_len"] else f"KV cache, last {held} tokens"  # a window
+    return [(kv_label if fig == "kv_cache" else label, cell(par["tp"], fig), cell(par["sp"], fig))
             for label, fig in [("query / K/V heads attended", "heads"), *rows]]
 
 
