@@ -192,6 +192,8 @@ def attend(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         k, v = k[:, :, :s_kv], v[:, :, :s_kv]  # the keys the plan reads: none when s_kv = 0
         scores = q.unflatten(1, (k.shape[1], -1)) @ k.unsqueeze(2).transpose(-1, -2)  # (b, h_kv, g, s_q, s_kv)
         z = (scores @ v.unsqueeze(2)).flatten(1, 2)  # (b, h, s_q, d_v)
+        if sinks is not None:  # a sum over none of them: 0, so the sinks (a parameter) get a zero gradient too
+            z = z + sinks.flatten()[:0].sum()
         return z, scores.flatten(1, 2) if plan.return_weights else None  # (b, h, s_q, s_kv): always empty
     if plan.backend == "eager":
         return softmax_attention(q, k, v, mask, plan.scale, plan.dropout_p, plan.softcap, sinks,

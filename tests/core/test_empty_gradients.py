@@ -110,3 +110,21 @@ def test_functional_attention_on_empty_inputs_gives_sdpas_gradients(b, s_q, s_kv
     for got, want in zip((q, k, v), refs):
         assert got.grad is not None
         torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("b, s_q, s_kv", [(0, 3, 3), (2, 0, 3), (2, 3, 0)])
+def test_sinks_of_an_empty_call_get_the_formulas_zero_gradient(b, s_q, s_kv):
+    # the formula with the sink column (a logit per head that takes probability and carries no value), written out
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4, 2)
+    q = torch.randn(b, 4, s_q, 8, requires_grad=True)
+    k, v = (torch.randn(b, 2, s_kv, 8, requires_grad=True) for _ in range(2))
+    sinks = torch.zeros(4, requires_grad=True)
+    z, _ = attn.attend(q, k, v, sinks=sinks)
+    z.sum().backward()
+    ref_sinks = torch.zeros(4, requires_grad=True)
+    scores = q.detach() @ k.detach().repeat_interleave(2, 1).transpose(-1, -2) / 8 ** 0.5  # (b, h, s_q, s_kv)
+    p = torch.cat([scores, ref_sinks.view(1, 4, 1, 1).expand(b, 4, s_q, 1)], -1).softmax(-1)[..., :s_kv]
+    (p @ v.detach().repeat_interleave(2, 1)).sum().backward()
+    assert sinks.grad is not None
+    torch.testing.assert_close(sinks.grad, ref_sinks.grad)
