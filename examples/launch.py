@@ -40,8 +40,8 @@ def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, *, ro
         value = getattr(args, name, least)
         if value < least:
             refuse(f"--{name.replace('_', '-')} must be at least {least} (got {value})")
-    if not args.timeout > 0:  # also refuses nan
-        refuse(f"--timeout must be a positive number of seconds (got {args.timeout})")
+    if not 0 < args.timeout <= 86400:  # also refuses nan and inf (timedelta takes no infinite seconds)
+        refuse(f"--timeout must be a positive number of seconds, at most a day (got {args.timeout})")
     d, h, h_kv = args.d_model, args.n_heads, args.n_kv_heads
     if d % h:
         refuse(f"--n-heads {h} does not divide --d-model {d}; head counts that do: {valid_head_counts(d)}")

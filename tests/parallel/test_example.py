@@ -37,6 +37,7 @@ def test_torchrun_example_reports_heads_and_a_tiny_difference():
     (["--n-kv-heads", "3"], "--n-kv-heads 3 does not divide --n-heads 8; K/V head counts that do: [1, 2, 4, 8]"),
     (["--batch", "0"], "--batch must be at least 1 (got 0)"),
     (["--decode-steps", "-1"], "--decode-steps must be at least 0 (got -1)"),
+    (["--timeout", "inf"], "--timeout must be a positive number of seconds, at most a day (got inf)"),
 ])
 def test_sizes_no_layer_can_take_are_refused_with_one_line_and_status_2(extra, message):
     """Refused before torchrun's ranks start, so no rank fails in a traceback of its own."""

@@ -79,7 +79,7 @@ def test_an_empty_sequence_is_refused_with_one_line_and_status_2():
     (["--n-heads", "64"], "rotary positions need an even head width; --d-model 64 / --n-heads 64 gives 1"),
     (["--batch", "0"], "--batch must be at least 1 (got 0)"),
     (["--tp", "0"], "--tp must be at least 1 (got 0)"),
-    (["--timeout", "0"], "--timeout must be a positive number of seconds (got 0.0)"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, at most a day (got 0.0)"),
 ])
 def test_sizes_no_layer_can_take_are_refused_with_one_line_and_status_2(extra, message):
     """Refused before torchrun's ranks start, so no rank fails in a traceback of its own."""
