@@ -179,3 +179,38 @@ def test_a_compiled_eager_model_returns_weights_where_asked():
                 torch.testing.assert_close(got.attentions, want.attentions)
             else:
                 assert got.attentions is None
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_layers_compiled_one_by_one_run_whole_under_a_trace():
+    # a region compiled inside the eager forward cannot read transformers' collector: it keeps eager's weights
+    plain = eager_model("llama")
+    patched = patch(copy.deepcopy(plain))
+    ids, mask = IDS[:, :9], MASK[:, :9]
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for layer in patched.model.layers:
+        layer.compile(backend=counter, fullgraph=True)
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask).logits
+        with headwise.trace(patched, capture=("entropy",)) as t:
+            got = patched(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want)
+    assert counter.frame_count >= 1 and len(t[0].calls) == 1
+
+
+def test_a_mixture_of_experts_asking_for_router_logits_builds_no_pattern(monkeypatch):
+    monkeypatch.setattr(hwp, "STATISTICS_CHUNK_BYTES", CHUNK)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=H, num_key_value_heads=2, num_local_experts=2,
+                                     num_experts_per_tok=1, max_position_embeddings=S, attn_implementation="eager")
+    torch.manual_seed(0)
+    plain = transformers.MixtralForCausalLM(cfg).eval()
+    patched = patch(copy.deepcopy(plain))
+    with torch.no_grad():
+        want = plain(input_ids=IDS, attention_mask=MASK, output_router_logits=True)
+        with headwise.trace(patched, capture=STATISTICS), LargestAllocation() as seen:
+            got = patched(input_ids=IDS, attention_mask=MASK, output_router_logits=True)
+    assert seen.nbytes <= bound(4) < MASK.shape[0] * H * S * S * 4, seen.nbytes
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.router_logits, want.router_logits)

@@ -32,11 +32,13 @@ transformers' public ``AttentionInterface`` / ``AttentionMaskInterface``; nothin
 Eager's weights: transformers 5 keeps a module's returned weights only where its model forward records them
 (``capture_outputs``: a hook on the module appends them while the forward's output collector holds a key such
 as ``"attentions"``, set by ``output_attentions`` given or in the config; GPT-2 drops the keyword before its
-modules see it). A module of a model patched from eager returns its weights at every call, as eager's does (a user's
-hook may read them), except while :func:`headwise.trace` traces its layer: then, so that a statistics-only trace
-holds no ``(b, h, s_q, s_kv)`` pattern, only where that collector holds a key other than hidden states, where
-``output_attentions=True`` reaches the function, or where no such forward is running (the module called on its
-own, a family still on the older ``output_attentions`` code, transformers without that collector). Otherwise it
+modules see it). A module of a model patched from eager returns its weights at every call, as eager's does (a
+user's hook may read them), except while :func:`headwise.trace` traces its layer: then, so that a statistics-only
+trace holds no ``(b, h, s_q, s_kv)`` pattern, only where that collector holds a key naming attention weights
+(``"attentions"``, ``"cross_attentions"``; not ``"router_logits"`` nor hidden states), where
+``output_attentions=True`` reaches the function, or where that collector cannot be read: no such forward running
+(the module called on its own, a family still on the older ``output_attentions`` code, transformers without that
+collector), or a region compiled inside an eager forward (Dynamo reads no ``ContextVar``). Otherwise it
 returns None, as sdpa does, and the layer takes its fused or statistics path with eager's rules above: the same
 outputs.
 
@@ -108,9 +110,6 @@ def register() -> None:
 
 #: transformers' output collector (:func:`output_collector`), or None where this transformers has none.
 _COLLECTOR: Any = None
-#: Collector keys that never record an attention module's weights: every other key (``"attentions"``,
-#: ``"cross_attentions"``, a family's own) may, so eager's weights are returned when one is there.
-_NOT_WEIGHTS = frozenset(("hidden_states", "_hidden_states_layers"))
 
 
 def output_collector() -> Any:
@@ -319,8 +318,14 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             wants = True  # untraced: eager's, at every call (a user's hook may read them)
         else:  # transformers' collector read as its own get() reads it: attributes and a C call, no Python frame
             col = _COLLECTOR
-            found = None if col is None else col.global_var if col.compiling else col.context_var.get()
-            wants = found is None or not found.keys() <= _NOT_WEIGHTS
+            # Dynamo reads no ContextVar: a region compiled inside an eager forward (a layer's compile) keeps them
+            found = None if col is None or (not col.compiling and torch.compiler.is_compiling()) else \
+                col.global_var if col.compiling else col.context_var.get()
+            wants = found is None
+            for recorded in () if wants else found:  # "attentions", "cross_attentions", a family's: no router_logits
+                if "attention" in recorded:
+                    wants = True
+                    break
     sinks = s_aux if sinks is None else sinks
     factors = None if head_mask is None else head_factors(head_mask, module, query.shape[1])
     # eager's mask in the scores' dtype, wider than half-precision inputs: headwise would round it to theirs
