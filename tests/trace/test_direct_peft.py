@@ -155,3 +155,22 @@ def test_final_norm_looks_through_the_peft_wrapper():
         assert final_norm(prefix) is final_norm(prefix.get_base_model())
     with pytest.raises(ValueError, match="no final norm found in Sequential"):
         final_norm(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_a_few_rows_of_a_wide_adapted_projection_are_its_merged_rows(dropout):
+    # wide enough (600 inputs) that two rows are read as input gradients rather than from 600 unit vectors
+    from headwise.viz.projection import applied_weight
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(600, 50)).double()
+    cfg = peft.LoraConfig(target_modules=["0"], r=2, lora_alpha=4, lora_dropout=dropout, init_lora_weights=False)
+    wrapped = peft.get_peft_model(model, cfg).train()
+    head = wrapped.base_model.model[0]
+    rows = torch.tensor([7, 3])
+    got = applied_weight(head, head.base_layer.weight, head, rows=rows)
+    merged = head.base_layer.weight + head.lora_B["default"].weight @ head.lora_A["default"].weight * 2.0  # W + BA*s
+    torch.testing.assert_close(got, merged.detach()[rows])
+    with torch.inference_mode():  # no autograd there: read from unit vectors instead, the same rows
+        torch.testing.assert_close(applied_weight(head, head.base_layer.weight, head, rows=rows), merged.detach()[rows])
+    assert head.training and head.lora_dropout["default"].training  # modes given back

@@ -52,7 +52,9 @@ def applied_weight(project: Callable[[torch.Tensor], torch.Tensor], weight: torc
                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """The weight ``project`` applies, read from its forward: ``project(e_i) - project(0)`` for each unit vector
     ``e_i`` (its bias taken out), which for a projection linear in its input (an adapter's included) is the
-    merged weight. Read with ``adapter`` in eval mode (no adapter dropout), its modes given back; detached.
+    merged weight. Read with ``adapter`` in eval mode (no adapter dropout), its modes given back; detached. A few
+    ``rows`` of a wide projection (an unembedding's two tokens) are its input gradients instead, one backward per
+    row: the forward on all ``n`` unit vectors would cost ``n`` times the whole projection.
 
     Args:
         project: the projection, called on (m, n) inputs.
@@ -71,11 +73,19 @@ def applied_weight(project: Callable[[torch.Tensor], torch.Tensor], weight: torc
     from ..tracing.inputs import eval_mode
 
     n = weight.shape[1]
-    eye = torch.eye(n, dtype=weight.dtype, device=weight.device)  # (n, n)
     with torch.no_grad(), eval_mode(adapter):
+        eye = lambda: torch.eye(n, dtype=weight.dtype, device=weight.device)  # noqa: E731 - (n, n), where needed
         if rows is None:
-            out = project(torch.cat([eye, weight.new_zeros(1, n)]))  # (n + 1, out): row i is W e_i + b, then b
+            out = project(torch.cat([eye(), weight.new_zeros(1, n)]))  # (n + 1, out): row i is W e_i + b, then b
             return (out[:-1] - out[-1:]).T.detach()
+        if 0 < len(rows) and len(rows) * _CHUNK < n and not torch.is_inference_mode_enabled():
+            # a few rows: d y_r / d x of a linear map is its row r, one backward each
+            with torch.enable_grad():
+                x = weight.new_zeros(1, n, requires_grad=True)
+                y = project(x)[0, rows]  # (k,)
+                got = [torch.autograd.grad(y[j], x, retain_graph=j + 1 < len(rows))[0][0] for j in range(len(rows))]
+            return torch.stack(got).detach()  # (k, n)
         bias = project(weight.new_zeros(1, n))[:, rows]  # (1, k)
-        parts = [project(eye[i:i + _CHUNK])[:, rows] - bias for i in range(0, n, _CHUNK)]  # each (chunk, k)
+        units = eye()
+        parts = [project(units[i:i + _CHUNK])[:, rows] - bias for i in range(0, n, _CHUNK)]  # each (chunk, k)
         return torch.cat(parts).T.detach()  # (k, n)
