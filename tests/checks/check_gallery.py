@@ -10,6 +10,7 @@ CLI tests (``headwise check tests.checks.check_gallery:flatten_bug``).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -57,18 +58,61 @@ class RefAttention(nn.Module):
     def value_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values, (b, h, s, d_h) each: K/V heads already repeated for their query heads.
+
+        Args:
+            x: the layer's input, (b, s, d_model)."""
         q = self.split(self.q_proj(x), self.n_heads)
         k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
         v = self.split(self.v_proj(self.value_input(x)), self.n_kv_heads)[:, self.kv_head_of()]
+        return q, k, v
+
+    def masked_scores(self, q: torch.Tensor, k: torch.Tensor, *, mask=None, causal=False) -> torch.Tensor:
+        """Scaled q . k with blocked keys at -inf, (b, h, s, s).
+
+        Args:
+            q, k: (b, h, s, d_h) queries and keys (K/V heads repeated).
+            mask: optional bool (b, 1, 1, s), True = may attend.
+            causal: whether future keys are blocked."""
         scores = q @ k.transpose(-2, -1) * self.scale()
         if causal:
-            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
+            scores = scores.masked_fill(self.causal_blocked(q.shape[2], q.device), float("-inf"))
         if mask is not None:
             scores = self.apply_padding(scores, mask)
-        w = self.softmax(scores)
+        return scores
+
+    def attend(self, q, k, v, *, mask=None, causal=False, return_weights=False):
+        """Every step after the projections, so that layers which build q, k or v their own way (QK-norms, keys
+        from elsewhere) share the rest of the formula.
+
+        Args:
+            q, k, v: (b, h, s, d_h) each, K/V heads repeated.
+            mask, causal, return_weights: as in :meth:`forward`."""
+        w = self.softmax(self.masked_scores(q, k, mask=mask, causal=causal))
         y = self.out_proj(self.merge(self.mix_heads(w @ v)))
         return (y, w) if return_weights else y
+
+    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+        return self.attend(*self.project(x), mask=mask, causal=causal, return_weights=return_weights)
+
+
+class QKNormRef(RefAttention):
+    """Correct attention with per-head norms on q and k before the scores (Qwen3, Gemma 3): a step of the user's own
+    that the check cannot rebuild q . k through.
+
+    Args:
+        norm: builds one norm from the head width d_head."""
+
+    def __init__(self, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.q_norm, self.k_norm = norm(self.d_head), norm(self.d_head)
+
+    def project(self, x):
+        q = self.q_norm(self.split(self.q_proj(x), self.n_heads))
+        k = self.k_norm(self.split(self.k_proj(x), self.n_kv_heads))[:, self.kv_head_of()]
+        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
+        return q, k, v
 
 
 class FlattenNoTranspose(RefAttention):

@@ -12,7 +12,7 @@ from headwise import MultiHeadAttention
 from headwise.checks import ModuleAdapter, check
 from headwise.interop.hf.qk_norm import QKNormAttention
 
-from tests.checks.check_gallery import RefAttention
+from tests.checks.check_gallery import QKNormRef, RefAttention
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,18 +23,11 @@ class GQAByWidth(RefAttention):
     def __init__(self) -> None:
         super().__init__(32, 4, 2)
 
-    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+    def project(self, x):
         q, k, v = (self.split(p(x), p.out_features // self.d_head) for p in (self.q_proj, self.k_proj, self.v_proj))
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # query head h reads K/V head h // g
-        scores = q @ k.transpose(-2, -1) * self.scale()
-        if causal:
-            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        w = scores.softmax(-1)
-        y = self.out_proj(self.merge(w @ v))
-        return (y, w) if return_weights else y
+        return q, k, v
 
 
 class NumKVHeads(GQAByWidth):
@@ -132,25 +125,11 @@ def test_from_hf_qwen3_passes_as_the_hugging_face_module_does():
     assert "fitted on every head" in report["softmax_sanity"].detail
 
 
-class UserQKNorm(RefAttention):
+class UserQKNorm(QKNormRef):
     """A correct layer of the user's own with per-head LayerNorms on q and k (no project_q to read them from)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.q_norm, self.k_norm = nn.LayerNorm(self.d_head), nn.LayerNorm(self.d_head)
-
-    def forward(self, x, *, mask=None, causal=False, return_weights=False):
-        q = self.q_norm(self.split(self.q_proj(x), self.n_heads))
-        k = self.k_norm(self.split(self.k_proj(x), self.n_kv_heads))[:, self.kv_head_of()]
-        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        scores = q @ k.transpose(-2, -1) * self.scale()
-        if causal:
-            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        w = scores.softmax(-1)
-        y = self.out_proj(self.merge(w @ v))
-        return (y, w) if return_weights else y
+        super().__init__(nn.LayerNorm)
 
 
 def test_a_users_qk_norm_layer_has_its_scale_reported_not_checked_never_failed_nor_passed():

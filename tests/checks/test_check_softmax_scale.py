@@ -12,7 +12,7 @@ from torch import nn
 
 from headwise.checks import ModuleAdapter, check
 
-from tests.checks.check_gallery import RefAttention
+from tests.checks.check_gallery import QKNormRef, RefAttention
 
 B, S, D = 3, 8, 32  # the check's defaults for these layers: batch 3, seq_len 8, the gallery's d_model
 
@@ -21,16 +21,8 @@ class KeysFromValues(RefAttention):
     """Bug: its keys are v_proj's output (k_proj is never used)."""
 
     def forward(self, x, *, mask=None, causal=False, return_weights=False):
-        q = self.split(self.q_proj(x), self.n_heads)
-        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        scores = q @ v.transpose(-2, -1) * self.scale()
-        if causal:
-            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        w = scores.softmax(-1)
-        y = self.out_proj(self.merge(w @ v))
-        return (y, w) if return_weights else y
+        q, _, v = self.project(x)
+        return self.attend(q, v, v, mask=mask, causal=causal, return_weights=return_weights)
 
 
 class SquaredScores(RefAttention):
@@ -40,28 +32,14 @@ class SquaredScores(RefAttention):
         return (scores.sign() * scores ** 2).softmax(-1)
 
 
-class UserQKNorm(RefAttention):
+class UserQKNorm(QKNormRef):
     """A correct layer of the user's own with per-head RMSNorms (learned, not the identity) on q and k."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.q_norm, self.k_norm = nn.RMSNorm(self.d_head, eps=1e-6), nn.RMSNorm(self.d_head, eps=1e-6)
+        super().__init__(lambda d_h: nn.RMSNorm(d_h, eps=1e-6))
         with torch.no_grad():
             self.q_norm.weight.copy_(1 + torch.rand(self.d_head))
             self.k_norm.weight.copy_(1 + torch.rand(self.d_head))
-
-    def forward(self, x, *, mask=None, causal=False, return_weights=False):
-        q = self.q_norm(self.split(self.q_proj(x), self.n_heads))
-        k = self.k_norm(self.split(self.k_proj(x), self.n_kv_heads))[:, self.kv_head_of()]
-        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        scores = q @ k.transpose(-2, -1) * self.scale()
-        if causal:
-            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        w = scores.softmax(-1)
-        y = self.out_proj(self.merge(w @ v))
-        return (y, w) if return_weights else y
 
 
 def _check_input() -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from torch import nn
 from headwise import MultiHeadAttention
 from headwise.checks import check
 
-from tests.checks.check_gallery import RefAttention
+from tests.checks.check_gallery import QKNormRef, RefAttention
 
 
 class FastPathOtherScale(RefAttention):
@@ -21,9 +21,7 @@ class FastPathOtherScale(RefAttention):
     right 1/sqrt(d_head), and the return-weights call's output comes from the same fast path."""
 
     def forward(self, x, *, mask=None, causal=False, return_weights=False):
-        q = self.split(self.q_proj(x), self.n_heads)
-        k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
+        q, k, v = self.project(x)
         allowed = None
         if causal:
             allowed = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
@@ -43,14 +41,8 @@ class FastPathUnnormalised(RefAttention):
     """Its output uses exp(scores) @ v, without the softmax's denominator; the weights it returns are a softmax."""
 
     def forward(self, x, *, mask=None, causal=False, return_weights=False):
-        q = self.split(self.q_proj(x), self.n_heads)
-        k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        scores = q @ k.transpose(-2, -1) * self.scale()
-        if causal:
-            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        q, k, v = self.project(x)
+        scores = self.masked_scores(q, k, mask=mask, causal=causal)
         y = self.out_proj(self.merge(scores.exp() @ v))
         return (y, scores.softmax(-1)) if return_weights else y
 
@@ -114,15 +106,8 @@ def test_correct_layers_have_contexts_equal_to_their_weights_times_values(layer,
 def test_a_correct_layer_whose_w_o_is_called_functionally_is_not_failed():
     class FunctionalWO(RefAttention):
         def forward(self, x, *, mask=None, causal=False, return_weights=False):
-            q = self.split(self.q_proj(x), self.n_heads)
-            k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-            v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-            scores = q @ k.transpose(-2, -1) * self.scale()
-            if causal:
-                scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            w = scores.softmax(-1)
+            q, k, v = self.project(x)
+            w = self.masked_scores(q, k, mask=mask, causal=causal).softmax(-1)
             # W_O as F.linear on its weight: out_proj itself never runs
             y = F.linear(self.merge(w @ v), self.out_proj.weight, self.out_proj.bias)
             return (y, w) if return_weights else y
@@ -164,18 +149,11 @@ class ValueNorm(RefAttention):
         with torch.no_grad():
             self.v_norm.weight.copy_(1 + torch.rand(self.d_head))
 
-    def forward(self, x, *, mask=None, causal=False, return_weights=False):
+    def project(self, x):
         q = self.split(self.q_proj(x), self.n_heads)
         k = self.split(self.k_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
         v = self.v_norm(self.split(self.v_proj(x), self.n_kv_heads))[:, self.kv_head_of()]
-        scores = q @ k.transpose(-2, -1) * self.scale()
-        if causal:
-            scores = scores.masked_fill(self.causal_blocked(x.shape[1], x.device), float("-inf"))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        w = scores.softmax(-1)
-        y = self.out_proj(self.merge(w @ v))
-        return (y, w) if return_weights else y
+        return q, k, v
 
 
 class Gated(RefAttention):
@@ -243,30 +221,12 @@ def test_a_wrong_fast_path_beside_a_step_of_its_own_is_never_passed():
     assert not report.ok and "softmax_sanity" in report.failed + report.not_verified, str(report)
 
 
-class QKNormFastPathOtherScale(RefAttention):
+class QKNormFastPathOtherScale(FastPathOtherScale, QKNormRef):
     """QK-norms on q and k, and a fast path with scale 1/d_head beside a weights path with 1/sqrt(d_head): its
     norms act before the scores, not between its values and W_O, so its contexts are compared."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.q_norm, self.k_norm = nn.RMSNorm(self.d_head, eps=1e-6), nn.RMSNorm(self.d_head, eps=1e-6)
-
-    def forward(self, x, *, mask=None, causal=False, return_weights=False):
-        q = self.q_norm(self.split(self.q_proj(x), self.n_heads))
-        k = self.k_norm(self.split(self.k_proj(x), self.n_kv_heads))[:, self.kv_head_of()]
-        v = self.split(self.v_proj(x), self.n_kv_heads)[:, self.kv_head_of()]
-        allowed = None if mask is None else mask
-        if causal:
-            tril = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
-            allowed = tril if allowed is None else allowed & tril
-        y = self.out_proj(self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
-                                                                    scale=1 / self.d_head)))
-        if not return_weights:
-            return y
-        scores = q @ k.transpose(-2, -1) * self.scale()
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        return y, scores.softmax(-1)
+        super().__init__(lambda d_h: nn.RMSNorm(d_h, eps=1e-6))
 
 
 def test_a_qk_norm_layer_whose_fast_path_uses_another_scale_still_fails_the_contexts_comparison():
