@@ -66,7 +66,9 @@ class RotaryEmbedding(nn.Module):
         rope_type: the variant's name, for that message.
 
     ``inv_freq`` stays float32 through dtype casts (``.to(torch.bfloat16)``, ``.half()``): a position times a
-    bfloat16 frequency is off by radians at a few thousand positions, and Hugging Face keeps float32 frequencies too.
+    bfloat16 frequency is off by radians at a few thousand positions. (A transformers model loaded in bfloat16 keeps
+    float32 frequencies too; one cast with ``model.to(torch.bfloat16)`` rounds its buffer, and so differs from this
+    layer's exact ones at long positions.)
 
     Shapes:
         positions: (s,) or (b, s) int -> cos, sin: (b or 1, 1, s, rotary_dim), float32
@@ -123,9 +125,10 @@ class RotaryEmbedding(nn.Module):
         exact = self.inv_freq
         super()._apply(fn, recurse)
         moved = self.inv_freq
-        # A dtype cast must not round the frequencies: keep the float32 values, on the tensor's new device.
-        if exact.dtype == torch.float32 and moved.dtype != torch.float32 and not exact.is_meta:
-            self.inv_freq = exact.to(moved.device)
+        # A dtype cast must not round the frequencies: keep the float32 values, on the tensor's new device (a
+        # meta tensor has no values to keep: to_empty's buffer is float32 and unset, as any non-persistent one).
+        if exact.dtype == torch.float32 and moved.dtype != torch.float32:
+            self.inv_freq = moved.float() if exact.is_meta else exact.to(moved.device)
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

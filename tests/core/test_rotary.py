@@ -91,3 +91,12 @@ def test_max_positions_refuses_positions_from_it_and_is_checked():
         RotaryEmbedding(8, max_positions=5.0)
     with pytest.raises(ValueError, match="max_positions must be positive, got 0"):
         RotaryEmbedding(8, max_positions=0)
+
+
+def test_a_rotary_built_on_meta_keeps_float32_frequencies_through_a_cast_and_to_empty():
+    with torch.device("meta"):
+        rotary = RotaryEmbedding(8)
+    rotary.to(torch.bfloat16)
+    assert rotary.inv_freq.dtype == torch.float32 and rotary.inv_freq.is_meta
+    rotary.to_empty(device="cpu")
+    assert rotary.inv_freq.dtype == torch.float32 and rotary.inv_freq.device.type == "cpu"
