@@ -174,3 +174,18 @@ def test_a_few_rows_of_a_wide_adapted_projection_are_its_merged_rows(dropout):
     with torch.inference_mode():  # no autograd there: read from unit vectors instead, the same rows
         torch.testing.assert_close(applied_weight(head, head.base_layer.weight, head, rows=rows), merged.detach()[rows])
     assert head.training and head.lora_dropout["default"].training  # modes given back
+
+
+def test_rows_of_a_projection_autograd_cannot_see_through_are_read_from_unit_vectors():
+    from headwise.viz.projection import applied_weight
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 50).double().requires_grad_(False)
+
+    def untracked(x):  # a forward that records no graph (a kernel without a backward, say)
+        with torch.no_grad():
+            return lin(x)
+
+    rows = torch.tensor([3, 7])
+    torch.testing.assert_close(applied_weight(untracked, lin.weight, lin, rows=rows), lin.weight[rows])
+    torch.testing.assert_close(applied_weight(lin, lin.weight, lin, rows=torch.tensor(3)), lin.weight[3])

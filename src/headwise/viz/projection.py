@@ -78,13 +78,15 @@ def applied_weight(project: Callable[[torch.Tensor], torch.Tensor], weight: torc
         if rows is None:
             out = project(torch.cat([eye(), weight.new_zeros(1, n)]))  # (n + 1, out): row i is W e_i + b, then b
             return (out[:-1] - out[-1:]).T.detach()
-        if 0 < len(rows) and len(rows) * _CHUNK < n and not torch.is_inference_mode_enabled():
+        if rows.dim() == 1 and 0 < len(rows) and len(rows) * _CHUNK < n and not torch.is_inference_mode_enabled():
             # a few rows: d y_r / d x of a linear map is its row r, one backward each
             with torch.enable_grad():
                 x = weight.new_zeros(1, n, requires_grad=True)
                 y = project(x)[0, rows]  # (k,)
-                got = [torch.autograd.grad(y[j], x, retain_graph=j + 1 < len(rows))[0][0] for j in range(len(rows))]
-            return torch.stack(got).detach()  # (k, n)
+                if y.grad_fn is not None:  # else a forward autograd cannot see through: the unit vectors below
+                    got = [torch.autograd.grad(y[j], x, retain_graph=j + 1 < len(rows))[0][0]
+                           for j in range(len(rows))]
+                    return torch.stack(got).detach()  # (k, n)
         bias = project(weight.new_zeros(1, n))[:, rows]  # (1, k)
         units = eye()
         parts = [project(units[i:i + _CHUNK])[:, rows] - bias for i in range(0, n, _CHUNK)]  # each (chunk, k)
