@@ -125,10 +125,9 @@ class RotaryEmbedding(nn.Module):
         exact = self.inv_freq
         super()._apply(fn, recurse)
         moved = self.inv_freq
-        # A dtype cast must not round the frequencies: keep the float32 values, on the tensor's new device (a
-        # meta tensor has no values to keep: to_empty's buffer is float32 and unset, as any non-persistent one).
+        # A dtype cast must not round the frequencies: keep the float32 values, on the tensor's new device.
         if exact.dtype == torch.float32 and moved.dtype != torch.float32:
-            self.inv_freq = moved.float() if exact.is_meta else exact.to(moved.device)
+            self.inv_freq = exact.to(moved.device)
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

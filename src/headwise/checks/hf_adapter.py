@@ -40,9 +40,10 @@ from torch import nn
 from ..interop.hf import HFView
 from ..interop.hf.attention_function import NAME as HEADWISE
 from ..interop.hf.layer import family_entry, view_of
+from ..interop.hf.registry import sliding_window_of
 from .adapters import Adapter, NotExposed, capture_input, check_rotary_scaling, copy_adapter, split
 from .hf_module import CACHE_KW, MASK_KW, attention_of, chunk_of, cross_reason, declared, folded_scale, hf_class, \
-    keywords, relative_bias, sliding_window_of
+    keywords, relative_bias
 
 __all__ = ["HFAdapter"]
 
@@ -54,7 +55,7 @@ class HFAdapter(Adapter):
     """``headwise.check`` on a Hugging Face attention module (see the module docstring for the forms it takes).
 
     ``causal=None``: the module's own ``is_causal`` (else its config's ``is_decoder``); a sliding window from the
-    config (:func:`~headwise.checks.hf_module.sliding_window_of`). Raises ``TypeError`` for a module that is
+    config (:func:`~headwise.interop.hf.registry.sliding_window_of`). Raises ``TypeError`` for a module that is
     not on the interface or a forward needing inputs the adapter cannot build, ``ValueError`` for
     cross-attention, a causal module whose forward takes no mask, or a rotary module whose family has no rotary
     class.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["hf_class", "attention_of", "sliding_window_of", "chunk_of", "cross_reason", "keywords", "folded_scale",
+__all__ = ["hf_class", "attention_of", "chunk_of", "cross_reason", "keywords", "folded_scale",
            "t5_style", "relative_bias", "declared", "CACHE_KW", "MASK_KW", "SUPPLIED"]
 
 CACHE_KW = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -49,21 +49,6 @@ def attention_of(module: Any) -> nn.Module | None:
         return module
     inner = [child for child in module.children() if is_target(child)]
     return inner[0] if len(inner) == 1 else None
-
-
-def sliding_window_of(module: nn.Module, config: Any) -> int | None:
-    """The sliding window the model's mask gives this layer, or None (full causal attention): the module's
-    own ``sliding_window`` where it has one (Qwen2-style, None on full layers), else the config's, unless
-    ``config.layer_types`` says this layer is not a sliding one (Mistral: every layer slides)."""
-    if "sliding_window" in vars(module) or hasattr(type(module), "sliding_window"):
-        window = getattr(module, "sliding_window")
-    else:
-        window = getattr(config, "sliding_window", None)
-        types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-        if isinstance(types, (list, tuple)) and isinstance(index, int) and index < len(types) \
-                and types[index] != "sliding_attention":
-            window = None
-    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 
 def chunk_of(module: nn.Module, config: Any) -> int | None:

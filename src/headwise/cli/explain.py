@@ -13,6 +13,7 @@ from ..presets import get_preset
 from . import CliError
 from . import format as fmt
 from ._progress import steps
+from .compare import length_note
 from ._sizes import add_layer_options, human_bytes, human_count, layer_from_args, refuse_unrepresentable, size
 
 # Above this many bytes of weights + activations + scores the walk runs on meta tensors (shapes only).
@@ -70,9 +71,9 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         walk_dtype = parse_dtype(dtype if device == "meta" else CPU_WALK_DTYPE)
         walked = walk(config, seq_len=seq, batch=batch, device=device, dtype=walk_dtype)
     extra = {} if parallel is None else {"parallel": parallel}
-    if cited is not None and cited.max_positions is not None and seq > cited.max_positions:
-        extra["note"] = (f"{seq} tokens is past the {cited.max_positions} positions {preset} takes (its position "
-                         "limit); its figures are computed all the same")
+    note = None if cited is None else length_note(seq, cited.to_dict())
+    if note:
+        extra["note"] = note
     return summary | {"preset": preset, "walk_device": device, "steps": [s.to_dict() for s in walked]} | extra
 
 

@@ -138,14 +138,18 @@ class LayerRecord:
         if not self.calls:
             raise ValueError(f"layer {self.index} ({self.name!r}) was not called inside the trace")
 
-    def require_one_call(self, what: str) -> None:
+    def require_one_call(self, what: str, read: str = "calls[i]") -> None:
         """Refuse (ValueError naming ``what``, the layer and its calls) a layer that ran more than once in one
         forward: one module shared by several blocks (ALBERT's layer, ``nn.Sequential([attn] * 3))``), whose
-        calls a per-layer sweep or attribution would join along the positions as if they were one."""
+        calls a per-layer sweep or attribution would join along the positions as if they were one.
+
+        Args:
+            what: the caller, for the message.
+            read: what the message tells the user to read instead, after ``t[index].``."""
         if len(self.calls) > 1:
             raise ValueError(f"{what}: layer {self.index} ({self.name!r}) ran {len(self.calls)} times in one forward "
                              "(one module shared by several blocks, as in ALBERT), so its heads are not one site "
-                             f"each: trace the model and read each call's own tensors, t[{self.index}].calls[i]")
+                             f"each: trace the model and read each call's own tensors, t[{self.index}].{read}")
 
     def get(self, what: str) -> torch.Tensor:
         """The captured ``what`` (one of :data:`CAPTURABLE`)."""

@@ -293,14 +293,8 @@ def _gathered(records: list, numbers: list[tuple[int, ...]], row: int, mask: Any
     if not records:
         raise ValueError("model_statistics: no attention layer of the model ran on these inputs")
     # Asked before any shape: a layer's several calls join along the queries, so their shapes mislead.
-    again = [r for r in records if len(r.calls) > 1]
-    if again:
-        r = again[0]
-        raise ValueError(
-            f"model_statistics: layer {r.index} ({r.name!r}) ran {len(r.calls)} times in one forward (one module "
-            "shared by several blocks, as in ALBERT, or a model that decodes inside its call), and it draws one call "
-            "per layer; trace the model (headwise.trace(model, capture=headwise.statistics.STATISTICS)) and read each "
-            f"call's statistics, t[{r.index}].calls[j]['entropy']")
+    for r in records:
+        r.require_one_call("model_statistics", "calls[j]['entropy']")
     h = max((max(n) + 1 for n in numbers if n), default=0)
     s = records[0].entropy.shape[-1]
     if s == 0:

@@ -25,6 +25,7 @@ from ...config import AttentionConfig
 from ...module_calls import adapter_base
 from .layer import HFView, QKNormHFView, is_target, view_of
 from .qk_norm import QKNormAttention, QKNormMixin
+from .registry import sliding_window_of
 from .rope import rotary_from_hf
 
 __all__ = ["from_hf", "to_hf"]
@@ -128,22 +129,12 @@ def from_hf(module: nn.Module, *, rotary_emb: nn.Module | None = None) -> MultiH
 
 
 def _sliding_window(host: nn.Module) -> int | None:
-    """The sliding window ``host``'s model masks it with, where one is shorter than the model's positions.
-
-    The module's own ``sliding_window`` where it keeps one (Qwen2, Gemma 2: None on full-attention layers), else
-    its config's, for the layer's type where the config lists them (Mistral keeps it on the config only)."""
+    """The sliding window ``host``'s model masks it with (:func:`~.registry.sliding_window_of`), where one is
+    shorter than the model's positions."""
     config = getattr(host, "config", None)
-    if hasattr(host, "sliding_window"):
-        window = host.sliding_window
-    else:
-        window = getattr(config, "sliding_window", None)
-        types, index = getattr(config, "layer_types", None), getattr(host, "layer_idx", None)
-        if types is not None and isinstance(index, int) and 0 <= index < len(types):
-            window = window if types[index] == "sliding_attention" else None
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
+    window = sliding_window_of(host, config)
     longest = getattr(config, "max_position_embeddings", None)
-    return window if not isinstance(longest, int) or window < longest else None
+    return window if window is None or not isinstance(longest, int) or window < longest else None
 
 
 def _check_same(owner: str, want: AttentionConfig, got: AttentionConfig) -> None:

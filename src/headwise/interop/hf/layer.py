@@ -155,8 +155,7 @@ class HFView(SurgerySeam, LayerView):
         return self._hw_found.entry
 
     def resolve(self, name: str) -> Any:
-        if self._hw_host.ref() is None:  # freed with its model: refuse, naming it, rather than hand out a dead window
-            self._hw_host.get()
+        self._hw_host.get()  # freed with its model: refuse, naming it, rather than hand out a dead window
         where = self._hw_found.where[name]
         if isinstance(where, str):
             needs = ("'result' captures, head W_O views, " if name == "out_proj" else

@@ -141,7 +141,7 @@ def check_head_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
         raise ValueError(f"{where}: {other[0]} is for an encoder-decoder model, and {where} is not one "
                          "(config.is_encoder_decoder=False); pass head_mask of shape (h,) or (L, h), or edit heads "
                          "with headwise.trace(model, edit={(layer, head): 0.0})")
-    if other or (head_mask is not None and encoder_decoder):
+    if encoder_decoder:  # any of them on an encoder-decoder model
         raise ValueError(f"{where}: {other[0] if other else 'head_mask'} is not supported on an encoder-decoder model "
                          "(transformers 5 hands one mask to every stack); edit heads with "
                          "headwise.trace(model, edit={(layer, head): 0.0})")

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Entry", "Latent", "DEFAULT", "ENTRIES", "entry_for"]
+__all__ = ["Entry", "Latent", "DEFAULT", "ENTRIES", "entry_for", "sliding_window_of"]
 
 
 @dataclass(frozen=True)
@@ -247,3 +247,18 @@ def entry_for(model_type: str | None, config: Any = None) -> Entry:
     it), or :data:`DEFAULT`."""
     entry = ENTRIES.get(model_type or "", DEFAULT)
     return entry if isinstance(entry, Entry) else entry(config)
+
+
+def sliding_window_of(module: Any, config: Any) -> int | None:
+    """The sliding window the model's mask gives this layer, or None (full causal attention): the module's
+    own ``sliding_window`` where it has one (Qwen2-style, None on full layers), else the config's, unless
+    ``config.layer_types`` says this layer is not a sliding one (Mistral: every layer slides)."""
+    if "sliding_window" in vars(module) or hasattr(type(module), "sliding_window"):
+        window = getattr(module, "sliding_window")
+    else:
+        window = getattr(config, "sliding_window", None)
+        types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+        if isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types) \
+                and types[index] != "sliding_attention":
+            window = None
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
