@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["FORWARD_STEPS", "calls_forward_only", "has_forward_hooks", "has_own_forward_hooks", "bare_linear",
-           "adapter_base"]
+           "adapter_base", "kv_prompt"]
 
 #: The steps of ``MultiHeadAttention.forward``. A subclass, or an instance (a step assigned on it: a notebook's
 #: monkeypatch), overriding any of them may compute another function than the weights alone say: a route that
@@ -59,3 +59,20 @@ def adapter_base(module: Any) -> nn.Module | None:
     """
     base = getattr(module, "base_layer", None)
     return base if isinstance(base, nn.Module) else None
+
+
+#: PEFT prompt learning that prepends input embeddings only: the model's keys and values stay its own.
+EMBEDDING_PROMPTS = frozenset({"PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING", "CPT"})
+
+
+def kv_prompt(config: Any) -> str:
+    """The PEFT type of an adapter config whose prompt learning supplies keys and values to every layer (prefix
+    tuning: its virtual tokens' past key/values sit before the prompt's), or "" for any other config.
+
+    Example:
+        >>> kv_prompt(None)
+        ''
+    """
+    kind = getattr(config, "peft_type", None)
+    kind = str(getattr(kind, "value", kind))
+    return kind if getattr(config, "is_prompt_learning", False) is True and kind not in EMBEDDING_PROMPTS else ""

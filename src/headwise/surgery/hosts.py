@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..module_calls import adapter_base
+from ..module_calls import adapter_base, kv_prompt
 from .weights import HeadWeights, as_projections
 
 __all__ = ["is_view", "has_seam", "apply", "refusal", "prompt_refusal", "rebuilds", "config_update", "quiet",
@@ -71,21 +71,19 @@ def refusal(layers: Sequence[tuple[str, Any]], new: Mapping[int, HeadWeights], w
 
 # PEFT's prompt-learning methods that only prepend input embeddings: nothing they hold depends on the heads. The
 # others (prefix tuning, cartridges, any newer one) hand every layer keys and values of its K/V heads.
-_EMBEDDING_PROMPTS = frozenset({"PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING", "CPT"})
 
 
 def _kv_prompts(model: nn.Module, hosts: set[int]) -> list[tuple[str, nn.Module, str, str]]:
     """``(path, wrapper, adapter, type)`` of the PEFT adapters in ``model`` (itself or any module in it) that wrap
-    one of the modules ``hosts`` (ids) and supply keys and values to its layers (prompt learning that is not
-    :data:`_EMBEDDING_PROMPTS`)."""
+    one of the modules ``hosts`` (ids) and supply keys and values to its layers
+    (:func:`~headwise.module_calls.kv_prompt`)."""
     found = []
     for path, m in model.named_modules():
         configs = getattr(m, "peft_config", None)
         if not isinstance(configs, Mapping) or not hosts & {id(x) for x in m.modules()}:
             continue
         for adapter, cfg in configs.items():
-            kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", None)))
-            if getattr(cfg, "is_prompt_learning", False) is True and kind not in _EMBEDDING_PROMPTS:
+            if kind := kv_prompt(cfg):
                 found.append((path, m, adapter, kind))
     return found
 
@@ -318,7 +316,8 @@ def apply(model: nn.Module, layers: Sequence[tuple[str, Any]], new: Mapping[int,
 def _same(old: Any, now: Any) -> bool:
     """Whether ``now``, a module's view from re-patching, describes the module exactly as ``old`` did."""
     # Not the host's name: it is relative to the model patch() was given, which need not be surgery's root.
-    return (type(old) is type(now) and old.host is now.host and old.config == now.config and old.rule == now.rule and old.source_names() == now.source_names())
+    return (type(old) is type(now) and old.host is now.host and old.config == now.config and old.rule == now.rule
+            and old.source_names() == now.source_names())
 
 
 def reattach(root: nn.Module, before: Sequence[Any], changed: set[int], what: str) -> None:

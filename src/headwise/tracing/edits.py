@@ -17,6 +17,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..module_calls import kv_prompt
+
 __all__ = ["SITES", "SitePlan", "parse_value", "apply", "masked_mean", "real_positions", "CachePadding",
            "UnknownPadding", "Unseen", "DeferredPadding"]
 
@@ -164,8 +166,7 @@ def _prefix_tuning() -> tuple[str, int] | None:
                 config = owner.active_peft_config
             except Exception:  # noqa: BLE001 - several active adapters, or not a PeftModel: no prefix to name
                 config = None
-            kind = str(getattr(getattr(config, "peft_type", None), "value", ""))
-            if kind in ("PREFIX_TUNING", "CARTRIDGE"):
+            if kv_prompt(config):
                 return type(owner).__name__, int(getattr(config, "num_virtual_tokens", 0))
         frame = frame.f_back
     return None
