@@ -99,7 +99,7 @@ class LayerTracer:
         # A call inside a backward is a checkpoint's recompute (checkpointing.py): refused before it computes
         # or records anything. Compiled code never runs a layer's Python in a backward.
         # Both torch checkpoints recompute with autograd on: a no-grad call from a backward hook is no recompute.
-        if entries and torch.is_grad_enabled() and backward_task() != -1 and not torch.compiler.is_compiling():
+        if entries and torch.is_grad_enabled() and not torch.compiler.is_compiling() and backward_task() != -1:
             raise ValueError(recompute_refusal(entries[0].record.index, entries[0].record.name))
         self.recorded = []  # a new call: an earlier one's records are never discarded by this one's failure
         given = k, v
