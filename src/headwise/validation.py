@@ -135,8 +135,8 @@ def has_dead_rows(mask: torch.Tensor | None, causal: tuple[int, int] | None = No
     causal call), and a row that may read no key at all is left to the zeroing of rows that read nothing."""
     if mask is None or mask.dtype == torch.bool or mask.numel() == 0:
         return False
-    if torch.compiler.is_compiling():  # True under torch.export too, strict or not
-        return True  # reading the mask is a data-dependent step they cannot trace: the formula is right on every row
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(mask):
+        return True  # compile, export and torch.func cannot branch on data: the formula is right on every row
     low = mask <= torch.finfo(mask.dtype).min / 2  # broadcastable to (b, h, s_q, s_kv)
     if causal is None:
         return bool(low.all(-1).any())

@@ -173,3 +173,20 @@ def test_vmapped_masks_are_read_with_tensor_operations():
         for i in range(3):
             ref, _ = reference_heads(q[i], k[i], v[i], mask=masks[i])
             torch.testing.assert_close(got[i].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_per_example_gradients_through_a_float_mask():
+    # torch.func.grad records autograd, where the plan asks whether a float mask has dead rows; under vmap that
+    # question cannot be read off the data, so the layer takes the formula on every row instead of failing.
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, n_kv_heads=2, bias=True)
+    x = torch.randn(3, 5, 16)
+    masks = torch.zeros(3, 1, 1, 5)
+    masks[1, ..., 3:] = torch.finfo(torch.float32).min  # example 1 pads its last two keys, Hugging Face style
+    for causal in (False, True):
+        got = torch.func.vmap(torch.func.grad(
+            lambda xi, mi: attn(xi[None], mask=mi[None], causal=causal).sum()))(x, masks)
+        for i in range(3):
+            xi = x[i:i + 1].double().requires_grad_()
+            ref = torch.autograd.grad(reference_mha(attn, xi, mask=masks[i:i + 1], causal=causal)[0].sum(), xi)[0]
+            torch.testing.assert_close(got[i:i + 1].double(), ref, rtol=1e-4, atol=1e-5)
