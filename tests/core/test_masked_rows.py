@@ -132,6 +132,7 @@ def test_a_trainable_layer_with_a_floating_mask_compiles_whole_with_the_formulas
     # the eager path there, whatever its rows.
     import torch._dynamo.testing
 
+    torch._dynamo.reset()  # frames compiled by earlier tests in this worker would count here
     torch.manual_seed(0)
     attn = MultiHeadAttention(16, 2, dtype=torch.float64)
     eager = MultiHeadAttention(16, 2, dtype=torch.float64, backend="eager")
