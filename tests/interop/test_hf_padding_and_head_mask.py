@@ -225,3 +225,48 @@ def test_bad_or_ambiguous_head_masks_are_refused_in_one_line_before_the_cache_ch
     unpatch(model)
     with torch.no_grad():  # unpatched: transformers' own behaviour (it ignores head_mask) is back
         model(input_ids=IDS, head_mask=torch.ones(3))
+
+
+def cross_attention_decoder(family: str) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
+    """A decoder with cross-attention, and its W_O (each attention module's output projection) by module kind."""
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=40, n_embd=16, n_layer=2, n_head=4, n_positions=32, add_cross_attention=True)).eval()
+        return model, {f"{kind}{i}": getattr(block, kind).c_proj for i, block in enumerate(model.transformer.h)
+                       for kind in ("attn", "crossattention")}
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+        is_decoder=True, add_cross_attention=True)).eval()
+    return model, {f"{kind}{i}": getattr(layer, kind).output.dense for i, layer in enumerate(model.encoder.layer)
+                   for kind in ("attention", "crossattention")}
+
+
+@pytest.mark.parametrize("family, scaled", [("gpt2", ("attn",)), ("bert", ("attention", "crossattention"))])
+def test_a_head_mask_scales_the_modules_the_model_hands_it_and_leaves_the_others_as_unpatched(family, scaled):
+    # GPT2Block calls its cross-attention without its keyword arguments, so head_mask never reaches it: those heads
+    # stay as the unpatched model computes them; BERT's layer hands the mask to both.
+    ids = torch.randint(3, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+    enc = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    factors = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    model, w_o = cross_attention_decoder(family)
+
+    def scale(m, args):  # type: ignore[no-untyped-def]
+        return (args[0].unflatten(-1, (4, 4)).mul(factors[:, None]).flatten(-2),) + args[1:]
+
+    handles = [w.register_forward_pre_hook(scale) for name, w in w_o.items() if name.rstrip("01") in scaled]
+    with torch.no_grad():
+        want = model(ids, encoder_hidden_states=enc)[0]
+        for h in handles:
+            h.remove()
+        patch(model)
+        got = model(ids, encoder_hidden_states=enc, head_mask=factors)[0]
+    torch.testing.assert_close(got, want)
+
+
+def test_a_per_layer_head_mask_on_a_decoder_with_cross_attention_is_refused_naming_two_modules_of_a_layer():
+    model = patch(cross_attention_decoder("gpt2")[0])
+    with pytest.raises(ValueError, match=r"^GPT2LMHeadModel: head_mask has one row per layer, but its attention "
+                                         r"modules share layer numbers \('transformer\.h\.0\.attn' and "
+                                         r"'transformer\.h\.0\.crossattention' both have layer_idx=0\)"):
+        model(torch.tensor([[3, 4]]), encoder_hidden_states=torch.randn(1, 5, 16), head_mask=torch.ones(2, 4))

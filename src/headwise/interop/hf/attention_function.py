@@ -262,7 +262,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         head_mask: a factor per head, ``(h,)`` or ``(L, h)`` (:func:`head_factors`).
 
     Shapes:
-        query (b, h, s_q, d_qk); key (b, h_kv, s_kv, d_qk); value (b, h_kv, s_kv, d_v);
+        query (b, h, s_q, d_qk); key (b or 1, h_kv, s_kv, d_qk); value (b or 1, h_kv, s_kv, d_v) (batch 1: an
+        encoder output read by every example, expanded to b as eager and sdpa broadcast it);
         attention_mask (b or 1, 1, s_q, s_kv); s_aux (h,); sinks (b, h, s_q, 1)
         -> (b, s_q, h, d_v), weights (b, h, s_q, s_kv) or None
     """
@@ -290,6 +291,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
         given = query.dtype  # transformers' eager returns its weights in the query's dtype as handed over
         query, key, value = autocast_heads(query, key, value)
+    if key.shape[0] == 1 != query.shape[0]:  # one encoder output for a decoder batch: eager's matmul broadcasts it
+        key, value = key.expand(query.shape[0], -1, -1, -1), value.expand(query.shape[0], -1, -1, -1)  # views
     s_q, s_kv = query.shape[2], key.shape[2]
     mask = attention_mask
     causal = False

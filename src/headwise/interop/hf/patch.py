@@ -131,7 +131,12 @@ def check_head_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """A forward pre-hook of the patched model: Hugging Face's ``head_mask`` is honoured (each head's probabilities
     and context scaled, :func:`~headwise.interop.hf.attention_function.head_factors`) where it means one thing, and
     refused in one line, before anything runs (so no cache has changed), where it does not: a per-layer mask must
-    be ``(L, h)``, ``L`` the model's ``num_hidden_layers`` (a row that matches no layer is refused)."""
+    be ``(L, h)``, ``L`` the model's ``num_hidden_layers`` (a row that matches no layer is refused).
+
+    It is checked against every patched module, but reaches only those the model's code hands its keyword
+    arguments: a module called without them keeps its heads unscaled, as the unpatched model (which ignores
+    ``head_mask``) does. GPT-2's cross-attention is one (``GPT2Block`` calls ``crossattention`` without its
+    ``**kwargs``), where BERT's, as a decoder, is scaled with its layer's self-attention."""
     where = type(model).__name__
     other = [n for n in _OTHER_MASKS if kwargs.get(n) is not None]
     head_mask = kwargs.get("head_mask")
@@ -152,8 +157,15 @@ def check_head_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
         head_factors(head_mask, view.host, view.n_heads)
     indices = [getattr(view.host, "layer_idx", None) for _, view in found]
     if getattr(head_mask, "dim", lambda: 0)() == 2 and len(set(indices)) != len(indices):
+        # several stacks, or a layer's self- and cross-attention: name two, so the message says which
+        first = {}
+        for (name, _), index in zip(found, indices):
+            if index in first:
+                break
+            first[index] = name
         raise ValueError(f"{where}: head_mask has one row per layer, but its attention modules share layer numbers "
-                         "(several stacks); pass one row (h,) for every layer, or edit heads with headwise.trace")
+                         f"({first[index]!r} and {name!r} both have layer_idx={index}); pass one row (h,) for every "
+                         "layer, or edit heads with headwise.trace")
     if found and getattr(head_mask, "dim", lambda: 0)() == 2:
         # A row that matches no layer (a mask built for a deeper model) would be silently ignored: the mask is for
         # another model, so refuse it rather than apply the rows that happen to fit.
@@ -174,8 +186,9 @@ def patch(model: nn.Module) -> nn.Module:
     module gets ``module.attn``, its layer: a view of the module's current weights (never a registered submodule,
     so ``state_dict``, ``save_pretrained``, tensor-parallel plans and PEFT targets are unchanged), through which
     :func:`headwise.trace` captures and edits every head. The module keeps its class, forward, parameters,
-    buffers, submodules and hooks. A ``head_mask`` given to the model scales each head (transformers 5 ignores
-    it), or is refused before anything runs where it is ambiguous (:func:`check_head_mask`). Outputs are the
+    buffers, submodules and hooks. A ``head_mask`` given to the model scales the heads of each module the model
+    hands it (transformers 5 ignores it; GPT-2 hands it no cross-attention), or is refused before anything runs
+    where it is ambiguous (:func:`check_head_mask`). Outputs are the
     model's own: every module keeps the conventions of the implementation it had (eager's uniform rows for queries
     that may read nothing, or sdpa's zeros; see :mod:`~headwise.interop.hf.attention_function`).
 
