@@ -300,6 +300,25 @@ def test_per_head_qk_norms_follow_their_heads_when_pruned(model_type, drop):
 
 
 @pytest.mark.parametrize("model_type", list(QK_HEADS))
+@pytest.mark.parametrize("drop", [{0: [0, 1], 1: [0, 1]}, {0: [1], 1: [2, 3]}, {0: [0, 1, 2, 3], 1: [2]}],
+                         ids=["uniform", "per-layer", "emptied-layer"])
+def test_per_head_qk_norms_reload_with_their_heads(model_type, drop, tmp_path):
+    """StableLM's norms are a ModuleList of one LayerNorm per head: once pruned, the config-sized model has more
+    entries than were saved, which the loader must not take for missing layers."""
+    model = build_qk(model_type)
+    batch = batch_for(model)
+    want = output(ablated_qk(model, drop), batch)
+    prune_heads(patch(model), drop)
+    pruned, shapes = output(model, batch), counts(model)
+    torch.testing.assert_close(pruned, want)
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path, type(model))
+    torch.testing.assert_close(output(loaded, batch), pruned)
+    torch.testing.assert_close(output(loaded, batch), want)
+    assert counts(patch(loaded)) == shapes
+
+
+@pytest.mark.parametrize("model_type", list(QK_HEADS))
 def test_to_mha_keeps_a_model_with_per_head_qk_norms_exact(model_type, tmp_path):
     model = build_qk(model_type)
     batch = batch_for(model)

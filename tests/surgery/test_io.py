@@ -346,3 +346,35 @@ def test_a_peft_wrapper_or_a_bare_layer_is_refused_before_anything_is_written(tm
     want = output(merged, inputs())
     assert save_pretrained(merged, folder) is False
     torch.testing.assert_close(output(load_pretrained(folder, LLAMA), inputs()), want)
+
+
+def test_the_model_inside_a_peft_wrapper_is_refused_while_adapters_wrap_its_modules(tmp_path):
+    import torch
+
+    peft = pytest.importorskip("peft")
+    from headwise.interop import unpatch
+
+    model = unpatch(prune_heads(patch(build("llama")), DROP))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=2,
+                                                         init_lora_weights=False))
+    want = output(wrapped, inputs())  # PEFT's own forward, adapters applied
+    folder = tmp_path / "out"
+    # saved as it is, the folder would hold q_proj.base_layer.weight and lora_A: weights Llama does not have
+    with pytest.raises(TypeError, match=rf"expected a model without adapters, got a LlamaForCausalLM whose "
+                                        rf"'{ATTN}.q_proj' \(peft.Linear\), '{ATTN}.v_proj' \(peft.Linear\), .* "
+                                        r"wrapped by an adapter \(PEFT\).*merge_and_unload\(\).*own save_pretrained"):
+        save_pretrained(wrapped.base_model.model, folder)
+    assert not folder.exists()
+    assert save_pretrained(wrapped.merge_and_unload(), folder) is False  # what the message says to do
+    torch.testing.assert_close(output(load_pretrained(folder, LLAMA), inputs()), want)
+
+
+@pytest.mark.parametrize("cls", [LLAMA, transformers.AutoModelForCausalLM], ids=["class", "auto"])
+def test_a_missing_folder_or_a_wrong_attn_implementation_is_refused_in_words(tmp_path, cls):
+    missing = tmp_path / "does_not_exist"
+    with pytest.raises(ValueError, match=rf"load_pretrained: cannot read the config '{re.escape(str(missing))}/"
+                                         r"config\.json': No such file or directory"):
+        load_pretrained(missing, cls)  # not transformers' OSError about hub repo ids
+    with pytest.raises(TypeError, match=r"attn_implementation must be a str \(\"eager\", \"sdpa\"\) or None, got "
+                                        r"int 3"):
+        load_pretrained(missing, cls, attn_implementation=3)

@@ -16,7 +16,6 @@ Shapes:
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..module_calls import adapter_base
 from . import hosts, origin
 from .files import JSON_LIMIT_BYTES, aliased, read_json, safetensors_call, saved_shapes, weight_files
 from .layers import read
-from .probe import TooLarge, bounded, check_layers
+from .probe import TooLarge, bounded, check_layers, check_loaded, check_shapes
 from .weights import as_projections, zeros_like
 
 __all__ = ["save_pretrained", "load_pretrained", "SIDECAR", "head_shapes", "shape_mismatch", "JSON_LIMIT_BYTES"]
@@ -99,6 +99,17 @@ def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> b
         raise TypeError(f"save_pretrained: expected the transformers model itself (a PreTrainedModel), got "
                         f"{type(model).__name__}{held}: for a PEFT model call merge_and_unload() first and save "
                         "the model it returns (else pass the transformers model inside the wrapper)")
+    # an adapter left in the model is saved under its own names (q_proj.base_layer.weight, lora_A), which the
+    # model's class does not have: no loader could read the folder back
+    wrapped = [f"{name!r} ({type(m).__module__.split('.')[0]}.{type(m).__name__})"
+               for name, m in model.named_modules()
+               if adapter_base(m) is not None or isinstance(getattr(m, "original_module", None), nn.Module)]
+    if wrapped:
+        raise TypeError(f"save_pretrained: expected a model without adapters, got a {type(model).__name__} whose "
+                        f"{', '.join(wrapped[:3])}{' ...' if len(wrapped) > 3 else ''} "
+                        f"{'is' if len(wrapped) == 1 else 'are'} wrapped by an adapter (PEFT), whose weights "
+                        f"{type(model).__name__} does not have: call merge_and_unload() on the PeftModel and save "
+                        "the model it returns, or save the adapter alone with the PeftModel's own save_pretrained")
     shapes = head_shapes(model)
     plain = hosts.rebuilds(model)
     with hosts.quiet(messages=False):  # transformers' "Writing model shards" bar is not ours to show
@@ -160,8 +171,13 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
     Shapes:
         each recorded module: (d, n_heads, n_kv_heads, d_head) as in the sidecar
     """
+    if attn_implementation is not None and not isinstance(attn_implementation, str):
+        raise TypeError(f"load_pretrained: attn_implementation must be a str (\"eager\", \"sdpa\") or None, got "
+                        f"{type(attn_implementation).__name__} {attn_implementation!r}")
     directory = Path(directory)
     model_class = _concrete(model_class, directory)
+    # a folder, whatever the class: transformers would take a missing one for a hub repo id
+    read_json(directory / "config.json", "config")
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     path = directory / SIDECAR
     if not path.exists():
@@ -171,14 +187,15 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
     if sidecar.get("plain_hf"):
         return _plain(model_class, directory, extra, modules, sidecar=True)
     saved = saved_shapes(weight_files(directory))
-    read_json(directory / "config.json", "config")  # a regular, readable file (from_pretrained reads it again)
     config = model_class.config_class.from_pretrained(str(directory))
-    with hosts.quiet(), torch.device("meta"), bounded(model_class, config, directory, len(saved)):
-        probe = model_class(config)  # every check on a model that allocates nothing
-    check_layers(probe, saved, model_class.__name__, config, directory)
+    probe = _probe(model_class, config, directory, saved)
     modules = _renamed(modules, probe)
     _resize(probe, modules, model_class.__name__)
+    # on the resized probe: a per-head list inside an attention module (StableLM's q_layernorm.norms) has the
+    # saved head count only once resized, where the config-sized probe would take its dropped heads for layers
+    check_layers(probe, saved, model_class.__name__, config, directory)
     _check_saved(probe, modules, saved)
+    check_shapes(probe, saved, directory, "the rebuilt model")
 
     def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
         model_class.__init__(self, config, *args, **kwargs)
@@ -186,61 +203,18 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
 
     resized = type(model_class.__name__, (model_class,), {"__init__": __init__, "__module__": model_class.__module__})
     with hosts.quiet(messages=False):
-        model, info = safetensors_call(directory, lambda d: resized.from_pretrained(d, output_loading_info=True,
-                                                                                     **extra), plain=True)
+        model, info = safetensors_call(directory, lambda d: resized.from_pretrained(  # as in _plain
+            d, output_loading_info=True, ignore_mismatched_sizes=True, **extra), plain=True)
     model.__class__ = model_class
-    _check_loaded(model, info, directory, "the rebuilt model")
+    check_loaded(model, info, directory, "the rebuilt model")
     return _with_origins(model.eval(), modules)
 
 
-def _check_loaded(model: nn.Module, info: dict[str, Any], directory: Path, what: str) -> None:
-    """``ValueError`` naming what transformers' load report (``output_loading_info``) says went wrong: a weight
-    the saving class has and the folder lacks (:func:`_saved_by`), a checkpoint weight under the model's own
-    modules that the model does not build (:func:`_own`), a weight of another shape."""
-    wrong = {k: list(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    wrong["unexpected_keys"] = _own(model, wrong["unexpected_keys"])
-    wrong["missing_keys"] = _saved_by(model, wrong["missing_keys"])
-    if any(wrong.values()):
-        raise ValueError(f"load_pretrained: {directory} does not match {what}: "
-                         + ", ".join(f"{k.replace('_', ' ')} {v[:5]}" for k, v in wrong.items() if v))
-
-
-def _saved_by(model: nn.Module, keys: list[str]) -> list[str]:
-    """The weights among ``keys`` (missing from the folder) that the class which saved it has (the first of its
-    config's ``architectures``; ``model``'s own class when that names none transformers has): a folder without
-    them is incomplete. The others are a task head only ``model``'s class has (``score`` when a causal LM's
-    folder is loaded into ``...ForSequenceClassification``), newly initialised, as ``from_pretrained`` does.
-    The saving class is built on the meta device, so nothing is allocated."""
-    names = getattr(model.config, "architectures", None) or []
-    if not keys or not names or names[0] == type(model).__name__:
-        return keys
-    import transformers
-
-    saver = getattr(transformers, str(names[0]), None)
-    if not (isinstance(saver, type) and issubclass(saver, nn.Module)
-            and isinstance(model.config, getattr(saver, "config_class", ()))):
-        return keys
-    try:
-        with hosts.quiet(), torch.device("meta"):
-            held = saver(copy.deepcopy(model.config)).state_dict()  # building may set config fields
-    except Exception:  # noqa: BLE001 - a class this config cannot build: every missing weight counts
-        return keys
-    prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."
-
-    def bare(key: str) -> str:  # a task model's keys and its base model's differ by the prefix
-        return key[len(prefix):] if prefix != "." and key.startswith(prefix) else key
-
-    has = {bare(k) for k in held}
-    return [k for k in keys if bare(k) in has]
-
-
-def _own(model: nn.Module, keys: list[str]) -> list[str]:
-    """The checkpoint keys among ``keys`` that belong under ``model``'s own modules: an unexpected key of a task
-    head the model does not have (``lm_head``, ``cls``: a task model's folder loaded as its base model) is
-    harmless; one under the model's own modules (a layer the config does not build) is not."""
-    own = {name for name, _ in model.named_children()}
-    prefix = f"{getattr(model, 'base_model_prefix', '')}."
-    return [k for k in keys if (k[len(prefix):] if k.startswith(prefix) else k).split(".")[0] in own]
+def _probe(model_class: type, config: Any, directory: Path, saved: dict[str, tuple[int, ...]]) -> nn.Module:
+    """``model_class(config)`` on the meta device, bounded by the saved weights: every check on a model that
+    allocates nothing."""
+    with hosts.quiet(), torch.device("meta"), bounded(model_class, config, directory, len(saved)):
+        return model_class(config)
 
 
 def _concrete(model_class: Any, directory: Path) -> type:
@@ -378,13 +352,23 @@ def _plain(model_class: type, directory: Path, extra: dict[str, Any], modules: d
            sidecar: bool = False) -> nn.Module:
     """``model_class.from_pretrained`` (a weight of another shape than config.json gives, or a damaged
     safetensors file, as a ValueError naming it), with the sidecar's original head indices put back; a folder
-    with a sidecar is held to what the rebuilt path checks (:func:`_check_loaded`)."""
-    why = shape_mismatch(directory, model_class) if not modules else ""
-    if why:
-        raise ValueError(f"load_pretrained: {why}")
+    with a sidecar is held to what the rebuilt path checks (:func:`headwise.surgery.probe.check_loaded`)."""
+    what = f"{model_class.__name__} built from its config.json"
+    if not sidecar:
+        why = shape_mismatch(directory, model_class)
+        if why:
+            raise ValueError(f"load_pretrained: {why}")
+    elif (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists():
+        saved = saved_shapes(weight_files(directory))
+        config = model_class.config_class.from_pretrained(str(directory))
+        check_shapes(_probe(model_class, config, directory, saved), saved, directory, what)
+    # ignore_mismatched_sizes: a weight of another shape the checks above could not see (a key transformers'
+    # loader converts) comes back in the load report, for check_loaded to name, not as its RuntimeError
     with hosts.quiet(messages=False):
         model, info = safetensors_call(directory, lambda d: model_class.from_pretrained(
-            d, output_loading_info=True, **extra), plain=True)
+            d, output_loading_info=True, ignore_mismatched_sizes=True, **extra), plain=True)
     if sidecar:  # saved by save_pretrained, so checked as the rebuilt path checks; any other folder is transformers'
-        _check_loaded(model, info, directory, f"{model_class.__name__} built from its config.json")
+        check_loaded(model, info, directory, what)
+    else:  # what it lacks is initialised, as from_pretrained does; a weight of another shape is not
+        check_loaded(model, {"mismatched_keys": info.get("mismatched_keys")}, directory, what)
     return _with_origins(model.eval(), modules)

@@ -1,6 +1,7 @@
 """The meta-device probe load_pretrained builds from a folder's config.json, kept to what the saved weights can
 fill: a tampered config (``num_hidden_layers=10**6``) is refused while the probe is being built, before it takes
-minutes, and a config with more layers than were saved is refused before ``from_pretrained`` allocates them.
+minutes, and a config with more layers than were saved, or weights of other shapes than it builds, are refused
+before ``from_pretrained`` allocates them; what transformers' load report then says went wrong is a ValueError too.
 
 Shapes:
     saved: {checkpoint key: shape} of the folder's safetensors headers
@@ -9,17 +10,21 @@ Shapes:
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import threading
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from . import hosts
 from .files import aliased, key_prefixes
 
-__all__ = ["PROBE_MODULES_PER_WEIGHT", "PROBE_MODULES_FLOOR", "TooLarge", "bounded", "check_layers"]
+__all__ = ["PROBE_MODULES_PER_WEIGHT", "PROBE_MODULES_FLOOR", "TooLarge", "bounded", "check_layers", "check_shapes",
+           "check_loaded"]
 
 # A probe may register at most this many modules per saved weight, plus the floor: real models register one to
 # two (T5 the most), so a tampered config.json (num_hidden_layers=10**6) is refused a fraction of a second into
@@ -99,3 +104,72 @@ def check_layers(probe: nn.Module, saved: dict[str, tuple[int, ...]], cls: str, 
             raise ValueError(f"load_pretrained: {directory / 'config.json'}{_layer_counts(config)} builds "
                              f"{len(entries)} entries of {cls}'s {name!r}, but the saved weights in {directory} "
                              f"have none for {missing[:3]}: config.json describes more layers than were saved")
+
+
+def _mismatched(found: list[tuple[str, Any, Any]]) -> str:
+    listed = "; ".join(f"{k!r} saved {tuple(a)}, expected {tuple(b)}" for k, a, b in found[:5])
+    return f"mismatched keys [{listed}]" + (f" (and {len(found) - 5} more)" if len(found) > 5 else "")
+
+
+def check_shapes(probe: nn.Module, saved: dict[str, tuple[int, ...]], directory: Path, what: str) -> None:
+    """Every saved weight the ``probe`` has (under its name or a name transformers' loader renames it to) must
+    have the probe's shape: ``ValueError`` naming the mismatched keys, saved and expected shapes, before
+    ``from_pretrained`` allocates the model (and prints its load report)."""
+    saved = aliased(saved, probe)
+    found = [(k, saved[k], tuple(v.shape)) for k, v in probe.state_dict().items()
+             if k in saved and saved[k] != tuple(v.shape)]
+    if found:
+        raise ValueError(f"load_pretrained: {directory} does not match {what}: {_mismatched(found)}")
+
+
+def check_loaded(model: nn.Module, info: dict[str, Any], directory: Path, what: str) -> None:
+    """``ValueError`` naming what transformers' load report (``output_loading_info``) says went wrong: a weight
+    the saving class has and the folder lacks (:func:`_saved_by`), a checkpoint weight under the model's own
+    modules that the model does not build (:func:`_own`), a weight of another shape (key, saved and expected
+    shapes)."""
+    missing = _saved_by(model, list(info.get("missing_keys") or ()))
+    unexpected = _own(model, list(info.get("unexpected_keys") or ()))
+    mismatched = sorted((str(k), a, b) for k, a, b in info.get("mismatched_keys") or ())
+    wrong = ([f"missing keys {missing[:5]}"] if missing else []) + \
+        ([f"unexpected keys {unexpected[:5]}"] if unexpected else []) + \
+        ([_mismatched(mismatched)] if mismatched else [])
+    if wrong:
+        raise ValueError(f"load_pretrained: {directory} does not match {what}: {', '.join(wrong)}")
+
+
+def _saved_by(model: nn.Module, keys: list[str]) -> list[str]:
+    """The weights among ``keys`` (missing from the folder) that the class which saved it has (the first of its
+    config's ``architectures``; ``model``'s own class when that names none transformers has): a folder without
+    them is incomplete. The others are a task head only ``model``'s class has (``score`` when a causal LM's
+    folder is loaded into ``...ForSequenceClassification``), newly initialised, as ``from_pretrained`` does.
+    The saving class is built on the meta device, so nothing is allocated."""
+    names = getattr(model.config, "architectures", None) or []
+    if not keys or not names or names[0] == type(model).__name__:
+        return keys
+    import transformers
+
+    saver = getattr(transformers, str(names[0]), None)
+    if not (isinstance(saver, type) and issubclass(saver, nn.Module)
+            and isinstance(model.config, getattr(saver, "config_class", ()))):
+        return keys
+    try:
+        with hosts.quiet(), torch.device("meta"):
+            held = saver(copy.deepcopy(model.config)).state_dict()  # building may set config fields
+    except Exception:  # noqa: BLE001 - a class this config cannot build: every missing weight counts
+        return keys
+    prefix = f"{getattr(model, 'base_model_prefix', '') or ''}."
+
+    def bare(key: str) -> str:  # a task model's keys and its base model's differ by the prefix
+        return key[len(prefix):] if prefix != "." and key.startswith(prefix) else key
+
+    has = {bare(k) for k in held}
+    return [k for k in keys if bare(k) in has]
+
+
+def _own(model: nn.Module, keys: list[str]) -> list[str]:
+    """The checkpoint keys among ``keys`` that belong under ``model``'s own modules: an unexpected key of a task
+    head the model does not have (``lm_head``, ``cls``: a task model's folder loaded as its base model) is
+    harmless; one under the model's own modules (a layer the config does not build) is not."""
+    own = {name for name, _ in model.named_children()}
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    return [k for k in keys if (k[len(prefix):] if k.startswith(prefix) else k).split(".")[0] in own]
