@@ -52,10 +52,13 @@ class Preset:
 
 
 def _config(d_model: int, n_heads: int, n_kv_heads: int | None, d_head: int | None, *, bias: bool) -> AttentionConfig:
-    """The config of cited numbers; a cited ``d_head`` that is ``d_model / n_heads`` is left to the default, so that
-    a preset overridden with other ``n_heads`` or ``d_model`` rescales it, as for a preset that cites none."""
+    """The config of cited numbers; a cited ``d_head`` that is ``d_model / n_heads``, or ``n_kv_heads`` equal to
+    ``n_heads`` (MHA), is left to the default, so that a preset overridden with other ``n_heads`` or ``d_model``
+    rescales it, as for a preset that cites none (an MHA preset stays MHA; a GQA preset keeps its K/V heads)."""
     if d_head is not None and d_head * n_heads == d_model:
         d_head = None
+    if n_kv_heads == n_heads:
+        n_kv_heads = None
     return AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, bias=bias)
 
 

@@ -69,3 +69,26 @@ def test_dtype_names() -> None:
     assert dtype_itemsize("fp16") == 2 and dtype_itemsize(torch.float64) == 8
     with pytest.raises(ValueError, match="float16"):
         parse_dtype("float17")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_fused_is_the_log_sum_exp_autograd_saves(dtype: torch.dtype) -> None:
+    """The fused (default) path in training keeps one statistic per (b, h, query) for the backward: float32 for
+    float32 and narrower inputs, float64 for float64 ones."""
+    from headwise.analysis.memory import lse_itemsize
+
+    cfg = AttentionConfig(d_model=32, n_heads=4)
+    attn = MultiHeadAttention.from_config(cfg, dtype=dtype)
+    x = torch.randn(2, 16, 32, dtype=dtype, requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        attn(x, causal=True)
+    (lse,) = [t for t in saved if t.shape == (2, 4, 16)]  # (b, h, s_q)
+    mem = attention_memory(cfg, 16, batch=2, dtype=dtype)
+    assert mem.fused == lse.nbytes == 2 * 4 * 16 * lse_itemsize(dtype)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)

@@ -289,3 +289,23 @@ def test_a_length_past_the_presets_position_limit_gets_a_note_not_a_refusal(caps
         assert f"note: {limit + 1} tokens is past the {limit} positions llama-3-8b takes" in err, err
         code, out, err = _run(capsys, *argv, "--seq", str(limit), "--json")
         assert code == 0 and "note" not in err
+
+
+@pytest.mark.parametrize("command,preset,n_heads", [
+    ("explain", "llama-2-7b", 64), ("explain", "llama-2-7b", 16), ("explain", "gpt2-small", 6),
+    ("explain", "llama-3-8b", 64), ("explain", "llama-2-70b", 16), ("tour", "llama-2-7b", 16)])
+def test_a_preset_overridden_with_other_n_heads_is_the_config_built_by_hand(capsys, command: str, preset: str,
+                                                                             n_heads: int) -> None:
+    """An MHA preset stays MHA with the new head count (the help's `--n-kv-heads` default: n_heads), whether or
+    not its source cites num_key_value_heads; a GQA preset keeps its K/V heads."""
+    p = get_preset(preset)
+    cited_kv = p.cited.get("num_key_value_heads")
+    kv = None if cited_kv in (None, p.cited.get("num_attention_heads")) else cited_kv  # GQA: the cited count
+    by_hand = AttentionConfig(d_model=p.config.d_model, n_heads=n_heads, n_kv_heads=kv, bias=p.config.bias)
+    code, out, err = _run(capsys, command, "--preset", preset, "--n-heads", str(n_heads), "--seq", "8", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert {k: r["config"][k] for k in by_hand.to_dict()} == by_hand.to_dict()
+    if command == "explain":
+        assert r["config"]["kind"] == by_hand.kind
+        assert r["kv_cache"]["per_token_bytes"] == kv_cache_bytes(by_hand, 1, dtype="float16", n_layers=p.n_layers)

@@ -83,6 +83,10 @@ def test_text_table_fits_80_columns_and_names_both_plans(capsys, monkeypatch) ->
      "neither split works over --ranks 64: tensor parallel needs one of [1, 2, 4, 8, 16, 32] ranks, sequence "
      "parallel at most n_heads=32"),
     (["--preset", "llama-3-8b", "--ranks", "0"], "must be a positive integer, got 0"),
+    (["--d-model", "1", "--n-heads", "9223372036854775783", "--d-head", "1", "--seq", "1", "--dtype", "fp8",
+      "--ranks", "9223372036854775807"],  # a prime head count: the valid world sizes are 1 and itself
+     "tensor parallel needs one of [1, 9223372036854775783] ranks, sequence parallel at most "
+     "n_heads=9223372036854775783"),
 ])
 def test_bad_ranks_fail_in_one_line_before_anything_heavy(argv: list[str], message: str) -> None:
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
@@ -94,6 +98,19 @@ def test_bad_ranks_fail_in_one_line_before_anything_heavy(argv: list[str], messa
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert seconds < 2.0, f"{seconds:.2f} s"  # the CLI's bound for bad input (tests/cli/test_failures.py)
+
+
+@pytest.mark.timeout(60)
+def test_a_head_count_past_any_layer_gets_its_per_rank_figures(capsys) -> None:
+    """2**40 heads over 2 ranks: closed forms, no list of heads (fp8, one token, d_model = d_head = 1)."""
+    h = 2 ** 40
+    code, out, err = _run(capsys, "explain", "--d-model", "1", "--n-heads", str(h), "--d-head", "1", "--seq", "1",
+                          "--ranks", "2", "--dtype", "fp8", "--json")
+    assert code == 0, err
+    par = json.loads(out)["parallel"]
+    for key in ("tp", "sp"):  # half the heads per rank: Q, K, V and the context of one token each
+        assert (par[key]["heads"], par[key]["kv_heads"], par[key]["qkv_context"]) == (h // 2, h // 2, 2 * h)
+    assert par["sp"]["sent_forward"] == 2 * h  # the other rank's half of Q, K, V, and this rank's output half
 
 
 def test_readme_names_tensor_parallels_own_parameters() -> None:

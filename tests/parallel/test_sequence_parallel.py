@@ -207,14 +207,15 @@ def test_all_to_all_bytes_of_every_rank_equal_the_bytes_it_hands_over_each_way(w
 
 def test_qkv_context_closed_form_counts_the_heads_each_rank_attends_with(world):
     """parallel_costs' "Q, K, V, context" bytes against the shapes the layer hands to attention on each rank
-    (K/V repeated per query head where a rank's heads do not follow the plain GQA pattern)."""
+    (K/V repeated per query head where a rank's heads do not follow the plain GQA pattern; uneven slices
+    unpadded)."""
     from math import prod
 
     from headwise import AttentionConfig
     from headwise.analysis.parallel import parallel_costs
 
     world_size, ranks = world
-    checked = 0
+    checked = []
     for spec in worker.SCENARIOS[world_size]:
         if spec.get("mesh") or spec.get("s_kv") or worker.CAUSAL not in spec["phases"]:
             continue  # the closed form is for self-attention on a 1-D group
@@ -225,10 +226,9 @@ def test_qkv_context_closed_form_counts_the_heads_each_rank_attends_with(world):
             assert q[2] == k[2] == v[2] == spec["s"]  # the whole sequence of this rank's heads
             held.append(2 * prod(q) + prod(k) + prod(v))  # Q and the context have Q's shape
         costs = parallel_costs(cfg, spec["s"], world_size, batch=worker.B, dtype=torch.float64)["sp"]
-        padded = -(-spec["s"] // world_size) * world_size  # the closed form counts uneven slices padded
-        assert costs["qkv_context"] * spec["s"] == max(held) * 8 * padded, spec["name"]
-        checked += 1
-    assert checked >= 3
+        assert costs["qkv_context"] == max(held) * 8, spec["name"]  # float64; the padding is gone by then
+        checked.append(spec["s"])
+    assert len(checked) >= 3 and any(s % world_size for s in checked)  # uneven slices among them
 
 
 def test_peak_memory_per_rank_stays_flat_in_p_at_fixed_tokens_per_rank(ranks2, ranks4):

@@ -10,7 +10,8 @@ float32, as PyTorch's math kernel does). It also holds the scores while the soft
 the probabilities of every layer for the backward pass. The fused path
 (``scaled_dot_product_attention`` with a flash / memory-efficient kernel) never stores the ``s_q x s_kv``
 matrix: it streams K/V blocks and keeps, besides the output ``(b, h, s_q, d_h)`` that both paths produce,
-one float32 log-sum-exp per query row and head (``b * h * s_q * 4`` bytes) for the backward pass.
+one log-sum-exp per query row and head for the backward pass: ``b * h * s_q * 4`` bytes (float32) for float32
+and narrower inputs, ``b * h * s_q * 8`` (float64) for float64 ones (:func:`lse_itemsize`).
 
 Shapes:
     b: batch, s_q: query length, s_kv: key/value length, h: query heads, h_kv: key/value heads, d_h: d_head.
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # the calculators themselves never import torch: they are pla
     import torch
 
 __all__ = ["AttentionMemory", "attention_memory", "kv_cache_bytes", "kv_cache_bytes_per_token", "dtype_itemsize",
-           "dtype_info", "probability_itemsize", "parse_dtype", "DTYPES", "DTYPE_NAMES"]
+           "dtype_info", "probability_itemsize", "lse_itemsize", "parse_dtype", "DTYPES", "DTYPE_NAMES"]
 
 # Names accepted for dtypes (the CLI's --dtype): name -> (torch's name for it, bytes per element).
 DTYPE_NAMES: dict[str, tuple[str, int]] = {
@@ -41,8 +42,8 @@ DTYPE_NAMES: dict[str, tuple[str, int]] = {
     "float8_e4m3fn": ("float8_e4m3fn", 1), "fp8": ("float8_e4m3fn", 1),
 }
 
-# Bytes of the fused path's per-row statistic (log-sum-exp), kept in float32 whatever the input dtype.
-_LSE_BYTES = 4
+# The fused kernels keep their per-row log-sum-exp in float32 at least: wider inputs keep it in their own dtype.
+_LSE_MIN_BYTES = 4
 # Half-precision inputs get float32 probabilities on the eager path (headwise.plan rule 2).
 _UPCAST = ("float16", "bfloat16")
 
@@ -145,11 +146,12 @@ class AttentionMemory:
     """Bytes the attention step holds beyond Q, K, V and the output, per layer and for ``n_layers``.
 
     Shapes:
-        materialised: probabilities (b, h, s_q, s_kv); fused: log-sum-exp (b, h, s_q), float32
+        materialised: probabilities (b, h, s_q, s_kv); fused: log-sum-exp (b, h, s_q), float32 (float64 inputs:
+        float64)
     """
 
     materialised: int  # eager: the probabilities (b, h, s_q, s_kv)
-    fused: int  # flash-style kernel: one float32 log-sum-exp per (b, h, query)
+    fused: int  # flash-style kernel: one log-sum-exp per (b, h, query), lse_itemsize bytes each
     n_layers: int
 
     @property
@@ -163,7 +165,7 @@ class AttentionMemory:
 
     @property
     def ratio(self) -> float:
-        """How many times more the eager path holds (``s_kv * itemsize / 4``, itemsize 4 for half precision)."""
+        """How many times more the eager path holds (``s_kv * probability_itemsize / lse_itemsize``)."""
         return self.materialised / self.fused
 
     def to_dict(self) -> dict[str, float]:
@@ -183,12 +185,24 @@ def probability_itemsize(dtype: "torch.dtype | str") -> int:
     return 4 if name in _UPCAST else itemsize
 
 
+def lse_itemsize(dtype: "torch.dtype | str") -> int:
+    """Bytes per log-sum-exp the fused path keeps for the backward pass, for inputs of ``dtype``: float32's 4
+    for float32 and narrower dtypes, float64's 8 for float64 (the dtype of the statistic the kernel saves).
+
+    Example:
+        >>> lse_itemsize("bf16"), lse_itemsize("float32"), lse_itemsize("float64")
+        (4, 4, 8)
+    """
+    return max(_LSE_MIN_BYTES, dtype_info(dtype)[1])
+
+
 def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, kv_len: int | None = None,
                      dtype: "torch.dtype | str" = "float32", n_layers: int = 1) -> AttentionMemory:
     """Memory of the attention probabilities on the eager path versus the fused path (module doc).
 
     Shapes:
-        materialised: b * h * s_q * s_kv * itemsize (4 for float16/bfloat16); fused: b * h * s_q * 4
+        materialised: b * h * s_q * s_kv * itemsize (4 for float16/bfloat16); fused: b * h * s_q * lse_itemsize
+        (4, or 8 for float64)
 
     Example:
         >>> from headwise import AttentionConfig
@@ -202,5 +216,5 @@ def attention_memory(config: AttentionConfig, seq_len: int, *, batch: int = 1, k
     s_kv = s_q if kv_len is None else check_positive("kv_len", kv_len)
     n_layers = check_positive("n_layers", n_layers)
     rows = b * config.n_heads * s_q
-    return AttentionMemory(materialised=rows * s_kv * probability_itemsize(dtype), fused=rows * _LSE_BYTES,
+    return AttentionMemory(materialised=rows * s_kv * probability_itemsize(dtype), fused=rows * lse_itemsize(dtype),
                            n_layers=n_layers)

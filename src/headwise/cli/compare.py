@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     fmt.table(f"Per model: {r0['seq_len']} tokens, batch {r0['batch']}, {r0['dtype']}",
               ["", *[r["preset"]["name"] for r in results]],
               [(label, *[get(r) for r in results]) for label, get in ROWS])
-    fmt.line("probs = attention probabilities (b, h, s, s) held by the eager path; the fused path keeps one float32 "
+    fmt.line("probs = attention probabilities (b, h, s, s) held by the eager path; the fused path keeps one "
              "log-sum-exp per (b, h, query).")
     if any(r["kv_cache"]["positions"] < r["seq_len"] for r in results):
         fmt.line("window W = a sliding-window model: each layer attends to, and caches, only the last W positions.")

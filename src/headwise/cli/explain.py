@@ -153,13 +153,13 @@ def cost_rows(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
          f"b x h x s^2 x {m['materialised'] // (r['batch'] * c['n_heads'] * r['seq_len'] ** 2)} B (float32 for half "
          f"precision); all layers = kept for backward"),
         ("probabilities, fused (SDPA/flash)", human_bytes(m["fused"]), human_bytes(m["fused_all_layers"]),
-         f"one float32 log-sum-exp per (b, h, query); {_than_eager(m['fused'], m['materialised'])}"),
+         f"one log-sum-exp per (b, h, query); {_than_eager(m['fused'], m['materialised'])}"),
     ]
 
 
 def _than_eager(fused: int, eager: int) -> str:
     """How the fused path's bytes compare with the eager path's: "4,096x less", "2x more" or "the same" (at one
-    token, or in fp8 at short lengths, the float32 log-sum-exp is as large as the probabilities or larger)."""
+    token, or in fp8 at short lengths, the log-sum-exp (float32 or wider) is as large as the probabilities or larger)."""
     if fused == eager:
         return "the same"
     ratio = max(fused, eager) / min(fused, eager)

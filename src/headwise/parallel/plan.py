@@ -20,11 +20,13 @@ Shapes:
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 from ..config import AttentionConfig
 
-__all__ = ["HeadPartition", "TensorParallelPlan", "head_config", "plan_heads", "valid_world_sizes"]
+__all__ = ["HeadPartition", "TensorParallelPlan", "head_config", "plan_heads", "split_summary", "valid_world_sizes"]
 
 
 def check_count(name: str, value: object) -> int:
@@ -60,6 +62,69 @@ def _split_ok(n_heads: int, n_kv_heads: int, world_size: int) -> bool:
     return n_heads % world_size == 0 and (n_kv_heads % world_size == 0 or world_size % n_kv_heads == 0)
 
 
+# Miller-Rabin with these bases is exact below 3.3e24, far above the 2**63 - 1 a head count can reach.
+_SMALL_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    for p in _SMALL_PRIMES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in _SMALL_PRIMES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _factor(n: int) -> int:
+    """A factor 1 < f < n of a composite ``n`` with no prime factor below 41 (Pollard's rho)."""
+    for c in itertools.count(1):
+        x = y = 2
+        d = 1
+        while d == 1:
+            x = (x * x + c) % n
+            y = (y * y + c) % n
+            y = (y * y + c) % n
+            d = math.gcd(x - y, n)
+        if d != n:
+            return d
+    raise AssertionError("unreachable")
+
+
+def _divisors(n: int) -> list[int]:
+    """Every divisor of ``n``, sorted, from its prime factors: trial division up to sqrt(n) would take minutes
+    for the head counts torch allows (up to 2**63 - 1), factoring takes milliseconds."""
+    exponents: dict[int, int] = {}
+    for p in _SMALL_PRIMES:
+        while n % p == 0:
+            exponents[p] = exponents.get(p, 0) + 1
+            n //= p
+    todo = [n] if n > 1 else []
+    while todo:
+        m = todo.pop()
+        if _is_prime(m):
+            exponents[m] = exponents.get(m, 0) + 1
+        else:
+            f = _factor(m)
+            todo += [f, m // f]
+    divisors = [1]
+    for p, e in exponents.items():
+        divisors = [d * p ** k for d in divisors for k in range(e + 1)]
+    return sorted(divisors)
+
+
 def valid_world_sizes(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
     """Every world size over which a layer with these head counts splits by whole heads.
 
@@ -74,7 +139,29 @@ def valid_world_sizes(n_heads: int, n_kv_heads: int | None = None) -> list[int]:
         [1, 2, 6]
     """
     cfg = head_config(n_heads, n_kv_heads)
-    return [w for w in range(1, cfg.n_heads + 1) if _split_ok(cfg.n_heads, cfg.n_kv_heads, w)]
+    return [w for w in _divisors(cfg.n_heads) if _split_ok(cfg.n_heads, cfg.n_kv_heads, w)]
+
+
+def split_summary(n_heads: int, n_kv_heads: int | None, world_size: int) -> str:
+    """The first line of :meth:`TensorParallelPlan.describe`, from the counts alone: no list of every head, so
+    that it answers at once for any head count. Raises as :func:`plan_heads` does for a split that cannot work.
+
+    Example:
+        >>> split_summary(8, 2, 2)
+        '8 query heads, 2 K/V heads (GQA, group size 4) over 2 ranks: 4 query heads per rank; K/V heads partitioned: 1 per rank, none shared'
+    """
+    cfg = head_config(n_heads, n_kv_heads)
+    world_size = check_count("world_size", world_size)
+    if not _split_ok(cfg.n_heads, cfg.n_kv_heads, world_size):
+        plan_heads(cfg.n_heads, cfg.n_kv_heads, world_size)  # raises, naming the world sizes that work
+    h_local = cfg.n_heads // world_size
+    head = (f"{cfg.n_heads} query head{'s' if cfg.n_heads > 1 else ''}, {cfg.n_kv_heads} K/V "
+            f"head{'s' if cfg.n_kv_heads > 1 else ''} ({cfg.kind}, group size {cfg.group_size}) over "
+            f"{world_size} rank{'s' if world_size > 1 else ''}: {h_local} query "
+            f"head{'s' if h_local > 1 else ''} per rank; ")
+    if cfg.n_kv_heads < world_size:
+        return head + f"K/V heads replicated: each K/V head is held by {world_size // cfg.n_kv_heads} ranks"
+    return head + f"K/V heads partitioned: {cfg.n_kv_heads // world_size} per rank, none shared"
 
 
 @dataclass(frozen=True)
@@ -227,17 +314,7 @@ class TensorParallelPlan:
 
     def describe(self) -> str:
         """A human-readable account of the split, one line per rank."""
-        cfg = head_config(self.n_heads, self.n_kv_heads)
-        group = cfg.group_size
-        head = (f"{self.n_heads} query head{'s' if self.n_heads > 1 else ''}, {self.n_kv_heads} K/V "
-                f"head{'s' if self.n_kv_heads > 1 else ''} ({cfg.kind}, group size {group}) over "
-                f"{self.world_size} rank{'s' if self.world_size > 1 else ''}: {self.n_local_heads} query "
-                f"head{'s' if self.n_local_heads > 1 else ''} per rank; ")
-        if self.kv_replicated:
-            head += f"K/V heads replicated: each K/V head is held by {self.kv_replicas} ranks"
-        else:
-            head += f"K/V heads partitioned: {self.n_local_kv_heads} per rank, none shared"
-        lines = [head] + [f"  rank {p.rank}: query heads {list(p.q_heads)}, K/V heads {list(p.kv_heads)}"
+        lines = [split_summary(self.n_heads, self.n_kv_heads, self.world_size)] + [f"  rank {p.rank}: query heads {list(p.q_heads)}, K/V heads {list(p.kv_heads)}"
                           for p in self.partitions]
         return "\n".join(lines)
 
@@ -263,12 +340,12 @@ def plan_heads(n_heads: int, n_kv_heads: int | None, world_size: int) -> TensorP
     cfg = head_config(n_heads, n_kv_heads)
     n_heads, n_kv_heads = cfg.n_heads, cfg.n_kv_heads
     world_size = check_count("world_size", world_size)
-    valid = valid_world_sizes(n_heads, n_kv_heads)
-    sizes = f"valid world sizes for n_heads={n_heads}, n_kv_heads={n_kv_heads}: {valid}"
-    if n_heads % world_size:
-        raise ValueError(f"cannot split n_heads={n_heads} over world_size={world_size} ranks by whole heads "
-                         f"({n_heads} % {world_size} != 0); {sizes}")
     if not _split_ok(n_heads, n_kv_heads, world_size):
+        valid = valid_world_sizes(n_heads, n_kv_heads)  # only for the message: the split itself needs no list
+        sizes = f"valid world sizes for n_heads={n_heads}, n_kv_heads={n_kv_heads}: {valid}"
+        if n_heads % world_size:
+            raise ValueError(f"cannot split n_heads={n_heads} over world_size={world_size} ranks by whole heads "
+                             f"({n_heads} % {world_size} != 0); {sizes}")
         raise ValueError(
             f"cannot split n_kv_heads={n_kv_heads} over world_size={world_size} ranks: neither partitioned "
             f"({n_kv_heads} % {world_size} != 0) nor replicated ({world_size} % {n_kv_heads} != 0), so a rank "
