@@ -17,6 +17,7 @@ from . import functional as hwf
 from .config import check_scale
 from .validation import check_forward, check_tensor
 from .masks import validate_mask
+from .stored_weights import packed_weight, recomputed_weight
 
 #: Where head surgery keeps the original index of every head a module has now (in the module's ``__dict__``:
 #: the layer's, or the patched Hugging Face module's), so a layer's ``repr`` can name them.
@@ -30,6 +31,14 @@ __all__ = ["AttentionHead", "LayerHeads", "pack_heads"]
 
 _WEIGHTS = ("w_q", "w_k", "w_v")
 _BIASES = ("b_q", "b_k", "b_v")
+
+
+def _float_weight(proj: object, what: str) -> torch.Tensor:
+    """``proj.weight``, refused (``TypeError``) where it is no tensor: a head's weights are slices of it."""
+    w = proj.weight
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{what} is {packed_weight(proj) or f'a {type(proj).__name__} whose weight is no tensor'}")
+    return w
 
 
 class AttentionHead(nn.Module):
@@ -125,8 +134,9 @@ class AttentionHead(nn.Module):
             return getattr(self, "_" + name)
         which = name[-1]
         proj = getattr(self._parent, f"{which}_proj")
+        w = _float_weight(proj, f"{which}_proj")  # checked for biases too: a packed module's bias is a method
         if name.startswith("w_"):
-            return proj.weight[self._slice(which)].T  # (d_in, d_h), a view of the packed weight
+            return w[self._slice(which)].T  # (d_in, d_h), a view of the packed weight
         return None if proj.bias is None else proj.bias[self._slice(which)]  # (d_h,)
 
     def _set(self, name: str, value: torch.Tensor) -> None:
@@ -136,8 +146,24 @@ class AttentionHead(nn.Module):
             raise ValueError(f"{name} does not exist on this head (the layer has no bias)")
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{name} must have shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        if self._parent is not None:
+            self._check_stored(name, target)
         with torch.no_grad():
             target.copy_(value)
+
+    def _check_stored(self, name: str, target: torch.Tensor) -> None:
+        """Refuses (``TypeError``, before anything is written) a write into ``target``, this head's part of a
+        layer's weight, that would not reach the tensors the layer keeps (:func:`recomputed_weight`)."""
+        proj = "out_proj" if name == "w_o" else f"{name[-1]}_proj"
+        module, what = getattr(self._parent, proj), proj
+        if not isinstance(module, nn.Module):  # a view of a host's weight (fused rows, a Conv1D): judge the host's
+            sources = dict(self._parent.sources()) if callable(getattr(self._parent, "sources", None)) else {}
+            module = sources.get(proj, self._parent)
+            where = getattr(self._parent, "source_names", dict)().get(proj, proj)
+            what = proj if where == proj else f"{proj} ({where})"
+        why = recomputed_weight(module, target)
+        if why:
+            raise TypeError(f"cannot write {name} of head {self.index}: {what} {why}")
 
     w_q = property(lambda self: self._get("w_q"), lambda self, v: self._set("w_q", v),
                    doc="W_Q^h, (d_model, d_head): this head's queries are ``x @ w_q``.")
@@ -158,7 +184,7 @@ class AttentionHead(nn.Module):
         if self._parent is None:
             # Not AttributeError: nn.Module.__getattr__ would replace this message with "has no attribute".
             raise ValueError("a standalone head has no W_O; take heads from a layer with attn.head(i)")
-        return self._parent.out_proj.weight[:, self._slice("q")].T  # (d_h, d)
+        return _float_weight(self._parent.out_proj, "out_proj")[:, self._slice("q")].T  # (d_h, d)
 
     @w_o.setter
     def w_o(self, value: torch.Tensor) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -160,3 +162,81 @@ def test_head_takes_its_row_of_a_3d_per_head_float_mask():
         attn.head(0)(x, mask=bias[:3])
     with pytest.raises(ValueError, match="a standalone head takes masks without a head axis"):
         attn.head(0).detach_copy()(x, mask=bias)
+
+
+# -- projections whose weight is recomputed on use, or packed -------------------------------------------------------
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def _norm_rows(g, v):  # weight_norm's formula (dim=0): every row of v scaled to the norm g
+    return g * v / v.norm(dim=1, keepdim=True)
+
+
+# how -> (put it on a projection, its effective weight from the tensors it keeps, take it off, the refusal)
+RECOMPUTED = {
+    "parametrizations.weight_norm": (
+        torch.nn.utils.parametrizations.weight_norm,
+        lambda m: _norm_rows(m.parametrizations.weight.original0, m.parametrizations.weight.original1),
+        lambda m: torch.nn.utils.parametrize.remove_parametrizations(m, "weight"),
+        r"weight is parametrized by _WeightNorm \(remove it with torch\.nn\.utils\.parametrize\.remove_parametrizations"
+        r", or write parametrizations\.weight\.original0, parametrizations\.weight\.original1\)"),
+    "register_parametrization": (
+        lambda m: torch.nn.utils.parametrize.register_parametrization(m, "weight", _Doubled()),
+        lambda m: 2 * m.parametrizations.weight.original,
+        lambda m: torch.nn.utils.parametrize.remove_parametrizations(m, "weight"),
+        r"weight is parametrized by _Doubled .*write parametrizations\.weight\.original\)"),
+    "weight_norm hook": (
+        torch.nn.utils.weight_norm, lambda m: _norm_rows(m.weight_g, m.weight_v), torch.nn.utils.remove_weight_norm,
+        r"weight is recomputed by a WeightNorm hook \(remove it with torch\.nn\.utils\.remove_weight_norm"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("how", list(RECOMPUTED))
+@pytest.mark.parametrize("proj, name", [("q_proj", "w_q"), ("out_proj", "w_o")])
+def test_a_head_reads_a_recomputed_weight_and_refuses_to_write_it_changing_nothing(how, proj, name):
+    # A write into a weight recomputed on every use would land in a temporary: refused, naming the projection,
+    # what recomputes it and how to take it off. Reading gives the weight the layer computes with.
+    put, effective, remove, refusal = RECOMPUTED[how]
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, bias=True).eval()
+    module = getattr(attn, proj)
+    put(module)
+    x = torch.randn(2, 5, 16)
+    want = attn(x).detach()  # (the hook computes its weight in this first call)
+    head = attn.head(1)
+
+    def of(w):  # head 1's part of a whole (out, in) weight, as the head holds it
+        return (w[4:8] if name == "w_q" else w[:, 4:8]).T
+
+    torch.testing.assert_close(getattr(head, name), of(effective(module).detach()))
+    before = {k: v.clone() for k, v in attn.state_dict().items()}
+    with pytest.raises(TypeError, match=rf"cannot write {name} of head 1: {proj} holds a weight recomputed from other "
+                                        rf"tensors on every use: {refusal}.*a write into it would be lost"):
+        setattr(head, name, torch.zeros_like(getattr(head, name)))
+    after = attn.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0)
+    torch.testing.assert_close(attn(x), want, rtol=0, atol=0)
+    if proj == "q_proj":  # its bias is stored as it is: written
+        head.b_q = torch.zeros(4)
+        torch.testing.assert_close(module.bias[4:8], torch.zeros(4), rtol=0, atol=0)
+    remove(module)  # the remedy: a plain weight again, which the write reaches
+    new = torch.randn(getattr(head, name).shape)
+    setattr(head, name, new)
+    torch.testing.assert_close(of(module.weight), new, rtol=0, atol=0)
+
+
+def test_a_head_of_a_quantized_layer_refuses_naming_the_packed_module():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization and qint8 tensors announce their move to torchao
+        quantization = pytest.importorskip("torch.ao.quantization")
+        attn = quantization.quantize_dynamic(MultiHeadAttention(16, 4, bias=True), {nn.Linear}, dtype=torch.qint8)
+    head = attn.head(0)
+    for name, proj in (("w_q", "q_proj"), ("b_k", "k_proj"), ("w_o", "out_proj")):
+        with pytest.raises(TypeError, match=rf"{proj} is a torch\.ao\.nn\.quantized\.dynamic\.[\w.]*Linear, whose weight "
+                                            r"is packed \(quantized\), not a float tensor: headwise reads float weights"):
+            getattr(head, name)

@@ -16,7 +16,7 @@ ROOT = Path(headwise.__file__).parent
 
 # The README's layer order (Architecture), lowest first, by top-level unit (a module or a subpackage).
 LAYERS = [
-    {"config", "masks", "kv_cache", "kv_support", "module_calls", "rotary"},  # leaves
+    {"config", "masks", "kv_cache", "kv_support", "module_calls", "rotary", "stored_weights"},  # leaves
     {"validation", "checkpoint"},                               # checks on the leaves
     {"plan"},                                                   # every decision, from sizes and flags
     {"functional", "dispatch"},                                 # the math; the plan in words

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
+from ..stored_weights import packed_weight
 from ..module_calls import adapter_base
 
 __all__ = ["find_layers", "in_place", "encoder_modules", "head_results", "w_o_adapter"]
@@ -120,6 +121,8 @@ def w_o_adapter(layer: MultiHeadAttention) -> nn.Module | None:
     be the layer's output. A patched layer's W_O may hide behind a projection view (GPT-2's ``Conv1D``): its
     ``sources()`` name the module itself.
 
+    Raises ``TypeError`` where W_O holds a packed (quantized) weight: no per-head write can be read off it.
+
     Example:
         >>> import headwise
         >>> w_o_adapter(headwise.MultiHeadAttention(8, 2)) is None
@@ -129,4 +132,8 @@ def w_o_adapter(layer: MultiHeadAttention) -> nn.Module | None:
     sources = getattr(layer, "sources", None)
     if callable(sources):
         modules += [m for name, m in sources() if name == "out_proj"]
+    if packed := next((why for m in modules if (why := packed_weight(m))), ""):
+        where = getattr(layer, "host_name", "")
+        raise TypeError(f"{where + ': ' if where else ''}each head's write through W_O is read off its float "
+                        f"weight, but out_proj is {packed}")
     return next((m for m in modules if adapter_base(m) is not None), None)

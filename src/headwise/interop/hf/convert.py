@@ -30,6 +30,8 @@ from .rope import rotary_from_hf
 
 __all__ = ["from_hf", "to_hf"]
 
+_WRITTEN = ("q_proj", "k_proj", "v_proj", "out_proj")
+
 
 def _view(module: object, what: str) -> HFView:
     """The (unattached) view of ``module``: an attention module on the interface, or the one such child of a block
@@ -187,7 +189,9 @@ def to_hf(attn: MultiHeadAttention, like: nn.Module) -> nn.Module:
     values) and every weight is written in the module's own layout after a shape check; a layer of another size,
     head grouping, bias layout, scale, QK-norm or rotary (one where the family has none, none where it rotates, or
     other frequencies than the config gives) raises ``ValueError``, as does a projection wrapped by a PEFT adapter
-    (``merge_and_unload()`` first). ``to_hf(from_hf(m), like=m)`` reproduces ``m``'s weights exactly.
+    (``merge_and_unload()`` first); one whose weight is recomputed on use (a parametrization such as
+    ``weight_norm``: a write would be lost) raises ``TypeError`` naming it. ``to_hf(from_hf(m), like=m)``
+    reproduces ``m``'s weights exactly.
 
     Shapes:
         attn: MultiHeadAttention matching like (d, h, h_kv, d_h) -> module of type(like)
@@ -212,9 +216,13 @@ def to_hf(attn: MultiHeadAttention, like: nn.Module) -> nn.Module:
                          f"{'has' if norm else 'has no'} per-head q_norm/k_norm and the layer "
                          f"{'has' if isinstance(attn, QKNormMixin) else 'has none'}")
     _check_rotary(owner, view, attn)
+    # A parametrized projection (weight_norm ...) recomputes its weight on use: a write into it would be lost.
+    lost = next((why for name in _WRITTEN if (why := view.projection(name).unwritable())), "")
+    if lost:
+        raise TypeError(f"to_hf: cannot write into {owner}'s {lost}")
     new = copy.deepcopy(like)
     target = _view(new, "to_hf")
-    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+    for name in _WRITTEN:
         src = getattr(attn, name)
         target.projection(name).write(src.weight, src.bias)
     if norm:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...stored_weights import packed_weight, recomputed_weight
 from ...module_calls import adapter_base, has_own_forward_hooks
 from ..views import HostRef, ProjectionView
 from .registry import Entry
@@ -54,6 +55,27 @@ def projection_size(module: Any) -> tuple[int, int] | None:
         w = base.weight
         return w.shape[1], w.shape[0]
     return None
+
+
+def _unpacked(module: Any, what: str) -> Any:
+    """``module``, refused (``TypeError``) where its weight is packed (quantized): every reader here needs floats."""
+    why = packed_weight(module)
+    if why:
+        raise TypeError(f"{what} is {why}")
+    return module
+
+
+def _packed_at(owner: nn.Module, names: tuple[str, ...]) -> str:
+    """Why the first of ``names`` below ``owner`` holding a packed (quantized) weight is no projection headwise can
+    read ("" where none does): a quantized ``nn.Linear`` is a projection, just not one of float weights."""
+    for name in names:
+        try:
+            found = owner.get_submodule(name)
+        except AttributeError:
+            continue
+        if why := packed_weight(_base(found)):
+            return f"{type(owner).__name__}.{name} is {why}"
+    return ""
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -91,6 +113,17 @@ class Projection:
         """Why calling :meth:`module` computes more than calling :meth:`view` ("" where it does not)."""
         return ""
 
+    def unwritable(self) -> str:
+        """Why :meth:`write` would not change the module ("" where it would): a weight or bias it recomputes on
+        use from other tensors (a parametrization such as ``weight_norm``), so a write would be lost."""
+        m = _unpacked(self.module(), self.what)
+        return next((f"{self.what}: {type(m).__name__} {why}" for t in (m.weight, m.bias)
+                     if t is not None and (why := recomputed_weight(m, t))), "")
+
+    def _check_writable(self) -> None:
+        if why := self.unwritable():
+            raise TypeError(f"cannot write {why}")
+
 
 class Whole(Projection):
     """A whole projection module at ``path`` below ``owner`` (looked up on every call: it may be replaced).
@@ -110,13 +143,14 @@ class Whole(Projection):
         return self.owner.get_submodule(self.path)
 
     def weight(self) -> torch.Tensor:
-        w = self.module().weight
-        return w.T if is_conv1d(self.module()) else w  # (out, in)
+        m = _unpacked(self.module(), self.what)
+        return m.weight.T if is_conv1d(m) else m.weight  # (out, in)
 
     def bias(self) -> torch.Tensor | None:
-        return self.module().bias
+        return _unpacked(self.module(), self.what).bias
 
     def write(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._check_writable()
         _copy(self.weight(), weight, f"{self.what}.weight")
         if self.bias() is not None:
             _copy(self.bias(), bias, f"{self.what}.bias")
@@ -183,14 +217,15 @@ class Rows(Projection):
         return t.unflatten(0, (h, 3, d_h))[:, j].flatten(0, 1)  # (h * d_h, ...)
 
     def weight(self) -> torch.Tensor:
-        m = self.module()
+        m = _unpacked(self.module(), self.what)
         return self._rows(m.weight, is_conv1d(m))
 
     def bias(self) -> torch.Tensor | None:
-        t = self.module().bias
+        t = _unpacked(self.module(), self.what).bias
         return None if t is None else self._rows(t, False)
 
     def write(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._check_writable()
         m = self.module()
         for dst, src, what in ((m.weight, weight, "weight"), (m.bias, bias, "bias")):
             if dst is None:
@@ -298,6 +333,8 @@ def _locate_qkv(module: nn.Module, entry: Entry, h: int, h_kv: int, d_v: int) ->
     if entry.qkv is not None:
         name, want = entry.qkv, (h + 2 * h_kv) * d_v
         size = projection_size(getattr(module, name, None))
+        if size is None and (packed := _packed_at(module, (name,))):
+            return packed
         if size is None or size[0] != want:
             got = size[0] if size else type(getattr(module, name, None)).__name__
             return f"{owner}.{name} is not a projection with (h + 2 h_kv) d_h = {want} outputs (got {got})"
@@ -312,7 +349,8 @@ def _locate_qkv(module: nn.Module, entry: Entry, h: int, h_kv: int, d_v: int) ->
                                                         ("v_proj", entry.v))}
     missing = [hw for hw, (name, _) in found.items() if name is None]
     if missing:
-        return f"{owner} has no projection named {' / '.join(entry.q + entry.k + entry.v)} for {missing}"
+        names = entry.q + entry.k + entry.v
+        return _packed_at(module, names) or f"{owner} has no projection named {' / '.join(names)} for {missing}"
     want = {"q_proj": h * d_v, "k_proj": h_kv * d_v, "v_proj": h_kv * d_v}
     got = {hw: projection_size(m)[0] for hw, (_, m) in found.items()}
     if got != want:
@@ -347,6 +385,8 @@ def _locate_o(module: nn.Module, parent: nn.Module | None, entry: Entry, d: int,
         name, o = _find(owner, names)
         if o is not None and projection_size(o) == (d, inner):
             return Whole(owner, name)
+        if o is None and (packed := _packed_at(owner, names)):
+            return packed
     where = f"{entry.o} on {type(module).__name__}" + (f" or {entry.o_parent} on {type(parent).__name__}"
                                                       if parent is not None else
                                                       f" (or {entry.o_parent} on its parent, not given)")
