@@ -38,9 +38,10 @@ def recomputed_weight(module: nn.Module, tensor: torch.Tensor) -> str:
     ("" where it would): it is no stored parameter or buffer of ``module`` but recomputed from them, on each access
     (``torch.nn.utils.parametrize``: ``parametrizations.weight_norm``, ``orthogonal`` ...) or in a forward pre-hook
     (the older ``torch.nn.utils.weight_norm`` / ``spectral_norm``), so a write would land in a temporary."""
-    if tensor.device.type == "meta":  # no data to write, nor storage to compare
-        return ""
-    stored = {t.untyped_storage().data_ptr() for t in itertools.chain(module.parameters(), module.buffers())}
+    if tensor.device.type == "meta" or not _plain(tensor):
+        return ""  # no data to write, or a tensor subclass (DTensor, ...) whose storage is not its data: as written
+    stored = {t.untyped_storage().data_ptr() for t in itertools.chain(module.parameters(), module.buffers())
+              if _plain(t)}
     if tensor.untyped_storage().data_ptr() in stored:
         return ""
     by = []
@@ -55,5 +56,10 @@ def recomputed_weight(module: nn.Module, tensor: torch.Tensor) -> str:
             if remove:
                 by.append(f"{at}{hook.name} is recomputed by a {type(hook).__name__} hook (remove it with "
                           f"torch.nn.utils.{remove}, or write the tensors it is computed from)")
-    return (f"holds a weight recomputed from other tensors on every use{': ' + '; '.join(by) if by else ''}: "
-            "a write into it would be lost")
+    if not by:  # a view of another module's tensor (a flat parameter, ...): the write lands there
+        return ""
+    return f"holds a weight recomputed from other tensors on every use: {'; '.join(by)}: a write into it would be lost"
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor or type(t) is nn.Parameter

@@ -230,6 +230,21 @@ def test_a_head_reads_a_recomputed_weight_and_refuses_to_write_it_changing_nothi
     torch.testing.assert_close(of(module.weight), new, rtol=0, atol=0)
 
 
+def test_a_head_writes_a_weight_that_views_another_modules_tensor():
+    # FSDP's flat parameters: a projection's weight is a plain view of a tensor another module holds, recomputed by
+    # nothing; the write lands in that tensor, and the layer computes with it.
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4)
+    flat = nn.Parameter(torch.cat([p.detach().flatten() for p in attn.parameters()]))
+    holder = nn.Module()
+    holder.flat = flat
+    del attn.q_proj.weight
+    attn.q_proj.weight = flat[:256].view(16, 16)  # q_proj's weight is the first 256 entries of the flat tensor
+    new = torch.randn(16, 4)
+    attn.head(1).w_q = new
+    torch.testing.assert_close(flat.detach()[:256].view(16, 16)[4:8].T, new, rtol=0, atol=0)
+
+
 def test_a_head_of_a_quantized_layer_refuses_naming_the_packed_module():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization and qint8 tensors announce their move to torchao
