@@ -375,6 +375,24 @@ def test_a_missing_folder_or_a_wrong_attn_implementation_is_refused_in_words(tmp
     with pytest.raises(ValueError, match=rf"load_pretrained: cannot read the config '{re.escape(str(missing))}/"
                                          r"config\.json': No such file or directory"):
         load_pretrained(missing, cls)  # not transformers' OSError about hub repo ids
-    with pytest.raises(TypeError, match=r"attn_implementation must be a str \(\"eager\", \"sdpa\"\) or None, got "
-                                        r"int 3"):
+    with pytest.raises(TypeError, match=r"attn_implementation must be a str \(\"eager\", \"sdpa\"\), a dict of them "
+                                        r"\(a composite model's parts\) or None, got int 3"):
         load_pretrained(missing, cls, attn_implementation=3)
+
+
+def test_a_folder_that_also_holds_an_adapter_is_refused_and_a_dict_implementation_taken(tmp_path):
+    # transformers would load the adapter into the model and report the adapter's weights, not the model's
+    import torch
+
+    peft = pytest.importorskip("peft")
+    model = prune_heads(patch(build("llama")), DROP)
+    want = output(model, inputs())
+    folder = tmp_path / "out"
+    save_pretrained(model, folder)
+    loaded = load_pretrained(folder, LLAMA, attn_implementation={"": "eager"})  # transformers' per-part form
+    torch.testing.assert_close(output(loaded, inputs()), want)
+    wrapped = peft.get_peft_model(loaded, peft.LoraConfig(target_modules=["q_proj"], r=2))
+    wrapped.save_pretrained(folder)  # the adapter beside the model
+    with pytest.raises(ValueError, match=r"also holds a PEFT adapter \(adapter_config\.json\): expected a folder of "
+                                         r"the model alone"):
+        load_pretrained(folder, LLAMA)

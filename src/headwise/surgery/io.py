@@ -171,13 +171,19 @@ def load_pretrained(directory: str | Path, model_class: type, *, attn_implementa
     Shapes:
         each recorded module: (d, n_heads, n_kv_heads, d_head) as in the sidecar
     """
-    if attn_implementation is not None and not isinstance(attn_implementation, str):
-        raise TypeError(f"load_pretrained: attn_implementation must be a str (\"eager\", \"sdpa\") or None, got "
-                        f"{type(attn_implementation).__name__} {attn_implementation!r}")
+    if attn_implementation is not None and not isinstance(attn_implementation, (str, dict)):
+        raise TypeError(f"load_pretrained: attn_implementation must be a str (\"eager\", \"sdpa\"), a dict of them "
+                        f"(a composite model's parts) or None, got {type(attn_implementation).__name__} "
+                        f"{attn_implementation!r}")
     directory = Path(directory)
     model_class = _concrete(model_class, directory)
     # a folder, whatever the class: transformers would take a missing one for a hub repo id
     read_json(directory / "config.json", "config")
+    if (directory / "adapter_config.json").exists():  # transformers would load the adapter into the model and
+        # report the adapter's weights in place of the model's (a weight of another shape would pass unseen)
+        raise ValueError(f"load_pretrained: {directory} also holds a PEFT adapter (adapter_config.json): expected a "
+                         "folder of the model alone; load the model from a folder without the adapter, then the "
+                         "adapter with peft.PeftModel.from_pretrained(model, adapter_folder)")
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     path = directory / SIDECAR
     if not path.exists():
