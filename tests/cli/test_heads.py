@@ -217,3 +217,12 @@ def test_a_text_of_only_invisible_characters_is_refused_as_empty(capsys, minilm,
     assert code == 2 and out == "", (code, out)
     assert "text must not be empty" in err and repr(text) in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_long_text_drawn_as_a_png_announces_the_max_pooling(capsys, tmp_path) -> None:
+    text = " ".join([TEXT] * 30)  # 300 tokens and more: more cells than a 4-inch panel's ~287 pixels
+    png = tmp_path / "long.png"
+    assert main(["heads", text, "--layer", "0", "--max-tokens", "300", "--out", str(png)]) == 0
+    err = capsys.readouterr().err
+    assert "note: each pixel shows the largest of up to 2 x 2 weights (max-pooled)" in err
+    assert png.read_bytes()[:4] == b"\x89PNG"

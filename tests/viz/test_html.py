@@ -184,3 +184,42 @@ def test_html_refuses_a_layer_without_heads() -> None:
         render_html(empty)
     with pytest.raises(ValueError, match="layer 3 has no head to draw"):
         render_html([empty, empty])
+
+
+@pytest.mark.parametrize("title, error, match", [
+    (5, TypeError, "title must be a str, got int 5"),
+    ("bad \udcff title", ValueError, r"title must be valid Unicode .* got '\\udcff' at character 4"),
+])
+def test_a_refused_title_leaves_an_existing_page_as_it_was(tmp_path, title, error, match) -> None:
+    m = head_maps(MultiHeadAttention(8, 2), torch.randn(3, 8))
+    with pytest.raises(error, match=match):
+        render_html(m, title=title)
+    path = tmp_path / "old.html"
+    path.write_text("PREVIOUS PAGE", encoding="utf-8")
+    with pytest.raises(error, match=match):
+        save_html(m, path, title=title)
+    assert path.read_text(encoding="utf-8") == "PREVIOUS PAGE"
+
+
+def test_a_page_that_fails_while_being_written_leaves_the_old_file(tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    def half_written(self, data):
+        with open(self, "wb") as f:
+            f.write(data[:10])
+        raise OSError(28, "No space left on device")
+
+    path = tmp_path / "old.html"
+    path.write_text("PREVIOUS PAGE", encoding="utf-8")
+    monkeypatch.setattr(Path, "write_bytes", half_written)
+    with pytest.raises(OSError, match="No space left"):
+        save_html(head_maps(MultiHeadAttention(8, 2), torch.randn(3, 8)), path)
+    assert path.read_text(encoding="utf-8") == "PREVIOUS PAGE"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.html"]  # no scratch file left behind
+
+
+def test_the_page_labels_axes_with_tokens_cut_to_twelve_characters() -> None:
+    tokens = ["L" * 300, "cat", "exactly12chr", "thirteen-char"]
+    meta, _ = embedded(render_html(head_maps(MultiHeadAttention(8, 2), torch.randn(4, 8), tokens=tokens)))
+    assert meta["tokens"] == tokens  # the tooltips show the whole token
+    assert meta["labels"] == ["L" * 11 + "\u2026", "cat", "exactly12chr", "thirteen-ch\u2026"]

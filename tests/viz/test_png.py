@@ -258,6 +258,8 @@ def test_png_refuses_weights_that_are_not_probabilities(tmp_path, bad) -> None:
     (dict(dpi=0), ValueError, "dpi must be a positive finite number, got 0"),
     (dict(dpi=float("nan")), ValueError, "dpi must be a positive finite number"),
     (dict(dpi="100"), TypeError, "dpi must be a number, got str"),
+    (dict(dpi=100000), ValueError, r"dpi must be between 10 and 600 \(dots per inch\), got 100000"),
+    (dict(dpi=5), ValueError, r"dpi must be between 10 and 600 \(dots per inch\), got 5"),
 ])
 def test_png_checks_heads_per_row_and_dpi(tmp_path, kw, error, match) -> None:
     from headwise.viz.png import png_plan
@@ -269,3 +271,76 @@ def test_png_checks_heads_per_row_and_dpi(tmp_path, kw, error, match) -> None:
         png_plan(m, **kw)
     with pytest.raises(error, match=match):
         png_layout(4, **kw)
+
+
+@pytest.mark.parametrize("kw, tokens, error, match", [
+    (dict(title=5), None, TypeError, "title must be a str, got int 5"),
+    (dict(title="bad \udcff"), None, ValueError, r"title must be valid Unicode .* got '\\udcff' at character 4"),
+    ({}, ["a", "\udcff", "b"], ValueError, r"token 1 must be valid Unicode .* got '\\udcff' at character 0"),
+])
+def test_png_refuses_text_a_file_cannot_hold_and_leaves_the_file_as_it_was(tmp_path, kw, tokens, error, match) -> None:
+    import torch
+
+    from headwise.viz.maps import HeadMaps
+
+    w = torch.full((2, 3, 3), 1 / 3)
+    m = HeadMaps(tokens or ["a", "b", "c"], 0, w, w, torch.ones(2, 3))
+    path = tmp_path / "old.png"
+    path.write_bytes(b"old picture")
+    with pytest.raises(error, match=match):
+        save_png(m, path, **kw)
+    assert path.read_bytes() == b"old picture"
+
+
+def test_a_png_that_fails_while_being_written_leaves_the_old_file(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def half_written(self, target, **kw):
+        with open(target, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    path = tmp_path / "old.png"
+    path.write_bytes(b"old picture")
+    monkeypatch.setattr(Figure, "savefig", half_written)
+    with pytest.raises(OSError, match="No space left"):
+        save_png(_maps_of_heads(0, (0, 1)), path)
+    assert path.read_bytes() == b"old picture"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.png"]  # no scratch file left behind
+
+
+def test_long_token_labels_are_cut_as_on_the_page_and_stay_inside_the_figure(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    import matplotlib.pyplot as plt
+    import torch
+
+    from headwise.viz.maps import HeadMaps
+
+    tokens = ["L" * 300, "cat", "\U0001f642", "exactly12chr", "thirteen-char"]
+    w = torch.full((2, 5, 5), 0.2)
+    figures = []
+    real_close = plt.close
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            plt.close = lambda fig=None: figures.append(fig)
+            save_png(HeadMaps(tokens, 0, w, w, torch.ones(2, 5)), tmp_path / "long.png")
+        finally:
+            plt.close = real_close
+    fig = figures[0]
+    want = ["L" * 11 + "\u2026", "cat", "\U0001f642", "exactly12chr", "thirteen-ch\u2026"]  # as the page's short()
+    labelled = [ax for ax in fig.axes if ax.images and ax.get_yticklabels()[0].get_text()]
+    assert [t.get_text() for t in labelled[0].get_yticklabels()] == want
+    assert [t.get_text() for t in labelled[0].get_xticklabels()] == want
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    for ax in labelled:
+        for t in ax.get_xticklabels() + ax.get_yticklabels():
+            e = t.get_window_extent(renderer)
+            assert box.x0 <= e.x0 and e.x1 <= box.x1 and box.y0 <= e.y0 and e.y1 <= box.y1, (t.get_text(), e, box)
+    real_close(fig)
+    # the emoji has no glyph in matplotlib's font: drawn as a box, without a warning per glyph on stderr
+    assert not [w for w in caught if "Glyph" in str(w.message)], [str(w.message) for w in caught]

@@ -6,7 +6,7 @@ file, a directory this process cannot create files in, a full disk. It does so b
 syncing and removing a small scratch file next to the target, so the answer is the file system's own.
 :func:`write_atomically` writes to a scratch file in the same directory and renames it over the target
 only once complete: a failed write leaves the target as it was, and an existing target keeps its
-permissions (a symlink's target's).
+permissions (a symlink's target's); it is :func:`headwise.viz.files.write_atomically`, the pictures' own.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from ..viz import files
 from . import CliError
 
 # Bytes the pre-flight writes (and syncs) to find out whether the disk has room at all.
@@ -75,38 +76,18 @@ def check_out(out: str, suffixes: Sequence[str], option: str = "--out") -> Path:
 @contextlib.contextmanager
 def write_atomically(path: Path, option: str = "--out") -> Iterator[Path]:
     """``with write_atomically(p) as tmp: save(tmp)``: ``tmp`` (same directory and suffix) replaces ``p``
-    when the block succeeds; on any failure it is removed and ``p`` is untouched (OSError -> CliError)."""
-    real = Path(os.path.realpath(path))
+    when the block succeeds; on any failure it is removed and ``p`` is untouched (OSError -> CliError). The
+    pictures' own writer (:func:`headwise.viz.files.write_atomically`), with the option named in its errors."""
+    started = False
     try:
-        fd, name = tempfile.mkstemp(prefix=".headwise-", suffix=path.suffix, dir=real.parent)
-        os.close(fd)
+        with files.write_atomically(path) as tmp:
+            started = True
+            yield tmp
     except OSError as exc:
-        raise CliError(f"{option}: cannot create files in {str(real.parent)!r}: {_reason(exc)}") from None
-    tmp = Path(name)
-    try:
-        yield tmp
-        os.chmod(tmp, _mode_for(real))
-        os.replace(tmp, real)
-    except OSError as exc:
+        if not started:
+            parent = Path(os.path.realpath(path)).parent
+            raise CliError(f"{option}: cannot create files in {str(parent)!r}: {_reason(exc)}") from None
         raise CliError(f"{option}: writing {str(path)!r} failed: {_reason(exc)}") from None
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-def _mode_for(real: Path) -> int:
-    """Permissions for the file that replaces ``real`` (a path with symlinks resolved)."""
-    try:
-        # an existing file keeps its mode: overwriting a private (0600) file must not make it world-readable
-        return stat.S_IMODE(os.stat(real).st_mode)
-    except FileNotFoundError:
-        return 0o644 & ~_umask()  # mkstemp's 0600 is for scratch files; a new file gets what open() would give
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def save(path: Path, writer: Callable[[Path], object], option: str = "--out") -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,12 @@ def _loading(info: Any, what: str) -> Any:
         bad = _unparsable_json(Path(info.path))
         where = repr(str(Path(info.path) / bad)) if bad else f"a JSON file of {str(info.path)!r}"
         raise CliError(f"--model: cannot load the {what}: {where} is not valid JSON ({exc})") from None
+    except UnicodeEncodeError as exc:  # a directory named in bytes that are not UTF-8: the loader cannot open it
+        path = str(info.path)
+        if any("\ud800" <= c <= "\udfff" for c in path):  # bytes Python decoded with surrogateescape
+            raise CliError(f"--model: cannot load the {what} of {path!r}: its path is not valid UTF-8 (the bytes "
+                           f"{os.fsencode(path)!r}); rename the directory") from None
+        raise CliError(f"--model: cannot load the {what} of {path!r}: {exc}") from None
     except ValueError as exc:  # weights that are not the config's model (refuse_incomplete), a bad sidecar
         raise CliError(str(exc)) from None
     except Exception as exc:

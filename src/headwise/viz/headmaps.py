@@ -15,7 +15,9 @@ import torch
 from .numbers import span
 from .positions import POSITIONS, positional_scores
 
-__all__ = ["HeadMaps", "default_title", "check_values", "no_heads"]
+__all__ = ["HeadMaps", "default_title", "check_values", "no_heads", "short_label", "LABEL_CHARS"]
+
+LABEL_CHARS = 12  # an axis label's most characters, in the PNG and on the page: a long token would run off
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,34 @@ class HeadMaps:
     original_heads: tuple[int, ...] | None = None  # each row's index before head surgery (None: unchanged)
     layers: tuple[int, ...] | None = None  # a gallery: the layer of each row (None: every row is of ``layer``)
     real: torch.Tensor | None = None  # (s,) bool: which positions hold text, not padding (None: all)
+
+    def __post_init__(self) -> None:
+        # Checked once, here: every picture, page and table indexes these arrays by the tokens, and a mismatch
+        # would draw something else (or fail deep in torch) rather than say what is wrong.
+        if not isinstance(self.tokens, list) or not all(isinstance(t, str) for t in self.tokens):
+            raise TypeError(f"tokens must be a list of str, got {type(self.tokens).__name__} {self.tokens!r:.80}")
+        if isinstance(self.layer, bool) or not isinstance(self.layer, int):
+            raise TypeError(f"layer must be an int, got {type(self.layer).__name__} {self.layer!r}")
+        s = len(self.tokens)
+        arrays = {"weights": self.weights, "writes": self.writes, "value_norms": self.value_norms, "real": self.real}
+        for name, t in arrays.items():
+            if not (t is None and name != "weights") and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor{'' if name == 'weights' else ' or None'}, got "
+                                f"{type(t).__name__}")
+        w = tuple(self.weights.shape)
+        if len(w) != 3 or w[1:] != (s, s):
+            raise ValueError(f"weights must be (h, s, s) = (h, {s}, {s}) for {s} tokens, got {_shape(w)}")
+        h = w[0]
+        want = {"writes": ("(h, s, s)", (h, s, s)), "value_norms": ("(h, s)", (h, s)), "real": ("(s,)", (s,))}
+        for name, (form, shape) in want.items():
+            t = arrays[name]
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be {form} = {_shape(shape)} for {s} tokens and the weights' {h} "
+                                 f"heads, got {_shape(tuple(t.shape))}")
+        for name in ("heads", "original_heads", "layers"):
+            got = getattr(self, name)
+            if got is not None and len(got) != h:
+                raise ValueError(f"{name} must give one number per head (the weights' {h}), got {len(got)}: {got!r}")
 
     def __repr__(self) -> str:
         # one line, as the other main objects print: the dataclass default would print every tensor
@@ -153,6 +183,21 @@ def default_title(many: list[HeadMaps]) -> str:
     labels = {tuple(m.head_labels) for m in many}
     heads = f"heads {span(many[0].head_labels)}" if len(labels) == 1 else "heads (per layer)"
     return f"Layers {span([m.layer for m in many])} x {heads}"
+
+
+def _shape(shape: tuple) -> str:
+    return f"({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})"
+
+
+def short_label(token: str) -> str:
+    """``token`` as an axis label: at most :data:`LABEL_CHARS` characters, a cut one ending in an ellipsis (the
+    page's labels are these too; hovering a cell there shows the whole token).
+
+    Example:
+        >>> short_label("a" * 20), short_label("cat")
+        ('aaaaaaaaaaa…', 'cat')
+    """
+    return token if len(token) <= LABEL_CHARS else token[:LABEL_CHARS - 1] + "\u2026"
 
 
 def no_heads(m: HeadMaps) -> str:

@@ -30,8 +30,9 @@ from typing import Any, Sequence
 
 import torch
 
+from .files import check_text, write_atomically
 from .html_page import PAGE
-from .headmaps import HeadMaps, check_values, default_title, no_heads
+from .headmaps import HeadMaps, check_values, default_title, no_heads, short_label
 
 __all__ = ["render_html", "save_html", "encode", "decode", "QUANT_STEPS"]
 
@@ -96,7 +97,7 @@ def encode(maps: HeadMaps | Sequence[HeadMaps]) -> tuple[dict[str, Any], str]:
     max_write = max(float((q[i].float() / QUANT_STEPS * norms[i][:, None, :]).max()) for i in range(len(many)))
     raw = _bytes(q) + _bytes(_little_endian(norms))
     blob = base64.b64encode(gzip.compress(raw, compresslevel=6, mtime=0)).decode("ascii")
-    meta = {"tokens": list(many[0].tokens), "layers": [m.layer for m in many], "heads": many[0].head_labels,
+    meta = {"tokens": list(many[0].tokens), "labels": [short_label(t) for t in many[0].tokens], "layers": [m.layer for m in many], "heads": many[0].head_labels,
             **_grid(many),
             "s": len(many[0].tokens), "steps": QUANT_STEPS, "max_write": max_write or 1.0,
             "encoding": "gzip+base64: uint8 weights (layer, head, query, key), then float32 norms (layer, head, key)",
@@ -147,6 +148,8 @@ def render_html(maps: HeadMaps | Sequence[HeadMaps], *, title: str | None = None
         >>> "http" in page.replace("http-equiv", ""), "<b>" in page
         (False, False)
     """
+    if title is not None:  # before any work: a title the page's UTF-8 cannot hold is refused up front
+        check_text("title", title)
     many = _as_list(maps)
     meta, blob = encode(many)
     if title is None:
@@ -156,7 +159,7 @@ def render_html(maps: HeadMaps | Sequence[HeadMaps], *, title: str | None = None
 
 
 def save_html(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, title: str | None = None) -> Path:
-    """Write :func:`render_html` to ``path`` (UTF-8).
+    """Write :func:`render_html` to ``path`` (UTF-8), atomically: a failed call leaves an existing file as it was.
 
     Shapes:
         maps: L HeadMaps with (h, s, s) weights
@@ -164,5 +167,7 @@ def save_html(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, title: s
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"save_html writes a .html file, got {str(path)!r}")
-    path.write_text(render_html(maps, title=title), encoding="utf-8")
+    page = render_html(maps, title=title).encode("utf-8")
+    with write_atomically(path) as tmp:
+        tmp.write_bytes(page)
     return path

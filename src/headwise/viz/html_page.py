@@ -93,7 +93,6 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
       if (D.cells[l][h][0] === layer && D.cells[l][h][1] === head) return [l, h];
     return null;
   }
-  function short(t) { t = String(t); return t.length > 12 ? t.slice(0, 11) + "\\u2026" : t; }
   function quote(t) { return JSON.stringify(String(t)); }
 
   function decode() {
@@ -188,9 +187,9 @@ arrow keys move between heads (left/right) and layers (up/down), Escape goes bac
     ctx.strokeStyle = "#bbb"; ctx.strokeRect(ML - 0.5, MT - 0.5, G + 1, G + 1);
     ctx.fillStyle = "#333"; ctx.font = "11px system-ui, sans-serif";
     ctx.textAlign = "right"; ctx.textBaseline = "middle";
-    for (var q = 0; q < S; q += EVERY) ctx.fillText(short(D.tokens[q]), ML - 4, MT + q * C + C / 2);
+    for (var q = 0; q < S; q += EVERY) ctx.fillText(D.labels[q], ML - 4, MT + q * C + C / 2);
     ctx.save(); ctx.translate(ML, MT); ctx.rotate(-Math.PI / 2); ctx.textAlign = "left";
-    for (var k = 0; k < S; k += EVERY) ctx.fillText(short(D.tokens[k]), 4, k * C + C / 2);
+    for (var k = 0; k < S; k += EVERY) ctx.fillText(D.labels[k], 4, k * C + C / 2);
     ctx.restore();
     ctx.fillStyle = "#777"; ctx.textAlign = "left"; ctx.textBaseline = "top";
     ctx.fillText("keys \\u2192", 2, 2);

@@ -3,9 +3,11 @@ pairs the same way, or several layers as a model view (rows = layers, columns = 
 are numbered as the model had them before head surgery, where surgery changed them.
 
 The layout stays legible at any length: past :data:`LABEL_ALL` tokens only every k-th token is labelled,
-a matrix larger than its panel's pixels is max-pooled (a sharp weight never disappears between pixels),
-and the model view draws at most :data:`MAX_ROWS` layers x :data:`MAX_COLS` heads. Whatever is left out is
-said in the figure and in :func:`png_plan`'s ``notes`` (the command prints them on stderr).
+labels are cut to :data:`~headwise.viz.headmaps.LABEL_CHARS` characters (as on the page), a matrix larger
+than its panel's pixels is max-pooled to at most one cell per pixel (so a sharp weight never falls between
+pixels: nearest-neighbour drawing of more cells than pixels skips whole rows and columns), and the model view
+draws at most :data:`MAX_ROWS` layers x :data:`MAX_COLS` heads. Whatever is left out is said in the figure and
+in :func:`png_plan`'s ``notes`` (the command prints them on stderr). The file is written atomically.
 
 Shapes:
     s: tokens, h: heads. Panels are (s, s): rows = query tokens i, columns = key (source) tokens j;
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import math
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from .headmaps import HeadMaps, check_values, default_title, no_heads
+from .files import check_dpi, check_text, write_atomically
+from .headmaps import HeadMaps, check_values, default_title, no_heads, short_label
 
 __all__ = ["save_png", "png_layout", "png_plan", "PngPlan"]
 
@@ -39,6 +43,8 @@ MIN_MODEL_INCHES = 6.0  # the model view of a small model stays wide enough for 
 LABEL_ALL = 48  # up to this many tokens every one is labelled
 MAX_LABELS = 32  # past it, at most this many labels per axis
 MAX_ROWS, MAX_COLS = 24, 16  # the model view's largest grid
+# Gaps between panels, as fractions of a panel (matplotlib's wspace / hspace): one layer, then the model view.
+SPACES = {True: (0.45, 0.45), False: (0.15, 0.25)}
 
 
 def png_layout(n_heads: int, *, heads_per_row: int = 3, dpi: int = 100,
@@ -84,6 +90,7 @@ class PngPlan:
     notes: list[str] = field(default_factory=list)
     title_lines: list[str] = field(default_factory=list)
     columns: list[int] = field(default_factory=list)
+    pool: int = 1  # each drawn cell is the maximum of pool x pool weights (1: every weight its own cell)
 
     @property
     def title_inches(self) -> float:
@@ -106,6 +113,10 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
     """
     _check_layout(heads_per_row, dpi)
     many = _as_list(maps)
+    if title is not None:
+        check_text("title", title)
+    for i, token in enumerate(many[0].tokens):  # matplotlib's font code fails on them with a page of C++ types
+        check_text(f"token {i}", token)
     s = len(many[0].tokens)
     notes: list[str] = []
     columns: list[int] = []
@@ -145,14 +156,44 @@ def png_plan(maps: HeadMaps | Sequence[HeadMaps], *, heads_per_row: int = 3, dpi
         every = max(every, math.ceil(s / 8))  # small panels: a few labels on the outer axes only
     if every > 1:
         notes.append(f"token labels: every {_ordinal(every)} of the {s} tokens")
-    pixels = inches * dpi * 0.8
-    if s > pixels:
-        notes.append(f"each pixel shows the largest of about {math.ceil(s / pixels)} x {math.ceil(s / pixels)} "
-                     "weights (max-pooled)")
     plan = PngPlan(rows, cols, width, 0, inches, panels, every, notes, columns=columns)
+    side = _panel_pixels(plan, _label_inches(many[0].tokens, every), dpi, extra, len(many) == 1)
+    plan.pool = max(1, math.ceil(s / side))
+    if plan.pool > 1:
+        notes.append(f"each pixel shows the largest of up to {plan.pool} x {plan.pool} weights (max-pooled)")
     plan.title_lines = _title_lines(many, plan, title, width / dpi)
     plan.height = round((rows * inches + plan.title_inches + extra) * dpi)
     return plan
+
+
+def _labels(tokens: list[str], every: int) -> tuple[list[int], float]:
+    """The labelled positions and the labels' font size (points)."""
+    ticks = list(range(0, len(tokens), every))
+    return ticks, max(4.0, min(7.0, 90.0 / max(len(ticks), 1)))
+
+
+def _label_inches(tokens: list[str], every: int) -> float:
+    """The longest drawn label's length in inches (an average character is 0.6 of the font size wide)."""
+    ticks, size = _labels(tokens, every)
+    return max(len(short_label(tokens[j])) for j in ticks) * size * 0.6 / 72
+
+
+def _margins(label_inches: float) -> tuple[float, float]:
+    """(left, bottom) margins in inches: room for the labels beside and under the panels. Labels are at most
+    LABEL_CHARS long, so these stay under a third of the smallest figure and no cap is needed."""
+    return 0.15 + label_inches, max(0.8, 0.2 + label_inches)
+
+
+def _panel_pixels(plan: PngPlan, label_inches: float, dpi: float, extra: float, one: bool) -> int:
+    """The side, in whole pixels, of each panel's drawn square: the layout of :func:`save_png` worked out exactly
+    (matplotlib's grid divides the room left of the colour scales and under the title among the panels and
+    their gaps; an image of square cells then fills the largest square in its cell)."""
+    left, bottom = _margins(label_inches)
+    wspace, hspace = SPACES[one]
+    width = plan.width / dpi - left - COLORBAR_INCHES
+    height = plan.rows * plan.panel_inches + extra - bottom  # the title's room is above the panels' own
+    cell = min(width / (plan.cols + wspace * (plan.cols - 1)), height / (plan.rows + hspace * (plan.rows - 1)))
+    return max(1, math.floor(cell * dpi))
 
 
 def _title_lines(many: list[HeadMaps], plan: PngPlan, title: str | None, width_inches: float) -> list[str]:
@@ -178,10 +219,7 @@ def _check_layout(heads_per_row: object, dpi: object) -> None:
         raise TypeError(f"heads_per_row must be an int, got {type(heads_per_row).__name__}")
     if heads_per_row < 1:
         raise ValueError(f"heads_per_row must be at least 1, got {heads_per_row}")
-    if isinstance(dpi, bool) or not isinstance(dpi, (int, float)):
-        raise TypeError(f"dpi must be a number, got {type(dpi).__name__}")
-    if not math.isfinite(dpi) or dpi <= 0:
-        raise ValueError(f"dpi must be a positive finite number, got {dpi}")
+    check_dpi(dpi)
 
 
 def _as_list(maps: HeadMaps | Sequence[HeadMaps]) -> list[HeadMaps]:
@@ -198,14 +236,11 @@ def _as_list(maps: HeadMaps | Sequence[HeadMaps]) -> list[HeadMaps]:
     return many
 
 
-def _pooled(data: torch.Tensor, pixels: float) -> tuple[torch.Tensor, int]:
-    """``data`` max-pooled so that it has at most about ``pixels`` cells a side, and the pooling factor."""
-    s = data.shape[-1]
-    f = max(1, math.ceil(s / pixels))
+def _pooled(data: torch.Tensor, f: int) -> torch.Tensor:
+    """``data`` max-pooled over f x f blocks (the last ones partial)."""
     if f == 1:
-        return data.float(), 1
-    x = data.float()[None, None]
-    return torch.nn.functional.max_pool2d(x, f, f, ceil_mode=True)[0, 0], f
+        return data.float()
+    return torch.nn.functional.max_pool2d(data.float()[None, None], f, f, ceil_mode=True)[0, 0]
 
 
 def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per_row: int = 3, dpi: int = 100,
@@ -235,20 +270,17 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
     width_in, height_in = plan.width / dpi, plan.height / dpi
     fig = plt.figure(figsize=(width_in, height_in), dpi=dpi)
     try:
-        ticks = list(range(0, s, plan.label_every))
-        label_size = max(4.0, min(7.0, 90.0 / max(len(ticks), 1)))
-        label_in = max(len(tokens[j]) for j in ticks) * label_size * 0.6 / 72  # the longest token label
-        top = 1 - plan.title_inches / height_in
-        bottom = min(0.3, max(0.8, 0.2 + label_in) / height_in)  # room for the bottom row's rotated labels
-        left = min(0.3, (0.15 + label_in) / width_in)
-        right = 1 - COLORBAR_INCHES / width_in
-        grid = fig.add_gridspec(plan.rows, plan.cols, left=left, right=right, bottom=bottom, top=top,
-                                wspace=0.45 if one else 0.15, hspace=0.45 if one else 0.25)
+        ticks, label_size = _labels(tokens, plan.label_every)
+        labels = [short_label(tokens[j]) for j in ticks]
+        left_in, bottom_in = _margins(_label_inches(tokens, plan.label_every))  # as png_plan sized the panels
+        left, bottom, top = left_in / width_in, bottom_in / height_in, 1 - plan.title_inches / height_in
+        wspace, hspace = SPACES[one]
+        grid = fig.add_gridspec(plan.rows, plan.cols, left=left, right=1 - COLORBAR_INCHES / width_in, bottom=bottom,
+                                top=top, wspace=wspace, hspace=hspace)
         known = [m.writes for m in many if m.writes is not None and m.n_heads]  # None: W_O not located
         vmax_writes = max([float(w.max()) for w in known] or [0.0]) or 1.0
         norms = {"weights": PowerNorm(0.5, vmin=0.0, vmax=1.0), "writes": PowerNorm(0.5, vmin=0.0, vmax=vmax_writes)}
         cmaps = {"weights": "Blues", "writes": "Oranges"}
-        pixels = plan.panel_inches * dpi * 0.8
         for n, (li, i, kind) in enumerate(plan.panels):
             m = many[li]
             if one:
@@ -262,8 +294,8 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
                 ax.text(0.5, 0.5, "writes not drawn:\nW_O not located", ha="center", va="center", fontsize=7,
                         transform=ax.transAxes)
                 continue
-            img, f = _pooled(m.weights[i] if kind == "weights" else m.writes[i], pixels)
-            n_px = img.shape[-1] * f
+            img = _pooled(m.weights[i] if kind == "weights" else m.writes[i], plan.pool)
+            n_px = img.shape[-1] * plan.pool
             ax.imshow(img.numpy(), cmap=cmaps[kind], norm=norms[kind], interpolation="nearest",
                       extent=(-0.5, n_px - 0.5, n_px - 0.5, -0.5))
             ax.set_xlim(-0.5, s - 0.5)
@@ -277,14 +309,17 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
             first = None if one else min(plan.columns.index(h) for h in m.head_labels if h in plan.columns)
             outer_x, outer_y = one or r == plan.rows - 1, (one and kind == "weights") or (not one and c == first)
             # parse_math=False: a token such as "$" or "$x$" is text, never matplotlib mathtext
-            ax.set_xticklabels([tokens[j] for j in ticks] if outer_x else [], rotation=90, fontsize=label_size,
-                               parse_math=False)
-            ax.set_yticklabels([tokens[j] for j in ticks] if outer_y else [], fontsize=label_size, parse_math=False)
+            ax.set_xticklabels(labels if outer_x else [], rotation=90, fontsize=label_size, parse_math=False)
+            ax.set_yticklabels(labels if outer_y else [], fontsize=label_size, parse_math=False)
             ax.tick_params(length=0, pad=1)
         _colour_scales(fig, plt, norms, cmaps, ["weights", "writes"] if one and known else ["weights"],
                        x=(width_in - COLORBAR_INCHES + 0.25) / width_in, bottom=bottom, top=top, width=0.15 / width_in)
         fig.suptitle("\n".join(plan.title_lines), fontsize=TITLE_POINTS, parse_math=False)
-        fig.savefig(path, dpi=dpi)
+        with warnings.catch_warnings(), write_atomically(path) as tmp:
+            # a token in a script the font lacks (an emoji) is drawn as a box; matplotlib's warning per glyph
+            # would reach the command's stderr as noise, and only that warning is silenced
+            warnings.filterwarnings("ignore", r"Glyph \d+ .*missing from", UserWarning)
+            fig.savefig(tmp, dpi=dpi)
     finally:
         plt.close(fig)
     return path

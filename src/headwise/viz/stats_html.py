@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from .files import check_text, write_atomically
 from .statistics import SHARP_WEIGHT, SINK_SHARE, HeadStatistics
 
 __all__ = ["render_statistics_html", "save_statistics_html", "MAX_POINTS"]
@@ -110,6 +111,8 @@ def render_statistics_html(stats: HeadStatistics, *, heads: Sequence[tuple[int, 
         >>> page.startswith("<!DOCTYPE html>") and "first-token share" in page
         True
     """
+    if title is not None:  # before any work: a title the page's UTF-8 cannot hold is refused up front
+        check_text("title", title)
     heads = list(heads) if heads is not None else stats.chosen()
     stats.check_pairs(heads)
     grid, kinds = stats.grid(), stats.kinds()
@@ -142,9 +145,12 @@ def render_statistics_html(stats: HeadStatistics, *, heads: Sequence[tuple[int, 
 
 def save_statistics_html(stats: HeadStatistics, path: str | Path, *, heads: Sequence[tuple[int, int]] | None = None,
                          title: str | None = None) -> Path:
-    """Write :func:`render_statistics_html` to ``path`` (.html or .htm)."""
+    """Write :func:`render_statistics_html` to ``path`` (.html or .htm), atomically: a failed call leaves an
+    existing file as it was."""
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"save_statistics_html writes a .html file, got {str(path)!r}")
-    path.write_text(render_statistics_html(stats, heads=heads, title=title), encoding="utf-8")
+    page = render_statistics_html(stats, heads=heads, title=title).encode("utf-8")
+    with write_atomically(path) as tmp:
+        tmp.write_bytes(page)
     return path

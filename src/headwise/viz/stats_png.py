@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Sequence
 
+from .files import check_dpi, check_text, write_atomically
 from .statistics import SHARP_WEIGHT, SINK_SHARE, HeadStatistics
 
 __all__ = ["save_statistics_png"]
@@ -30,7 +31,8 @@ _CURVES = (("entropy", "entropy of each query (nats)"), ("max_weight", "max weig
 def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Sequence[tuple[int, int]] | None = None,
                         title: str | None = None, dpi: int = 100) -> Path:
     """Draw ``stats`` into ``path`` (.png): the grids, then curves of ``heads`` ((layer, head) pairs; default
-    :meth:`HeadStatistics.chosen`). Needs matplotlib.
+    :meth:`HeadStatistics.chosen`). Needs matplotlib. Written atomically: a failed call leaves an existing file
+    as it was.
 
     Shapes:
         stats arrays (L, h, s) -> one figure of three grids and three curve panels
@@ -43,6 +45,9 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ValueError(f"save_statistics_png writes a .png file, got {str(path)!r}")
+    check_dpi(dpi)
+    if title is not None:
+        check_text("title", title)
     heads = list(heads) if heads is not None else stats.chosen()
     stats.check_pairs(heads)  # before the figure: a head the layer does not hold has no curve
     grid, kinds = stats.grid(), stats.kinds()
@@ -99,7 +104,8 @@ def save_statistics_png(stats: HeadStatistics, path: str | Path, *, heads: Seque
         fig.suptitle(title or f"{stats.model + ': ' if stats.model else ''}every head, {s} tokens", fontsize=11,
                      parse_math=False)
         fig.text(0.05, 0.2 / height, "\n".join(footer), fontsize=_FOOTER_POINTS, va="bottom", parse_math=False)
-        fig.savefig(path, dpi=dpi)
+        with write_atomically(path) as tmp:
+            fig.savefig(tmp, dpi=dpi)
     finally:
         plt.close(fig)
     return path
