@@ -97,3 +97,49 @@ def test_a_rotary_emb_of_another_width_is_refused_naming_both():
         from_hf(model.model.layers[0].self_attn, rotary_emb=narrow.model.rotary_emb)
     attn = from_hf(model.model.layers[0].self_attn, rotary_emb=model.model.rotary_emb)  # its own: accepted
     assert attn.rotary.rotary_dim == 8
+
+
+def _pre_rotation_queries(family: str):
+    """A tiny model, and a hook on its unpatched twin's query projection giving the queries before any rotation
+    (b, h, s, d_h): OLMo (no registry entry), Phi-3 (a fused qkv_proj; an entry without rotary), GPT-2 (none)."""
+    torch.manual_seed(0)
+    if family == "olmo":
+        cfg = transformers.OlmoConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, max_position_embeddings=16)
+        model = transformers.OlmoForCausalLM(cfg)
+        proj, width = lambda m: m.model.layers[0].self_attn.q_proj, 16
+    elif family == "phi3":
+        cfg = transformers.Phi3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
+                                      pad_token_id=0)
+        model = transformers.Phi3ForCausalLM(cfg)
+        proj, width = lambda m: m.model.layers[0].self_attn.qkv_proj, 16
+    else:
+        cfg = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=4, n_positions=16)
+        model = transformers.GPT2LMHeadModel(cfg)
+        proj, width = lambda m: m.transformer.h[0].attn.c_attn, 16
+    return model.eval(), proj, width
+
+
+@pytest.mark.parametrize("family,rotates", [("olmo", True), ("phi3", True), ("gpt2", False)])
+def test_a_layer_says_whether_the_q_and_k_its_module_hands_over_are_rotated(family, rotates):
+    import headwise
+
+    model, proj, width = _pre_rotation_queries(family)
+    plain = copy.deepcopy(model)
+    seen = []
+    proj(plain).register_forward_hook(lambda m, a, out: seen.append(out[..., :width]))
+    ids = torch.tensor([[3, 7, 1, 9, 4, 2]])
+    with torch.no_grad():
+        plain(ids)
+        patch(model)
+        with headwise.trace(model, capture=("q",)) as t:
+            model(ids)
+    before = seen[0].view(1, 6, 4, 4).transpose(1, 2)  # (b, h, s, d_h): the projection's queries, unrotated
+    assert layers(model)[0][1].rotated is rotates
+    if rotates:  # position 0 is rotated by angle 0; every later one is not what the projection gave
+        torch.testing.assert_close(t[0].q[:, :, :1], before[:, :, :1])
+        assert not torch.allclose(t[0].q[:, :, 1:], before[:, :, 1:])
+    else:
+        torch.testing.assert_close(t[0].q, before)
+    assert set(t.as_dict()) == {"blocks.0.attn.hook_rot_q" if rotates else "blocks.0.attn.hook_q"}

@@ -191,6 +191,62 @@ def test_as_dict_names_rotary_q_and_k_as_transformer_lens_rotated_hooks():
     assert sorted(t.as_dict()) == sorted(f"blocks.{layer}.attn.hook_{n}" for layer in range(2) for n in "qk")
 
 
+def _neox_and_lens(tl):
+    from transformer_lens.pretrained.weight_conversions.neox import convert_neox_weights
+
+    cfg = transformers.GPTNeoXConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=32, rotary_pct=0.5,
+                                     hidden_act="gelu")
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(cfg).double().eval()
+    tcfg = tl.HookedTransformerConfig(
+        n_layers=2, d_model=32, n_ctx=32, d_head=8, n_heads=4, d_mlp=64, d_vocab=50, act_fn="gelu",
+        normalization_type="LN", eps=cfg.layer_norm_eps, parallel_attn_mlp=True, positional_embedding_type="rotary",
+        rotary_dim=4, rotary_adjacent_pairs=False, rotary_base=cfg.rope_parameters["rope_theta"],
+        use_attn_result=True, dtype=torch.float64, default_prepend_bos=False)
+    return model, tcfg, convert_neox_weights
+
+
+def _gemma_and_lens(tl):
+    from transformer_lens.pretrained.weight_conversions.gemma import convert_gemma_weights
+
+    cfg = transformers.GemmaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=32, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(cfg).double().eval()
+    tcfg = tl.HookedTransformerConfig(
+        n_layers=2, d_model=32, n_ctx=32, d_head=8, n_heads=4, n_key_value_heads=2, d_mlp=64, d_vocab=50,
+        act_fn="gelu_pytorch_tanh", normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8,
+        rotary_adjacent_pairs=False, gated_mlp=True, final_rms=True, eps=1e-6, rotary_base=10000,
+        use_attn_result=True, dtype=torch.float64, default_prepend_bos=False)
+    return model, tcfg, convert_gemma_weights
+
+
+@pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("family", ["gpt_neox", "gemma"])
+def test_as_dict_names_rotary_q_and_k_of_families_whose_entry_names_no_rotary(family):
+    # GPT-NeoX (partial rotary) and Gemma (no registry entry): the layer's rotary is None, yet the module rotates
+    # q and k before handing them over, so they are TransformerLens' hook_rot_q / hook_rot_k, not its hook_q / hook_k
+    tl = pytest.importorskip("transformer_lens")
+    model, tcfg, convert = (_neox_and_lens if family == "gpt_neox" else _gemma_and_lens)(tl)
+    lens = tl.HookedTransformer(tcfg)
+    lens.load_state_dict(convert(model, tcfg), strict=False)
+    patch(model)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, cache = lens.eval().run_with_cache(ids)
+        with headwise.trace(model, capture=("q", "k", "v", "z")) as t:
+            got = model(ids).logits
+    torch.testing.assert_close(got, logits)  # the lens is the same model
+    names = t.as_dict()
+    assert sorted(names) == sorted(f"blocks.{layer}.attn.hook_{n}" for layer in range(2)
+                                   for n in ("rot_q", "rot_k", "v", "z"))
+    for name, tensor in names.items():
+        torch.testing.assert_close(tensor, cache[name])
+    assert not torch.allclose(names["blocks.1.attn.hook_rot_k"], cache["blocks.1.attn.hook_k"])  # rotated
+
+
 def test_as_dict_of_a_decode_gives_each_calls_tensors_or_a_clear_refusal():
     torch.manual_seed(0)
     attn = MultiHeadAttention(16, 4).eval()

@@ -127,6 +127,70 @@ def test_cross_attention_k_mean_past_the_mask_is_refused():
         t[0].mean("v")
 
 
+def _cross_decoder(family):
+    """A decoder with cross-attention that is no encoder-decoder model (add_cross_attention), its unpatched twin,
+    its inputs (the decoder's rows padded; encoder row 0 has 3 real tokens of 5) and its cross layer's name."""
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=4, n_positions=32,
+                                      add_cross_attention=True, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model, cross, w_o = transformers.GPT2Model(cfg).eval(), "h.0.crossattention", "h.0.crossattention.c_proj"
+    else:
+        cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                      intermediate_size=32, is_decoder=True, add_cross_attention=True,
+                                      attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
+        cross, w_o = "encoder.layer.0.crossattention.self", "encoder.layer.0.crossattention.output.dense"
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    enc_mask = torch.ones(2, 5, dtype=torch.long)
+    enc_mask[0, 3:] = 0
+    kw = dict(input_ids=torch.randint(3, 40, (2, 7), generator=g), attention_mask=mask,
+              encoder_hidden_states=torch.randn(2, 5, 16, generator=g), encoder_attention_mask=enc_mask)
+    plain = copy.deepcopy(model)
+    return patch(model), plain, kw, cross, w_o
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_k_or_v_mean_of_cross_attention_in_a_decoder_is_refused_and_its_queries_mean_is_over_its_tokens(family):
+    # not an encoder-decoder (config.is_encoder_decoder is False): the cross layer's keys are the encoder's
+    # tokens, which the decoder's attention_mask does not describe, so a mean over them is refused ...
+    model, plain, kw, cross, w_o = _cross_decoder(family)
+    for site in ("k", "v"):
+        with torch.no_grad(), headwise.trace(model, edit={(cross, 1, site): "mean"}):
+            with pytest.raises(ValueError, match="called as cross-attention, whose keys are another sequence"):
+                model(**kw)
+    with torch.no_grad(), headwise.trace(model, capture=("k", "v", "z")) as t:
+        model(**kw)
+    for site in ("k", "v"):
+        with pytest.raises(ValueError, match=rf"called as cross-attention, whose {site} positions are another"):
+            t[cross].mean(site)
+    # ... while its queries are the decoder's tokens: a z mean is over the decoder's real ones, as plain hooks on
+    # W_O's input of the unpatched model compute it
+    real = kw["attention_mask"].bool()
+
+    def mean_head_1(m, args):
+        x = args[0].clone()  # (b, s, h * d_h)
+        x[..., 4:8] = masked_mean64(x[..., 4:8], real).to(x.dtype).expand_as(x[..., 4:8])
+        return (x,)
+
+    handle = plain.get_submodule(w_o).register_forward_pre_hook(mean_head_1)
+    try:
+        with torch.no_grad():
+            want = plain(**kw).last_hidden_state
+    finally:
+        handle.remove()
+    with torch.no_grad(), headwise.trace(model, edit={(cross, 1): "mean"}):
+        got = model(**kw).last_hidden_state
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(t[cross].mean("z").double(), t[cross].z.double()[real].mean(0))
+    # the decoder's self-attention keys are its own tokens: their mean is over its real ones
+    own = t[0].k.transpose(1, 2).double()  # (b, s, h_kv, d_h)
+    torch.testing.assert_close(t[0].mean("k").double(), own[real].mean(0))
+
+
 def test_mean_refuses_a_4d_mask_that_does_not_show_the_real_tokens():
     _, model = models()
     s = IDS.shape[1]

@@ -20,7 +20,7 @@ import torch
 from ..module_calls import kv_prompt
 
 __all__ = ["SITES", "SitePlan", "parse_value", "apply", "masked_mean", "real_positions", "CachePadding",
-           "UnknownPadding", "Unseen", "DeferredPadding"]
+           "UnknownPadding", "Unseen", "OtherSequence", "DeferredPadding"]
 
 SITES = ("q", "k", "v", "pattern", "z")
 _REAL_AXIS = {"q": "query", "z": "query", "k": "key", "v": "key"}  # which positions "mean" averages over
@@ -100,6 +100,17 @@ class Unseen(UnknownPadding):
                           "real is unknown; call the model itself with its mask (model(ids, attention_mask=mask), "
                           "or torch.compile(model) rather than torch.compile(model.forward)), or use "
                           "('mean', reference) or a tensor of the means instead")
+
+
+class OtherSequence(UnknownPadding):
+    """The keys' padding of a cross-attention call (its module given the other sequence, an encoder's states):
+    their positions are that sequence's, which the model's ``attention_mask`` (its queries' tokens) does not
+    describe, so a mean of k or v over them is refused."""
+
+    def refuse(self) -> ValueError:
+        return ValueError(f"'mean' of k or v averages over the real keys, but {self.why}, so which of them are real is "
+                          "unknown; pass a tensor of the means (average the keys over the encoder's real tokens "
+                          "yourself), or edit by a callable")
 
 
 class DeferredPadding:

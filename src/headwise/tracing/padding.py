@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .edits import CachePadding, DeferredPadding, UnknownPadding, Unseen
+from .edits import CachePadding, DeferredPadding, OtherSequence, UnknownPadding, Unseen
 
 __all__ = ["padding_of", "padding_of_4d", "reads", "position_of", "takes", "watch_hosts", "ReachedMask",
            "InertWhenCopied", "inert_hook", "MASK_NAMES", "CROSS_NAMES"]
@@ -168,17 +168,19 @@ class _HostMask(InertWhenCopied):
     host (``copy.deepcopy``, pickling) keeps :func:`inert_hook` in its place."""
 
     def __init__(self, entry: Any, name: str, at: int | None, before: bool, cross: tuple = (),
-                 refuse: Unseen | None = None) -> None:
+                 refuse: Unseen | None = None, other: OtherSequence | None = None) -> None:
         self.entry, self.name, self.at, self.before = entry, name, at, before
-        self.cross, self.refuse = cross, refuse
+        self.cross, self.refuse, self.other = cross, refuse, other
 
     def __call__(self, module: nn.Module, args: tuple, more: Any) -> None:
         if not self.before:
-            self.entry.reached = None
+            self.entry.reached = self.entry.key_padding = None
             return
         if getattr(module, "is_cross_attention", False) is True or any(
                 _given(args, more, n, at) is not None for n, at in self.cross):
-            self.entry.reached = self.refuse
+            # its keys are the other sequence's in any model (BERT or GPT-2 with add_cross_attention too, not only
+            # an encoder-decoder), whatever padding its queries have
+            self.entry.reached, self.entry.key_padding = self.refuse, self.other
             return
         mask = _given(args, more, self.name, self.at)
         self.entry.reached = ReachedMask(mask, self.name) if mask is None or isinstance(mask, torch.Tensor) else \
@@ -220,8 +222,11 @@ def watch_hosts(layers: list, entries: list, unseen: Unseen | None = None, blind
         refuse = Unseen(f"{why}, and layer {entry.record.index}'s module {type(host).__name__} was called as "
                         "cross-attention, whose mask is the other sequence's (the encoder's), not its queries'; "
                         "trace the whole model")
+        other = OtherSequence(f"layer {entry.record.index}'s module {type(host).__name__} was called as "
+                              "cross-attention, whose keys are another sequence's (the encoder's) tokens, not those "
+                              "of the attention_mask the trace read")
         at = position_of(name, host)
-        handles.append(host.register_forward_pre_hook(_HostMask(entry, name, at, True, cross, refuse),
+        handles.append(host.register_forward_pre_hook(_HostMask(entry, name, at, True, cross, refuse, other),
                                                       with_kwargs=True))
         handles.append(host.register_forward_hook(_HostMask(entry, name, at, False), always_call=True))
     return handles

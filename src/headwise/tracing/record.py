@@ -71,6 +71,9 @@ class LayerRecord:
         #: A decoder layer of an encoder-decoder model: ``paddings`` are the decoder's (its queries' tokens),
         #: which its keys need not share (cross-attention reads the encoder's).
         self.decoder = False
+        #: A call recorded here was cross-attention (its module given an encoder's states, in any model): its
+        #: keys are that sequence's, not ``paddings``' tokens.
+        self.cross = False
 
     def _read(self) -> None:
         node = self._head.next
@@ -125,6 +128,7 @@ class LayerRecord:
     def clear(self) -> None:
         """Forget every call (a trace entered again starts empty)."""
         self._read()
+        self.cross = False
         for kept in (self._calls, self._paddings, self._queries):
             kept.clear()
 
@@ -154,6 +158,9 @@ class LayerRecord:
     def get(self, what: str) -> torch.Tensor:
         """The captured ``what`` (one of :data:`CAPTURABLE`)."""
         self._require(what)
+        if what == "result" and any(what not in c for c in self.calls):  # taken at W_O's call (LayerTracer.watch)
+            raise ValueError(f"layer {self.index} ({self.name!r}): a call's 'result' was never taken: its W_O module "
+                             "was not called after its heads (the forward failed before it)")
         if len(self.calls) == 1:
             return self.calls[0][what]
         if what in STATISTICS:
@@ -192,7 +199,8 @@ class LayerRecord:
     def mean(self, site: str = "z") -> torch.Tensor:
         """Each head's mean ``site`` vector over every call, batch row and real token (the model's
         ``attention_mask``, or its ``decoder_attention_mask`` in an encoder-decoder's decoder layers, whose k
-        and v are refused as their keys may be either sequence's; every position when there was none), e.g. a
+        and v are refused as their keys may be either sequence's, as are those of a layer called as
+        cross-attention in any model; every position when there was none), e.g. a
         mean-ablation value taken on other data: ``edit={(layer, head): reference[layer].mean()[head]}``.
 
         k and v count each real key position once. The first call, and every call whose keys are its own tokens
@@ -212,6 +220,11 @@ class LayerRecord:
                              f"model, whose {site} positions are the decoder's tokens (self-attention) or the "
                              "encoder's (cross-attention): whose padding to average over is unknown; average "
                              f"t[{self.index}].{site} over the real positions yourself")
+        if self.cross and keys:
+            raise ValueError(f"mean: layer {self.index} ({self.name!r}) was called as cross-attention, whose {site} "
+                             "positions are another sequence's (the encoder's) tokens, not those of the attention_mask "
+                             f"the trace read: average t[{self.index}].{site} over the encoder's real positions "
+                             "yourself")
         where = f"mean of layer {self.index} {site}"
         calls = self.calls
         total, count, reach, batch = None, 0.0, 0, None
@@ -248,9 +261,12 @@ class LayerRecord:
 
     def tl_names(self) -> dict[str, str]:
         """``{TransformerLens hook name: capture name}`` for what this layer captured: q and k of a layer with
-        rotary embeddings (``layer.rotary``: its own, or the one a patched family's registry entry names) are
-        captured after the rotation, TransformerLens' ``hook_rot_q`` / ``hook_rot_k``."""
-        names = _TL_NAMES if getattr(self.layer, "rotary", None) is None else _TL_ROTATED
+        rotary embeddings (``layer.rotary``: its own; or a patched module that rotates them before handing them
+        over, ``layer.rotated``, whether or not its family's registry entry names its rotary) are captured after
+        the rotation, TransformerLens' ``hook_rot_q`` / ``hook_rot_k``."""
+        layer = self.layer
+        rotated = getattr(layer, "rotated", False) is True or getattr(layer, "rotary", None) is not None
+        names = _TL_ROTATED if rotated else _TL_NAMES
         return {f"blocks.{self.index}.attn.{name}": c for c, name in names.items() if c in self.capture}
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from .edits import SITES, SitePlan, UnknownPadding, Unseen, parse_value
 from .layers import find_layers, in_place, w_o_adapter
 from .padding import InertWhenCopied, ReachedMask, inert_hook, padding_of, position_of, takes, watch_hosts
 from .record import CAPTURABLE, LayerRecord, TraceLookupError
-from .tracer import Entry, LayerTracer
+from .tracer import Entry, LayerTracer, watch_w_o
 
 __all__ = ["Trace", "trace"]
 
@@ -201,8 +201,10 @@ class Trace:
                              "entered; a trace sees every call of its layers from any thread, so two threads' "
                              "traces would edit and record each other's calls: trace from one thread at a time "
                              "(or trace a copy of the model per thread)")
+        w_o = []  # the module applying each layer's W_O where 'result' is taken at its call (watch_w_o), or None
         for (name, layer), record in zip(self.layers, self.records):
             adapter = w_o_adapter(layer) if "result" in record.capture else None
+            w_o.append(watch_w_o(layer, f"layer {record.index} ({name!r})") if "result" in record.capture else None)
             if adapter is not None:
                 raise ValueError(f"trace: capture 'result' of layer {record.index} ({name or type(layer).__name__}) "
                                  f"computes each head's write from W_O's weight, but W_O is wrapped by an adapter "
@@ -213,9 +215,11 @@ class Trace:
         refuse_checkpointing(self.module, flags)
         blind = not takes("attention_mask", self.module)  # its layers read the mask that reaches them, if any
         entries = []
-        for (_, layer), tracer, record, plans in zip(self.layers, current, self.records, self._plans):
+        for (name, layer), tracer, record, plans, out in zip(self.layers, current, self.records, self._plans, w_o):
             if tracer is None:
                 tracer = layer.tracer = LayerTracer()
+            if out is not None:
+                tracer.watch(layer, out, f"layer {record.index} ({name!r})")
             record.clear()
             entries.append(Entry(self, record, plans, decoder=record.index in self._decoder, blind=blind))
             tracer.entries.append(entries[-1])
@@ -238,6 +242,7 @@ class Trace:
             if isinstance(tracer, LayerTracer):
                 tracer.entries = [e for e in tracer.entries if e.session is not self]
                 if not tracer.entries:
+                    tracer.close()
                     del layer.__dict__["tracer"]  # back to the class default (None)
         for hook in self._hooks:
             hook.remove()

@@ -11,15 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..attention import MultiHeadAttention
 from ..statistics import STATISTICS
 from .checkpointing import backward_task, recompute_refusal
-from .edits import DeferredPadding, SitePlan, Unseen, apply
+from .edits import DeferredPadding, OtherSequence, SitePlan, Unseen, apply
 from .layers import head_results
+from .padding import InertWhenCopied
 from .record import LayerRecord
 
-__all__ = ["LayerTracer", "Entry"]
+__all__ = ["LayerTracer", "Entry", "watch_w_o"]
 
 
 def _no_tracer() -> None:
@@ -36,6 +38,8 @@ class Entry:
         self.pending: dict[str, torch.Tensor] = {}
         #: The mask reaching the layer in the running call of its patched host module (padding.watch_hosts).
         self.reached: DeferredPadding | Unseen | None = None
+        #: In a cross-attention call of that host, the keys' padding (another sequence's: refused); else None.
+        self.key_padding: OtherSequence | None = None
 
     @property
     def padding(self) -> Any:
@@ -59,6 +63,58 @@ def _weighted(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return z.view(b, h, s_q, v.shape[-1])
 
 
+def _w_o_module(layer: MultiHeadAttention) -> nn.Module | None:
+    """The module whose call applies ``layer``'s W_O: a patched layer's located ``out_proj`` source, a layer's own
+    ``out_proj``; None where W_O is applied without a call of it (``nn.MultiheadAttention``'s) or not located."""
+    sources = getattr(layer, "sources", None)
+    if callable(sources):
+        return next((m for name, m in sources() if name == "out_proj"), None)
+    out = layer.out_proj
+    return out if isinstance(out, nn.Module) else None
+
+
+class _TakeResults(InertWhenCopied):
+    """A trace's forward pre-hook on the module applying a layer's W_O, registered after that module's own: the
+    'result' captures of the call that just attended are computed here, from W_O as the module's call applies it
+    (after the hooks that set it: ``torch.nn.utils.weight_norm``'s recomputation, an offload bringing it in)."""
+
+    def __init__(self, tracer: "LayerTracer", layer: MultiHeadAttention, name: str) -> None:
+        self.tracer, self.layer, self.name = tracer, layer, name
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        waiting, self.tracer.waiting = self.tracer.waiting, None
+        if waiting is None:
+            return
+        z, calls = waiting
+        weight = self.layer.out_proj.weight  # (d, h * d_h), read now: the hooks before this one may replace it
+        if weight.is_meta and not z.is_meta:
+            raise ValueError(f"trace: capture 'result' of {self.name}: W_O's weight is still on the meta device when "
+                             "its module is called (offloaded, and brought in inside its forward), so no head's write "
+                             "can be read off it; capture 'z' and apply W_O yourself")
+        results = head_results(z, weight)  # (b, s_q, h, d)
+        for call in calls:
+            call["result"] = results
+
+
+def watch_w_o(layer: MultiHeadAttention, name: str) -> nn.Module | None:
+    """For a layer capturing 'result': the module applying its W_O where that module's call runs hooks (which may
+    set W_O: ``torch.nn.utils.weight_norm``, an offload), so the trace computes each head's write at that call
+    (:meth:`LayerTracer.watch`); None where W_O's weight read during the attention is the one applied. Raises
+    ``ValueError`` where W_O's weight is on the meta device and no hook of its module may bring it in (accelerate's
+    offload replaces the module's forward): read during the attention, no write could be computed."""
+    module = _w_o_module(layer)
+    if module is None:
+        return None
+    if module._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks:  # they run before W_O applies
+        return module
+    if layer.out_proj.weight.is_meta and "forward" in vars(module):  # a model on meta alone computes on meta
+        raise ValueError(f"trace: capture 'result' of {name}: W_O's weight is on the meta device (offloaded, e.g. by "
+                         "accelerate's cpu_offload or a device_map offload, which brings it in only inside its "
+                         "module's own forward), so no head's write can be read off it; load the model without "
+                         "offloading, or capture 'z' and apply W_O yourself")
+    return None
+
+
 class LayerTracer:
     """A layer's tracer while one or more traces are active on it.
 
@@ -72,6 +128,22 @@ class LayerTracer:
         self.values: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] | None = None
         self.recorded: list = []  # the records the last context step appended a call to (discard)
+        #: Where W_O's module runs hooks (watch): its pre-hook's handle, and (z, the call dicts capturing 'result')
+        #: of the call that attended last, which that module's next call fills in.
+        self.watching: Any = None
+        self.waiting: tuple[torch.Tensor, list[dict]] | None = None
+
+    def watch(self, layer: MultiHeadAttention, module: nn.Module, name: str) -> None:
+        """Compute 'result' captures at the call of ``module`` (:func:`watch_w_o`), by a pre-hook registered after
+        its own, until :meth:`close` (once for every trace on the layer)."""
+        if self.watching is None:
+            self.watching = module.register_forward_pre_hook(_TakeResults(self, layer, name))
+
+    def close(self) -> None:
+        """The last trace on the layer ended: remove the hook :meth:`watch` registered."""
+        if self.watching is not None:
+            self.watching.remove()
+        self.watching = self.waiting = None
 
     # -- a copy of a traced layer is not traced ----------------------------------------------------------
     def __deepcopy__(self, memo: dict) -> None:
@@ -110,10 +182,12 @@ class LayerTracer:
             plans, padding = e.plans, e.padding
             if plans["q"]:
                 q = apply(plans["q"], q, padding)
-            if plans["k"]:
-                k = apply(plans["k"], k, padding)
-            if plans["v"]:
-                v = apply(plans["v"], v, padding)
+            if plans["k"] or plans["v"]:
+                keys = padding if e.key_padding is None else e.key_padding  # a cross-attention call: the encoder's
+                if plans["k"]:
+                    k = apply(plans["k"], k, keys)
+                if plans["v"]:
+                    v = apply(plans["v"], v, keys)
         # k and v may be a cache's own storage (a static cache hands over its whole buffer), which later calls
         # write in place: a capture holds a copy, and the forward uses that copy so that it is still the tensor
         # the call used (its gradient too). An edit's output is new already; q, z and the pattern are always new.
@@ -153,7 +227,10 @@ class LayerTracer:
             zc = z.transpose(1, 2)  # (b, s_q, h, d_h): what is captured is what W_O reads
             z = zc.transpose(1, 2)
         results = None
-        if any("result" in e.record.capture for e in entries):
+        # Where W_O's module runs hooks, its call computes them (_TakeResults) from W_O as that call applies it.
+        deferred = self.watching is not None
+        waiting: list[dict] | None = [] if deferred else None
+        if not deferred and any("result" in e.record.capture for e in entries):
             results = head_results(z, layer.out_proj.weight)  # (b, s_q, h, d)
         self.recorded = []  # as in qkv: only this call's records are ever discarded
         for e in entries:
@@ -164,12 +241,19 @@ class LayerTracer:
             if "z" in capture:
                 call["z"] = zc
             if "result" in capture:
-                call["result"] = results
+                if waiting is not None:
+                    waiting.append(call)
+                else:
+                    call["result"] = results
             if stats is not None:
                 call.update((n, t) for n, t in stats.items() if n in capture)
             if capture:
+                if e.key_padding is not None:
+                    e.record.cross = True
                 e.record.add(call, e.padding, z.shape[2])
                 self.recorded.append(e.record)
+        if deferred:  # replaced, never added to: a call that failed before W_O is never given a later call's
+            self.waiting = (z, waiting) if waiting else None
         self.last_results = results
         return z, weights
 
@@ -177,7 +261,7 @@ class LayerTracer:
         """Forget the call the context step just recorded: the layer failed after it (W_O, a hook) and rolled
         its cache back, so the trace holds only the calls that completed, as the cache does."""
         recorded, self.recorded = self.recorded, []
-        self.last_results = None
+        self.last_results = self.waiting = None
         for record in recorded:
             record.drop_last()
 

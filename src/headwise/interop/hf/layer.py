@@ -42,8 +42,8 @@ from .registry import Entry, entry_for
 from .rope import rotary_from_hf
 from .surgery import SurgerySeam
 
-__all__ = ["calls_interface", "family_entry", "is_target", "view_of", "HFView", "QKNormHFView", "InterleavedHead",
-           "RULES"]
+__all__ = ["calls_interface", "names_rotary", "family_entry", "is_target", "view_of", "HFView", "QKNormHFView",
+           "InterleavedHead", "RULES"]
 
 #: How a patched module attends: the rule of the implementation its model had before :func:`patch` (padded rows,
 #: missing masks and returned weights follow it; see :mod:`~headwise.interop.hf.attention_function`).
@@ -63,6 +63,26 @@ def calls_interface(cls: type) -> bool:
         if code is None:
             return False
         if "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+            return True
+        if "super" not in code.co_names:
+            return False
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def names_rotary(cls: type) -> bool:
+    """Whether ``cls.forward`` (or a base class's forward it calls through ``super()``) names a rotary embedding:
+    a name of its compiled code with a word ``rotary`` or ``rope`` (``apply_rotary_pos_emb``, ``rotary_emb``,
+    ``qk_rope_head_dim``), as transformers' modules that rotate Q and K before the attention interface do. Module
+    families whose ``position_embeddings`` are added to x (DETR) name none. No source is read."""
+    for klass in cls.__mro__:
+        forward = klass.__dict__.get("forward")
+        if forward is None:
+            continue
+        code = getattr(inspect.unwrap(forward), "__code__", None)
+        if code is None:
+            return False
+        if any(word in ("rotary", "rope") for name in code.co_names for word in name.lower().split("_")):
             return True
         if "super" not in code.co_names:
             return False
@@ -127,6 +147,8 @@ def view_of(module: nn.Module, parent: nn.Module | None = None, *, name: str = "
     cls = QKNormHFView if norms else HFView
     view = cls.build(config, module, backend="eager" if rule == "eager" else "sdpa", name=name, _hw_found=found,
                      rule=rule)
+    # read here, where the module is at hand: a record names its captures by it after the model may be gone
+    object.__setattr__(view, "_hw_rotated", entry.rotary or names_rotary(type(module)))
     if qkv and q_in != found.d:
         object.__setattr__(view, "_hw_odd", f"its queries read width {q_in}, not the model width {found.d}")
     elif found.layout == "kv_blocks":  # attn(x) would read keys and values off x
@@ -145,6 +167,7 @@ class HFView(SurgerySeam, LayerView):
 
     _hw_found: Located
     _hw_odd = ""
+    _hw_rotated = False
     #: ``"eager"`` or ``"sdpa"``: the implementation whose conventions the module keeps (its model's before
     #: :func:`~headwise.interop.patch`; see :mod:`~headwise.interop.hf.attention_function`).
     rule = "sdpa"
@@ -196,6 +219,14 @@ class HFView(SurgerySeam, LayerView):
     def rotary(self, value: RotaryEmbedding | None) -> None:
         if value is not None or self.__dict__.get("_hw_host") is not None:
             raise TypeError("the rotary embedding of a patched layer follows the model's config; it cannot be set")
+
+    @property
+    def rotated(self) -> bool:
+        """Whether the q and k the module hands over (what a trace captures) come out of a rotary embedding: its
+        entry says so (``rotary``), or its forward names one (:func:`names_rotary`: GPT-NeoX, Phi-3, Gemma and the
+        other families whose entry leaves ``rotary`` out, so that ``attn.rotary`` is None). A layer of such a
+        family that skips the rotation (a NoPE layer) hands over q and k the rotation left as they were."""
+        return self._hw_rotated
 
     def head(self, index: int) -> AttentionHead | LatentHead:
         """Head ``index`` as weight views (see :meth:`MultiHeadAttention.head`); Q/K/V must be located. It applies
