@@ -68,3 +68,29 @@ def test_a_recomputed_projection_is_read_as_computed_and_refuses_writes_changing
     for key, value in before.items():
         torch.testing.assert_close(after[key], value, rtol=0, atol=0)
     torch.testing.assert_close(output(model, batch), output(ref, batch))
+
+
+@pytest.mark.parametrize("family, part", [("gpt_neox", "w_q"), ("deepseek_v3", "w_o"), ("deepseek_v3", "w_q_nope")])
+def test_heads_of_fused_and_latent_projections_refuse_writes_a_parametrization_would_lose(family, part):
+    # GPT-NeoX's head-interleaved query_key_value and DeepSeek's latent heads write through their own views
+    if family == "gpt_neox":
+        torch.manual_seed(0)
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            vocab_size=64, hidden_size=16, num_attention_heads=4, num_hidden_layers=1, intermediate_size=32,
+            max_position_embeddings=64)).eval()
+        where, names = "gpt_neox.layers.0.attention", ("query_key_value", "w_q", "query_key_value")
+    else:
+        model = build(family)
+        where = "model.layers.0.self_attn"
+        names = ("o_proj", "w_o", "out_proj") if part == "w_o" else ("q_b_proj", part, "q_b_proj")
+    patch(model)
+    module, name, said = names
+    torch.nn.utils.parametrizations.weight_norm(model.get_submodule(where).get_submodule(module))
+    head = layers(model)[0][1].head(1)
+    before = {k: t.clone() for k, t in model.state_dict().items()}
+    with pytest.raises(TypeError, match=rf"cannot write {name} of head 1: {said} holds a weight recomputed .*"
+                                        r"parametrized by _WeightNorm"):
+        setattr(head, name, torch.zeros_like(getattr(head, name)))
+    after = model.state_dict()
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0)

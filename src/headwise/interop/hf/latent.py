@@ -50,6 +50,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ...stored_weights import recomputed_weight
 from ...validation import check_input, check_positions, check_tensor
 from .registry import Latent
 
@@ -88,10 +89,19 @@ def _slice_property(part: str, bias: bool, doc: str) -> property:
             raise TypeError(f"{name} must be a torch.Tensor of shape {tuple(target.shape)}, got {type(value).__name__}")
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{name} must be a tensor of shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        module = self.rows[part][0]
+        _check_stored(f"{name} of head {self.index}", getattr(self.host, module), module, target)
         with torch.no_grad():
             target.copy_(value)
 
     return property(get, set_, doc=doc)
+
+
+def _check_stored(what: str, module: nn.Module, name: str, target: torch.Tensor) -> None:
+    """``TypeError`` where a write into ``target`` would not reach ``module`` (a parametrized weight)."""
+    why = recomputed_weight(module, target)
+    if why:
+        raise TypeError(f"cannot write {what}: {name} {why}")
 
 
 class LatentHead:
@@ -185,6 +195,7 @@ class LatentHead:
         check_tensor("w_o", value)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"w_o must have shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        _check_stored(f"w_o of head {self.index}", self.layer.out_proj, "out_proj", target)
         with torch.no_grad():
             target.copy_(value)
 

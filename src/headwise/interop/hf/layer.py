@@ -33,6 +33,7 @@ from torch import nn
 from ...config import AttentionConfig
 from ...head import AttentionHead
 from ...rotary import RotaryEmbedding
+from ...stored_weights import recomputed_weight
 from ...validation import check_tensor
 from ..views import LayerView
 from .latent import LatentHead
@@ -352,6 +353,10 @@ class InterleavedHead(AttentionHead):
             raise ValueError("this head has no bias (the fused projection has none)")
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        layer = self.__dict__["_hw_layer"]
+        why = recomputed_weight(getattr(layer.host, layer._hw_found.fused), target)
+        if why:
+            raise TypeError(f"cannot write {name} of head {self.index}: {layer._hw_found.fused} {why}")
         with torch.no_grad():
             target.copy_(value)
 
