@@ -56,18 +56,7 @@ def calls_interface(cls: type) -> bool:
     """Whether ``cls.forward`` calls transformers' attention interface: its code refers to
     ``ALL_ATTENTION_FUNCTIONS``, or calls ``super()`` and a base class's forward does (the names of the compiled
     code: no source is read)."""
-    for klass in cls.__mro__:
-        forward = klass.__dict__.get("forward")
-        if forward is None:
-            continue
-        code = getattr(inspect.unwrap(forward), "__code__", None)
-        if code is None:
-            return False
-        if "ALL_ATTENTION_FUNCTIONS" in code.co_names:
-            return True
-        if "super" not in code.co_names:
-            return False
-    return False
+    return _forward_names(cls, lambda names: "ALL_ATTENTION_FUNCTIONS" in names)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,6 +65,13 @@ def names_rotary(cls: type) -> bool:
     a name of its compiled code with a word ``rotary`` or ``rope`` (``apply_rotary_pos_emb``, ``rotary_emb``,
     ``qk_rope_head_dim``), as transformers' modules that rotate Q and K before the attention interface do. Module
     families whose ``position_embeddings`` are added to x (DETR) name none. No source is read."""
+    return _forward_names(cls, lambda names: any(word in ("rotary", "rope") for name in names
+                                                 for word in name.lower().split("_")))
+
+
+def _forward_names(cls: type, test: Any) -> bool:
+    """Whether ``test`` holds for the names of ``cls.forward``'s compiled code, or of a base class's forward it
+    reaches through ``super()``."""
     for klass in cls.__mro__:
         forward = klass.__dict__.get("forward")
         if forward is None:
@@ -83,7 +79,7 @@ def names_rotary(cls: type) -> bool:
         code = getattr(inspect.unwrap(forward), "__code__", None)
         if code is None:
             return False
-        if any(word in ("rotary", "rope") for name in code.co_names for word in name.lower().split("_")):
+        if test(code.co_names):
             return True
         if "super" not in code.co_names:
             return False
