@@ -81,7 +81,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
     """
 
     #: While a :func:`headwise.trace` is active, the object that captures and edits this layer's heads:
-    #: ``wants_weights(layer)``, ``qkv(layer, q, k, v)``, ``context(layer, z, weights) -> z`` and
+    #: ``wants_weights(layer)``, ``qkv(layer, q, k, v, cached)``, ``context(layer, z, weights) -> z`` and
     #: ``results(layer) -> (b, s_q, h, d) or None`` (every head's write z_h W_O^h, when it computed them)
     #: are called at those steps of the forward; ``wants_statistics(layer)`` (names from
     #: :data:`headwise.plan.STATISTICS`) and ``statistics(layer, values)`` when a trace asks for per-head
@@ -237,7 +237,7 @@ class MultiHeadAttention(LayerHeads, nn.Module):
                                      scale=scale, softcap=softcap, sinks=sinks, dropout=dropout,
                                      head_scale=head_scale, tracer=tracer, backend=self._backend)
         if tracer is not None:
-            q, k, v = tracer.qkv(self, q, k, v)
+            q, k, v = tracer.qkv(self, q, k, v, cache is not None)
         start, room = 0, None
         if cache is not None:  # the plan says which keys the call reads (headwise.plan, rule 8)
             if plan.cache_read is CacheRead.POSITION:  # compiled: written at the device position

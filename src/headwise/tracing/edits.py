@@ -33,6 +33,9 @@ class SitePlan:
         self.n_heads = n_heads
         self.scale: list[float] | None = None
         self.fns: list[tuple[int, Callable[..., torch.Tensor]]] = []
+        #: The edits (their ``where``) that average over the call's positions (``"mean"``): only per-position
+        #: edits keep their meaning where a call sees part of the positions (a bare layer's KVCache step).
+        self.means: list[str] = []
 
     def add(self, head: int, factor: float | None, fn: Callable[..., torch.Tensor] | None) -> None:
         if factor is not None:
@@ -40,6 +43,8 @@ class SitePlan:
             self.scale[head] = factor
         else:
             self.fns.append((head, fn))
+            if getattr(fn, "averages", None) is not None:
+                self.means.append(fn.averages)  # type: ignore[union-attr]
 
     def __bool__(self) -> bool:
         return self.scale is not None or bool(self.fns)
@@ -205,8 +210,10 @@ def parse_value(value: Any, site: str, where: str, width: int | None, li: int, h
         if value == "mean":
             if site not in _REAL_AXIS:
                 raise ValueError(f"{where}: 'mean' averages over positions: it applies to q, k, v and z, not {site}")
-            return None, lambda x_h, padding: masked_mean(
-                x_h, real_positions(padding, x_h, where, site)).expand_as(x_h)
+            def mean(x_h: torch.Tensor, padding: Any) -> torch.Tensor:
+                return masked_mean(x_h, real_positions(padding, x_h, where, site)).expand_as(x_h)
+            mean.averages = where  # type: ignore[attr-defined]  # SitePlan.means
+            return None, mean
         raise ValueError(f"{where}: unknown edit {value!r}; use 'zero', 'mean', ('mean', reference_trace), a "
                          "number, a tensor or a callable (x_h, layer, head) -> x_h")
     if isinstance(value, tuple) and len(value) == 2 and value[0] == "mean":

@@ -115,6 +115,20 @@ def watch_w_o(layer: MultiHeadAttention, name: str) -> nn.Module | None:
     return None
 
 
+def _refuse_cached_means(entries: list[Entry]) -> None:
+    """Refuse a k or v "mean" edit in a call whose layer joins k and v to its own KVCache: the call sees only
+    its new keys, so a decoding step would average those alone and the edited keys would be written into the
+    cache (raised before the write: the cache is left as it was)."""
+    for e in entries:
+        for site in ("k", "v"):
+            if e.plans[site].means:
+                raise ValueError(f"{e.plans[site].means[0]}: 'mean' of k or v averages over every key the layer "
+                                 "attends over, but a bare layer called with a KVCache sees only the call's new "
+                                 "keys (and would write the averaged ones into the cache); call the layer on the "
+                                 "whole prefix without a cache (causal=True), or pass ('mean', reference) or a "
+                                 "tensor of the means, which edit each position alone")
+
+
 class LayerTracer:
     """A layer's tracer while one or more traces are active on it.
 
@@ -166,8 +180,13 @@ class LayerTracer:
     def statistics(self, layer: MultiHeadAttention, values: dict[str, torch.Tensor]) -> None:
         self.stats = values  # captured by the context step that follows
 
-    def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
+    def qkv(self, layer: MultiHeadAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            cached: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v)`` after the traces' edits, captured; ``cached``: the layer joins k and v to its own KVCache
+        after this step."""
         entries = self.entries
+        if cached:
+            _refuse_cached_means(entries)
         # A call inside a backward is a checkpoint's recompute (checkpointing.py): refused before it computes
         # or records anything. Compiled code never runs a layer's Python in a backward.
         # Both torch checkpoints recompute with autograd on: a no-grad call from a backward hook is no recompute.
