@@ -89,6 +89,23 @@ def test_result_of_a_layer_whose_out_proj_recomputes_its_weight():
     torch.testing.assert_close(t[0].result.sum(2) + attn.out_proj.bias, y)
 
 
+def test_result_of_a_torch_multihead_attention_view_whose_out_proj_recomputes_its_weight():
+    # a shared view of nn.MultiheadAttention applies W_O by calling the host's out_proj, whose hooks run first
+    from headwise.interop.torch_mha import from_torch
+
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 4, batch_first=True).double().eval()
+    _weight_norm_then_step(m.out_proj)
+    view = from_torch(m, share=True)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        with headwise.trace(view, capture=("z", "result")) as t:
+            y = view(x)
+        want = torch.einsum("bshk,dhk->bshd", t[0].z, m.out_proj.weight.view(16, 4, 4))  # the W_O it applied
+    torch.testing.assert_close(t[0].result, want)
+    torch.testing.assert_close(t[0].result.sum(2) + m.out_proj.bias, y)
+
+
 def test_result_under_an_offload_that_brings_w_o_in_by_a_pre_hook():
     model = ref.llama("sdpa")
     plain = ref.twin(model)

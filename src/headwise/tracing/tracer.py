@@ -64,12 +64,16 @@ def _weighted(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _w_o_module(layer: MultiHeadAttention) -> nn.Module | None:
-    """The module whose call applies ``layer``'s W_O: a patched layer's located ``out_proj`` source, a layer's own
-    ``out_proj``; None where W_O is applied without a call of it (``nn.MultiheadAttention``'s) or not located."""
+    """The module whose call applies ``layer``'s W_O: a patched layer's located ``out_proj`` source, else a
+    layer's own ``out_proj`` (a view of ``nn.MultiheadAttention`` calls the host's); None where W_O is no module
+    (a functional W_O) or not located."""
     sources = getattr(layer, "sources", None)
-    if callable(sources):
-        return next((m for name, m in sources() if name == "out_proj"), None)
-    out = layer.out_proj
+    out = next((m for name, m in sources() if name == "out_proj"), None) if callable(sources) else None
+    if out is None:
+        try:
+            out = layer.out_proj
+        except (AttributeError, ValueError):  # a view whose W_O was not located
+            return None
     return out if isinstance(out, nn.Module) else None
 
 
