@@ -300,6 +300,8 @@ def save_png(maps: HeadMaps | Sequence[HeadMaps], path: str | Path, *, heads_per
                       extent=(-0.5, n_px - 0.5, n_px - 0.5, -0.5))
             ax.set_xlim(-0.5, s - 0.5)
             ax.set_ylim(s - 0.5, -0.5)
+            for spine in ax.spines.values():  # a frame would hide cells of one pixel at the edges (a sink's key 0)
+                spine.set_visible(False)
             name = "reads (weights)" if kind == "weights" else "writes ||a v W_O||"
             label = m.names[i] if m.layers is not None else f"head {m.head_labels[i]}"
             ax.set_title(f"{label}: {name}" if one else m.names[i], fontsize=7)
