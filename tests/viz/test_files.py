@@ -66,3 +66,11 @@ def test_check_dpi_refuses_resolutions_outside_the_range(dpi, error, match) -> N
         check_dpi(dpi)
     for ok in (10, 72, 100, 300.0, 600):
         check_dpi(ok)
+
+
+def test_a_directory_that_cannot_take_the_file_is_named_with_the_target(tmp_path) -> None:
+    target = tmp_path / "missing" / "heads.html"
+    with pytest.raises(FileNotFoundError, match=r"cannot create files in '.*missing'") as info:
+        with write_atomically(target):
+            pass
+    assert info.value.filename == str(target)  # not the scratch file's random name

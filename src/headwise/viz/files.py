@@ -32,7 +32,11 @@ def write_atomically(path: Path) -> Iterator[Path]:
     the block succeeds; on any failure it is removed, ``p`` is untouched and the error propagates (an OSError
     from creating the scratch file is raised before the block runs)."""
     real = Path(os.path.realpath(path))
-    fd, name = tempfile.mkstemp(prefix=".headwise-", suffix=path.suffix, dir=real.parent)
+    try:
+        fd, name = tempfile.mkstemp(prefix=".headwise-", suffix=path.suffix, dir=real.parent)
+    except OSError as err:  # named by its target: the scratch file's random name would tell the user nothing
+        raise type(err)(err.errno, f"cannot create files in {str(real.parent)!r}: {err.strerror}",
+                        str(path)) from None
     os.close(fd)
     tmp = Path(name)
     try:
