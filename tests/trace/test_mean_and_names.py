@@ -156,9 +156,7 @@ def test_mean_of_k_or_v_in_an_encoder_decoders_decoder_is_refused():
     torch.testing.assert_close(t["encoder.layers.0.self_attn"].mean("k").double(), k[real].mean(0))
 
 
-@pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
-def test_as_dict_names_rotary_q_and_k_as_transformer_lens_rotated_hooks():
-    tl = pytest.importorskip("transformer_lens")
+def _llama_and_lens(tl):
     from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
 
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -171,20 +169,10 @@ def test_as_dict_names_rotary_q_and_k_as_transformer_lens_rotated_hooks():
         act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8,
         rotary_adjacent_pairs=False, gated_mlp=True, final_rms=True, eps=1e-6, rotary_base=10000,
         use_attn_result=True, dtype=torch.float64, default_prepend_bos=False)
-    lens = tl.HookedTransformer(tcfg)
-    lens.load_state_dict(convert_llama_weights(model, tcfg), strict=False)
-    patch(model)
-    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        _, cache = lens.eval().run_with_cache(ids)
-        with headwise.trace(model, capture=("q", "k", "v", "z")) as t:
-            model(ids)
-    names = t.as_dict()
-    assert sorted(names) == sorted(f"blocks.{layer}.attn.hook_{n}" for layer in range(2)
-                                   for n in ("rot_q", "rot_k", "v", "z"))
-    for name, tensor in names.items():
-        torch.testing.assert_close(tensor, cache[name])
-    assert not torch.allclose(names["blocks.1.attn.hook_rot_q"], cache["blocks.1.attn.hook_q"])  # rotated
+    return model, tcfg, convert_llama_weights
+
+
+def test_as_dict_names_q_and_k_of_a_layer_without_rotary_as_transformer_lens_plain_hooks():
     gpt2 = patch(ref.gpt2("sdpa"))  # no rotary: TransformerLens' plain names
     with torch.no_grad(), headwise.trace(gpt2, capture=("q", "k")) as t:
         gpt2(**ref.inputs(gpt2))
@@ -224,12 +212,13 @@ def _gemma_and_lens(tl):
 
 
 @pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("family", ["gpt_neox", "gemma"])
-def test_as_dict_names_rotary_q_and_k_of_families_whose_entry_names_no_rotary(family):
-    # GPT-NeoX (partial rotary) and Gemma (no registry entry): the layer's rotary is None, yet the module rotates
-    # q and k before handing them over, so they are TransformerLens' hook_rot_q / hook_rot_k, not its hook_q / hook_k
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma"])
+def test_as_dict_names_rotary_q_and_k_as_transformer_lens_rotated_hooks(family):
+    # Llama's layer has a rotary; GPT-NeoX (partial rotary) and Gemma (no registry entry) have none, yet the module
+    # rotates q and k before handing them over: all three are TransformerLens' hook_rot_q / hook_rot_k
     tl = pytest.importorskip("transformer_lens")
-    model, tcfg, convert = (_neox_and_lens if family == "gpt_neox" else _gemma_and_lens)(tl)
+    build = {"llama": _llama_and_lens, "gpt_neox": _neox_and_lens, "gemma": _gemma_and_lens}[family]
+    model, tcfg, convert = build(tl)
     lens = tl.HookedTransformer(tcfg)
     lens.load_state_dict(convert(model, tcfg), strict=False)
     patch(model)
@@ -244,7 +233,8 @@ def test_as_dict_names_rotary_q_and_k_of_families_whose_entry_names_no_rotary(fa
                                    for n in ("rot_q", "rot_k", "v", "z"))
     for name, tensor in names.items():
         torch.testing.assert_close(tensor, cache[name])
-    assert not torch.allclose(names["blocks.1.attn.hook_rot_k"], cache["blocks.1.attn.hook_k"])  # rotated
+    for n in "qk":  # rotated
+        assert not torch.allclose(names[f"blocks.1.attn.hook_rot_{n}"], cache[f"blocks.1.attn.hook_{n}"])
 
 
 def test_as_dict_of_a_decode_gives_each_calls_tensors_or_a_clear_refusal():

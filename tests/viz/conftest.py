@@ -21,6 +21,20 @@ import pytest
 
 TEXT = "The cat sat on the mat because it was tired."
 
+
+@pytest.fixture
+def savefig_fails_halfway(monkeypatch) -> None:
+    """matplotlib's savefig writes part of a PNG, then the disk is full (OSError 28)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def half_written(self, target, **kw):
+        with open(target, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", half_written)
+
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run", "--disable-extensions",
                   "--disable-dev-shm-usage", "--window-size=1400,1000", "--remote-debugging-port=0"]
