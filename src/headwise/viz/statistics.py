@@ -242,7 +242,9 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
     on ``inputs`` once in eval mode under a statistics trace, and keep batch row ``row``.
 
     Positions are labelled with ``tokens`` (default: their indices). A query position reads something unless
-    the inputs' ``attention_mask`` marks it as padding.
+    the inputs' ``attention_mask`` ((b, s), 1 = a real token; any other shape is refused) marks it as padding.
+    Self-attention over one sequence only: an encoder-decoder model (whatever its two lengths) or cross-attention
+    to another sequence's states is refused (``model.get_encoder()`` gives an encoder's heads).
 
     Shapes:
         inputs: batch b on dim 0, s tokens -> HeadStatistics with (L, h, s) arrays
@@ -266,13 +268,19 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
                          "one position")
     if isinstance(row, bool) or not isinstance(row, int) or not -b <= row < b:
         raise ValueError(f"row must be an int in [-{b}, {b}) for this batch of {b}, got {row!r}")
-    mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
+    mask = _mask_of(inputs, b)
     # a Hugging Face model is patched first, and unpatched again when the call fails: every refusal below is
     # made inside the block, so a refused call leaves the model as it was
     with patched_for_the_call(model) as found:
         seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad(), eval_mode(model), padding_reads_nothing([layer for _, layer in found], mask), \
                 counting_readable([layer for _, layer in found], row, mask, seen), trace(model, capture=STATISTICS) as t:
+            # An encoder-decoder's decoder layers are known before the call: refused without running the model. A
+            # stack run alone is marked whole (the trace takes it for its own decoder): its queries are its own
+            # tokens, and a decoder stack's cross-attention is refused once the call shows it.
+            decoder = [r.decoder for r in t]
+            if any(decoder) and not all(decoder):
+                raise ValueError(_ENCODER_DECODER)
             call(model, inputs)
             records = [r for r in t if r.calls]
             numbers = [_numbers(r.layer, i) for i, r in enumerate(records)]
@@ -282,6 +290,33 @@ def model_statistics(model: torch.nn.Module, inputs: Any, *, tokens: list[str] |
             stats.readable = torch.stack([c[0] for c in counted])  # type: ignore[index]
             stats.reads_first = torch.stack([c[1] for c in counted])  # type: ignore[index]
         return stats
+
+
+_ENCODER_DECODER = (
+    "model_statistics draws self-attention over one sequence, and this model attends across two (an "
+    "encoder-decoder's decoder, or cross-attention to another sequence's states); for an encoder-decoder's "
+    "encoder heads give it the encoder alone: model_statistics(model.get_encoder(), {'input_ids': ..., "
+    "'attention_mask': ...})")
+
+
+def _mask_of(inputs: Any, b: int) -> torch.Tensor | None:
+    """The inputs' ``attention_mask`` (None: none given), or the error that refuses it: it marks the real tokens
+    of each input row, so it must be (b, s) for inputs of b rows of s tokens (s checked here where the inputs
+    show it, as ``input_ids`` or ``inputs_embeds``; else against the layers' positions after the call)."""
+    mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"model_statistics: attention_mask must be a (batch, positions) tensor, 1 = a real token; "
+                        f"got {type(mask).__name__}")
+    given = next((x for x in (inputs.get("input_ids"), inputs.get("inputs_embeds"))
+                  if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+    s = given.shape[1] if given is not None else None
+    if mask.dim() != 2 or mask.shape[0] != b or (s is not None and mask.shape[1] != s):
+        expected = f"({b}, {s})" if s is not None else f"({b}, positions)"
+        raise ValueError(f"model_statistics: attention_mask must be (batch, positions) = {expected}, one 1 or 0 per "
+                         f"input token, got shape {tuple(mask.shape)}")
+    return mask
 
 
 def _gathered(records: list, numbers: list[tuple[int, ...]], row: int, mask: Any, tokens: Any,
@@ -295,6 +330,9 @@ def _gathered(records: list, numbers: list[tuple[int, ...]], row: int, mask: Any
     # Asked before any shape: a layer's several calls join along the queries, so their shapes mislead.
     for r in records:
         r.require_one_call("model_statistics", "calls[j]['entropy']")
+    # by what each call read, not by shape: a cross-attention's keys may be as many as its queries
+    if any(r.cross for r in records):
+        raise ValueError(_ENCODER_DECODER)
     h = max((max(n) + 1 for n in numbers if n), default=0)
     s = records[0].entropy.shape[-1]
     if s == 0:
@@ -302,6 +340,9 @@ def _gathered(records: list, numbers: list[tuple[int, ...]], row: int, mask: Any
     if any(r.entropy.shape[-1] != s or r.key_weight.shape[-1] != s for r in records):
         raise ValueError("model_statistics draws self-attention: every layer's queries and keys must be the "
                          "same positions")
+    if mask is not None and mask.shape[1] != s:
+        raise ValueError(f"model_statistics: attention_mask has shape {tuple(mask.shape)}, expected (batch, "
+                         f"positions) = ({mask.shape[0]}, {s}): the layers attended over {plural(s, 'position')}")
     labels = [str(x) for x in tokens] if tokens is not None else [str(i) for i in range(s)]
     if len(labels) != s:
         raise ValueError(f"got {plural(len(labels), 'token')} for a sequence of {plural(s, 'position')}")
